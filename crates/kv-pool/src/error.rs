@@ -1,0 +1,162 @@
+//! The crate's one error type. Every fallible operation validates its whole input before it
+//! changes anything, so an `Err` always means "nothing happened".
+
+use crate::{Page, ReqRow, Slot};
+
+/// Errors of every kv-pool operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvPoolError {
+    /// The allocator has too few free slots (an expected condition: evict or retract, then retry).
+    #[error("out of KV memory: requested {requested_tokens} tokens, {available_tokens} available")]
+    OutOfMemory {
+        /// Tokens (slots) the call needed, counting whole pages.
+        requested_tokens: usize,
+        /// Tokens (slots) that were free.
+        available_tokens: usize,
+    },
+
+    /// The request-to-token table has too few free rows.
+    #[error("out of request rows: requested {requested}, {available} available")]
+    OutOfRows {
+        /// Rows the call needed.
+        requested: usize,
+        /// Rows that were free.
+        available: usize,
+    },
+
+    /// A token count that must be a multiple of the page size is not.
+    #[error("{n} tokens is not a multiple of the page size {page_size}")]
+    NotPageAligned {
+        /// The offending count.
+        n: usize,
+        /// The allocator's page size.
+        page_size: u32,
+    },
+
+    /// A slot lies outside the pool (or in the padding page, which is never allocated).
+    #[error("{slot} is outside the allocatable range {first}..{end}")]
+    SlotOutOfRange {
+        /// The offending slot.
+        slot: Slot,
+        /// First allocatable slot.
+        first: u32,
+        /// One past the last allocatable slot.
+        end: u32,
+    },
+
+    /// A page lies outside the pool (or is the padding page 0).
+    #[error("{page} is outside the allocatable range 1..={last}")]
+    PageOutOfRange {
+        /// The offending page.
+        page: Page,
+        /// The last allocatable page.
+        last: u32,
+    },
+
+    /// A free of a page that is not allocated: a double free, or a free of a page never handed out.
+    #[error(
+        "{page} (from {slot}) is not allocated: double free or free of a page never handed out"
+    )]
+    PageNotAllocated {
+        /// The page that is already free.
+        page: Page,
+        /// The slot given to `free` that maps to it.
+        slot: Slot,
+    },
+
+    /// One request of an `alloc_extend` / `alloc_decode` batch is inconsistent.
+    #[error("batch entry {index}: {reason}")]
+    InvalidBatchEntry {
+        /// Position of the entry in the batch.
+        index: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// `free_group_begin` while a group is open, or `free_group_end` without one.
+    #[error("free group misuse: {0}")]
+    FreeGroup(&'static str),
+
+    /// A backup was restored into an allocator of another shape.
+    #[error("allocator state does not fit: {0}")]
+    StateMismatch(String),
+
+    /// A row index is outside the request-to-token table (or is the padding row 0).
+    #[error("{row} is outside 1..={rows}")]
+    RowOutOfRange {
+        /// The offending row.
+        row: ReqRow,
+        /// The last real row.
+        rows: usize,
+    },
+
+    /// An operation on a row that is not allocated (includes a double free of a row).
+    #[error("{row} is not allocated")]
+    RowNotAllocated {
+        /// The row.
+        row: ReqRow,
+    },
+
+    /// A range of positions does not fit in a row.
+    #[error("positions {start}..{end} do not fit in a row of {width} positions")]
+    RowRangeOutOfBounds {
+        /// First position.
+        start: usize,
+        /// One past the last position (saturated on overflow).
+        end: usize,
+        /// Positions per row (`context_len + 4`).
+        width: usize,
+    },
+
+    /// A configuration value is invalid (zero, inconsistent, or too large).
+    #[error("invalid {field}: {reason}")]
+    InvalidConfig {
+        /// The field or argument at fault.
+        field: &'static str,
+        /// Why it is invalid.
+        reason: String,
+    },
+
+    /// A size computation overflowed.
+    #[error("size overflow computing {0}")]
+    Overflow(&'static str),
+
+    /// A layer index is out of range.
+    #[error("layer {layer} is out of range (the layout has {layers} layers)")]
+    LayerOutOfRange {
+        /// The offending layer.
+        layer: usize,
+        /// Layers in the layout.
+        layers: usize,
+    },
+
+    /// A buffer passed to a store has the wrong length.
+    #[error("{what}: expected {expected} elements, got {got}")]
+    LengthMismatch {
+        /// What buffer.
+        what: &'static str,
+        /// Length needed.
+        expected: usize,
+        /// Length given.
+        got: usize,
+    },
+
+    /// The operation does not apply to this layout (e.g. labels on a plain MHA layout).
+    #[error("unsupported for this layout: {0}")]
+    Unsupported(String),
+
+    /// The memory plan leaves no room for a KV pool.
+    #[error("{0}")]
+    PoolEmpty(String),
+
+    /// Host memory for a store could not be reserved.
+    #[error("could not allocate {bytes} bytes of host memory for the KV store")]
+    HostOutOfMemory {
+        /// Bytes requested.
+        bytes: usize,
+    },
+}
+
+/// Result alias for this crate.
+pub type Result<T, E = KvPoolError> = std::result::Result<T, E>;

@@ -1,0 +1,52 @@
+//! # kv-pool — KV-cache memory pools for LLM serving
+//!
+//! The lowest crate of kvserve: SGLang's two-level memory pool, rebuilt with checked ownership.
+//!
+//! - Level one, [`ReqToTokenPool`]: a `(max_running_requests + 1) × (context_len + 4)` table that
+//!   maps each request row and token position to a KV slot.
+//! - Level two, the slot allocators behind the [`Allocator`] trait: [`TokenAllocator`] (page size
+//!   1, FIFO reuse) and [`PagedAllocator`] (page size `P`, LIFO reuse, SGLang's three-phase
+//!   `alloc_extend` and `alloc_decode`), with free groups, the sorted-release mode used for PD
+//!   transfer, backup/restore, and double-free detection.
+//! - The KV bytes: [`KvShape`] / [`KvLayout`] (MHA/GQA, MLA, DoubleSparse; f32, f16, bf16, fp8
+//!   with scales) and their byte math, the [`KvStore`] trait that host memory and every device
+//!   backend implement, and [`HostKvStore`].
+//! - Sizing: [`MemoryPlan`] computes the pool size and the default request limit as SGLang does.
+//! - Checking: [`OwnershipCheck`] proves that free pages and owned pages partition the pool.
+//!
+//! ## Invariants
+//! - Slot 0 / page 0 and row 0 are padding targets and are never handed out.
+//! - A request position `p` lives at a slot with `slot mod P == p mod P`, and all positions of one
+//!   page index of a request share one physical page (what attention backends' page tables rely on).
+//! - Every allocator call validates its whole input first: an `Err` changes nothing. Allocation is
+//!   all-or-nothing; running out of slots is [`KvPoolError::OutOfMemory`], an expected condition.
+//! - A page is either free or allocated, tracked by a bitmap: a double free or a free of a page
+//!   that was never handed out is refused with [`KvPoolError::PageNotAllocated`] naming the page.
+//!
+//! ## Where it sits
+//! kv-pool knows nothing of token ids, trees, request contents, scheduling or HTTP. radix-cache,
+//! the scheduler, attention backends and the transfer engine all build on it; device memory is
+//! reached only through the [`KvStore`] trait that backends implement.
+
+pub mod allocator;
+pub mod dtype;
+pub mod error;
+pub mod ids;
+pub mod layout;
+pub mod memory_plan;
+pub mod ownership;
+pub mod req_to_token;
+pub mod store;
+#[cfg(test)]
+pub(crate) mod test_util;
+
+pub use allocator::{
+    Allocator, AllocatorState, DecodeRequest, ExtendRequest, PagedAllocator, TokenAllocator,
+};
+pub use error::{KvPoolError, Result};
+pub use ids::{ceil_to_page, floor_to_page, slots_as_u32, u32_as_slots, Page, ReqRow, Slot};
+pub use layout::{KvBuffer, KvDtype, KvKind, KvLayout, KvShape};
+pub use memory_plan::{MemoryPlan, MemoryPlanInput, RequestLimitRule};
+pub use ownership::{Owner, OwnershipCheck, OwnershipViolation};
+pub use req_to_token::ReqToTokenPool;
+pub use store::{HostKvStore, KvStore, MemoryRegion};
