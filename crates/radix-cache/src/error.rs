@@ -1,0 +1,44 @@
+//! The crate's error type. Every operation validates before it mutates: `Err` changes nothing.
+
+use kv_pool::KvPoolError;
+
+use crate::NodeId;
+
+/// Errors of prefix-cache operations.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RadixCacheError {
+    /// A node id that is not (or no longer) in the tree.
+    #[error("{0} is not in the tree (evicted, or never existed)")]
+    StaleNode(NodeId),
+    /// `dec_lock_ref` on a path whose lock count is already zero.
+    #[error("lock underflow: {0} is not locked")]
+    LockUnderflow(NodeId),
+    /// Keys and slots of different lengths, or a request view that does not add up.
+    #[error("{what}: expected {expected}, got {got}")]
+    LengthMismatch {
+        /// What was being checked.
+        what: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Given length.
+        got: usize,
+    },
+    /// An eviction policy name that is not known.
+    #[error("unknown eviction policy {name:?}; known: {known}")]
+    UnknownPolicy {
+        /// The name given.
+        name: String,
+        /// The names accepted.
+        known: String,
+    },
+    /// The request's state does not fit the operation (e.g. protected length past its tokens).
+    #[error("invalid request state: {0}")]
+    InvalidRequest(String),
+    /// An allocator or request-table error underneath (freeing slots, reading rows).
+    #[error(transparent)]
+    KvPool(#[from] KvPoolError),
+}
+
+/// Result alias for this crate.
+pub type Result<T, E = RadixCacheError> = std::result::Result<T, E>;

@@ -1,0 +1,167 @@
+//! # radix-cache — prefix caches for LLM serving
+//!
+//! SGLang's RadixAttention cache, rebuilt to be faster, checked, and open to new eviction
+//! policies without a fork:
+//!
+//! - [`PrefixCache`]: SGLang's operations (`match_prefix`, `insert`, `cache_unfinished_req`,
+//!   `cache_finished_req`, `evict`, `inc_lock_ref` / `dec_lock_ref`, sizes, `reset`,
+//!   `take_events`), implemented by [`RadixCache`] and [`ChunkCache`].
+//! - [`RadixCache`]: a radix tree over token ids at page size 1 or `P`: keys floored to whole
+//!   pages, children found by their first page, nodes split on partial matches, lock counts
+//!   exactly as SGLang. Nodes live in an arena; token keys and slot values live in two parallel
+//!   arenas, so a split copies nothing. Beyond SGLang: evictable leaves are kept ordered by the
+//!   policy's key and updated incrementally (`evict` is O(log n) per freed node); a leaf can be
+//!   evicted partially (only the tail pages needed); time is a logical clock (one tick per
+//!   operation), so runs and snapshots are reproducible; a read-only match
+//!   ([`PrefixCache::peek_prefix_len`]) ranks requests without splitting nodes.
+//! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, Belady's oracle, and
+//!   the [`policy::EvictionPolicy`] trait for your own.
+//! - [`events`]: `BlockStored` / `BlockRemoved` / `AllBlocksCleared` with SGLang's chained
+//!   SHA-256 page hashes.
+//!
+//! ## Invariants
+//! - The tree stores slot indices, never KV bytes, and frees slots only through
+//!   [`kv_pool::Allocator`].
+//! - Every node but a root holds a positive multiple of `P` tokens; keys of different namespaces
+//!   (`extra_key`) never share nodes.
+//! - `evictable_size + protected_size` = tokens held; a node's tokens count as protected iff its
+//!   lock count is positive; lock counts never go negative; a locked node is never evicted.
+//! - The evictable-leaf index holds exactly the unlocked childless non-root nodes.
+//! - [`PrefixCache::claim_ownership`] hands every tree slot to the kv-pool ownership checker,
+//!   so tests prove that free pages, tree pages and request-private pages partition the pool.
+//!
+//! ## Where it sits
+//! Above kv-pool (allocators, request table, ownership checker); below the scheduler, which
+//! calls it through [`PrefixCache`] with a [`ReqView`] of its requests.
+
+pub mod chunk;
+pub mod error;
+pub mod events;
+pub mod policy;
+pub mod radix;
+pub mod request;
+
+pub use chunk::ChunkCache;
+pub use error::{RadixCacheError, Result};
+pub use events::KvEvent;
+pub use policy::{BuiltinPolicy, EvictionKey, EvictionPolicy, NodeStats};
+pub use radix::RadixCache;
+pub use request::{PrefixState, ReqView};
+
+use std::fmt;
+
+use kv_pool::{Allocator, OwnershipCheck, ReqToTokenPool, Slot};
+
+/// A tree node handle: an arena index plus a generation, so a handle to an evicted node is
+/// detected rather than aliased to a reused one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId {
+    /// Arena index.
+    pub index: u32,
+    /// Generation of the arena entry when the handle was made.
+    pub generation: u32,
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "node {}", self.index)
+    }
+}
+
+/// What a match found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatchResult {
+    /// Tokens matched (a multiple of the page size); that many slots were appended to `out`.
+    pub len: usize,
+    /// The deepest matched node (the namespace's root if nothing matched).
+    pub last_node: NodeId,
+}
+
+/// What an insert did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InsertResult {
+    /// Tokens of the (page-floored) key that were already cached: the caller's slots for them
+    /// are duplicates the caller still owns (and frees, beyond what it had protected).
+    pub prefix_len: usize,
+    /// Tokens the cache took ownership of, right after `prefix_len`. The caller owns every slot
+    /// it passed beyond `prefix_len + inserted` (the unaligned tail, or everything for a cache
+    /// that stores nothing).
+    pub inserted: usize,
+    /// The node holding the key's last token (the namespace's root for an empty key).
+    pub last_node: NodeId,
+}
+
+/// Options of an insert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InsertOptions {
+    /// Request priority, max-propagated along the path.
+    pub priority: i64,
+    /// A chunked-prefill insert: does not bump hit counts (avoids self-inflation).
+    pub chunked: bool,
+}
+
+/// SGLang's prefix-cache interface (`BasePrefixCache`).
+pub trait PrefixCache {
+    /// Page size `P`.
+    fn page_size(&self) -> u32;
+    /// The root of a namespace (`None`: the default one); created on demand.
+    fn root(&mut self, extra_key: Option<&str>) -> NodeId;
+
+    /// Appends the slots of the longest cached page-aligned prefix of `key` to `out`. Splits a
+    /// node matched part-way and updates access times, as SGLang.
+    fn match_prefix(&mut self, key: &[u32], extra_key: Option<&str>, out: &mut Vec<Slot>)
+        -> MatchResult;
+    /// The length of that prefix, without changing anything (for ranking, e.g. LPM).
+    fn peek_prefix_len(&self, key: &[u32], extra_key: Option<&str>) -> usize;
+    /// Inserts `key` (floored to whole pages) with its `slots` (one per key token).
+    fn insert(
+        &mut self,
+        key: &[u32],
+        extra_key: Option<&str>,
+        slots: &[Slot],
+        opts: InsertOptions,
+    ) -> Result<InsertResult>;
+
+    /// Caches a request's computed prefix mid-flight (after a prefill chunk, or after prefill
+    /// for a request that goes on decoding): inserts the page-aligned committed prefix, frees
+    /// the request's duplicate slots, re-points its row at the tree's slots, and moves its lock
+    /// to the new last node (SGLang §2.6).
+    fn cache_unfinished_req(
+        &mut self,
+        req: ReqView<'_>,
+        rows: &mut ReqToTokenPool,
+        alloc: &mut dyn Allocator,
+        chunked: bool,
+    ) -> Result<()>;
+    /// Caches (if `insert`) a finished request's committed tokens, frees its duplicates and its
+    /// unaligned tail, and drops its lock. The caller then frees over-allocation and the row.
+    fn cache_finished_req(
+        &mut self,
+        req: ReqView<'_>,
+        rows: &ReqToTokenPool,
+        alloc: &mut dyn Allocator,
+        insert: bool,
+    ) -> Result<()>;
+
+    /// Frees at least `num_tokens` tokens of unlocked cached KV if possible; returns how many
+    /// were freed (possibly fewer, if not enough is evictable).
+    fn evict(&mut self, num_tokens: usize, alloc: &mut dyn Allocator) -> Result<usize>;
+    /// Locks the path from `node` to its root; returns the tokens that became protected.
+    fn inc_lock_ref(&mut self, node: NodeId) -> Result<usize>;
+    /// Unlocks the path from `node` to its root; returns the tokens that became evictable.
+    fn dec_lock_ref(&mut self, node: NodeId) -> Result<usize>;
+    /// Tokens held by unlocked nodes.
+    fn evictable_size(&self) -> usize;
+    /// Tokens held by locked nodes.
+    fn protected_size(&self) -> usize;
+    /// Tokens held.
+    fn total_size(&self) -> usize {
+        self.evictable_size() + self.protected_size()
+    }
+    /// Frees every cached slot and empties the cache; refused while anything is locked.
+    fn reset(&mut self, alloc: &mut dyn Allocator) -> Result<()>;
+    /// The KV events since the last call (empty unless events are enabled).
+    fn take_events(&mut self) -> Vec<KvEvent>;
+    /// Claims every slot the cache holds, node by node, in an ownership check.
+    fn claim_ownership(&self, check: &mut OwnershipCheck);
+}
