@@ -9,7 +9,10 @@ use crate::request::ReqView;
 use crate::{InsertOptions, InsertResult, KvEvent, MatchResult, NodeId, PrefixCache};
 
 /// The single (root) node every request of a chunk cache points at.
-const ROOT: NodeId = NodeId { index: 0, generation: 0 };
+const ROOT: NodeId = NodeId {
+    index: 0,
+    generation: 0,
+};
 
 /// A prefix cache that caches nothing.
 #[derive(Debug, Clone)]
@@ -20,7 +23,9 @@ pub struct ChunkCache {
 impl ChunkCache {
     /// A chunk cache for page size `page_size` (0 is taken as 1).
     pub fn new(page_size: u32) -> Self {
-        ChunkCache { page_size: page_size.max(1) }
+        ChunkCache {
+            page_size: page_size.max(1),
+        }
     }
 
     fn check_view(&self, req: &ReqView<'_>) -> Result<()> {
@@ -53,19 +58,41 @@ impl PrefixCache for ChunkCache {
         ROOT
     }
 
-    fn match_prefix(&mut self, _key: &[u32], _extra_key: Option<&str>, _out: &mut Vec<Slot>) -> MatchResult {
-        MatchResult { len: 0, last_node: ROOT }
+    fn match_prefix(
+        &mut self,
+        _key: &[u32],
+        _extra_key: Option<&str>,
+        _out: &mut Vec<Slot>,
+    ) -> MatchResult {
+        MatchResult {
+            len: 0,
+            last_node: ROOT,
+        }
     }
 
     fn peek_prefix_len(&self, _key: &[u32], _extra_key: Option<&str>) -> usize {
         0
     }
 
-    fn insert(&mut self, key: &[u32], _extra_key: Option<&str>, slots: &[Slot], _opts: InsertOptions) -> Result<InsertResult> {
+    fn insert(
+        &mut self,
+        key: &[u32],
+        _extra_key: Option<&str>,
+        slots: &[Slot],
+        _opts: InsertOptions,
+    ) -> Result<InsertResult> {
         if slots.len() != key.len() {
-            return Err(RadixCacheError::LengthMismatch { what: "insert slots", expected: key.len(), got: slots.len() });
+            return Err(RadixCacheError::LengthMismatch {
+                what: "insert slots",
+                expected: key.len(),
+                got: slots.len(),
+            });
         }
-        Ok(InsertResult { prefix_len: 0, inserted: 0, last_node: ROOT })
+        Ok(InsertResult {
+            prefix_len: 0,
+            inserted: 0,
+            last_node: ROOT,
+        })
     }
 
     /// The request keeps its own KV: its prefix slots become its whole committed row.

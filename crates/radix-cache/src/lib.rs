@@ -109,8 +109,12 @@ pub trait PrefixCache {
 
     /// Appends the slots of the longest cached page-aligned prefix of `key` to `out`. Splits a
     /// node matched part-way and updates access times, as SGLang.
-    fn match_prefix(&mut self, key: &[u32], extra_key: Option<&str>, out: &mut Vec<Slot>)
-        -> MatchResult;
+    fn match_prefix(
+        &mut self,
+        key: &[u32],
+        extra_key: Option<&str>,
+        out: &mut Vec<Slot>,
+    ) -> MatchResult;
     /// The length of that prefix, without changing anything (for ranking, e.g. LPM).
     fn peek_prefix_len(&self, key: &[u32], extra_key: Option<&str>) -> usize;
     /// Inserts `key` (floored to whole pages) with its `slots` (one per key token).

@@ -162,10 +162,9 @@ impl EvictionPolicy for BuiltinPolicy {
             BuiltinPolicy::Mru => EvictionKey::new(-access, 0),
             BuiltinPolicy::Filo => EvictionKey::new(-creation, 0),
             BuiltinPolicy::Priority => EvictionKey::new(n.priority, access),
-            BuiltinPolicy::Slru => EvictionKey::new(
-                i64::from(n.hit_count >= Self::SLRU_PROTECTED_HITS),
-                access,
-            ),
+            BuiltinPolicy::Slru => {
+                EvictionKey::new(i64::from(n.hit_count >= Self::SLRU_PROTECTED_HITS), access)
+            }
         }
     }
 }
@@ -237,7 +236,11 @@ impl CostAware {
 
     /// A cost-aware policy with the given relative costs (`linear`, `quadratic` ≥ 0).
     pub fn new(linear: f64, quadratic: f64) -> Self {
-        CostAware { linear: linear.max(0.0), quadratic: quadratic.max(0.0), inflation: 0.0 }
+        CostAware {
+            linear: linear.max(0.0),
+            quadratic: quadratic.max(0.0),
+            inflation: 0.0,
+        }
     }
 
     /// The inflation clock `L` (the `H` of the last victim).
@@ -356,7 +359,10 @@ impl EvictionPolicy for Belady {
 
     fn key(&mut self, n: &NodeStats) -> EvictionKey {
         // Farthest next use first: never used again sorts before everything.
-        let next = self.future.next_use(n.path_hash, self.now).map_or(i64::MAX, i64::from);
+        let next = self
+            .future
+            .next_use(n.path_hash, self.now)
+            .map_or(i64::MAX, i64::from);
         EvictionKey::new(-next, n.last_access as i64)
     }
 }
@@ -385,7 +391,15 @@ mod tests {
     use super::*;
 
     fn stats(last_access: u64, creation: u64, hit_count: u32, priority: i64) -> NodeStats {
-        NodeStats { last_access, creation, hit_count, priority, depth: 0, len: 4, path_hash: 0 }
+        NodeStats {
+            last_access,
+            creation,
+            hit_count,
+            priority,
+            depth: 0,
+            len: 4,
+            path_hash: 0,
+        }
     }
 
     #[test]
@@ -413,13 +427,19 @@ mod tests {
     #[test]
     fn names_parse_case_insensitively_and_unknown_is_an_error() {
         for p in BuiltinPolicy::ALL {
-            assert_eq!(p.as_str().to_uppercase().parse::<BuiltinPolicy>().unwrap(), p);
+            assert_eq!(
+                p.as_str().to_uppercase().parse::<BuiltinPolicy>().unwrap(),
+                p
+            );
             assert_eq!(policy_from_name(p.as_str()).unwrap().name(), p.as_str());
         }
         assert_eq!(policy_from_name("Cost-Aware").unwrap().name(), "cost-aware");
         let err = policy_from_name("lru2").unwrap_err().to_string();
         assert!(err.contains("lru2") && err.contains("slru"), "{err}");
-        assert!(policy_from_name("belady").unwrap_err().to_string().contains("future"));
+        assert!(policy_from_name("belady")
+            .unwrap_err()
+            .to_string()
+            .contains("future"));
     }
 
     #[test]
@@ -432,9 +452,18 @@ mod tests {
     #[test]
     fn cost_aware_prefers_keeping_deep_and_hot_nodes_and_inflates() {
         let mut p = CostAware::new(1.0, 0.01);
-        let shallow = NodeStats { depth: 0, ..stats(1, 0, 0, 0) };
-        let deep = NodeStats { depth: 1000, ..stats(1, 0, 0, 0) };
-        let hot = NodeStats { hit_count: 10, ..shallow };
+        let shallow = NodeStats {
+            depth: 0,
+            ..stats(1, 0, 0, 0)
+        };
+        let deep = NodeStats {
+            depth: 1000,
+            ..stats(1, 0, 0, 0)
+        };
+        let hot = NodeStats {
+            hit_count: 10,
+            ..shallow
+        };
         assert!(p.key(&shallow) < p.key(&deep));
         assert!(p.key(&shallow) < p.key(&hot));
         let victim = p.key(&deep);
@@ -456,11 +485,19 @@ mod tests {
         assert_eq!(future.next_use(h12, 2), None);
         let mut p = Belady::new(future);
         p.set_now(1);
-        let key = |p: &mut Belady, h| p.key(&NodeStats { path_hash: h, ..stats(0, 0, 0, 0) });
+        let key = |p: &mut Belady, h| {
+            p.key(&NodeStats {
+                path_hash: h,
+                ..stats(0, 0, 0, 0)
+            })
+        };
         let (k12, k34, k56) = (key(&mut p, h12), key(&mut p, h34), key(&mut p, h56));
         // 3,4 is next used at 4 (farthest), 5,6 at 3, 1,2 at 2.
         assert!(k34 < k56 && k56 < k12);
         p.set_now(3);
-        assert!(key(&mut p, h12) < key(&mut p, h34), "never used again goes first");
+        assert!(
+            key(&mut p, h12) < key(&mut p, h34),
+            "never used again goes first"
+        );
     }
 }

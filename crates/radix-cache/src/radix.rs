@@ -36,7 +36,10 @@ impl Children {
         self.by_first_page.is_empty() && self.overflow.is_empty()
     }
     fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        self.by_first_page.values().copied().chain(self.overflow.iter().copied())
+        self.by_first_page
+            .values()
+            .copied()
+            .chain(self.overflow.iter().copied())
     }
 }
 
@@ -175,7 +178,10 @@ impl RadixCache {
 
     /// Live nodes, roots excluded.
     pub fn node_count(&self) -> usize {
-        self.nodes.iter().filter(|n| n.live && n.parent != NONE).count()
+        self.nodes
+            .iter()
+            .filter(|n| n.live && n.parent != NONE)
+            .count()
     }
 
     /// Evictable leaves currently indexed.
@@ -186,7 +192,10 @@ impl RadixCache {
     // ----- node arena ------------------------------------------------------------------------
 
     fn id(&self, index: u32) -> NodeId {
-        NodeId { index, generation: self.nodes[index as usize].generation }
+        NodeId {
+            index,
+            generation: self.nodes[index as usize].generation,
+        }
     }
 
     fn resolve(&self, id: NodeId) -> Result<u32> {
@@ -286,7 +295,11 @@ impl RadixCache {
     /// Replaces `old` by `new` among `parent`'s children (same first page).
     fn replace_child(&mut self, parent: u32, old: u32, new: u32) {
         let children = &mut self.nodes[parent as usize].children;
-        for c in children.by_first_page.values_mut().chain(children.overflow.iter_mut()) {
+        for c in children
+            .by_first_page
+            .values_mut()
+            .chain(children.overflow.iter_mut())
+        {
             if *c == old {
                 *c = new;
                 return;
@@ -300,7 +313,10 @@ impl RadixCache {
     fn stats(&self, i: u32) -> NodeStats {
         let n = &self.nodes[i as usize];
         let path = if self.track_paths {
-            path_hash(n.start_hash, &self.node_tokens(i)[..self.page_size as usize])
+            path_hash(
+                n.start_hash,
+                &self.node_tokens(i)[..self.page_size as usize],
+            )
         } else {
             0
         };
@@ -379,7 +395,9 @@ impl RadixCache {
         debug_assert!(at > 0 && at < self.nodes[child as usize].len && at % p == 0);
         let c = self.nodes[child as usize].clone();
         let upper_end_hash = if self.track_paths {
-            self.node_tokens(child)[..at].chunks(p).fold(c.start_hash, path_hash)
+            self.node_tokens(child)[..at]
+                .chunks(p)
+                .fold(c.start_hash, path_hash)
         } else {
             0
         };
@@ -432,7 +450,9 @@ impl RadixCache {
         let p = self.page_size as usize;
         let (mut node, mut pos) = (root, 0);
         while pos < key.len() {
-            let Some(c) = self.find_child(node, &key[pos..pos + p]) else { break };
+            let Some(c) = self.find_child(node, &key[pos..pos + p]) else {
+                break;
+            };
             let len = self.nodes[c as usize].len;
             let common = floor_to_page(Self::lcp(self.node_tokens(c), &key[pos..]), p);
             if common < len {
@@ -474,7 +494,13 @@ impl RadixCache {
         (last, len)
     }
 
-    fn insert_impl(&mut self, root: u32, key: &[u32], slots: &[Slot], opts: InsertOptions) -> InsertResult {
+    fn insert_impl(
+        &mut self,
+        root: u32,
+        key: &[u32],
+        slots: &[Slot],
+        opts: InsertOptions,
+    ) -> InsertResult {
         let p = self.page_size as usize;
         let key = &key[..floor_to_page(key.len(), p)];
         self.tick();
@@ -490,10 +516,18 @@ impl RadixCache {
             i = self.nodes[i as usize].parent;
         }
         if pos == key.len() {
-            return InsertResult { prefix_len: pos, inserted: 0, last_node: self.id(node) };
+            return InsertResult {
+                prefix_len: pos,
+                inserted: 0,
+                last_node: self.id(node),
+            };
         }
         let leaf = self.new_leaf(node, &key[pos..], &slots[pos..key.len()], opts);
-        InsertResult { prefix_len: pos, inserted: key.len() - pos, last_node: self.id(leaf) }
+        InsertResult {
+            prefix_len: pos,
+            inserted: key.len() - pos,
+            last_node: self.id(leaf),
+        }
     }
 
     fn new_leaf(&mut self, parent: u32, key: &[u32], slots: &[Slot], opts: InsertOptions) -> u32 {
@@ -504,9 +538,17 @@ impl RadixCache {
         let par = &self.nodes[parent as usize];
         let start_hash = par.end_hash;
         let depth = par.depth + par.len;
-        let end_hash = if self.track_paths { key.chunks(p).fold(start_hash, path_hash) } else { 0 };
+        let end_hash = if self.track_paths {
+            key.chunks(p).fold(start_hash, path_hash)
+        } else {
+            0
+        };
         let digests = if self.events_enabled {
-            let mut prev = par.digests.last().copied().or_else(|| self.last_digest_above(parent));
+            let mut prev = par
+                .digests
+                .last()
+                .copied()
+                .or_else(|| self.last_digest_above(parent));
             let parent_block = prev.as_ref().map(digest_to_block_id);
             let mut d = Vec::with_capacity(key.len() / p);
             for page in key.chunks(p) {
@@ -571,13 +613,20 @@ impl RadixCache {
         let n = n.min(len);
         let start = self.nodes[i as usize].start;
         alloc.free(&self.slots[start + len - n..start + len])?;
-        let key = self.nodes[i as usize].indexed.expect("evicting an indexed leaf");
+        let key = self.nodes[i as usize]
+            .indexed
+            .expect("evicting an indexed leaf");
         self.policy.on_evict(key);
         if self.events_enabled {
             let p = self.page_size as usize;
             let digests = &mut self.nodes[i as usize].digests;
-            let removed: Vec<i64> = digests.drain(digests.len() - n / p..).map(|d| digest_to_block_id(&d)).collect();
-            self.events.push(KvEvent::BlockRemoved { block_hashes: removed });
+            let removed: Vec<i64> = digests
+                .drain(digests.len() - n / p..)
+                .map(|d| digest_to_block_id(&d))
+                .collect();
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: removed,
+            });
         }
         self.evictable -= n;
         self.dead_tokens += n;
@@ -670,13 +719,23 @@ impl RadixCache {
         let mut roots: Vec<_> = self.roots.iter().collect();
         roots.sort();
         for (ns, &r) in roots {
-            let _ = writeln!(out, "[root{}]", ns.as_ref().map_or(String::new(), |k| format!(" {k:?}")));
+            let _ = writeln!(
+                out,
+                "[root{}]",
+                ns.as_ref().map_or(String::new(), |k| format!(" {k:?}"))
+            );
             self.render_children(r, "", token, &mut out);
         }
         out
     }
 
-    fn render_children(&self, i: u32, indent: &str, token: &dyn Fn(u32) -> String, out: &mut String) {
+    fn render_children(
+        &self,
+        i: u32,
+        indent: &str,
+        token: &dyn Fn(u32) -> String,
+        out: &mut String,
+    ) {
         let mut kids: Vec<u32> = self.nodes[i as usize].children.iter().collect();
         kids.sort_by(|&a, &b| self.node_tokens(a).cmp(self.node_tokens(b)));
         for (k, &c) in kids.iter().enumerate() {
@@ -684,7 +743,12 @@ impl RadixCache {
             let n = &self.nodes[c as usize];
             let abbreviate = |v: Vec<String>| {
                 if v.len() > 12 {
-                    format!("{} … {} ({} tokens)", v[..8].join(" "), v[v.len() - 2..].join(" "), v.len())
+                    format!(
+                        "{} … {} ({} tokens)",
+                        v[..8].join(" "),
+                        v[v.len() - 2..].join(" "),
+                        v.len()
+                    )
                 } else {
                     v.join(" ")
                 }
@@ -699,17 +763,29 @@ impl RadixCache {
                 n.lock_ref,
                 n.hit_count,
                 n.last_access,
-                if n.priority != 0 { format!(" prio={}", n.priority) } else { String::new() },
-                if n.indexed.is_some() { " evictable" } else { "" },
+                if n.priority != 0 {
+                    format!(" prio={}", n.priority)
+                } else {
+                    String::new()
+                },
+                if n.indexed.is_some() {
+                    " evictable"
+                } else {
+                    ""
+                },
             );
             let deeper = format!("{indent}{}", if last { "   " } else { "│  " });
             self.render_children(c, &deeper, token, out);
         }
     }
 
-    /// The order in which the evictable leaves would go now (node indices), for tests.
-    pub fn eviction_order(&self) -> Vec<u32> {
-        self.index.iter().map(|&(_, i)| i).collect()
+    /// The evictable leaves in the order they would go now: each leaf's handle and its own
+    /// tokens (not the path above it). For tests and diagnostics.
+    pub fn eviction_order(&self) -> Vec<(NodeId, Vec<u32>)> {
+        self.index
+            .iter()
+            .map(|&(_, i)| (self.id(i), self.node_tokens(i).to_vec()))
+            .collect()
     }
 
     /// Checks the tree's internal invariants (sizes, lock counts, index membership, page
@@ -723,14 +799,20 @@ impl RadixCache {
                 continue;
             }
             if n.len == 0 || n.len % p != 0 {
-                return Err(format!("n{i} holds {} tokens, not a positive multiple of {p}", n.len));
+                return Err(format!(
+                    "n{i} holds {} tokens, not a positive multiple of {p}",
+                    n.len
+                ));
             }
             let par = &self.nodes[n.parent as usize];
             if !par.live || !par.children.iter().any(|c| c == i) {
                 return Err(format!("n{i} is not among its parent's children"));
             }
             if par.parent != NONE && par.lock_ref < n.lock_ref {
-                return Err(format!("n{i} has more locks ({}) than its parent ({})", n.lock_ref, par.lock_ref));
+                return Err(format!(
+                    "n{i} has more locks ({}) than its parent ({})",
+                    n.lock_ref, par.lock_ref
+                ));
             }
             if n.depth != par.depth + par.len {
                 return Err(format!("n{i} depth {} != parent depth + len", n.depth));
@@ -741,8 +823,13 @@ impl RadixCache {
                 evictable += n.len;
             }
             let should = self.is_evictable_leaf(i);
-            if should != n.indexed.is_some() || (should && !self.index.contains(&(n.indexed.unwrap(), i))) {
-                return Err(format!("n{i}: evictable leaf = {should}, indexed = {:?}", n.indexed));
+            if should != n.indexed.is_some()
+                || (should && !self.index.contains(&(n.indexed.unwrap(), i)))
+            {
+                return Err(format!(
+                    "n{i}: evictable leaf = {should}, indexed = {:?}",
+                    n.indexed
+                ));
             }
             leaves += usize::from(should);
         }
@@ -753,7 +840,10 @@ impl RadixCache {
             ));
         }
         if leaves != self.index.len() {
-            return Err(format!("index holds {} entries for {leaves} evictable leaves", self.index.len()));
+            return Err(format!(
+                "index holds {} entries for {leaves} evictable leaves",
+                self.index.len()
+            ));
         }
         Ok(())
     }
@@ -792,22 +882,42 @@ impl PrefixCache for RadixCache {
         self.id(r)
     }
 
-    fn match_prefix(&mut self, key: &[u32], extra_key: Option<&str>, out: &mut Vec<Slot>) -> MatchResult {
+    fn match_prefix(
+        &mut self,
+        key: &[u32],
+        extra_key: Option<&str>,
+        out: &mut Vec<Slot>,
+    ) -> MatchResult {
         let root = self.root_index(extra_key);
         let (last, len) = self.match_impl(root, key, Some(out));
-        MatchResult { len, last_node: self.id(last) }
+        MatchResult {
+            len,
+            last_node: self.id(last),
+        }
     }
 
     fn peek_prefix_len(&self, key: &[u32], extra_key: Option<&str>) -> usize {
-        let Some(root) = self.find_root(extra_key) else { return 0 };
+        let Some(root) = self.find_root(extra_key) else {
+            return 0;
+        };
         let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
         let (_, pos, partial) = self.walk(root, key);
         pos + partial.map_or(0, |(_, common)| common)
     }
 
-    fn insert(&mut self, key: &[u32], extra_key: Option<&str>, slots: &[Slot], opts: InsertOptions) -> Result<InsertResult> {
+    fn insert(
+        &mut self,
+        key: &[u32],
+        extra_key: Option<&str>,
+        slots: &[Slot],
+        opts: InsertOptions,
+    ) -> Result<InsertResult> {
         if slots.len() != key.len() {
-            return Err(RadixCacheError::LengthMismatch { what: "insert slots", expected: key.len(), got: slots.len() });
+            return Err(RadixCacheError::LengthMismatch {
+                what: "insert slots",
+                expected: key.len(),
+                got: slots.len(),
+            });
         }
         let root = self.root_index(extra_key);
         let r = self.insert_impl(root, key, slots, opts);
@@ -829,7 +939,10 @@ impl PrefixCache for RadixCache {
         let protected = req.state.cache_protected_len;
         let slots = rows.read(req.row, committed)?.to_vec();
         let root = self.root_index(req.extra_key);
-        let opts = InsertOptions { priority: req.priority, chunked };
+        let opts = InsertOptions {
+            priority: req.priority,
+            chunked,
+        };
         let ins = self.insert_impl(root, &req.tokens[..aligned], &slots[..aligned], opts);
         if ins.prefix_len > protected {
             alloc.free(&slots[protected..ins.prefix_len])?;
@@ -866,7 +979,10 @@ impl PrefixCache for RadixCache {
         let last = self.resolve(req.state.last_node)?;
         let owned_from = if insert {
             let root = self.root_index(req.extra_key);
-            let opts = InsertOptions { priority: req.priority, chunked: false };
+            let opts = InsertOptions {
+                priority: req.priority,
+                chunked: false,
+            };
             let ins = self.insert_impl(root, &req.tokens[..aligned], &slots[..aligned], opts);
             // Duplicates [protected, prefix_len) are ours to free; [prefix_len, aligned) now
             // belongs to the tree.
@@ -893,10 +1009,16 @@ impl PrefixCache for RadixCache {
         let p = self.page_size as usize;
         let mut freed = 0;
         while freed < num_tokens {
-            let Some(&(_, i)) = self.index.first() else { break };
+            let Some(&(_, i)) = self.index.first() else {
+                break;
+            };
             self.tick();
             let need = (num_tokens - freed).div_ceil(p) * p;
-            let take = if self.partial_eviction { need } else { usize::MAX };
+            let take = if self.partial_eviction {
+                need
+            } else {
+                usize::MAX
+            };
             freed += self.evict_from(i, take, alloc)?;
         }
         self.maybe_compact();
@@ -945,8 +1067,12 @@ impl PrefixCache for RadixCache {
             }
         }
         alloc.free(&all)?;
-        let (policy, events, partial, track) =
-            (std::mem::replace(&mut self.policy, Box::new(crate::BuiltinPolicy::Lru)), self.events_enabled, self.partial_eviction, self.track_paths);
+        let (policy, events, partial, track) = (
+            std::mem::replace(&mut self.policy, Box::new(crate::BuiltinPolicy::Lru)),
+            self.events_enabled,
+            self.partial_eviction,
+            self.track_paths,
+        );
         let clock = self.clock;
         let mut pending = std::mem::take(&mut self.events);
         *self = RadixCache::new(self.page_size, policy)

@@ -21,7 +21,11 @@ pub struct PrefixState {
 impl PrefixState {
     /// The state of a request that has matched nothing: protected length 0, at `root`.
     pub fn new(root: NodeId) -> Self {
-        PrefixState { cache_protected_len: 0, last_node: root, prefix_slots: Vec::new() }
+        PrefixState {
+            cache_protected_len: 0,
+            last_node: root,
+            prefix_slots: Vec::new(),
+        }
     }
 }
 
