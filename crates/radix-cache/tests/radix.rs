@@ -742,3 +742,75 @@ proptest! {
         run_model(page, policy, &ops);
     }
 }
+
+#[test]
+fn chunk_cache_keeps_kv_private_and_frees_it_all_at_finish() {
+    use radix_cache::ChunkCache;
+    let mut cache = ChunkCache::new(4);
+    let mut alloc = PagedAllocator::new(64, 4).unwrap();
+    let mut rows = ReqToTokenPool::new(2, 32).unwrap();
+    let tokens: Vec<u32> = (1..=10).collect();
+    let mut out = Vec::new();
+    let m = cache.match_prefix(&tokens, None, &mut out);
+    assert_eq!((m.len, out.len()), (0, 0));
+    let row = rows.alloc_one().unwrap();
+    let mut state = PrefixState::new(m.last_node);
+    // Two prefill chunks: 6 tokens, then 4.
+    let mut committed = 0;
+    for upto in [6, 10] {
+        let last_loc = (committed > 0).then(|| rows.read(row, committed).unwrap()[committed - 1]);
+        let mut fresh = Vec::new();
+        alloc
+            .alloc_extend(
+                &[ExtendRequest {
+                    prefix_len: committed,
+                    seq_len: upto,
+                    last_loc,
+                }],
+                &mut fresh,
+            )
+            .unwrap();
+        rows.write(row, committed, &fresh).unwrap();
+        committed = upto;
+        let view = ReqView {
+            tokens: &tokens,
+            extra_key: None,
+            row,
+            committed_len: committed,
+            priority: 0,
+            state: &mut state,
+        };
+        cache
+            .cache_unfinished_req(view, &mut rows, &mut alloc, true)
+            .unwrap();
+        assert_eq!(
+            state.prefix_slots,
+            rows.read(row, committed).unwrap(),
+            "the request keeps its own KV"
+        );
+        assert_eq!(state.cache_protected_len, 0);
+    }
+    assert_eq!(alloc.available_size(), 64 - 12);
+    let view = ReqView {
+        tokens: &tokens,
+        extra_key: None,
+        row,
+        committed_len: 10,
+        priority: 0,
+        state: &mut state,
+    };
+    cache
+        .cache_finished_req(view, &rows, &mut alloc, true)
+        .unwrap();
+    assert_eq!(alloc.available_size(), 64, "everything freed");
+    assert_eq!(
+        (cache.total_size(), cache.evict(100, &mut alloc).unwrap()),
+        (0, 0)
+    );
+    assert!(cache
+        .inc_lock_ref(NodeId {
+            index: 3,
+            generation: 1
+        })
+        .is_err());
+}
