@@ -70,8 +70,8 @@ impl PrefixCache for ChunkCache {
         }
     }
 
-    fn peek_prefix_len(&self, _key: &[u32], _extra_key: Option<&str>) -> usize {
-        0
+    fn peek_prefix(&self, _key: &[u32], _extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+        (0, None)
     }
 
     fn insert(

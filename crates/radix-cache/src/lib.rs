@@ -116,7 +116,17 @@ pub trait PrefixCache {
         out: &mut Vec<Slot>,
     ) -> MatchResult;
     /// The length of that prefix, without changing anything (for ranking, e.g. LPM).
-    fn peek_prefix_len(&self, key: &[u32], extra_key: Option<&str>) -> usize;
+    fn peek_prefix_len(&self, key: &[u32], extra_key: Option<&str>) -> usize {
+        self.peek_prefix(key, extra_key).0
+    }
+    /// The length of that prefix and the deepest node it reaches (a node matched part-way
+    /// counts), without changing anything; `None` when nothing matched.
+    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>);
+    /// The parent of a node (`None` for a root or an unknown node), for policies that weigh
+    /// subtrees (DFS-weight).
+    fn parent(&self, _node: NodeId) -> Option<NodeId> {
+        None
+    }
     /// Inserts `key` (floored to whole pages) with its `slots` (one per key token).
     fn insert(
         &mut self,

@@ -896,13 +896,22 @@ impl PrefixCache for RadixCache {
         }
     }
 
-    fn peek_prefix_len(&self, key: &[u32], extra_key: Option<&str>) -> usize {
+    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
         let Some(root) = self.find_root(extra_key) else {
-            return 0;
+            return (0, None);
         };
         let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
-        let (_, pos, partial) = self.walk(root, key);
-        pos + partial.map_or(0, |(_, common)| common)
+        match self.walk(root, key) {
+            (_, pos, Some((c, common))) => (pos + common, Some(self.id(c))),
+            (_, 0, None) => (0, None),
+            (node, pos, None) => (pos, Some(self.id(node))),
+        }
+    }
+
+    fn parent(&self, node: NodeId) -> Option<NodeId> {
+        let i = self.resolve(node).ok()?;
+        let parent = self.nodes[i as usize].parent;
+        (parent != NONE && self.nodes[parent as usize].parent != NONE).then(|| self.id(parent))
     }
 
     fn insert(

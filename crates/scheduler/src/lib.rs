@@ -1,0 +1,47 @@
+//! # scheduler — continuous batching as SGLang does it, deterministic and replayable
+//!
+//! Decides, step by step, which requests run: SGLang's scheduler semantics (reference §1.4,
+//! §2.7–2.11) over kv-pool's allocators and request table and radix-cache's prefix caches.
+//!
+//! - [`Req`]: per-request state (tokens, limits, row, committed / allocated / protected lengths,
+//!   prefix, priority, arrival, finish reason).
+//! - [`SchedulerConfig`]: SGLang's server arguments (`--schedule-policy`, `--page-size`,
+//!   `--chunked-prefill-size`, `--max-prefill-tokens`, `--max-running-requests`, …).
+//! - Policies ([`SchedulePolicy`]): `fcfs`, `lpm` (read-only matching, FCFS fallback above a
+//!   threshold, in-batch prefix caching), `dfs-weight`, `lof`, `random` (seeded); priority
+//!   scheduling with preemption.
+//! - [`PrefillAdder`]: every budget rule of SGLang's admission.
+//! - [`Scheduler`]: chunked prefill (one chunked request, page-aligned chunk ends), mixed
+//!   chunks, `prepare_for_extend` / `prepare_for_decode` over the allocators (evicting the
+//!   shortfall from the prefix cache), result processing (`cache_unfinished_req` /
+//!   `cache_finished_req`), the decode memory check and `retract_decode`, the new-token ratio,
+//!   aborts, `max_queued_requests`, and a strict mode that runs the ownership checker after
+//!   every step.
+//! - [`Executor`]: `forward(&ForwardBatch) → next token per request`, implemented by the model
+//!   runner, by [`FakeExecutor`] in tests, and by a cost-model simulator.
+//!
+//! ## Invariants
+//! - Plain synchronous CPU logic: no async, no I/O, no device calls. Time is a logical clock,
+//!   randomness is seeded: the same inputs in the same order give the same decisions.
+//! - Between steps, every pool page is exactly one of: free, held by the prefix cache, or
+//!   private to one live request (its positions `[cache_protected_len, allocated_len)`);
+//!   [`Scheduler::check_invariants`] proves it, and when idle also SGLang's identity
+//!   `available + evictable + protected = total`.
+//! - A request's KV is freed exactly once: at finish, abort or retraction.
+//!
+//! ## Where it sits
+//! Above kv-pool and radix-cache; below the engine, which owns threads, I/O and the executor.
+
+pub mod adder;
+pub mod batch;
+pub mod config;
+pub mod error;
+pub mod req;
+pub mod scheduler;
+
+pub use adder::{AddResult, PrefillAdder};
+pub use batch::{Executor, FakeExecutor, ForwardBatch, ForwardMode, ForwardOutput};
+pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
+pub use error::{Result, SchedulerError};
+pub use req::{FinishReason, Req, ReqId, SamplingLimits};
+pub use scheduler::{FinishedReq, Scheduler, SchedulerStats, StepReport};
