@@ -18,7 +18,9 @@
 //!   aborts, `max_queued_requests`, and a strict mode that runs the ownership checker after
 //!   every step.
 //! - [`Executor`]: `forward(&ForwardBatch) → next token per request`, implemented by the model
-//!   runner, by [`FakeExecutor`] in tests, and by a cost-model simulator.
+//!   runner, by [`FakeExecutor`] in tests, and by [`SimExecutor`], which charges a roofline
+//!   cost model's time instead of computing; [`simulate`] replays timed requests on a simulated
+//!   clock and reports hit rate, throughput, TTFT and inter-token latency.
 //!
 //! ## Invariants
 //! - Plain synchronous CPU logic: no async, no I/O, no device calls. Time is a logical clock,
@@ -38,6 +40,7 @@ pub mod config;
 pub mod error;
 pub mod req;
 pub mod scheduler;
+pub mod sim;
 
 pub use adder::{AddResult, PrefillAdder};
 pub use batch::{Executor, FakeExecutor, ForwardBatch, ForwardMode, ForwardOutput};
@@ -45,3 +48,4 @@ pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
 pub use error::{Result, SchedulerError};
 pub use req::{FinishReason, Req, ReqId, SamplingLimits};
 pub use scheduler::{FinishedReq, Scheduler, SchedulerStats, StepReport};
+pub use sim::{simulate, Accelerator, CostModel, ModelShape, SimExecutor, SimReport, SimRequest};

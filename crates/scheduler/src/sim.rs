@@ -1,0 +1,547 @@
+//! The serving simulator: [`SimExecutor`] charges each batch a time from a roofline cost model
+//! instead of computing, and [`simulate`] replays timed requests through the real scheduler,
+//! prefix cache and allocator on a simulated clock, measuring TTFT, inter-token latency and
+//! throughput. A policy is judged on a real trace at the scale of a real deployment, on a laptop.
+//!
+//! ## Cost model
+//! Per pass, time = `max(FLOPs / (peak × flops_efficiency), bytes / (bandwidth ×
+//! bw_efficiency)) + step_overhead`, with the work split over `tp` accelerators:
+//! - FLOPs: `2 × params` per new token (weights), plus attention `4 × layers × q_heads ×
+//!   head_dim` per (new token, earlier position) pair — QKᵀ and PV — i.e. `extend × prefix +
+//!   extend² / 2` pairs per request in an extend, `seq_len` per request in a decode;
+//! - bytes: the weights once per pass (`params × weight_bytes`), plus the KV read (every
+//!   request's context × `kv_bytes_per_token`) and written (new tokens × `kv_bytes_per_token`).
+//!
+//! Prefill is compute-bound for long extends and decode is bandwidth-bound, as on real
+//! hardware. Presets (public figures): Llama-3-8B (8.03 B params, 32 layers, 32 query / 8 KV
+//! heads of 128, bf16: 128 KiB of KV per token) and Llama-3-70B (70.6 B, 80 layers, 64 / 8
+//! heads of 128: 320 KiB per token); H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s, 80 GB) and
+//! A100 SXM 80 GB (312 TFLOP/s, 2.039 TB/s, 80 GB). Efficiencies default to 60 % of peak FLOP/s
+//! and 80 % of peak bandwidth, and a 2 ms per-pass overhead for the CPU side and launches.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use kv_pool::ReqToTokenPool;
+
+use crate::batch::{Executor, ForwardBatch, ForwardMode, ForwardOutput};
+use crate::error::{Result, SchedulerError};
+use crate::req::{FinishReason, ReqId, SamplingLimits};
+use crate::scheduler::Scheduler;
+
+/// The shape of a decoder model, as far as cost goes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelShape {
+    /// Preset name.
+    pub name: &'static str,
+    /// Parameters.
+    pub params: f64,
+    /// Bytes per weight (2 for bf16).
+    pub weight_bytes: f64,
+    /// Decoder layers.
+    pub layers: u32,
+    /// Query heads.
+    pub q_heads: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// KV bytes per token over all layers (SGLang's `cell_size`).
+    pub kv_bytes_per_token: usize,
+}
+
+impl ModelShape {
+    /// Llama-3-8B in bf16.
+    pub const LLAMA3_8B: ModelShape = ModelShape {
+        name: "llama-3-8b",
+        params: 8.03e9,
+        weight_bytes: 2.0,
+        layers: 32,
+        q_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        kv_bytes_per_token: 8 * 128 * 2 * 32 * 2,
+    };
+    /// Llama-3-70B in bf16.
+    pub const LLAMA3_70B: ModelShape = ModelShape {
+        name: "llama-3-70b",
+        params: 70.6e9,
+        weight_bytes: 2.0,
+        layers: 80,
+        q_heads: 64,
+        kv_heads: 8,
+        head_dim: 128,
+        kv_bytes_per_token: 8 * 128 * 2 * 80 * 2,
+    };
+    /// Every preset.
+    pub const PRESETS: [ModelShape; 2] = [Self::LLAMA3_8B, Self::LLAMA3_70B];
+
+    /// A preset by name.
+    pub fn preset(name: &str) -> Result<ModelShape> {
+        Self::PRESETS
+            .into_iter()
+            .find(|m| m.name.eq_ignore_ascii_case(name))
+            .ok_or_else(|| SchedulerError::InvalidConfig {
+                field: "--model",
+                reason: format!(
+                    "unknown model preset {name:?}; expected one of {}",
+                    Self::PRESETS.map(|m| m.name).join(", ")
+                ),
+            })
+    }
+}
+
+/// An accelerator, as far as cost goes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Accelerator {
+    /// Preset name.
+    pub name: &'static str,
+    /// Dense bf16 FLOP/s.
+    pub peak_flops: f64,
+    /// Memory bandwidth in bytes/s.
+    pub mem_bw: f64,
+    /// Memory in bytes.
+    pub mem_bytes: f64,
+}
+
+impl Accelerator {
+    /// NVIDIA H100 SXM.
+    pub const H100: Accelerator = Accelerator {
+        name: "h100",
+        peak_flops: 989e12,
+        mem_bw: 3.35e12,
+        mem_bytes: 80e9,
+    };
+    /// NVIDIA A100 SXM 80 GB.
+    pub const A100: Accelerator = Accelerator {
+        name: "a100",
+        peak_flops: 312e12,
+        mem_bw: 2.039e12,
+        mem_bytes: 80e9,
+    };
+    /// Every preset.
+    pub const PRESETS: [Accelerator; 2] = [Self::H100, Self::A100];
+
+    /// A preset by name.
+    pub fn preset(name: &str) -> Result<Accelerator> {
+        Self::PRESETS
+            .into_iter()
+            .find(|a| a.name.eq_ignore_ascii_case(name))
+            .ok_or_else(|| SchedulerError::InvalidConfig {
+                field: "--accelerator",
+                reason: format!(
+                    "unknown accelerator {name:?}; expected one of {}",
+                    Self::PRESETS.map(|a| a.name).join(", ")
+                ),
+            })
+    }
+}
+
+/// The roofline cost model (see the module documentation).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModel {
+    /// The model.
+    pub model: ModelShape,
+    /// One accelerator.
+    pub accel: Accelerator,
+    /// Tensor-parallel degree: work and memory are split over this many accelerators.
+    pub tp: u32,
+    /// Fraction of peak FLOP/s reached.
+    pub flops_efficiency: f64,
+    /// Fraction of peak bandwidth reached.
+    pub bw_efficiency: f64,
+    /// Fixed time per pass (scheduling, launches).
+    pub step_overhead_s: f64,
+}
+
+impl CostModel {
+    /// A cost model with the default efficiencies (60 % FLOP/s, 80 % bandwidth, 2 ms per pass).
+    pub fn new(model: ModelShape, accel: Accelerator, tp: u32) -> Self {
+        CostModel {
+            model,
+            accel,
+            tp: tp.max(1),
+            flops_efficiency: 0.6,
+            bw_efficiency: 0.8,
+            step_overhead_s: 0.002,
+        }
+    }
+
+    /// Device memory left for the KV pool after the weights, with `mem_fraction_static` of the
+    /// memory for weights + KV (SGLang's rule, per accelerator, times `tp`).
+    pub fn kv_pool_tokens(&self, mem_fraction_static: f64) -> usize {
+        let total = self.accel.mem_bytes * self.tp as f64;
+        let weights = self.model.params * self.model.weight_bytes;
+        let rest = total * mem_fraction_static - weights;
+        if rest <= 0.0 {
+            0
+        } else {
+            (rest / self.model.kv_bytes_per_token as f64) as usize
+        }
+    }
+
+    /// The time of one pass.
+    pub fn batch_time(&self, batch: &ForwardBatch) -> f64 {
+        let m = &self.model;
+        let attn_per_pair = 4.0 * m.layers as f64 * m.q_heads as f64 * m.head_dim as f64;
+        let kv = m.kv_bytes_per_token as f64;
+        let mut flops = 2.0 * m.params * batch.num_tokens() as f64;
+        let mut bytes = m.params * m.weight_bytes;
+        for k in 0..batch.len() {
+            let (prefix, extend) = (batch.prefix_lens[k] as f64, batch.extend_lens[k] as f64);
+            flops += attn_per_pair * (extend * prefix + extend * (extend + 1.0) / 2.0);
+            bytes += kv * (prefix + 2.0 * extend);
+        }
+        let tp = self.tp as f64;
+        let compute = flops / (self.accel.peak_flops * self.flops_efficiency * tp);
+        let memory = bytes / (self.accel.mem_bw * self.bw_efficiency * tp);
+        compute.max(memory) + self.step_overhead_s
+    }
+}
+
+/// An executor that computes nothing: it charges the cost model's time and returns token 0
+/// (simulated requests stop by length).
+#[derive(Debug, Clone)]
+pub struct SimExecutor {
+    /// The cost model.
+    pub cost: CostModel,
+}
+
+impl Executor for SimExecutor {
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        _rows: &ReqToTokenPool,
+    ) -> std::result::Result<ForwardOutput, String> {
+        Ok(ForwardOutput {
+            next_tokens: vec![0; batch.len()],
+            elapsed_s: self.cost.batch_time(batch),
+        })
+    }
+}
+
+/// A request to simulate: a prompt, how many tokens it generates, when it arrives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimRequest {
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// Tokens it generates (exactly: it ignores stop tokens).
+    pub output_len: usize,
+    /// Arrival time in seconds.
+    pub arrival_s: f64,
+}
+
+/// The figures of one simulated run.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SimReport {
+    /// Requests that finished normally.
+    pub requests: usize,
+    /// Requests aborted (did not fit, or rejected at admission).
+    pub aborted: usize,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: usize,
+    /// Of those, served from the prefix cache.
+    pub cached_tokens: usize,
+    /// `cached_tokens / prompt_tokens`.
+    pub hit_rate: f64,
+    /// Tokens computed by prefill passes.
+    pub prefill_tokens: usize,
+    /// Tokens generated.
+    pub output_tokens: usize,
+    /// Simulated time from the first arrival to the last token.
+    pub duration_s: f64,
+    /// `output_tokens / duration_s`.
+    pub output_tokens_per_s: f64,
+    /// Time to first token, median and 99th percentile.
+    pub ttft_p50_s: f64,
+    /// See `ttft_p50_s`.
+    pub ttft_p99_s: f64,
+    /// Inter-token latency, median and 99th percentile.
+    pub itl_p50_s: f64,
+    /// See `itl_p50_s`.
+    pub itl_p99_s: f64,
+    /// Retractions.
+    pub retractions: usize,
+    /// Highest KV pool use, in tokens.
+    pub peak_used_tokens: usize,
+    /// KV pool capacity, in tokens.
+    pub capacity_tokens: usize,
+    /// Scheduler steps.
+    pub steps: u64,
+}
+
+impl fmt::Display for SimReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "requests {} (aborted {}) | hit rate {:.3} | prefill tokens {} | output {:.0} tok/s | TTFT p50 {:.3}s p99 {:.3}s | ITL p50 {:.4}s p99 {:.4}s | retractions {} | peak pool {}/{} | {:.1}s simulated",
+            self.requests,
+            self.aborted,
+            self.hit_rate,
+            self.prefill_tokens,
+            self.output_tokens_per_s,
+            self.ttft_p50_s,
+            self.ttft_p99_s,
+            self.itl_p50_s,
+            self.itl_p99_s,
+            self.retractions,
+            self.peak_used_tokens,
+            self.capacity_tokens,
+            self.duration_s
+        )
+    }
+}
+
+/// The `q`-quantile (0..=1) of `v` (sorted in place), by nearest rank; 0 if empty.
+pub fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+/// Replays `requests` (in arrival order) through `scheduler` on a simulated clock driven by
+/// `exec`'s pass times. `progress` is called with (requests done, total) after every step.
+pub fn simulate(
+    requests: &[SimRequest],
+    scheduler: &mut Scheduler,
+    exec: &mut dyn Executor,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<SimReport> {
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_by(|&a, &b| requests[a].arrival_s.total_cmp(&requests[b].arrival_s));
+    let start = order.first().map_or(0.0, |&i| requests[i].arrival_s);
+    let mut now = start;
+    let mut next = 0;
+    let mut timing: HashMap<ReqId, (f64, Option<f64>)> = HashMap::new();
+    let (mut ttft, mut itl) = (Vec::new(), Vec::new());
+    let mut report = SimReport {
+        capacity_tokens: scheduler.allocator().size(),
+        ..SimReport::default()
+    };
+    let mut done = 0;
+    let mut stalled = 0;
+    loop {
+        while next < order.len() && requests[order[next]].arrival_s <= now {
+            let r = &requests[order[next]];
+            let limits = SamplingLimits {
+                max_new_tokens: r.output_len.max(1),
+                ignore_eos: true,
+                stop_token_ids: Vec::new(),
+            };
+            match scheduler.add_request(r.prompt.clone(), limits, 0, None) {
+                Ok(id) => {
+                    timing.insert(id, (r.arrival_s, None));
+                }
+                Err(_) => {
+                    report.aborted += 1;
+                    done += 1;
+                }
+            }
+            next += 1;
+        }
+        if scheduler.is_idle() {
+            if next == order.len() {
+                break;
+            }
+            now = now.max(requests[order[next]].arrival_s);
+            continue;
+        }
+        let step = scheduler.step(exec)?;
+        now += step.elapsed_s;
+        stalled = if step.mode.is_none() && step.finished.is_empty() {
+            stalled + 1
+        } else {
+            0
+        };
+        if stalled > 2 && next == order.len() {
+            return Err(SchedulerError::Invariant {
+                step: scheduler.steps(),
+                message: format!(
+                    "the simulation stalled with {} requests waiting",
+                    scheduler.num_waiting()
+                ),
+            });
+        }
+        if step.mode.is_some() {
+            for &(id, _, _, middle) in &step.entries {
+                if middle {
+                    continue;
+                }
+                if let Some((arrival, last)) = timing.get_mut(&id) {
+                    match last {
+                        None => ttft.push(now - *arrival),
+                        Some(t) => itl.push(now - *t),
+                    }
+                    *last = Some(now);
+                }
+            }
+        }
+        for f in scheduler.take_finished() {
+            timing.remove(&f.id);
+            done += 1;
+            match f.reason {
+                FinishReason::Abort { .. } => report.aborted += 1,
+                _ => report.requests += 1,
+            }
+        }
+        progress(done, requests.len());
+        // Between arrivals while idle the clock jumps; while busy it advances by the passes.
+        if step.mode.is_none() && next < order.len() {
+            now = now.max(requests[order[next]].arrival_s);
+        }
+    }
+    let stats = &scheduler.stats;
+    report.prompt_tokens = stats.prompt_tokens;
+    report.cached_tokens = stats.cached_tokens;
+    report.hit_rate = if stats.prompt_tokens > 0 {
+        stats.cached_tokens as f64 / stats.prompt_tokens as f64
+    } else {
+        0.0
+    };
+    report.prefill_tokens = stats.prefill_tokens;
+    report.output_tokens = stats.output_tokens;
+    report.retractions = stats.retractions;
+    report.peak_used_tokens = stats.peak_used_tokens;
+    report.duration_s = now - start;
+    report.output_tokens_per_s = if report.duration_s > 0.0 {
+        report.output_tokens as f64 / report.duration_s
+    } else {
+        0.0
+    };
+    report.ttft_p50_s = percentile(&mut ttft, 0.5);
+    report.ttft_p99_s = percentile(&mut ttft, 0.99);
+    report.itl_p50_s = percentile(&mut itl, 0.5);
+    report.itl_p99_s = percentile(&mut itl, 0.99);
+    report.steps = scheduler.steps();
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(mode: ForwardMode, reqs: &[(usize, usize)]) -> ForwardBatch {
+        let mut b = ForwardBatch::new(mode);
+        for (i, &(prefix, extend)) in reqs.iter().enumerate() {
+            let toks = vec![1; extend];
+            let slots = vec![kv_pool::Slot(1); extend];
+            b.push(
+                ReqId(i as u64),
+                kv_pool::ReqRow(1),
+                prefix,
+                &toks,
+                &slots,
+                true,
+            );
+        }
+        b
+    }
+
+    #[test]
+    fn prefill_is_compute_bound_and_decode_memory_bound() {
+        let c = CostModel {
+            step_overhead_s: 0.0,
+            ..CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1)
+        };
+        // 4096-token prefill: 2 × 8.03e9 × 4096 FLOPs ≈ 6.6e13 (+ attention) at 593 TFLOP/s.
+        let p = c.batch_time(&batch(ForwardMode::Extend, &[(0, 4096)]));
+        let weights_flops = 2.0 * 8.03e9 * 4096.0;
+        let attn = 4.0 * 32.0 * 32.0 * 128.0 * (4096.0 * 4097.0 / 2.0);
+        assert!(
+            (p - (weights_flops + attn) / (989e12 * 0.6)).abs() < 1e-9,
+            "{p}"
+        );
+        // One decode token of a 1000-token context: weights + KV read at 2.68 TB/s.
+        let d = c.batch_time(&batch(ForwardMode::Decode, &[(1000, 1)]));
+        let bytes = 8.03e9 * 2.0 + 131072.0 * 1002.0;
+        assert!((d - bytes / (3.35e12 * 0.8)).abs() < 1e-9, "{d}");
+        // Batching decodes amortises the weights: 64 requests cost far less than 64 × one.
+        let d64 = c.batch_time(&batch(ForwardMode::Decode, &[(1000, 1); 64]));
+        assert!(d64 < 8.0 * d);
+        // Two accelerators halve both terms.
+        let c2 = CostModel { tp: 2, ..c.clone() };
+        assert!((c2.batch_time(&batch(ForwardMode::Decode, &[(1000, 1)])) - d / 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn pool_size_from_memory() {
+        let c = CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1);
+        // 0.9 × 80 GB − 16.06 GB of weights = 55.94 GB / 128 KiB.
+        assert_eq!(
+            c.kv_pool_tokens(0.9),
+            ((72e9 - 16.06e9) / 131072.0) as usize
+        );
+        let big = CostModel::new(ModelShape::LLAMA3_70B, Accelerator::H100, 1);
+        assert_eq!(big.kv_pool_tokens(0.9), 0, "70B does not fit one H100");
+        assert!(
+            CostModel::new(ModelShape::LLAMA3_70B, Accelerator::H100, 4).kv_pool_tokens(0.9) > 0
+        );
+    }
+
+    #[test]
+    fn presets_parse() {
+        assert_eq!(ModelShape::preset("Llama-3-70B").unwrap().layers, 80);
+        assert_eq!(Accelerator::preset("a100").unwrap().mem_bw, 2.039e12);
+        assert!(ModelShape::preset("gpt-5").is_err());
+        assert!(Accelerator::preset("tpu").is_err());
+    }
+
+    #[test]
+    fn simulation_of_shared_prefix_requests() {
+        use crate::config::SchedulerConfig;
+        use kv_pool::PagedAllocator;
+        use radix_cache::{BuiltinPolicy, RadixCache};
+        let cfg = SchedulerConfig {
+            page_size: 16,
+            context_len: 4096,
+            strict: true,
+            ..SchedulerConfig::default()
+        };
+        let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
+        let mut s = Scheduler::new(
+            cfg,
+            Box::new(cache),
+            true,
+            Box::new(PagedAllocator::new(1 << 16, 16).unwrap()),
+        )
+        .unwrap();
+        // 8 requests, one every 100 ms, sharing a 1024-token prefix, 32 output tokens each.
+        let reqs: Vec<SimRequest> = (0..8u32)
+            .map(|i| {
+                let mut prompt: Vec<u32> = (0..1024).collect();
+                prompt.extend((0..64).map(|j| 10_000 + i * 64 + j));
+                SimRequest {
+                    prompt,
+                    output_len: 32,
+                    arrival_s: 0.1 * i as f64,
+                }
+            })
+            .collect();
+        let mut exec = SimExecutor {
+            cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
+        };
+        let mut calls = 0;
+        let r = simulate(&reqs, &mut s, &mut exec, &mut |_, _| calls += 1).unwrap();
+        assert_eq!((r.requests, r.aborted, r.output_tokens), (8, 0, 8 * 32));
+        // Every request after the first reuses the 1024-token prefix.
+        assert_eq!(r.cached_tokens, 7 * 1024);
+        assert_eq!(r.prefill_tokens, 1088 + 7 * 64);
+        assert!(r.ttft_p50_s > 0.0 && r.ttft_p99_s >= r.ttft_p50_s);
+        assert!(r.itl_p50_s > 0.0 && r.itl_p99_s >= r.itl_p50_s);
+        // The last request arrives at 0.7 s and needs 32 decode steps of > 6 ms.
+        assert!(r.duration_s > 0.7 + 32.0 * 0.006, "{}", r.duration_s);
+        assert!(calls > 0);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&mut v, 0.5), 50.0);
+        assert_eq!(percentile(&mut v, 0.99), 99.0);
+        assert_eq!(percentile(&mut [], 0.5), 0.0);
+    }
+}
