@@ -24,7 +24,7 @@ use std::fmt;
 
 use kv_pool::ReqToTokenPool;
 
-use crate::batch::{Executor, ForwardBatch, ForwardMode, ForwardOutput};
+use crate::batch::{Executor, ForwardBatch, ForwardOutput};
 use crate::error::{Result, SchedulerError};
 use crate::req::{FinishReason, ReqId, SamplingLimits};
 use crate::scheduler::Scheduler;
@@ -422,6 +422,7 @@ pub fn simulate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::ForwardMode;
 
     fn batch(mode: ForwardMode, reqs: &[(usize, usize)]) -> ForwardBatch {
         let mut b = ForwardBatch::new(mode);
