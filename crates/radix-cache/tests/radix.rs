@@ -814,3 +814,31 @@ fn chunk_cache_keeps_kv_private_and_frees_it_all_at_finish() {
         })
         .is_err());
 }
+
+#[test]
+fn peek_prefix_reports_the_deepest_node_and_parents_link_up() {
+    let mut cache = RadixCache::new(1, Box::new(BuiltinPolicy::Lru));
+    let mut alloc = PagedAllocator::new(64, 1).unwrap();
+    let abcd = insert_fresh(
+        &mut cache,
+        &mut alloc,
+        &toks("ABCD"),
+        InsertOptions::default(),
+    );
+    let abxy = insert_fresh(
+        &mut cache,
+        &mut alloc,
+        &toks("ABXY"),
+        InsertOptions::default(),
+    );
+    // ABXY split ABCD into AB → {CD, XY}.
+    let (len, node) = cache.peek_prefix(&toks("ABCDZ"), None);
+    assert_eq!((len, node), (4, Some(abcd)));
+    let ab = cache.parent(abcd).expect("AB above CD");
+    assert_eq!(cache.parent(abxy), Some(ab));
+    assert_eq!(cache.parent(ab), None, "the root is not reported");
+    // A match ending inside XY reports XY (not split by peeking).
+    assert_eq!(cache.peek_prefix(&toks("ABXQ"), None), (3, Some(abxy)));
+    assert_eq!(cache.peek_prefix(&toks("Q"), None), (0, None));
+    assert_eq!(cache.node_count(), 3);
+}
