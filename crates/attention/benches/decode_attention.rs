@@ -1,0 +1,3 @@
+//! Decode-attention bandwidth bench (placeholder until the bench lands).
+
+fn main() {}
