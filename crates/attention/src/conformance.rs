@@ -85,7 +85,8 @@ pub struct AttentionCase {
     pub dtype: KvDtype,
     /// Page size.
     pub page_size: u32,
-    /// Per request `(prefix_len, extend_len)`; all extends of 1 make a decode batch.
+    /// Per request `(prefix_len, extend_len)`; when every extend is 1 the case runs as a decode
+    /// batch ([`BatchMetadata::new_decode`]).
     pub requests: Vec<(usize, usize)>,
     /// Seed of every random input.
     pub seed: u64,
@@ -368,7 +369,11 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
             extend_len: ext,
         })
         .collect();
-    let meta = BatchMetadata::new(p, &reqs)?;
+    let meta = if case.requests.iter().all(|&(_, ext)| ext == 1) {
+        BatchMetadata::new_decode(p, &reqs)?
+    } else {
+        BatchMetadata::new(p, &reqs)?
+    };
     let plan = backend.plan(&meta)?;
     let n = meta.num_tokens();
     let q = rng.nonzero_vec(n * qh * d);

@@ -48,13 +48,35 @@ pub struct BatchMetadata {
     last_page_len: Vec<u32>,
     out_cache_loc: Vec<Slot>,
     max_slot: Option<Slot>,
+    decode: bool,
 }
 
 impl BatchMetadata {
     /// Builds the metadata from per-request slot lists, checking `1 ≤ extend_len ≤ kv_len`,
     /// `page_size ≥ 1` and, for every position `p`, that `slot(p) mod P == p mod P` and that
-    /// `slot(p)` lies in the same page as `slot(⌊p/P⌋·P)`.
+    /// `slot(p)` lies in the same page as `slot(⌊p/P⌋·P)`. The batch is an extend batch
+    /// (SGLang's `ForwardMode::EXTEND`), whatever its lengths.
     pub fn new(page_size: u32, requests: &[RequestKv<'_>]) -> Result<Self> {
+        Self::build(page_size, requests, false)
+    }
+
+    /// Builds a decode batch (SGLang's `ForwardMode::DECODE`): as [`new`](Self::new), and every
+    /// request must have `extend_len == 1`. Backends may treat decode batches differently
+    /// (DoubleSparse attends sparsely only in decode batches).
+    pub fn new_decode(page_size: u32, requests: &[RequestKv<'_>]) -> Result<Self> {
+        if let Some(r) = requests.iter().position(|r| r.extend_len != 1) {
+            return Err(AttentionError::InvalidRequest {
+                request: r,
+                reason: format!(
+                    "a decode batch needs extend_len 1, got {}",
+                    requests[r].extend_len
+                ),
+            });
+        }
+        Self::build(page_size, requests, true)
+    }
+
+    fn build(page_size: u32, requests: &[RequestKv<'_>], decode: bool) -> Result<Self> {
         if page_size == 0 {
             return Err(AttentionError::InvalidConfig {
                 field: "page_size",
@@ -72,6 +94,7 @@ impl BatchMetadata {
             last_page_len: Vec::with_capacity(n),
             out_cache_loc: Vec::new(),
             max_slot: None,
+            decode,
         };
         meta.qo_indptr.push(0);
         meta.kv_indptr.push(0);
@@ -133,9 +156,9 @@ impl BatchMetadata {
         self.out_cache_loc.len()
     }
 
-    /// Whether every request has exactly one new token (a decode batch).
+    /// Whether this is a decode batch (built with [`new_decode`](Self::new_decode)).
     pub fn is_decode(&self) -> bool {
-        (0..self.num_requests()).all(|r| self.extend_len(r) == 1)
+        self.decode
     }
 
     /// FlashInfer's `qo_indptr` (`n + 1` entries).
