@@ -121,34 +121,79 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut v[..n]
 }
 
+/// `a · b + c`, fused when `FMA` (the AVX2+FMA kernel) and plain otherwise.
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
 /// Dot product in a fixed order (eight lanes, then the lanes, then the tail).
-#[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+pub(crate) fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 8];
     let ac = a.chunks_exact(8);
     let bc = b.chunks_exact(8);
     let (ar, br) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
-            lanes[i] += x[i] * y[i];
+            lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
         }
     }
     let mut s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
         + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     for (x, y) in ar.iter().zip(br) {
-        s += x * y;
+        s = madd::<FMA>(*x, *y, s);
     }
     s
 }
 
-/// Folds one block into a query's softmax state: `scores[j]` are the block's scaled scores,
-/// `value(j)` its value rows.
+/// [`dot_with`] without fusion.
 #[inline]
-fn online<'v>(
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_with::<false>(a, b)
+}
+
+/// `e^x` for `x ≤ 0` (softmax weights), vectorisable: Cody–Waite reduction `x = n·ln2 + r`,
+/// `|r| ≤ ln2/2`, a degree-6 Taylor polynomial for `e^r` (relative error below 2e-7), and
+/// `2^n` built in the exponent bits. Inputs below −87 give 0 (e^−87 is below f32's normal
+/// range), as do −∞.
+#[inline(always)]
+fn exp_nonpos<const FMA: bool>(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
+    let small = x < -87.0;
+    let x = if small { -87.0 } else { x };
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, x));
+    let mut p = 1.0 / 720.0;
+    p = madd::<FMA>(p, r, 1.0 / 120.0);
+    p = madd::<FMA>(p, r, 1.0 / 24.0);
+    p = madd::<FMA>(p, r, 1.0 / 6.0);
+    p = madd::<FMA>(p, r, 0.5);
+    p = madd::<FMA>(p, r, 1.0);
+    p = madd::<FMA>(p, r, 1.0);
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if small {
+        0.0
+    } else {
+        p * scale
+    }
+}
+
+/// Folds one block into a query's softmax state: `scores[j]` are the block's scaled scores
+/// (overwritten with the weights), `value(j)` its value rows.
+#[inline(always)]
+fn online<'v, const FMA: bool>(
     m: &mut f32,
     l: &mut f32,
     acc: &mut [f32],
-    scores: &[f32],
+    scores: &mut [f32],
     value: impl Fn(usize) -> &'v [f32],
 ) {
     let m_b = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -157,17 +202,23 @@ fn online<'v>(
         let corr = if *m == f32::NEG_INFINITY {
             0.0
         } else {
-            (*m - m_new).exp()
+            exp_nonpos::<FMA>(*m - m_new)
         };
         *l *= corr;
         acc.iter_mut().for_each(|a| *a *= corr);
         *m = m_new;
     }
-    for (j, &s) in scores.iter().enumerate() {
-        let p = (s - m_new).exp();
-        *l += p;
+    for s in scores.iter_mut() {
+        *s = exp_nonpos::<FMA>(*s - m_new);
+    }
+    let mut sum = 0.0f32;
+    for &p in scores.iter() {
+        sum += p;
+    }
+    *l += sum;
+    for (j, &p) in scores.iter().enumerate() {
         for (a, &v) in acc.iter_mut().zip(value(j)) {
-            *a += p * v;
+            *a = madd::<FMA>(p, v, *a);
         }
     }
 }
@@ -190,10 +241,60 @@ pub(crate) struct Sources<'a> {
     pub labels: Option<RowSource<'a>>,
 }
 
+/// Whether the AVX2+FMA kernel can run (checked once per call; the check is cached by std).
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
 /// Dense causal attention of request `r`: `q` is the request's rows `[ext, q_heads, d]`, `out`
-/// its rows `[ext, q_heads, dv]` (overwritten).
+/// its rows `[ext, q_heads, dv]` (overwritten). Runs the AVX2+FMA build of the kernel where
+/// the CPU has it (the choice depends only on the machine, so results stay batch-invariant).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dense_request(
+    g: &Geom,
+    meta: &BatchMetadata,
+    r: usize,
+    src: &Sources<'_>,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: `dense_request_avx2` only requires the AVX2 and FMA target features, and the
+        // running CPU has both (checked just above).
+        unsafe { dense_request_avx2(g, meta, r, src, q, scale, out, sc) };
+        return;
+    }
+    dense_request_impl::<false>(g, meta, r, src, q, scale, out, sc)
+}
+
+/// [`dense_request_impl`] compiled with AVX2 and FMA (about 3× faster decode; see the bench).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dense_request_avx2(
+    g: &Geom,
+    meta: &BatchMetadata,
+    r: usize,
+    src: &Sources<'_>,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
+    dense_request_impl::<true>(g, meta, r, src, q, scale, out, sc)
+}
+
+/// The dense kernel; `FMA` selects fused multiply-adds (only in the AVX2+FMA build).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dense_request_impl<const FMA: bool>(
     g: &Geom,
     meta: &BatchMetadata,
     r: usize,
@@ -230,7 +331,7 @@ pub(crate) fn dense_request(
                 let qv = &q[i * g.d..(i + 1) * g.d];
                 for (j, s) in scores[..seen].iter_mut().enumerate() {
                     let kr = j * g.k_row + gk * g.d;
-                    *s = scale * dot(qv, &kbuf[kr..kr + g.d]);
+                    *s = scale * dot_with::<FMA>(qv, &kbuf[kr..kr + g.d]);
                 }
                 let value = |j: usize| -> &[f32] {
                     if g.v_in_k {
@@ -240,11 +341,11 @@ pub(crate) fn dense_request(
                         &vbuf[vr..vr + g.dv]
                     }
                 };
-                online(
+                online::<FMA>(
                     &mut sc.m[i],
                     &mut sc.l[i],
                     &mut out[i * g.dv..(i + 1) * g.dv],
-                    &scores[..seen],
+                    &mut scores[..seen],
                     value,
                 );
             }
@@ -318,10 +419,97 @@ pub(crate) fn sparse_decode_request(
                 *s = scale * dot(qv, &kbuf[kr..kr + g.d]);
             }
             let vb = &vbuf[start * g.dv..end * g.dv];
-            online(&mut m, &mut l, acc, &scores[..end - start], |j| {
+            online::<false>(&mut m, &mut l, acc, &mut scores[..end - start], |j| {
                 &vb[j * g.dv..(j + 1) * g.dv]
             });
         }
         finish(acc, &[l], g.dv);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_matches_std() {
+        let mut worst = 0.0f64;
+        let mut x = 0.0f32;
+        while x > -100.0 {
+            let want = (x as f64).exp();
+            for got in [exp_nonpos::<false>(x), exp_nonpos::<true>(x)] {
+                if x < -87.0 {
+                    assert_eq!(got, 0.0);
+                } else {
+                    worst = worst.max((got as f64 - want).abs() / want);
+                }
+            }
+            x -= 0.013;
+        }
+        assert!(worst < 4e-7, "worst relative error {worst}");
+        assert_eq!(exp_nonpos::<false>(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpos::<false>(0.0), 1.0);
+    }
+
+    /// The AVX2+FMA kernel (where the CPU has it) agrees with the portable one.
+    #[test]
+    fn simd_kernel_matches_portable_kernel() {
+        use crate::metadata::RequestKv;
+        use crate::rng::SplitMix;
+        use kv_pool::dtype::encode_f32;
+        let mut rng = SplitMix(5);
+        let (kvh, d, qh, len) = (2usize, 64usize, 8usize, 100usize);
+        let slots: Vec<Slot> = (1..=len as u32).map(Slot).collect();
+        let mut k = vec![0u8; (len + 1) * kvh * d * 2];
+        let mut v = vec![0u8; (len + 1) * kvh * d * 2];
+        encode_f32(
+            KvDtype::F16,
+            &rng.nonzero_vec((len + 1) * kvh * d),
+            1.0,
+            &mut k,
+        );
+        encode_f32(
+            KvDtype::F16,
+            &rng.nonzero_vec((len + 1) * kvh * d),
+            1.0,
+            &mut v,
+        );
+        let src = |bytes| RowSource {
+            bytes,
+            dtype: KvDtype::F16,
+            scale: 1.0,
+            elems: kvh * d,
+        };
+        let sources = Sources {
+            k: src(&k),
+            v: Some(src(&v)),
+            labels: None,
+        };
+        let meta = BatchMetadata::new(
+            1,
+            &[RequestKv {
+                slots: &slots,
+                extend_len: 40,
+            }],
+        )
+        .unwrap();
+        let g = Geom {
+            q_heads: qh,
+            group: qh / kvh,
+            d,
+            dv: d,
+            k_row: kvh * d,
+            v_row: kvh * d,
+            v_in_k: false,
+        };
+        let q = rng.nonzero_vec(40 * qh * d);
+        let mut a = vec![0.0; 40 * qh * d];
+        let mut b = vec![0.0; 40 * qh * d];
+        let mut sc = Scratch::default();
+        dense_request(&g, &meta, 0, &sources, &q, 0.3, &mut a, &mut sc);
+        dense_request_impl::<false>(&g, &meta, 0, &sources, &q, 0.3, &mut b, &mut sc);
+        let num: f32 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f32 = b.iter().map(|y| y * y).sum();
+        assert!((num / den).sqrt() < 1e-6, "{}", (num / den).sqrt());
     }
 }
