@@ -392,6 +392,18 @@ impl HostKvStore {
         })
     }
 
+    /// Borrows one layer's `buffer` as raw store bytes: `layout.rows() × row_bytes(buffer)`
+    /// bytes, row `s` (slot `s`) at `s × row_bytes`, little-endian elements of the layout's dtype
+    /// (decode them with [`crate::dtype::decode_to_f32`] and [`KvStore::scales`]).
+    ///
+    /// For host compute backends that read contiguous runs of rows without a copy. Errors as
+    /// [`KvStore::read_raw`]: a layer out of range or a buffer the layout lacks.
+    pub fn layer_buffer(&self, layer: usize, buffer: KvBuffer) -> Result<&[u8]> {
+        check::layer(&self.layout, layer)?;
+        check::buffer(&self.layout, buffer)?;
+        Ok(&self.data[self.index(layer, buffer)])
+    }
+
     /// Index into `data` of a validated layer and buffer.
     #[inline]
     fn index(&self, layer: usize, buffer: KvBuffer) -> usize {
@@ -1038,6 +1050,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn layer_buffer_borrows_the_rows_read_raw_returns() {
+        let mut seed = 77;
+        for shape in shapes(KvDtype::F16) {
+            let layout = KvLayout::new(shape, 4, 16).unwrap();
+            let store = random_store(layout, &mut seed);
+            for layer in 0..shape.layers as usize {
+                for &b in shape.buffers() {
+                    let rb = shape.row_bytes(b);
+                    let all = slots(0..layout.rows());
+                    let mut want = vec![0u8; all.len() * rb];
+                    store.read_raw(layer, b, &all, &mut want).unwrap();
+                    assert_eq!(store.layer_buffer(layer, b).unwrap(), &want[..]);
+                }
+            }
+            assert_eq!(
+                store.layer_buffer(shape.layers as usize, KvBuffer::Key),
+                Err(KvPoolError::LayerOutOfRange {
+                    layer: shape.layers as usize,
+                    layers: shape.layers as usize
+                })
+            );
+        }
+        let mla = KvLayout::new(KvShape::mla(6, 2, 1, KvDtype::F32).unwrap(), 1, 8).unwrap();
+        let store = HostKvStore::new(mla).unwrap();
+        assert!(matches!(
+            store.layer_buffer(0, KvBuffer::Value),
+            Err(KvPoolError::Unsupported(_))
+        ));
     }
 
     #[test]

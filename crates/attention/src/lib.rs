@@ -1,0 +1,40 @@
+//! # attention — compute backends for kvserve
+//!
+//! The backend traits every device implements ([`Backend`]: device tensors, the dense ops of a
+//! decoder layer, paged attention over a [`kv_pool::KvStore`]), the backend-neutral batch
+//! metadata ([`BatchMetadata`]: FlashInfer-style page tables), the CPU backend
+//! ([`CpuBackend`]), an f64 reference ([`reference`]) and the conformance suite every backend
+//! runs ([`conformance`]).
+//!
+//! ## Invariants
+//! - Backends never allocate or free slots: they read the page tables they are given and write
+//!   new K/V only at the batch's `out_cache_loc`, before attending (SGLang's contract).
+//! - Attention reads every KV position, new tokens included, back from the store after the
+//!   write, so a result depends only on the store contents and the query, never on whether a
+//!   position was written in this batch or an earlier one.
+//! - Batch metadata obeys kv-pool's page rule (`slot(p) mod P == p mod P`, one physical page
+//!   per page index), checked when it is built.
+//! - Bad input is a typed [`AttentionError`], never a panic.
+//! - The CPU backend is deterministic and batch-invariant by default: a request's output is
+//!   bitwise the same alone or in any batch, chunked or not, with its prefix cached or not, on
+//!   any slots.
+//!
+//! ## Where it sits
+//! attention depends on kv-pool only. The model crate builds decoder layers on [`Backend`];
+//! the CUDA and wgpu backends implement it and call [`conformance`] in their tests.
+
+pub mod backend;
+pub mod conformance;
+pub mod cpu;
+pub mod error;
+pub mod metadata;
+pub mod reference;
+pub mod rng;
+
+pub use backend::{
+    AttentionParams, Backend, DeviceTensor, DoubleSparseConfig, RopeConfig, RopeScaling, RopeStyle,
+    TensorDtype,
+};
+pub use cpu::{CpuBackend, CpuConfig, CpuPlan, CpuTensor};
+pub use error::{AttentionError, Result};
+pub use metadata::{BatchMetadata, RequestKv};

@@ -1,0 +1,420 @@
+//! Batch invariance of the CPU backend in deterministic mode: a request's attention output is
+//! bitwise the same alone or batched, chunked or in one pass, with its prefix from the cache or
+//! recomputed, on scattered paged slots or contiguous ones, with one thread or several.
+
+use attention::conformance::scattered_slots;
+use attention::rng::SplitMix;
+use attention::{
+    AttentionParams, Backend, BatchMetadata, CpuBackend, CpuConfig, DoubleSparseConfig, RequestKv,
+};
+use kv_pool::{HostKvStore, KvDtype, KvLayout, KvShape, KvStore, Slot};
+
+const LAYER: usize = 0;
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    /// GQA 8 query heads over 2 KV heads of 64.
+    Gqa,
+    /// MLA 4 heads, latent 32 + rope 16.
+    Mla,
+    /// DoubleSparse 8/2 x 64 with 8 label channels, top 16.
+    Ds,
+}
+
+impl Kind {
+    fn shape(self, dtype: KvDtype) -> KvShape {
+        match self {
+            Kind::Gqa => KvShape::mha(2, 64, 64, 1, dtype).unwrap(),
+            Kind::Mla => KvShape::mla(32, 16, 1, dtype).unwrap(),
+            Kind::Ds => KvShape::double_sparse(2, 64, 64, 8, 1, dtype).unwrap(),
+        }
+    }
+    /// (q heads, q/k dim, elements per K row, elements per V row)
+    fn dims(self) -> (usize, usize, usize, usize) {
+        match self {
+            Kind::Gqa | Kind::Ds => (8, 64, 128, 128),
+            Kind::Mla => (4, 48, 48, 0),
+        }
+    }
+    fn params(self) -> AttentionParams {
+        let mut p = AttentionParams::dense(0.2);
+        if let Kind::Ds = self {
+            p.double_sparse = Some(DoubleSparseConfig {
+                top_k: 16,
+                channels: (0..16).map(|i| (i * 7 % 64) as u32).collect(),
+            });
+        }
+        p
+    }
+}
+
+/// One request's inputs for every position: q, k, v rows.
+struct Req {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+fn request(kind: Kind, len: usize, seed: u64) -> Req {
+    let (qh, d, kr, vr) = kind.dims();
+    let mut rng = SplitMix(seed);
+    Req {
+        q: rng.nonzero_vec(len * qh * d),
+        k: rng.nonzero_vec(len * kr),
+        v: rng.nonzero_vec(len * vr),
+    }
+}
+
+/// One request's part of a batch: its slots for positions `0..end`, new tokens `start..end`.
+struct Part<'a> {
+    req: &'a Req,
+    slots: &'a [Slot],
+    start: usize,
+    end: usize,
+}
+
+/// Runs one batch and returns each part's output rows.
+fn run(
+    backend: &CpuBackend,
+    kind: Kind,
+    store: &mut HostKvStore,
+    parts: &[Part<'_>],
+) -> Vec<Vec<f32>> {
+    run_mode(backend, kind, store, parts, false)
+}
+
+/// Runs one decode batch (every part one token).
+fn run_decode(
+    backend: &CpuBackend,
+    kind: Kind,
+    store: &mut HostKvStore,
+    parts: &[Part<'_>],
+) -> Vec<Vec<f32>> {
+    run_mode(backend, kind, store, parts, true)
+}
+
+fn run_mode(
+    backend: &CpuBackend,
+    kind: Kind,
+    store: &mut HostKvStore,
+    parts: &[Part<'_>],
+    decode: bool,
+) -> Vec<Vec<f32>> {
+    let (qh, d, kr, vr) = kind.dims();
+    let reqs: Vec<RequestKv<'_>> = parts
+        .iter()
+        .map(|p| RequestKv {
+            slots: &p.slots[..p.end],
+            extend_len: p.end - p.start,
+        })
+        .collect();
+    let page = store.layout().page_size;
+    let meta = if decode {
+        BatchMetadata::new_decode(page, &reqs).unwrap()
+    } else {
+        BatchMetadata::new(page, &reqs).unwrap()
+    };
+    let plan = backend.plan(&meta).unwrap();
+    let n = meta.num_tokens();
+    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for p in parts {
+        q.extend_from_slice(&p.req.q[p.start * qh * d..p.end * qh * d]);
+        k.extend_from_slice(&p.req.k[p.start * kr..p.end * kr]);
+        v.extend_from_slice(&p.req.v[p.start * vr..p.end * vr]);
+    }
+    let qt = backend.upload(&q, &[n, qh, d]).unwrap();
+    let params = kind.params();
+    let (out, dv) = match kind {
+        Kind::Mla => {
+            let lt = backend.upload(&k, &[n, kr]).unwrap();
+            let out = backend
+                .attention_mla(LAYER, &plan, store, &qt, &lt, &params)
+                .unwrap();
+            (out, 32)
+        }
+        Kind::Gqa | Kind::Ds => {
+            let kt = backend.upload(&k, &[n, 2, 64]).unwrap();
+            let vt = backend.upload(&v, &[n, 2, 64]).unwrap();
+            let out = backend
+                .attention(LAYER, &plan, store, &qt, &kt, &vt, &params)
+                .unwrap();
+            (out, 64)
+        }
+    };
+    let out = backend.download(&out).unwrap();
+    (0..parts.len())
+        .map(|r| out[meta.qo_range(r).start * qh * dv..meta.qo_range(r).end * qh * dv].to_vec())
+        .collect()
+}
+
+fn store(kind: Kind, dtype: KvDtype, page_size: u32) -> HostKvStore {
+    let layout = KvLayout::new(kind.shape(dtype), page_size, 4096).unwrap();
+    let mut s = HostKvStore::new(layout).unwrap();
+    if dtype.is_fp8() {
+        s.set_scales(LAYER, 0.5, 0.25).unwrap();
+    }
+    s
+}
+
+/// Slots for requests of `lens` on a shuffled pool of page size `p`.
+fn slots(p: u32, lens: &[usize], seed: u64) -> Vec<Vec<Slot>> {
+    let reqs: Vec<(usize, usize)> = lens.iter().map(|&l| (0, l)).collect();
+    scattered_slots(p, 4096, &reqs, &mut SplitMix(seed)).unwrap()
+}
+
+const LENS: [usize; 3] = [130, 37, 300];
+const CASES: [(Kind, KvDtype, u32); 5] = [
+    (Kind::Gqa, KvDtype::F16, 16),
+    (Kind::Gqa, KvDtype::Fp8E4m3, 1),
+    (Kind::Gqa, KvDtype::Bf16, 64),
+    (Kind::Mla, KvDtype::F16, 16),
+    (Kind::Ds, KvDtype::F32, 16),
+];
+
+#[test]
+fn request_alone_equals_request_in_a_batch() {
+    let backend = CpuBackend::default();
+    for (kind, dtype, p) in CASES {
+        let reqs: Vec<Req> = (0..3)
+            .map(|i| request(kind, LENS[i] + 1, 10 + i as u64))
+            .collect();
+        let sl = slots(p, &LENS.map(|l| l + 1), 5);
+        // Prefill alone, then decode alone.
+        let mut alone = store(kind, dtype, p);
+        let prefill = |s: &mut HostKvStore, which: &[usize]| {
+            let parts: Vec<Part<'_>> = which
+                .iter()
+                .map(|&i| Part {
+                    req: &reqs[i],
+                    slots: &sl[i],
+                    start: 0,
+                    end: LENS[i],
+                })
+                .collect();
+            run(&backend, kind, s, &parts)
+        };
+        let decode = |s: &mut HostKvStore, which: &[usize]| {
+            let parts: Vec<Part<'_>> = which
+                .iter()
+                .map(|&i| Part {
+                    req: &reqs[i],
+                    slots: &sl[i],
+                    start: LENS[i],
+                    end: LENS[i] + 1,
+                })
+                .collect();
+            run_decode(&backend, kind, s, &parts)
+        };
+        let a_pre = prefill(&mut alone, &[0]);
+        let a_dec = decode(&mut alone, &[0]);
+        let mut batched = store(kind, dtype, p);
+        let b_pre = prefill(&mut batched, &[2, 0, 1]);
+        let b_dec = decode(&mut batched, &[1, 2, 0]);
+        assert!(
+            a_pre[0] == b_pre[1],
+            "{kind:?} {dtype} P={p}: prefill differs"
+        );
+        assert!(
+            a_dec[0] == b_dec[2],
+            "{kind:?} {dtype} P={p}: decode differs"
+        );
+        // The decode query at position L equals the same query in an extend over 0..=L
+        // (except DoubleSparse, whose decode is sparse by design).
+        if let Kind::Ds = kind {
+            continue;
+        }
+        let mut one = store(kind, dtype, p);
+        let whole = run(
+            &backend,
+            kind,
+            &mut one,
+            &[Part {
+                req: &reqs[0],
+                slots: &sl[0],
+                start: 0,
+                end: LENS[0] + 1,
+            }],
+        );
+        let row = a_dec[0].len();
+        assert!(
+            whole[0][whole[0].len() - row..] == a_dec[0][..],
+            "{kind:?} {dtype} P={p}: decode differs from the extend's last row"
+        );
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    let backend = CpuBackend::default();
+    for (kind, dtype, p) in CASES {
+        let len = 150;
+        let req = request(kind, len, 99);
+        let sl = slots(p, &[len], 6);
+        let mut s = store(kind, dtype, p);
+        let once = run(
+            &backend,
+            kind,
+            &mut s,
+            &[Part {
+                req: &req,
+                slots: &sl[0],
+                start: 0,
+                end: len,
+            }],
+        )
+        .remove(0);
+        for chunk in [1, 7, 64] {
+            let mut s = store(kind, dtype, p);
+            let mut got = Vec::new();
+            for start in (0..len).step_by(chunk) {
+                let end = (start + chunk).min(len);
+                got.extend(
+                    run(
+                        &backend,
+                        kind,
+                        &mut s,
+                        &[Part {
+                            req: &req,
+                            slots: &sl[0],
+                            start,
+                            end,
+                        }],
+                    )
+                    .remove(0),
+                );
+            }
+            assert!(got == once, "{kind:?} {dtype} P={p}: chunk {chunk} differs");
+        }
+    }
+}
+
+#[test]
+fn cached_prefix_equals_full_prefill() {
+    let backend = CpuBackend::default();
+    for (kind, dtype, p) in CASES {
+        let (_, _, kr, vr) = kind.dims();
+        let len = 200;
+        let req = request(kind, len, 7);
+        let sl = slots(p, &[len], 8);
+        let mut s = store(kind, dtype, p);
+        let full = run(
+            &backend,
+            kind,
+            &mut s,
+            &[Part {
+                req: &req,
+                slots: &sl[0],
+                start: 0,
+                end: len,
+            }],
+        )
+        .remove(0);
+        let row = full.len() / len;
+        for prefix in [16, 64, 77] {
+            // The prefix's KV is already in the store (another request wrote it); only the
+            // suffix is extended.
+            let mut s = store(kind, dtype, p);
+            let k = &req.k[..prefix * kr];
+            let v = &req.v[..prefix * vr];
+            s.write_kv(LAYER, &sl[0][..prefix], k, v).unwrap();
+            if let Kind::Ds = kind {
+                let ch = kind.params().double_sparse.unwrap().channels;
+                let labels: Vec<f32> = k
+                    .chunks_exact(kr)
+                    .flat_map(|row| {
+                        ch.iter()
+                            .enumerate()
+                            .map(move |(i, &c)| row[(i / 8) * 64 + c as usize])
+                    })
+                    .collect();
+                s.write_labels(LAYER, &sl[0][..prefix], &labels).unwrap();
+            }
+            let got = run(
+                &backend,
+                kind,
+                &mut s,
+                &[Part {
+                    req: &req,
+                    slots: &sl[0],
+                    start: prefix,
+                    end: len,
+                }],
+            )
+            .remove(0);
+            assert!(
+                got[..] == full[prefix * row..],
+                "{kind:?} {dtype} P={p}: prefix {prefix} differs"
+            );
+        }
+    }
+}
+
+#[test]
+fn scattered_paged_slots_equal_contiguous_slots() {
+    let backend = CpuBackend::default();
+    for (kind, dtype, p) in CASES {
+        let lens = [90, 33];
+        let reqs: Vec<Req> = (0..2)
+            .map(|i| request(kind, lens[i], 40 + i as u64))
+            .collect();
+        let run_on = |page: u32, sl: &[Vec<Slot>]| {
+            let mut s = store(kind, dtype, page);
+            let parts: Vec<Part<'_>> = (0..2)
+                .map(|i| Part {
+                    req: &reqs[i],
+                    slots: &sl[i],
+                    start: 0,
+                    end: lens[i],
+                })
+                .collect();
+            let mut out = run(&backend, kind, &mut s, &parts);
+            // and one decode step each
+            let parts: Vec<Part<'_>> = (0..2)
+                .map(|i| Part {
+                    req: &reqs[i],
+                    slots: &sl[i],
+                    start: lens[i] - 1,
+                    end: lens[i],
+                })
+                .collect();
+            let mut s2 = s.clone();
+            // re-run the last position as a decode over the stored KV
+            out.extend(run_decode(&backend, kind, &mut s2, &parts));
+            out
+        };
+        let contiguous: Vec<Vec<Slot>> =
+            vec![(1..=90).map(Slot).collect(), (100..133).map(Slot).collect()];
+        let scattered = slots(p, &lens, 77);
+        assert!(
+            run_on(1, &contiguous) == run_on(p, &scattered),
+            "{kind:?} {dtype} P={p}: placement changed the result"
+        );
+    }
+}
+
+#[test]
+fn threads_do_not_change_results() {
+    let one = CpuBackend::default();
+    let three = CpuBackend::new(CpuConfig {
+        threads: 3,
+        ..CpuConfig::default()
+    })
+    .unwrap();
+    for (kind, dtype, p) in CASES {
+        let reqs: Vec<Req> = (0..3)
+            .map(|i| request(kind, LENS[i], 60 + i as u64))
+            .collect();
+        let sl = slots(p, &LENS, 9);
+        let parts: Vec<Part<'_>> = (0..3)
+            .map(|i| Part {
+                req: &reqs[i],
+                slots: &sl[i],
+                start: 0,
+                end: LENS[i],
+            })
+            .collect();
+        let a = run(&one, kind, &mut store(kind, dtype, p), &parts);
+        let b = run(&three, kind, &mut store(kind, dtype, p), &parts);
+        assert!(a == b, "{kind:?} {dtype} P={p}");
+    }
+}
