@@ -80,8 +80,9 @@ pub struct NodeStats {
     pub depth: usize,
     /// Tokens held by the node.
     pub len: usize,
-    /// A 64-bit hash of the token path from the root through the node's first page (equal
-    /// paths give equal hashes); what [`Belady`] looks up in its future index.
+    /// A 64-bit hash of the token path from the root through the node's last page (equal
+    /// paths give equal hashes; 0 unless the cache tracks paths); what [`Belady`] looks up in
+    /// its future index. The last page is what a partial eviction removes first.
     pub path_hash: u64,
 }
 
@@ -323,8 +324,8 @@ impl FutureIndex {
     }
 }
 
-/// Belady's optimal policy for a known future: evict the leaf whose next use is farthest (never
-/// used again first). The replay driver advances [`Belady::set_now`] to the index of the request
+/// Belady's optimal policy for a known future: evict the leaf page whose next use is farthest
+/// (never used again first). With it the cache evicts one page per decision. The replay driver advances [`Belady::set_now`] to the index of the request
 /// being served; a node's key is refreshed whenever it is used, so a stored key is exact until
 /// the node's next use.
 #[derive(Debug, Clone)]

@@ -312,14 +312,8 @@ impl RadixCache {
 
     fn stats(&self, i: u32) -> NodeStats {
         let n = &self.nodes[i as usize];
-        let path = if self.track_paths {
-            path_hash(
-                n.start_hash,
-                &self.node_tokens(i)[..self.page_size as usize],
-            )
-        } else {
-            0
-        };
+        // The path through the node's last page: what partial eviction removes first.
+        let path = if self.track_paths { n.end_hash } else { 0 };
         NodeStats {
             last_access: n.last_access,
             creation: n.creation,
@@ -660,16 +654,26 @@ impl RadixCache {
         if self.dead_tokens < (1 << 16) || self.dead_tokens < live {
             return;
         }
-        let mut tokens = Vec::with_capacity(live);
-        let mut slots = Vec::with_capacity(live);
-        for n in self.nodes.iter_mut().filter(|n| n.live) {
-            let start = tokens.len();
-            tokens.extend_from_slice(&self.tokens[n.start..n.start + n.len]);
-            slots.extend_from_slice(&self.slots[n.start..n.start + n.len]);
-            n.start = start;
+        // In place: live ranges never overlap, so packing them in start order only moves data
+        // down. The arenas keep their capacity, so no fresh memory is touched.
+        let mut order: Vec<(usize, u32)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.live && n.len > 0)
+            .map(|(i, n)| (n.start, i as u32))
+            .collect();
+        order.sort_unstable();
+        let mut w = 0;
+        for (start, i) in order {
+            let len = self.nodes[i as usize].len;
+            self.tokens.copy_within(start..start + len, w);
+            self.slots.copy_within(start..start + len, w);
+            self.nodes[i as usize].start = w;
+            w += len;
         }
-        self.tokens = tokens;
-        self.slots = slots;
+        self.tokens.truncate(w);
+        self.slots.truncate(w);
         self.dead_tokens = 0;
     }
 
@@ -1023,7 +1027,11 @@ impl PrefixCache for RadixCache {
             };
             self.tick();
             let need = (num_tokens - freed).div_ceil(p) * p;
-            let take = if self.partial_eviction {
+            // Belady (path hashes) decides page by page: a leaf's next page to go may be
+            // needed sooner than another leaf's.
+            let take = if self.track_paths {
+                p
+            } else if self.partial_eviction {
                 need
             } else {
                 usize::MAX

@@ -1,0 +1,445 @@
+//! Trace replay through a prefix cache (`kvserve cache-sim`): how much of a workload's prompts a
+//! [`RadixCache`] of a given capacity and eviction policy serves from cache, without a model.
+//!
+//! Per request `i`, in order, with one cache over a real allocator whose size is the capacity:
+//! 1. `policy.advance_to(i)` (Belady reads the future from there);
+//! 2. a prompt whose pages exceed the whole capacity is *skipped* (counted, never evicted for);
+//! 3. match the prompt: the matched length (page-aligned) counts as cached tokens; lock the
+//!    matched path;
+//! 4. allocate slots for the missed tokens with `alloc_extend`, evicting first when the
+//!    allocator is short (exactly the shortfall, which is a whole number of pages);
+//! 5. insert the page-aligned prompt with its slots (matched + new), free any duplicates the
+//!    insert reports and the unaligned tail (only whole pages enter the tree, as SGLang);
+//! 6. unlock.
+//!
+//! The prompt is matched whole (SGLang's scheduler keeps at least one token to compute; a replay
+//! measures reuse, so it does not) and only the prompt is inserted: a trace carries no output
+//! tokens. No request is in flight while another is served, so capacity is the only limit.
+//!
+//! Counters: `prompt_tokens` counts every request (also skipped ones, so hit rates at different
+//! capacities share a denominator); `cached_tokens` only served ones.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use kv_pool::{Allocator, ExtendRequest, OwnershipCheck, PagedAllocator, Slot, TokenAllocator};
+use radix_cache::policy::{policy_from_name, Belady, BuiltinPolicy, CostAware, FutureIndex};
+use radix_cache::{EvictionPolicy, InsertOptions, PrefixCache, RadixCache};
+use serde::Serialize;
+
+use crate::error::{EngineError, Result};
+use crate::workload::{ratio, Request};
+
+/// Name of the oracle policy (needs the whole workload in advance).
+pub const BELADY: &str = Belady::NAME;
+
+/// Every name `--policy` accepts, besides `all`.
+pub fn known_policies() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = BuiltinPolicy::ALL.iter().map(|p| p.as_str()).collect();
+    names.push(CostAware::NAME);
+    names.push(BELADY);
+    names
+}
+
+/// Parses a comma-separated policy list (case-insensitive): SGLang's seven (`lru`, `lfu`,
+/// `fifo`, `mru`, `filo`, `priority`, `slru`), `cost-aware`, `belady`, or `all` for SGLang's
+/// seven. Duplicates are dropped, order is kept.
+pub fn parse_policies(list: &str) -> Result<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    let mut push = |name: &str| {
+        if !out.iter().any(|n| n == name) {
+            out.push(name.to_string());
+        }
+    };
+    for item in list.split(',').map(str::trim) {
+        let lower = item.to_ascii_lowercase();
+        if lower == "all" {
+            BuiltinPolicy::ALL.iter().for_each(|p| push(p.as_str()));
+        } else if known_policies().contains(&lower.as_str()) {
+            push(&lower);
+        } else {
+            return Err(EngineError::arg(
+                "--policy",
+                format!(
+                    "unknown eviction policy {item:?}; known: {}, all",
+                    known_policies().join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Builds the policy `name` (one of [`known_policies`]); `belady` needs `future`.
+pub fn build_policy(name: &str, future: Option<&FutureIndex>) -> Result<Box<dyn EvictionPolicy>> {
+    if name.eq_ignore_ascii_case(BELADY) {
+        let future = future.ok_or_else(|| {
+            EngineError::arg(
+                "--policy",
+                "belady needs the workload's future (a FutureIndex)",
+            )
+        })?;
+        return Ok(Box::new(Belady::new(future.clone())));
+    }
+    policy_from_name(name).map_err(|e| EngineError::arg("--policy", e.to_string()))
+}
+
+/// Rounds a capacity up to a whole number of pages. Zero is an error; so is a capacity the
+/// allocator cannot address (more than `u32::MAX` slots). Returns the rounded capacity.
+pub fn page_align_capacity(tokens: usize, page_size: u32) -> Result<usize> {
+    if page_size == 0 {
+        return Err(EngineError::arg("--page-size", "must be at least 1"));
+    }
+    if tokens == 0 {
+        return Err(EngineError::arg(
+            "--capacity-tokens",
+            "a capacity of 0 tokens holds nothing; give a positive number",
+        ));
+    }
+    let p = page_size as usize;
+    let aligned = tokens.div_ceil(p) * p;
+    if aligned + p > u32::MAX as usize {
+        return Err(EngineError::arg(
+            "--capacity-tokens",
+            format!("{tokens} tokens is more than the 32-bit slot ids of the pool can address"),
+        ));
+    }
+    Ok(aligned)
+}
+
+/// The outcome of one replay (one policy at one capacity): a line of `--format json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayResult {
+    /// Eviction policy name.
+    pub policy: String,
+    /// Pool size in tokens (a multiple of the page size).
+    pub capacity_tokens: usize,
+    /// Page size.
+    pub page_size: u32,
+    /// Requests replayed, including skipped ones.
+    pub requests: usize,
+    /// Requests whose prompt does not fit in the whole pool (not served).
+    pub skipped_requests: usize,
+    /// Prompt tokens of all requests.
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the cache.
+    pub cached_tokens: u64,
+    /// `cached_tokens / prompt_tokens`.
+    pub hit_rate: f64,
+    /// Tokens evicted from the cache.
+    pub evicted_tokens: u64,
+    /// Wall time of the replay (workload generation excluded).
+    pub seconds: f64,
+    /// `prompt_tokens / seconds`.
+    pub tokens_per_s: f64,
+}
+
+/// What a replay checks when asked (`--check`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReplayOptions {
+    /// After every request: nothing stays locked, and `evictable + protected = capacity −
+    /// available`; after the run: the tree's invariants and the kv-pool ownership partition
+    /// (free pages and tree pages are exactly the pool).
+    pub check: bool,
+}
+
+/// Replays `requests` in order through a [`RadixCache`] with `policy` over an allocator of
+/// `capacity_tokens` slots (a positive multiple of `page_size`; see [`page_align_capacity`]).
+/// `progress` is called with the number of requests done since its last call.
+pub fn replay(
+    requests: &[Request],
+    policy: Box<dyn EvictionPolicy>,
+    capacity_tokens: usize,
+    page_size: u32,
+    opts: ReplayOptions,
+    progress: &dyn Fn(u64),
+) -> Result<ReplayResult> {
+    let aligned = page_align_capacity(capacity_tokens, page_size)?;
+    if aligned != capacity_tokens {
+        return Err(EngineError::arg(
+            "--capacity-tokens",
+            format!("{capacity_tokens} is not a multiple of the page size {page_size}"),
+        ));
+    }
+    if page_size == 1 {
+        let alloc = TokenAllocator::new(capacity_tokens)?;
+        Replay::new(alloc, policy, page_size, opts).run(requests, progress)
+    } else {
+        let alloc = PagedAllocator::new(capacity_tokens, page_size)?;
+        Replay::new(alloc, policy, page_size, opts).run(requests, progress)
+    }
+}
+
+struct Replay<A: Allocator> {
+    alloc: A,
+    cache: RadixCache,
+    capacity: usize,
+    page: usize,
+    opts: ReplayOptions,
+    slots: Vec<Slot>,
+    skipped: usize,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    evicted_tokens: u64,
+}
+
+impl<A: Allocator> Replay<A> {
+    fn new(alloc: A, policy: Box<dyn EvictionPolicy>, page_size: u32, opts: ReplayOptions) -> Self {
+        Replay {
+            capacity: alloc.size(),
+            alloc,
+            cache: RadixCache::new(page_size, policy),
+            page: page_size as usize,
+            opts,
+            slots: Vec::new(),
+            skipped: 0,
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            evicted_tokens: 0,
+        }
+    }
+
+    fn run(mut self, requests: &[Request], progress: &dyn Fn(u64)) -> Result<ReplayResult> {
+        const PROGRESS_EVERY: usize = 256;
+        let start = Instant::now();
+        for (i, req) in requests.iter().enumerate() {
+            self.cache.policy_mut().advance_to(i as u64);
+            self.serve(&req.tokens)?;
+            if self.opts.check {
+                self.check_accounting(&format!("request {i}"))?;
+            }
+            if (i + 1) % PROGRESS_EVERY == 0 {
+                progress(PROGRESS_EVERY as u64);
+            }
+        }
+        progress((requests.len() % PROGRESS_EVERY) as u64);
+        let seconds = start.elapsed().as_secs_f64();
+        if self.opts.check {
+            self.check_ownership()?;
+        }
+        Ok(ReplayResult {
+            policy: self.cache.policy_name().to_string(),
+            capacity_tokens: self.capacity,
+            page_size: self.page as u32,
+            requests: requests.len(),
+            skipped_requests: self.skipped,
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+            hit_rate: ratio(self.cached_tokens, self.prompt_tokens),
+            evicted_tokens: self.evicted_tokens,
+            seconds,
+            tokens_per_s: if seconds > 0.0 {
+                self.prompt_tokens as f64 / seconds
+            } else {
+                0.0
+            },
+        })
+    }
+
+    /// Serves one prompt (steps 2–6 of the module documentation).
+    fn serve(&mut self, tokens: &[u32]) -> Result<()> {
+        let p = self.page;
+        let len = tokens.len();
+        self.prompt_tokens += len as u64;
+        let pages_needed = len.div_ceil(p) * p;
+        if pages_needed > self.capacity {
+            self.skipped += 1;
+            return Ok(());
+        }
+        self.slots.clear();
+        let m = self.cache.match_prefix(tokens, None, &mut self.slots);
+        self.cached_tokens += m.len as u64;
+        self.cache.inc_lock_ref(m.last_node)?;
+        // New slots: the missed pages (the match is page-aligned).
+        let need = pages_needed - m.len;
+        let available = self.alloc.available_size();
+        if need > available {
+            self.evicted_tokens += self.cache.evict(need - available, &mut self.alloc)? as u64;
+            if need > self.alloc.available_size() {
+                return Err(EngineError::CheckFailed {
+                    after: format!("evicting for a {len}-token prompt"),
+                    message: format!(
+                        "{} tokens free after eviction, {need} needed; capacity {}, \
+                         evictable {}, protected {}",
+                        self.alloc.available_size(),
+                        self.capacity,
+                        self.cache.evictable_size(),
+                        self.cache.protected_size()
+                    ),
+                });
+            }
+        }
+        if len > m.len {
+            let extend = ExtendRequest {
+                prefix_len: m.len,
+                seq_len: len,
+                last_loc: self.slots.last().copied(),
+            };
+            self.alloc
+                .alloc_extend(std::slice::from_ref(&extend), &mut self.slots)?;
+        }
+        let aligned = len / p * p;
+        let ins = self.cache.insert(
+            &tokens[..aligned],
+            None,
+            &self.slots[..aligned],
+            InsertOptions::default(),
+        )?;
+        if ins.prefix_len > m.len {
+            self.alloc.free(&self.slots[m.len..ins.prefix_len])?;
+        }
+        let owned_to = ins.prefix_len + ins.inserted;
+        if len > owned_to {
+            self.alloc.free(&self.slots[owned_to..len])?;
+        }
+        self.cache.dec_lock_ref(m.last_node)?;
+        Ok(())
+    }
+
+    fn check_accounting(&self, after: &str) -> Result<()> {
+        let (evictable, protected) = (self.cache.evictable_size(), self.cache.protected_size());
+        let used = self.capacity - self.alloc.available_size();
+        if protected != 0 || evictable + protected != used {
+            return Err(EngineError::CheckFailed {
+                after: after.to_string(),
+                message: format!(
+                    "evictable {evictable} + protected {protected} != capacity {} − available {} \
+                     (or something stayed locked)",
+                    self.capacity,
+                    self.alloc.available_size()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_ownership(&self) -> Result<()> {
+        let failed = |message: String| EngineError::CheckFailed {
+            after: "the replay".into(),
+            message,
+        };
+        self.cache.check_invariants().map_err(failed)?;
+        let mut check = OwnershipCheck::new(&self.alloc);
+        self.cache.claim_ownership(&mut check);
+        check.finish().map_err(|v| failed(v.to_string()))?;
+        self.check_accounting("the replay")
+    }
+}
+
+/// A sweep: every policy at every capacity, over one workload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SweepConfig {
+    /// Policy names (see [`parse_policies`]).
+    pub policies: Vec<String>,
+    /// Capacities in tokens, each a positive multiple of the page size.
+    pub capacities: Vec<usize>,
+    /// Page size.
+    pub page_size: u32,
+    /// Checks (see [`ReplayOptions`]).
+    pub check: bool,
+    /// Replays run at once on threads (at least 1).
+    pub jobs: usize,
+}
+
+/// Runs every (policy, capacity) replay of `cfg`, `cfg.jobs` at a time on scoped threads.
+/// Results come policy-major in the order given. `progress` is called with requests done.
+pub fn run_sweep(
+    requests: &[Request],
+    cfg: &SweepConfig,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Vec<ReplayResult>> {
+    for &c in &cfg.capacities {
+        page_align_capacity(c, cfg.page_size)?;
+    }
+    let future = cfg
+        .policies
+        .iter()
+        .any(|p| p.eq_ignore_ascii_case(BELADY))
+        .then(|| FutureIndex::new(cfg.page_size, requests.iter().map(|r| r.tokens.as_slice())));
+    // Build every policy first, so a bad name fails before any replay runs.
+    let mut jobs = Vec::new();
+    for name in &cfg.policies {
+        for &capacity in &cfg.capacities {
+            jobs.push(Mutex::new(Some((
+                build_policy(name, future.as_ref())?,
+                capacity,
+            ))));
+        }
+    }
+    let opts = ReplayOptions { check: cfg.check };
+    let results: Vec<Mutex<Option<Result<ReplayResult>>>> =
+        jobs.iter().map(|_| Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    let worker = || loop {
+        let k = next.fetch_add(1, Ordering::Relaxed);
+        let Some(job) = jobs.get(k) else { break };
+        let (policy, capacity) = lock(job).take().expect("each job is taken once");
+        let r = replay(requests, policy, capacity, cfg.page_size, opts, progress);
+        *lock(&results[k]) = Some(r);
+    };
+    let threads = cfg.jobs.clamp(1, jobs.len().max(1));
+    if threads == 1 {
+        worker();
+    } else {
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(worker);
+            }
+        });
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .expect("every job ran")
+        })
+        .collect()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_lists() {
+        assert_eq!(parse_policies("lru").unwrap(), ["lru"]);
+        assert_eq!(
+            parse_policies("all").unwrap(),
+            ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]
+        );
+        assert_eq!(
+            parse_policies("Belady, lru,cost-aware,LRU").unwrap(),
+            ["belady", "lru", "cost-aware"]
+        );
+        let err = parse_policies("lru,nope").unwrap_err().to_string();
+        assert!(
+            err.starts_with("--policy: unknown eviction policy \"nope\""),
+            "{err}"
+        );
+        assert!(build_policy("belady", None).is_err());
+    }
+
+    #[test]
+    fn capacities_round_up_to_pages() {
+        assert_eq!(page_align_capacity(1000, 512).unwrap(), 1024);
+        assert_eq!(page_align_capacity(1024, 512).unwrap(), 1024);
+        assert!(page_align_capacity(0, 16).is_err());
+        assert!(page_align_capacity(usize::MAX / 2, 16).is_err());
+        let err = replay(
+            &[],
+            policy_from_name("lru").unwrap(),
+            1000,
+            512,
+            ReplayOptions::default(),
+            &|_| {},
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("not a multiple"), "{err}");
+    }
+}

@@ -1,0 +1,394 @@
+//! The `kvserve` command line (clap derive). Subcommands:
+//!
+//! - `cache-sim`: replay a workload through the prefix cache for every eviction policy and
+//!   capacity asked for; print a table or JSON lines, optionally plot hit rate against capacity.
+//!
+//! Errors in the values of flags are reported naming the flag; the binary exits with code 2.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cache_sim::{page_align_capacity, parse_policies, run_sweep, SweepConfig};
+use crate::error::{EngineError, Result};
+use crate::plot::plot_hit_rates;
+use crate::report::{render_json_lines, render_table, TableOptions};
+use crate::workload::{load_mooncake, GspConfig, MultiTurnConfig, Workload};
+
+/// kvserve: a KV-cache-centric LLM serving stack.
+#[derive(Debug, Parser)]
+#[command(name = "kvserve", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Replay a workload through the radix prefix cache and report hit rates per eviction
+    /// policy and capacity (no model, no GPU).
+    CacheSim(CacheSimArgs),
+}
+
+/// Generated workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WorkloadKind {
+    /// SGLang bench_serving's generated-shared-prefix (groups of prompts sharing a system prompt).
+    Gsp,
+    /// Multi-turn chat sessions whose prompts carry the whole history.
+    Multiturn,
+}
+
+/// Output formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// An aligned table with a workload header.
+    Table,
+    /// One JSON object per line per policy and capacity.
+    Json,
+}
+
+/// A capacity as given on the command line.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Capacity {
+    /// A number of tokens.
+    Tokens(usize),
+    /// Enough that nothing is ever evicted (`inf`).
+    Infinite,
+}
+
+fn parse_capacity(s: &str) -> std::result::Result<Capacity, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("inf") {
+        return Ok(Capacity::Infinite);
+    }
+    match t.replace('_', "").parse::<usize>() {
+        Ok(0) => Err("a capacity of 0 tokens holds nothing; give a positive number".into()),
+        Ok(n) => Ok(Capacity::Tokens(n)),
+        Err(e) => Err(format!("{t:?} is not a number of tokens or `inf` ({e})")),
+    }
+}
+
+fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
+    let t = s.trim();
+    let v = match t.split_once('/') {
+        Some((a, b)) => {
+            let a: f64 = a.trim().parse().map_err(|e| format!("{t:?}: {e}"))?;
+            let b: f64 = b.trim().parse().map_err(|e| format!("{t:?}: {e}"))?;
+            a / b
+        }
+        None => t.parse().map_err(|e| format!("{t:?}: {e}"))?,
+    };
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("{t:?} is not a positive fraction"))
+    }
+}
+
+/// Flags of `kvserve cache-sim`.
+#[derive(Debug, Args)]
+pub struct CacheSimArgs {
+    /// Mooncake JSONL trace to replay (instead of a generated workload).
+    #[arg(long, value_name = "FILE", conflicts_with = "workload")]
+    pub trace: Option<PathBuf>,
+    /// Generated workload to replay when no trace is given.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Gsp)]
+    pub workload: WorkloadKind,
+
+    /// gsp: number of system prompts.
+    #[arg(
+        long,
+        default_value_t = 64,
+        help_heading = "Generated shared prefix (gsp)"
+    )]
+    pub gsp_num_groups: usize,
+    /// gsp: requests per system prompt.
+    #[arg(
+        long,
+        default_value_t = 16,
+        help_heading = "Generated shared prefix (gsp)"
+    )]
+    pub gsp_prompts_per_group: usize,
+    /// gsp: system prompt length in tokens.
+    #[arg(
+        long,
+        default_value_t = 2048,
+        help_heading = "Generated shared prefix (gsp)"
+    )]
+    pub gsp_system_prompt_len: usize,
+    /// gsp: question length in tokens.
+    #[arg(
+        long,
+        default_value_t = 128,
+        help_heading = "Generated shared prefix (gsp)"
+    )]
+    pub gsp_question_len: usize,
+    /// gsp: output length in tokens.
+    #[arg(
+        long,
+        default_value_t = 256,
+        help_heading = "Generated shared prefix (gsp)"
+    )]
+    pub gsp_output_len: usize,
+
+    /// multiturn: concurrent chat sessions.
+    #[arg(
+        long,
+        default_value_t = 64,
+        help_heading = "Multi-turn chat (multiturn)"
+    )]
+    pub mt_sessions: usize,
+    /// multiturn: turns per session.
+    #[arg(
+        long,
+        default_value_t = 8,
+        help_heading = "Multi-turn chat (multiturn)"
+    )]
+    pub mt_turns: usize,
+    /// multiturn: new input tokens per turn.
+    #[arg(
+        long,
+        default_value_t = 256,
+        help_heading = "Multi-turn chat (multiturn)"
+    )]
+    pub mt_input_len: usize,
+    /// multiturn: output tokens per turn (part of the next turn's history).
+    #[arg(
+        long,
+        default_value_t = 128,
+        help_heading = "Multi-turn chat (multiturn)"
+    )]
+    pub mt_output_len: usize,
+
+    /// Seed of generated workloads.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Token ids of generated workloads are drawn from 0..N.
+    #[arg(long, value_name = "N", default_value_t = 32_000)]
+    pub vocab_size: u32,
+
+    /// Page size P in tokens: only whole pages are cached.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub page_size: u32,
+    /// Pool capacities in tokens (comma-separated; `inf` = never evict). Each is rounded up to
+    /// whole pages. Default: 1/16, 1/8, 1/4, 1/2 of the workload's unique tokens (at least the
+    /// longest prompt), and inf.
+    #[arg(long, value_name = "A,B,...", value_delimiter = ',', value_parser = parse_capacity)]
+    pub capacity_tokens: Vec<Capacity>,
+    /// Pool capacities as fractions of the workload's unique page-aligned tokens
+    /// (comma-separated, e.g. 1/16,0.25), in addition to --capacity-tokens.
+    #[arg(long, value_name = "F,G,...", value_delimiter = ',', value_parser = parse_fraction)]
+    pub capacity_fraction: Vec<f64>,
+    /// Eviction policies (comma-separated): lru, lfu, fifo, mru, filo, priority, slru,
+    /// cost-aware, belady (an oracle that knows the future: evicts what is used farthest ahead),
+    /// or all (SGLang's seven).
+    #[arg(long, value_name = "P1,P2,...", default_value = "lru")]
+    pub policy: String,
+
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
+    /// Also draw hit rate against capacity into this PNG file.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<PathBuf>,
+    /// Check after every request that nothing leaked (accounting identity), and after each
+    /// replay the kv-pool ownership partition.
+    #[arg(long)]
+    pub check: bool,
+    /// Replays run at once on threads (default: the available cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub jobs: Option<u32>,
+    /// Omit timings from the table, so the output is reproducible byte for byte.
+    #[arg(long)]
+    pub no_timings: bool,
+    /// No progress bar and no notes on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl CacheSimArgs {
+    /// Loads the trace or generates the workload the flags describe.
+    pub fn workload(&self) -> Result<Workload> {
+        if let Some(path) = &self.trace {
+            return load_mooncake(path);
+        }
+        match self.workload {
+            WorkloadKind::Gsp => GspConfig {
+                num_groups: self.gsp_num_groups,
+                prompts_per_group: self.gsp_prompts_per_group,
+                system_prompt_len: self.gsp_system_prompt_len,
+                question_len: self.gsp_question_len,
+                output_len: self.gsp_output_len,
+                seed: self.seed,
+                vocab_size: self.vocab_size,
+            }
+            .generate(),
+            WorkloadKind::Multiturn => MultiTurnConfig {
+                sessions: self.mt_sessions,
+                turns: self.mt_turns,
+                input_len: self.mt_input_len,
+                output_len: self.mt_output_len,
+                seed: self.seed,
+                vocab_size: self.vocab_size,
+            }
+            .generate(),
+        }
+    }
+}
+
+/// Runs a parsed command line, writing results to `out` and notes and progress to stderr.
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
+    match cli.command {
+        Command::CacheSim(args) => cache_sim(&args, out),
+    }
+}
+
+fn note(args: &CacheSimArgs, msg: &str) {
+    if !args.quiet {
+        eprintln!("note: {msg}");
+    }
+}
+
+/// `kvserve cache-sim`.
+pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
+    let policies = parse_policies(&args.policy)?;
+    let p = args.page_size;
+    let load_start = Instant::now();
+    let workload = args.workload()?;
+    let stats = workload.stats(p);
+    note(
+        args,
+        &format!(
+            "{} requests, {} prompt tokens, {} unique tokens at page size {p} ({:.2} s to prepare)",
+            stats.requests,
+            stats.prompt_tokens,
+            stats.unique_tokens,
+            load_start.elapsed().as_secs_f64()
+        ),
+    );
+
+    // Capacities: as given (rounded up to pages, with a note), then fractions of the unique
+    // tokens, or by default a sweep relative to them (never below the longest prompt).
+    let p_tokens = p as usize;
+    let unique = stats.unique_tokens.max(1) as f64;
+    let longest = stats.max_prompt_tokens.div_ceil(p_tokens).max(1) * p_tokens;
+    let mut capacities = Vec::new();
+    let mut add = |tokens: usize| {
+        if !capacities.contains(&tokens) {
+            capacities.push(tokens);
+        }
+    };
+    for c in &args.capacity_tokens {
+        match *c {
+            Capacity::Tokens(n) => {
+                let aligned = page_align_capacity(n, p)?;
+                if aligned != n {
+                    note(
+                        args,
+                        &format!(
+                            "capacity {n} rounded up to {aligned} (whole pages of {p} tokens)"
+                        ),
+                    );
+                }
+                add(aligned);
+            }
+            Capacity::Infinite => add(page_align_capacity(stats.never_evicting_capacity(), p)?),
+        }
+    }
+    for f in &args.capacity_fraction {
+        add(page_align_capacity(
+            ((f * unique).ceil() as usize).max(1),
+            p,
+        )?);
+    }
+    if args.capacity_tokens.is_empty() && args.capacity_fraction.is_empty() {
+        for d in [16.0, 8.0, 4.0, 2.0] {
+            let tokens = ((unique / d).ceil() as usize).max(longest);
+            add(page_align_capacity(tokens, p)?);
+        }
+        add(page_align_capacity(stats.never_evicting_capacity(), p)?);
+    }
+
+    let jobs = args.jobs.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        |j| j as usize,
+    );
+    let cfg = SweepConfig {
+        policies,
+        capacities,
+        page_size: p,
+        check: args.check,
+        jobs,
+    };
+    let total = (cfg.policies.len() * cfg.capacities.len() * workload.requests.len()) as u64;
+    let bar = if args.quiet || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        let bar = ProgressBar::new(total);
+        if let Ok(style) = ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {human_pos}/{human_len} requests, eta {eta}",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar
+    };
+    let start = Instant::now();
+    let results = run_sweep(&workload.requests, &cfg, &|n| bar.inc(n));
+    bar.finish_and_clear();
+    let results = results?;
+    let wall = start.elapsed().as_secs_f64();
+    for r in results.iter().filter(|r| r.skipped_requests > 0) {
+        note(
+            args,
+            &format!(
+                "{} at capacity {}: skipped {} of {} requests whose prompt needs more pages \
+                 than the whole pool",
+                r.policy, r.capacity_tokens, r.skipped_requests, r.requests
+            ),
+        );
+    }
+
+    let text = match args.format {
+        OutputFormat::Table => {
+            let mut t = render_table(
+                &results,
+                TableOptions {
+                    workload: Some((&workload.name, &stats)),
+                    timings: !args.no_timings,
+                },
+            );
+            if !args.no_timings {
+                t.push_str(&format!(
+                    "total wall time {wall:.2} s for {} replays on {} threads\n",
+                    results.len(),
+                    cfg.jobs.min(results.len())
+                ));
+            }
+            t
+        }
+        OutputFormat::Json => render_json_lines(&results),
+    };
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|source| EngineError::Io {
+            path: "standard output".into(),
+            source,
+        })?;
+    if args.format == OutputFormat::Json {
+        note(
+            args,
+            &format!("total wall time {wall:.2} s for {} replays", results.len()),
+        );
+    }
+    if let Some(path) = &args.plot {
+        plot_hit_rates(&results, &workload.name, path)?;
+        note(args, &format!("plot written to {}", path.display()));
+    }
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! The crate's error type. Bad input (an unreadable file, a malformed trace line, a bad flag) is
+//! an error naming the file and line or the flag, never a panic; the `kvserve` binary prints it
+//! and exits with code 2.
+
+use kv_pool::KvPoolError;
+use radix_cache::RadixCacheError;
+
+/// Errors of the engine: workloads, replays, reports and plots.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// A file that could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+    /// A malformed line of a trace file (1-based line number).
+    #[error("{path} line {line}: {message}")]
+    TraceLine {
+        /// The trace file.
+        path: String,
+        /// The line number, counting from 1.
+        line: usize,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A bad command-line flag or configuration value, named as the command line spells it.
+    #[error("{flag}: {message}")]
+    InvalidArgument {
+        /// The flag (e.g. `--capacity-tokens`).
+        flag: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
+    /// A workload with no requests.
+    #[error("the workload has no requests ({what})")]
+    EmptyWorkload {
+        /// Which workload.
+        what: String,
+    },
+    /// The replay's accounting or ownership check failed: a bug in the cache or the replay.
+    #[error("check failed after {after}: {message}")]
+    CheckFailed {
+        /// Where in the replay (e.g. "request 17").
+        after: String,
+        /// What did not hold.
+        message: String,
+    },
+    /// Drawing a plot failed.
+    #[error("plot {path}: {message}")]
+    Plot {
+        /// The output file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A prefix-cache operation failed (a bug, or an unknown policy name).
+    #[error(transparent)]
+    Cache(#[from] RadixCacheError),
+    /// An allocator operation failed.
+    #[error(transparent)]
+    Pool(#[from] KvPoolError),
+}
+
+impl EngineError {
+    /// A bad value of `flag`.
+    pub fn arg(flag: &'static str, message: impl Into<String>) -> Self {
+        EngineError::InvalidArgument {
+            flag,
+            message: message.into(),
+        }
+    }
+}
+
+/// Result alias for this crate.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

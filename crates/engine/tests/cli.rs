@@ -1,0 +1,254 @@
+//! The `kvserve` binary: output formats, a snapshot of the table, and bad input (exit code 2,
+//! a message naming the line or flag, no panic).
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn kvserve(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvserve"))
+        .args(args)
+        .output()
+        .expect("run kvserve")
+}
+
+fn tmp(name: &str, contents: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8(o.stderr.clone()).unwrap()
+}
+
+/// Asserts a clean failure: exit code 2, every `needles` in stderr, no panic.
+fn assert_fails(args: &[&str], needles: &[&str]) {
+    let o = kvserve(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: expected {n:?} in {err}");
+    }
+}
+
+#[test]
+fn table_snapshot_of_a_small_gsp_run() {
+    let o = kvserve(&[
+        "cache-sim",
+        "--workload",
+        "gsp",
+        "--gsp-num-groups",
+        "4",
+        "--gsp-prompts-per-group",
+        "4",
+        "--gsp-system-prompt-len",
+        "256",
+        "--gsp-question-len",
+        "32",
+        "--page-size",
+        "16",
+        "--policy",
+        "lru,mru,slru,belady",
+        "--capacity-tokens",
+        "300,576,1024,inf",
+        "--check",
+        "--no-timings",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "", "--quiet prints nothing on stderr");
+    insta::assert_snapshot!(stdout(&o));
+}
+
+#[test]
+fn json_lines_carry_every_field() {
+    let o = kvserve(&[
+        "cache-sim",
+        "--workload",
+        "multiturn",
+        "--mt-sessions",
+        "3",
+        "--mt-turns",
+        "3",
+        "--mt-input-len",
+        "40",
+        "--mt-output-len",
+        "8",
+        "--policy",
+        "lru,cost-aware",
+        "--capacity-tokens",
+        "100,inf",
+        "--format",
+        "json",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4);
+    let inf = &lines[1];
+    assert_eq!(inf["policy"], "lru");
+    assert_eq!(inf["page_size"], 1);
+    assert_eq!(inf["requests"], 9);
+    assert_eq!(inf["skipped_requests"], 0);
+    assert_eq!(inf["evicted_tokens"], 0);
+    // Turn 1 reuses 40 tokens, turn 2 reuses 88, per session.
+    assert_eq!(inf["cached_tokens"], 3 * (40 + 88));
+    assert_eq!(inf["prompt_tokens"], 3 * (40 + 88 + 136));
+    for field in ["capacity_tokens", "hit_rate", "seconds", "tokens_per_s"] {
+        assert!(inf[field].is_number(), "{field}");
+    }
+    assert_eq!(lines[0]["capacity_tokens"], 100);
+    assert_eq!(lines[2]["policy"], "cost-aware");
+}
+
+#[test]
+fn mooncake_trace_through_the_binary() {
+    let trace = tmp(
+        "cli_trace.jsonl",
+        r#"{"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [1, 2, 3]}
+{"timestamp": 10, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 4]}
+{"timestamp": 20, "input_length": 600, "output_length": 10, "hash_ids": [1, 5]}
+"#,
+    );
+    let plot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli_plot.png");
+    let _ = std::fs::remove_file(&plot);
+    let o = kvserve(&[
+        "cache-sim",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--page-size",
+        "512",
+        "--capacity-tokens",
+        "1000,inf",
+        "--policy",
+        "all",
+        "--format",
+        "json",
+        "--plot",
+        plot.to_str().unwrap(),
+        "--check",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("capacity 1000 rounded up to 1024"), "{err}");
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 14);
+    let policies: Vec<&str> = lines
+        .iter()
+        .step_by(2)
+        .map(|l| l["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        policies,
+        ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]
+    );
+    for l in &lines {
+        // 1200 and 1100 tokens need 3 pages: skipped at 1,024 tokens; the 600-token prompt fits.
+        if l["capacity_tokens"] == 1024 {
+            assert_eq!(
+                (l["skipped_requests"].as_u64(), l["cached_tokens"].as_u64()),
+                (Some(2), Some(0))
+            );
+        } else {
+            assert_eq!(l["cached_tokens"], 1024 + 512);
+        }
+    }
+    assert!(std::fs::read(&plot).unwrap().starts_with(b"\x89PNG"));
+}
+
+#[test]
+fn bad_input_exits_with_code_2_naming_the_problem() {
+    let trace = tmp(
+        "cli_bad.jsonl",
+        "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\
+         {\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\
+         {\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1, 2]}\n",
+    );
+    let t = trace.to_str().unwrap();
+    assert_fails(
+        &["cache-sim", "--trace", t],
+        &["cli_bad.jsonl line 3", "hash_ids"],
+    );
+    assert_fails(
+        &["cache-sim", "--trace", "/nonexistent/trace.jsonl"],
+        &["/nonexistent/trace.jsonl"],
+    );
+    assert_fails(
+        &["cache-sim", "--policy", "lru,clock"],
+        &["--policy", "clock"],
+    );
+    assert_fails(
+        &["cache-sim", "--capacity-tokens", "1024,0"],
+        &["--capacity-tokens", "0 tokens"],
+    );
+    assert_fails(
+        &["cache-sim", "--capacity-tokens", "12x"],
+        &["--capacity-tokens", "12x"],
+    );
+    assert_fails(
+        &["cache-sim", "--capacity-fraction=-1"],
+        &["--capacity-fraction", "positive"],
+    );
+    assert_fails(
+        &["cache-sim", "--capacity-fraction", "1/0"],
+        &["--capacity-fraction", "positive"],
+    );
+    assert_fails(&["cache-sim", "--page-size", "0"], &["--page-size"]);
+    assert_fails(
+        &["cache-sim", "--gsp-num-groups", "many"],
+        &["--gsp-num-groups"],
+    );
+    assert_fails(
+        &["cache-sim", "--gsp-num-groups", "0"],
+        &["--gsp-num-groups"],
+    );
+    assert_fails(&["cache-sim", "--format", "xml"], &["--format"]);
+    assert_fails(
+        &["cache-sim", "--trace", t, "--workload", "gsp"],
+        &["--workload"],
+    );
+    assert_fails(&["frobnicate"], &["frobnicate"]);
+}
+
+#[test]
+fn default_capacities_sweep_up_to_never_evicting() {
+    // 2 groups × 2 prompts of 2,048 + 128 tokens: 2 × 2,048 + 4 × 128 = 4,608 unique tokens
+    // at P = 1. 1/16, 1/8 and 1/4 of that are below the longest prompt (2,176) and raised to
+    // it (then deduplicated); 1/2 is 2,304; `inf` is 4,608 + 2,176.
+    let o = kvserve(&[
+        "cache-sim",
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "2",
+        "--format",
+        "json",
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let capacities: Vec<u64> = lines
+        .iter()
+        .map(|l| l["capacity_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(capacities, [2176, 2304, 4608 + 2176]);
+    let last = lines.last().unwrap();
+    assert_eq!(last["policy"], "lru");
+    assert_eq!(last["cached_tokens"], 2 * 2048);
+    assert_eq!(last["evicted_tokens"], 0);
+}
