@@ -25,22 +25,28 @@ fn register_font() {
     });
 }
 
+/// A line chart: one line per series, x = capacity in tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinePlot {
+    /// Caption.
+    pub title: String,
+    /// Line under the caption (the workload).
+    pub subtitle: String,
+    /// X axis description.
+    pub x_desc: String,
+    /// Y axis description.
+    pub y_desc: String,
+    /// Whether y values are percentages (axis from 0 to 100 at most, labels with `%`).
+    pub y_percent: bool,
+    /// Named series of (x, y) points.
+    pub series: Vec<(String, Vec<(f64, f64)>)>,
+}
+
 /// Draws hit rate (%) against capacity (tokens, logarithmic when the capacities span more
 /// than a factor of 4, ticks at the capacities replayed) for every policy in `results`, into
 /// the PNG file `path` (1024 × 640 pixels). Policies with identical results share a line
 /// labelled `a = b`. `title` (the workload) goes under the caption.
 pub fn plot_hit_rates(results: &[ReplayResult], title: &str, path: &Path) -> Result<()> {
-    let name = path.display().to_string();
-    let fail = |e: &dyn std::fmt::Display| EngineError::Plot {
-        path: name.clone(),
-        message: e.to_string(),
-    };
-    if results.is_empty() {
-        return Err(fail(&"no results to plot"));
-    }
-    register_font();
-    // Policies in first-appearance order, points sorted by capacity; policies with exactly
-    // the same results share one line, labelled "a = b".
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     let mut names: Vec<&str> = Vec::new();
     for r in results {
@@ -49,53 +55,83 @@ pub fn plot_hit_rates(results: &[ReplayResult], title: &str, path: &Path) -> Res
         }
     }
     for name in names {
-        let mut points: Vec<(f64, f64)> = results
+        let points = results
             .iter()
             .filter(|r| r.policy == name)
             .map(|r| (r.capacity_tokens as f64, 100.0 * r.hit_rate))
             .collect();
+        series.push((name.to_string(), points));
+    }
+    let page = results.first().map_or(1, |r| r.page_size);
+    plot_lines(
+        &LinePlot {
+            title: "KV cache hit rate vs capacity".into(),
+            subtitle: title.into(),
+            x_desc: format!("capacity (tokens, page size {page})"),
+            y_desc: "hit rate (% of prompt tokens)".into(),
+            y_percent: true,
+            series,
+        },
+        path,
+    )
+}
+
+/// Draws `plot` into the PNG file `path` (1024 × 640 pixels). Points are sorted by x; series
+/// with identical points share one line labelled `a = b`; the x axis has ticks exactly at the
+/// x values and is logarithmic when they span more than a factor of 4.
+pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
+    let name = path.display().to_string();
+    let fail = |e: &dyn std::fmt::Display| EngineError::Plot {
+        path: name.clone(),
+        message: e.to_string(),
+    };
+    if plot.series.iter().all(|(_, p)| p.is_empty()) {
+        return Err(fail(&"no results to plot"));
+    }
+    register_font();
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for (label, points) in &plot.series {
+        let mut points = points.clone();
         points.sort_by(|a, b| a.0.total_cmp(&b.0));
         match series.iter_mut().find(|(_, p)| *p == points) {
-            Some((label, _)) => {
-                label.push_str(" = ");
-                label.push_str(name);
+            Some((l, _)) => {
+                l.push_str(" = ");
+                l.push_str(label);
             }
-            None => series.push((name.to_string(), points)),
+            None => series.push((label.clone(), points)),
         }
     }
-    let mut ticks: Vec<f64> = results.iter().map(|r| r.capacity_tokens as f64).collect();
+    let mut ticks: Vec<f64> = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).collect();
     ticks.sort_by(f64::total_cmp);
     ticks.dedup();
     let axis = CapacityAxis::new(ticks);
-    let y_max = results
-        .iter()
-        .map(|r| 100.0 * r.hit_rate)
-        .fold(0.0f64, f64::max);
-    let y_top = ((y_max / 10.0).ceil() * 10.0 + 5.0).clamp(10.0, 100.0);
+    let y_max = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0f64, f64::max);
+    let y_top = if plot.y_percent {
+        ((y_max / 10.0).ceil() * 10.0 + 5.0).clamp(10.0, 100.0)
+    } else {
+        (y_max * 1.15).max(1e-9)
+    };
 
     let root = BitMapBackend::new(path, (1024, 640)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
-    let x_desc = format!(
-        "capacity (tokens, page size {}{})",
-        results[0].page_size,
-        if axis.log { ", log scale" } else { "" }
-    );
+    let x_desc = format!("{}{}", plot.x_desc, if axis.log { ", log scale" } else { "" });
     let area = root
-        .titled("KV cache hit rate vs capacity", ("sans-serif", 24))
-        .and_then(|a| a.titled(title, ("sans-serif", 15)))
+        .titled(&plot.title, ("sans-serif", 24))
+        .and_then(|a| a.titled(&plot.subtitle, ("sans-serif", 15)))
         .map_err(|e| fail(&e))?;
     let mut chart = ChartBuilder::on(&area)
         .margin(16)
         .x_label_area_size(48)
-        .y_label_area_size(64)
+        .y_label_area_size(72)
         .build_cartesian_2d(axis, 0.0..y_top)
         .map_err(|e| fail(&e))?;
+    let percent = plot.y_percent;
     chart
         .configure_mesh()
         .x_desc(x_desc.as_str())
-        .y_desc("hit rate (% of prompt tokens)")
+        .y_desc(plot.y_desc.as_str())
         .x_label_formatter(&|x| human_tokens(*x))
-        .y_label_formatter(&|y| format!("{y:.0}%"))
+        .y_label_formatter(&|y| if percent { format!("{y:.0}%") } else { human_number(*y) })
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 17))
         .max_light_lines(1)
@@ -121,6 +157,19 @@ pub fn plot_hit_rates(results: &[ReplayResult], title: &str, path: &Path) -> Res
         .map_err(|e| fail(&e))?;
     root.present().map_err(|e| fail(&e))?;
     Ok(())
+}
+
+/// A y value with a thousands suffix (1.2k, 3.4M) or three significant digits.
+fn human_number(y: f64) -> String {
+    if y >= 1e6 {
+        format!("{:.1}M", y / 1e6)
+    } else if y >= 1e3 {
+        format!("{:.1}k", y / 1e3)
+    } else if y >= 1.0 {
+        format!("{y:.0}")
+    } else {
+        format!("{y:.3}")
+    }
 }
 
 /// The capacity axis: ticks exactly at the capacities replayed, logarithmic when they span

