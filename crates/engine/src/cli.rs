@@ -33,6 +33,10 @@ pub enum Command {
     /// Replay a workload through the radix prefix cache and report hit rates per eviction
     /// policy and capacity (no model, no GPU).
     CacheSim(CacheSimArgs),
+    /// Simulate serving a workload: the real scheduler, prefix cache and allocator, with a
+    /// cost model of the model and accelerator instead of a GPU; reports hit rate, throughput,
+    /// TTFT and inter-token latency per schedule policy, eviction policy and pool size.
+    Sim(SimArgs),
 }
 
 /// Generated workloads.
@@ -91,9 +95,10 @@ fn parse_fraction(s: &str) -> std::result::Result<f64, String> {
     }
 }
 
-/// Flags of `kvserve cache-sim`.
-#[derive(Debug, Args)]
-pub struct CacheSimArgs {
+/// Where a workload comes from: a Mooncake trace or a generated workload (shared by
+/// `cache-sim` and `sim`).
+#[derive(Debug, Clone, Args)]
+pub struct WorkloadArgs {
     /// Mooncake JSONL trace to replay (instead of a generated workload).
     #[arg(long, value_name = "FILE", conflicts_with = "workload")]
     pub trace: Option<PathBuf>,
@@ -172,6 +177,14 @@ pub struct CacheSimArgs {
     /// Token ids of generated workloads are drawn from 0..N.
     #[arg(long, value_name = "N", default_value_t = 32_000)]
     pub vocab_size: u32,
+}
+
+/// Flags of `kvserve cache-sim`.
+#[derive(Debug, Args)]
+pub struct CacheSimArgs {
+    /// The workload.
+    #[command(flatten)]
+    pub source: WorkloadArgs,
 
     /// Page size P in tokens: only whole pages are cached.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -212,9 +225,9 @@ pub struct CacheSimArgs {
     pub quiet: bool,
 }
 
-impl CacheSimArgs {
+impl WorkloadArgs {
     /// Loads the trace or generates the workload the flags describe.
-    pub fn workload(&self) -> Result<Workload> {
+    pub fn load(&self) -> Result<Workload> {
         if let Some(path) = &self.trace {
             return load_mooncake(path);
         }
@@ -246,7 +259,316 @@ impl CacheSimArgs {
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::CacheSim(args) => cache_sim(&args, out),
+        Command::Sim(args) => sim(&args, out),
     }
+}
+
+/// Flags of `kvserve sim`, named after SGLang's server arguments where they exist.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// The workload.
+    #[command(flatten)]
+    pub source: WorkloadArgs,
+    /// Poisson arrivals at this many requests per second (seeded with --seed). Default: a
+    /// trace's own timestamps, or everything at once for a generated workload.
+    #[arg(
+        long,
+        value_name = "R",
+        allow_negative_numbers = true,
+        help_heading = "Arrivals"
+    )]
+    pub request_rate: Option<f64>,
+    /// Replay a trace's timestamps this many times faster.
+    #[arg(
+        long,
+        value_name = "X",
+        default_value_t = 1.0,
+        help_heading = "Arrivals"
+    )]
+    pub speed: f64,
+
+    /// Model preset of the cost model: llama-3-8b, llama-3-70b.
+    #[arg(long, default_value = "llama-3-8b", help_heading = "Cost model")]
+    pub model: String,
+    /// Accelerator preset: h100, a100.
+    #[arg(long, default_value = "h100", help_heading = "Cost model")]
+    pub accelerator: String,
+    /// Tensor-parallel degree (accelerators per replica).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Cost model")]
+    pub tp: u32,
+
+    /// Schedule policies to compare (comma-separated): fcfs, lpm, dfs-weight, lof, random.
+    #[arg(
+        long,
+        default_value = "fcfs",
+        value_name = "P1,P2,...",
+        help_heading = "Scheduler"
+    )]
+    pub schedule_policy: String,
+    /// Eviction policies to compare (comma-separated; `all` = SGLang's seven).
+    #[arg(
+        long,
+        default_value = "lru",
+        value_name = "P1,P2,...",
+        help_heading = "Scheduler"
+    )]
+    pub radix_eviction_policy: String,
+    /// Use the chunk cache (no prefix reuse) instead of the radix cache.
+    #[arg(long, help_heading = "Scheduler")]
+    pub disable_radix_cache: bool,
+    /// Page size in tokens.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Scheduler")]
+    pub page_size: u32,
+    /// KV pool sizes in tokens to compare (comma-separated). Default: what
+    /// --mem-fraction-static leaves on the simulated device after the weights.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "A,B,...",
+        help_heading = "Scheduler"
+    )]
+    pub max_total_tokens: Vec<usize>,
+    /// Fraction of device memory for weights + KV pool.
+    #[arg(long, default_value_t = 0.88, help_heading = "Scheduler")]
+    pub mem_fraction_static: f64,
+    /// Chunk size of chunked prefill in tokens (≤ 0 disables chunking).
+    #[arg(
+        long,
+        default_value_t = 8192,
+        allow_negative_numbers = true,
+        help_heading = "Scheduler"
+    )]
+    pub chunked_prefill_size: i64,
+    /// Token budget of one prefill batch.
+    #[arg(long, default_value_t = 16384, help_heading = "Scheduler")]
+    pub max_prefill_tokens: usize,
+    /// Request limit (default: SGLang's rule from the pool size and context length).
+    #[arg(long, help_heading = "Scheduler")]
+    pub max_running_requests: Option<usize>,
+    /// Context length (default: the workload's longest prompt + output).
+    #[arg(long, help_heading = "Scheduler")]
+    pub context_length: Option<usize>,
+    /// Scales how much future output admission reserves (SGLang's new_token_ratio).
+    #[arg(long, default_value_t = 1.0, help_heading = "Scheduler")]
+    pub schedule_conservativeness: f64,
+    /// Let running decodes ride along in prefill batches.
+    #[arg(long, help_heading = "Scheduler")]
+    pub enable_mixed_chunk: bool,
+    /// LPM falls back to FCFS above this many waiting requests.
+    #[arg(long, default_value_t = 128, help_heading = "Scheduler")]
+    pub lpm_fallback_threshold: usize,
+
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
+    /// Also draw output throughput against pool size into this PNG file.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<PathBuf>,
+    /// Prove the pool partition after every scheduler step (slow).
+    #[arg(long)]
+    pub check: bool,
+    /// Configurations simulated at once on threads (default: the available cores).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub jobs: Option<u32>,
+    /// Omit wall times from the table, so the output is reproducible byte for byte.
+    #[arg(long)]
+    pub no_timings: bool,
+    /// No progress bar and no notes on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// `kvserve sim`.
+pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
+    use crate::sim::{
+        default_max_running_requests, parse_schedule_policies, run_sweep, sim_requests, Arrivals,
+        SimConfig,
+    };
+    use scheduler::{Accelerator, CostModel, ModelShape, SchedulerConfig};
+
+    let bad =
+        |flag: &'static str, e: scheduler::SchedulerError| EngineError::arg(flag, e.to_string());
+    let model = ModelShape::preset(&args.model).map_err(|e| bad("--model", e))?;
+    let accel = Accelerator::preset(&args.accelerator).map_err(|e| bad("--accelerator", e))?;
+    let cost = CostModel::new(model, accel, args.tp);
+    if !(args.mem_fraction_static > 0.0 && args.mem_fraction_static <= 1.0) {
+        return Err(EngineError::arg(
+            "--mem-fraction-static",
+            format!("{} is not in (0, 1]", args.mem_fraction_static),
+        ));
+    }
+    let schedule_policies = parse_schedule_policies(&args.schedule_policy)?;
+    let eviction_policies: Vec<String> = if args.disable_radix_cache {
+        vec!["disabled".into()]
+    } else {
+        parse_policies(&args.radix_eviction_policy)?
+            .into_iter()
+            .map(|p| p.to_string())
+            .collect()
+    };
+    let workload = args.source.load()?;
+    let arrivals = match (args.request_rate, &args.source.trace) {
+        (Some(rate), _) => Arrivals::Poisson {
+            rate,
+            seed: args.source.seed,
+        },
+        (None, Some(_)) => Arrivals::Trace { speed: args.speed },
+        (None, None) => Arrivals::Burst,
+    };
+    let requests = sim_requests(&workload, arrivals)?;
+    let longest = workload
+        .requests
+        .iter()
+        .map(|r| r.tokens.len() + r.output_len.max(1))
+        .max()
+        .unwrap_or(1);
+    let context_len = args.context_length.unwrap_or(longest + 1);
+    let capacities: Vec<usize> = if args.max_total_tokens.is_empty() {
+        let tokens = cost.kv_pool_tokens(args.mem_fraction_static);
+        if tokens < args.page_size as usize {
+            return Err(EngineError::arg(
+                "--mem-fraction-static",
+                format!(
+                    "{} of {} × {} leaves no room for the KV cache after {:.1} GB of weights; raise it, raise --tp, or give --max-total-tokens",
+                    args.mem_fraction_static,
+                    args.tp,
+                    cost.accel.name,
+                    cost.model.params * cost.model.weight_bytes / 1e9
+                ),
+            ));
+        }
+        vec![tokens]
+    } else {
+        args.max_total_tokens.clone()
+    };
+    let chunk = (args.chunked_prefill_size > 0).then_some(args.chunked_prefill_size as usize);
+    let mut configs = Vec::new();
+    for &policy in &schedule_policies {
+        for eviction in &eviction_policies {
+            for &capacity in &capacities {
+                let max_running = args
+                    .max_running_requests
+                    .unwrap_or_else(|| default_max_running_requests(capacity, context_len));
+                configs.push(SimConfig {
+                    scheduler: SchedulerConfig {
+                        page_size: args.page_size,
+                        context_len,
+                        max_running_requests: max_running,
+                        max_prefill_tokens: args.max_prefill_tokens,
+                        chunked_prefill_size: chunk,
+                        schedule_policy: policy,
+                        lpm_fallback_threshold: args.lpm_fallback_threshold,
+                        schedule_conservativeness: args.schedule_conservativeness,
+                        enable_mixed_chunk: args.enable_mixed_chunk,
+                        strict: args.check,
+                        seed: args.source.seed,
+                        ..SchedulerConfig::default()
+                    },
+                    eviction_policy: if args.disable_radix_cache {
+                        "lru".into()
+                    } else {
+                        eviction.clone()
+                    },
+                    radix: !args.disable_radix_cache,
+                    capacity_tokens: capacity,
+                    cost: cost.clone(),
+                });
+            }
+        }
+    }
+    if !args.quiet {
+        eprintln!(
+            "note: {} requests ({}), {} configurations, {} on {} × {}, context {context_len}",
+            requests.len(),
+            workload.name,
+            configs.len(),
+            cost.model.name,
+            args.tp,
+            cost.accel.name
+        );
+    }
+    let jobs = args.jobs.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        |j| j as usize,
+    );
+    let bar = if args.quiet || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        let bar = ProgressBar::new((requests.len() * configs.len()) as u64);
+        if let Ok(style) = ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {human_pos}/{human_len} requests, eta {eta}",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar
+    };
+    let start = Instant::now();
+    let outcomes = run_sweep(&requests, &configs, jobs, &|n| bar.inc(n as u64));
+    bar.finish_and_clear();
+    let outcomes = outcomes?;
+    let wall = start.elapsed().as_secs_f64();
+    let text = match args.format {
+        OutputFormat::Table => {
+            let mut t = format!(
+                "workload: {}\n{} requests, {} on {} × {} (tp {}), page size {}\n",
+                workload.name,
+                requests.len(),
+                cost.model.name,
+                args.tp,
+                cost.accel.name,
+                args.tp,
+                args.page_size
+            );
+            t.push_str(&crate::sim::render_table(&outcomes, !args.no_timings));
+            if !args.no_timings {
+                t.push_str(&format!(
+                    "total wall time {wall:.2} s for {} configurations\n",
+                    outcomes.len()
+                ));
+            }
+            t
+        }
+        OutputFormat::Json => outcomes
+            .iter()
+            .map(|o| serde_json::to_string(o).map(|l| l + "\n"))
+            .collect::<std::result::Result<String, _>>()
+            .map_err(|e| EngineError::arg("--format", e.to_string()))?,
+    };
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|source| EngineError::Io {
+            path: "standard output".into(),
+            source,
+        })?;
+    if let Some(path) = &args.plot {
+        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for o in &outcomes {
+            let label = format!("{} / {}", o.schedule_policy, o.eviction_policy);
+            let point = (o.capacity_tokens as f64, o.output_tokens_per_s);
+            match series.iter_mut().find(|(l, _)| *l == label) {
+                Some((_, points)) => points.push(point),
+                None => series.push((label, vec![point])),
+            }
+        }
+        crate::plot::plot_lines(
+            &crate::plot::LinePlot {
+                title: format!(
+                    "Simulated output throughput ({} on {} × {})",
+                    cost.model.name, args.tp, cost.accel.name
+                ),
+                subtitle: workload.name.clone(),
+                x_desc: format!("KV pool (tokens, page size {})", args.page_size),
+                y_desc: "output tokens/s".into(),
+                y_percent: false,
+                series,
+            },
+            path,
+        )?;
+        if !args.quiet {
+            eprintln!("note: plot written to {}", path.display());
+        }
+    }
+    Ok(())
 }
 
 fn note(args: &CacheSimArgs, msg: &str) {
@@ -260,7 +582,7 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
     let policies = parse_policies(&args.policy)?;
     let p = args.page_size;
     let load_start = Instant::now();
-    let workload = args.workload()?;
+    let workload = args.source.load()?;
     let stats = workload.stats(p);
     note(
         args,

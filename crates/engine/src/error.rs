@@ -57,6 +57,9 @@ pub enum EngineError {
         /// What went wrong.
         message: String,
     },
+    /// The scheduler or the simulator failed (a bug, or a stalled simulation).
+    #[error("simulation: {0}")]
+    Simulation(String),
     /// A prefix-cache operation failed (a bug, or an unknown policy name).
     #[error(transparent)]
     Cache(#[from] RadixCacheError),

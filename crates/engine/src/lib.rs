@@ -50,6 +50,7 @@ pub mod error;
 pub mod plot;
 pub mod report;
 pub mod rng;
+pub mod sim;
 pub mod workload;
 
 pub use cache_sim::{replay, run_sweep, ReplayOptions, ReplayResult, SweepConfig};

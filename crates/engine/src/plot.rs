@@ -101,11 +101,17 @@ pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
             None => series.push((label.clone(), points)),
         }
     }
-    let mut ticks: Vec<f64> = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0)).collect();
+    let mut ticks: Vec<f64> = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.0))
+        .collect();
     ticks.sort_by(f64::total_cmp);
     ticks.dedup();
     let axis = CapacityAxis::new(ticks);
-    let y_max = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1)).fold(0.0f64, f64::max);
+    let y_max = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .fold(0.0f64, f64::max);
     let y_top = if plot.y_percent {
         ((y_max / 10.0).ceil() * 10.0 + 5.0).clamp(10.0, 100.0)
     } else {
@@ -114,7 +120,11 @@ pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
 
     let root = BitMapBackend::new(path, (1024, 640)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
-    let x_desc = format!("{}{}", plot.x_desc, if axis.log { ", log scale" } else { "" });
+    let x_desc = format!(
+        "{}{}",
+        plot.x_desc,
+        if axis.log { ", log scale" } else { "" }
+    );
     let area = root
         .titled(&plot.title, ("sans-serif", 24))
         .and_then(|a| a.titled(&plot.subtitle, ("sans-serif", 15)))
@@ -131,7 +141,13 @@ pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
         .x_desc(x_desc.as_str())
         .y_desc(plot.y_desc.as_str())
         .x_label_formatter(&|x| human_tokens(*x))
-        .y_label_formatter(&|y| if percent { format!("{y:.0}%") } else { human_number(*y) })
+        .y_label_formatter(&|y| {
+            if percent {
+                format!("{y:.0}%")
+            } else {
+                human_number(*y)
+            }
+        })
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 17))
         .max_light_lines(1)

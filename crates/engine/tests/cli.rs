@@ -252,3 +252,104 @@ fn default_capacities_sweep_up_to_never_evicting() {
     assert_eq!(last["cached_tokens"], 2 * 2048);
     assert_eq!(last["evicted_tokens"], 0);
 }
+
+const SMALL_GSP: [&str; 14] = [
+    "--workload",
+    "gsp",
+    "--gsp-num-groups",
+    "4",
+    "--gsp-prompts-per-group",
+    "4",
+    "--gsp-system-prompt-len",
+    "512",
+    "--gsp-question-len",
+    "32",
+    "--gsp-output-len",
+    "32",
+    "--page-size",
+    "16",
+];
+
+#[test]
+fn sim_table_snapshot() {
+    let mut args = vec!["sim"];
+    args.extend(SMALL_GSP);
+    args.extend([
+        "--request-rate",
+        "8",
+        "--schedule-policy",
+        "fcfs,lpm",
+        "--radix-eviction-policy",
+        "lru,lfu",
+        "--max-total-tokens",
+        "1024,4096",
+        "--check",
+        "--no-timings",
+        "--quiet",
+    ]);
+    let o = kvserve(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    insta::assert_snapshot!(stdout(&o));
+}
+
+#[test]
+fn sim_json_lines_carry_every_field_and_no_cache_reuses_nothing() {
+    let mut args = vec!["sim"];
+    args.extend(SMALL_GSP);
+    args.extend([
+        "--disable-radix-cache",
+        "--format",
+        "json",
+        "--quiet",
+        "--model",
+        "llama-3-70b",
+        "--tp",
+        "4",
+        "--accelerator",
+        "a100",
+    ]);
+    let o = kvserve(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = stdout(&o);
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    for key in [
+        "schedule_policy",
+        "eviction_policy",
+        "capacity_tokens",
+        "requests",
+        "hit_rate",
+        "prefill_tokens",
+        "output_tokens_per_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "itl_p50_s",
+        "itl_p99_s",
+        "retractions",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key} in {line}");
+    }
+    assert_eq!(v["eviction_policy"], "disabled");
+    assert_eq!(v["hit_rate"], 0.0);
+    assert_eq!(v["requests"], 16);
+}
+
+#[test]
+fn sim_bad_input_exits_with_code_2() {
+    assert_fails(&["sim", "--model", "gpt-9"], &["--model", "gpt-9"]);
+    assert_fails(&["sim", "--accelerator", "tpu"], &["--accelerator"]);
+    assert_fails(
+        &["sim", "--schedule-policy", "fastest"],
+        &["--schedule-policy", "fastest"],
+    );
+    assert_fails(&["sim", "--radix-eviction-policy", "lru9"], &["lru9"]);
+    assert_fails(
+        &["sim", "--model", "llama-3-70b", "--quiet"],
+        &["--mem-fraction-static", "weights"],
+    );
+    assert_fails(
+        &["sim", "--mem-fraction-static", "1.5"],
+        &["--mem-fraction-static"],
+    );
+    assert_fails(&["sim", "--request-rate", "-3"], &["--request-rate"]);
+    assert_fails(&["sim", "--tp", "0"], &["--tp"]);
+}

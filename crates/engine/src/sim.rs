@@ -1,0 +1,474 @@
+//! `kvserve sim`: a workload through the real scheduler, prefix cache and allocator, with the
+//! scheduler's cost-model executor on a simulated clock (see `scheduler::sim`). Sweeps schedule
+//! policies × eviction policies × pool sizes; each configuration is one [`SimOutcome`].
+
+use std::time::Instant;
+
+use kv_pool::{floor_to_page, PagedAllocator};
+use radix_cache::policy::policy_from_name;
+use radix_cache::{ChunkCache, PrefixCache, RadixCache};
+use scheduler::{
+    simulate, CostModel, SchedulePolicy, Scheduler, SchedulerConfig, SimExecutor, SimReport,
+    SimRequest,
+};
+use serde::Serialize;
+
+use crate::error::{EngineError, Result};
+use crate::rng::SplitMix64;
+use crate::workload::Workload;
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arrivals {
+    /// The workload's own times (a trace's timestamps), divided by a speed factor.
+    Trace {
+        /// Speed factor (2 = twice as fast).
+        speed: f64,
+    },
+    /// A Poisson process at `rate` requests per second (seeded), in workload order.
+    Poisson {
+        /// Requests per second.
+        rate: f64,
+        /// Seed of the inter-arrival times.
+        seed: u64,
+    },
+    /// Everything at time 0.
+    Burst,
+}
+
+/// Turns a workload into timed simulator requests.
+pub fn sim_requests(workload: &Workload, arrivals: Arrivals) -> Result<Vec<SimRequest>> {
+    let mut rng = match arrivals {
+        Arrivals::Poisson { rate, seed } => {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(EngineError::arg(
+                    "--request-rate",
+                    format!("{rate} is not a positive rate"),
+                ));
+            }
+            Some(SplitMix64::new(seed))
+        }
+        Arrivals::Trace { speed } if !(speed.is_finite() && speed > 0.0) => {
+            return Err(EngineError::arg(
+                "--speed",
+                format!("{speed} is not a positive factor"),
+            ));
+        }
+        _ => None,
+    };
+    let mut t = 0.0;
+    Ok(workload
+        .requests
+        .iter()
+        .map(|r| {
+            let arrival_s = match arrivals {
+                Arrivals::Trace { speed } => r.arrival_s / speed,
+                Arrivals::Poisson { rate, .. } => {
+                    let rng = rng.as_mut().expect("seeded");
+                    // Exponential inter-arrival: −ln(U) / rate with U in (0, 1].
+                    let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                    t += -(1.0 - u).ln() / rate;
+                    t
+                }
+                Arrivals::Burst => 0.0,
+            };
+            SimRequest {
+                prompt: r.tokens.clone(),
+                output_len: r.output_len.max(1),
+                arrival_s,
+            }
+        })
+        .collect())
+}
+
+/// One configuration of a sweep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// Scheduler settings (policy, page size, budgets…).
+    pub scheduler: SchedulerConfig,
+    /// Eviction policy of the radix cache (ignored with `radix = false`).
+    pub eviction_policy: String,
+    /// Whether the radix cache is on (`--disable-radix-cache` turns it off).
+    pub radix: bool,
+    /// KV pool size in tokens.
+    pub capacity_tokens: usize,
+    /// The cost model.
+    pub cost: CostModel,
+}
+
+/// The figures of one configuration (the JSON line of `--format json`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimOutcome {
+    /// `--schedule-policy`.
+    pub schedule_policy: String,
+    /// `--radix-eviction-policy` (or `disabled`).
+    pub eviction_policy: String,
+    /// KV pool size in tokens.
+    pub capacity_tokens: usize,
+    /// Page size.
+    pub page_size: u32,
+    /// Requests that finished.
+    pub requests: usize,
+    /// Requests aborted.
+    pub aborted: usize,
+    /// Cached prompt tokens / prompt tokens.
+    pub hit_rate: f64,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the cache.
+    pub cached_tokens: usize,
+    /// Tokens computed by prefill passes.
+    pub prefill_tokens: usize,
+    /// Tokens generated.
+    pub output_tokens: usize,
+    /// Generated tokens per simulated second.
+    pub output_tokens_per_s: f64,
+    /// Time to first token, median.
+    pub ttft_p50_s: f64,
+    /// Time to first token, 99th percentile.
+    pub ttft_p99_s: f64,
+    /// Inter-token latency, median.
+    pub itl_p50_s: f64,
+    /// Inter-token latency, 99th percentile.
+    pub itl_p99_s: f64,
+    /// Retractions.
+    pub retractions: usize,
+    /// Highest pool use in tokens.
+    pub peak_used_tokens: usize,
+    /// Simulated duration.
+    pub simulated_s: f64,
+    /// Scheduler steps.
+    pub steps: u64,
+    /// Wall time of the simulation.
+    pub seconds: f64,
+}
+
+impl SimOutcome {
+    fn new(cfg: &SimConfig, r: &SimReport, seconds: f64) -> Self {
+        SimOutcome {
+            schedule_policy: cfg.scheduler.schedule_policy.to_string(),
+            eviction_policy: if cfg.radix {
+                cfg.eviction_policy.clone()
+            } else {
+                "disabled".into()
+            },
+            capacity_tokens: cfg.capacity_tokens,
+            page_size: cfg.scheduler.page_size,
+            requests: r.requests,
+            aborted: r.aborted,
+            hit_rate: r.hit_rate,
+            prompt_tokens: r.prompt_tokens,
+            cached_tokens: r.cached_tokens,
+            prefill_tokens: r.prefill_tokens,
+            output_tokens: r.output_tokens,
+            output_tokens_per_s: r.output_tokens_per_s,
+            ttft_p50_s: r.ttft_p50_s,
+            ttft_p99_s: r.ttft_p99_s,
+            itl_p50_s: r.itl_p50_s,
+            itl_p99_s: r.itl_p99_s,
+            retractions: r.retractions,
+            peak_used_tokens: r.peak_used_tokens,
+            simulated_s: r.duration_s,
+            steps: r.steps,
+            seconds,
+        }
+    }
+}
+
+/// SGLang's default request limit for a pool: `min(clamp(capacity / context × 512, 2048, 4096),
+/// capacity / 2)`.
+pub fn default_max_running_requests(capacity_tokens: usize, context_len: usize) -> usize {
+    let proportional = (capacity_tokens as f64 / context_len.max(1) as f64 * 512.0) as usize;
+    proportional
+        .clamp(2048, 4096)
+        .min(capacity_tokens / 2)
+        .max(1)
+}
+
+/// Runs one configuration.
+pub fn run_one(
+    requests: &[SimRequest],
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<SimOutcome> {
+    let p = cfg.scheduler.page_size;
+    let capacity = floor_to_page(cfg.capacity_tokens, p as usize);
+    if capacity == 0 {
+        return Err(EngineError::arg(
+            "--max-total-tokens",
+            format!(
+                "{} tokens is less than one page of {p}",
+                cfg.capacity_tokens
+            ),
+        ));
+    }
+    let cache: Box<dyn PrefixCache> = if cfg.radix {
+        Box::new(RadixCache::new(p, policy_from_name(&cfg.eviction_policy)?))
+    } else {
+        Box::new(ChunkCache::new(p))
+    };
+    let alloc = PagedAllocator::new(capacity, p)?;
+    let mut sched = Scheduler::new(cfg.scheduler.clone(), cache, cfg.radix, Box::new(alloc))
+        .map_err(sched_err)?;
+    let mut exec = SimExecutor {
+        cost: cfg.cost.clone(),
+    };
+    let start = Instant::now();
+    let report = simulate(requests, &mut sched, &mut exec, progress).map_err(sched_err)?;
+    let cfg = SimConfig {
+        capacity_tokens: capacity,
+        ..cfg.clone()
+    };
+    Ok(SimOutcome::new(
+        &cfg,
+        &report,
+        start.elapsed().as_secs_f64(),
+    ))
+}
+
+fn sched_err(e: scheduler::SchedulerError) -> EngineError {
+    match e {
+        scheduler::SchedulerError::InvalidConfig { field, reason } => {
+            EngineError::arg(field, reason)
+        }
+        other => EngineError::Simulation(other.to_string()),
+    }
+}
+
+/// Runs every configuration, `jobs` at a time on threads; results in configuration order.
+pub fn run_sweep(
+    requests: &[SimRequest],
+    configs: &[SimConfig],
+    jobs: usize,
+    progress: &(dyn Fn(usize) + Sync),
+) -> Result<Vec<SimOutcome>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<SimOutcome>>>> =
+        configs.iter().map(|_| Default::default()).collect();
+    std::thread::scope(|s| {
+        for _ in 0..jobs.clamp(1, configs.len().max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(cfg) = configs.get(i) else { break };
+                let mut last = 0;
+                let r = run_one(requests, cfg, &mut |done, _| {
+                    progress(done - last);
+                    last = done;
+                });
+                *results[i].lock().expect("no panics hold the lock") = Some(r);
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .expect("no panics hold the lock")
+                .expect("every configuration ran")
+        })
+        .collect()
+}
+
+/// An aligned table of outcomes.
+pub fn render_table(outcomes: &[SimOutcome], timings: bool) -> String {
+    let mut rows = vec![vec![
+        "schedule".to_string(),
+        "eviction".into(),
+        "capacity".into(),
+        "hit_rate".into(),
+        "prefill_tok".into(),
+        "out_tok/s".into(),
+        "ttft_p50".into(),
+        "ttft_p99".into(),
+        "itl_p50".into(),
+        "itl_p99".into(),
+        "retract".into(),
+        "aborted".into(),
+        "peak_pool".into(),
+    ]];
+    if timings {
+        rows[0].push("wall_s".into());
+    }
+    for o in outcomes {
+        let mut row = vec![
+            o.schedule_policy.clone(),
+            o.eviction_policy.clone(),
+            o.capacity_tokens.to_string(),
+            format!("{:.2}%", 100.0 * o.hit_rate),
+            o.prefill_tokens.to_string(),
+            format!("{:.0}", o.output_tokens_per_s),
+            format!("{:.3}s", o.ttft_p50_s),
+            format!("{:.3}s", o.ttft_p99_s),
+            format!("{:.4}s", o.itl_p50_s),
+            format!("{:.4}s", o.itl_p99_s),
+            o.retractions.to_string(),
+            o.aborted.to_string(),
+            o.peak_used_tokens.to_string(),
+        ];
+        if timings {
+            row.push(format!("{:.2}", o.seconds));
+        }
+        rows.push(row);
+    }
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, v)| {
+                if c < 2 {
+                    format!("{v:<w$}", w = widths[c])
+                } else {
+                    format!("{v:>w$}", w = widths[c])
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// Parses a comma-separated list of schedule policies.
+pub fn parse_schedule_policies(s: &str) -> Result<Vec<SchedulePolicy>> {
+    s.split(',')
+        .map(|p| {
+            p.trim()
+                .parse::<SchedulePolicy>()
+                .map_err(|e| EngineError::arg("--schedule-policy", e.to_string()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::{GspConfig, Request};
+    use scheduler::{Accelerator, ModelShape};
+
+    fn gsp() -> Workload {
+        GspConfig {
+            num_groups: 4,
+            prompts_per_group: 4,
+            system_prompt_len: 256,
+            question_len: 32,
+            output_len: 16,
+            seed: 1,
+            vocab_size: 32_000,
+        }
+        .generate()
+        .unwrap()
+    }
+
+    fn config(policy: SchedulePolicy, capacity: usize) -> SimConfig {
+        SimConfig {
+            scheduler: SchedulerConfig {
+                page_size: 16,
+                context_len: 4096,
+                max_running_requests: 64,
+                schedule_policy: policy,
+                strict: true,
+                ..SchedulerConfig::default()
+            },
+            eviction_policy: "lru".into(),
+            radix: true,
+            capacity_tokens: capacity,
+            cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
+        }
+    }
+
+    #[test]
+    fn arrivals() {
+        let mut w = gsp();
+        w.requests.truncate(3);
+        w.requests[1].arrival_s = 4.0;
+        let t = sim_requests(&w, Arrivals::Trace { speed: 2.0 }).unwrap();
+        assert_eq!(t[1].arrival_s, 2.0);
+        let p = sim_requests(
+            &w,
+            Arrivals::Poisson {
+                rate: 10.0,
+                seed: 3,
+            },
+        )
+        .unwrap();
+        assert!(
+            p[0].arrival_s > 0.0
+                && p[0].arrival_s < p[1].arrival_s
+                && p[1].arrival_s < p[2].arrival_s
+        );
+        assert_eq!(
+            p,
+            sim_requests(
+                &w,
+                Arrivals::Poisson {
+                    rate: 10.0,
+                    seed: 3
+                }
+            )
+            .unwrap(),
+            "seeded"
+        );
+        assert!(sim_requests(&w, Arrivals::Burst)
+            .unwrap()
+            .iter()
+            .all(|r| r.arrival_s == 0.0));
+        assert!(sim_requests(&w, Arrivals::Poisson { rate: 0.0, seed: 3 }).is_err());
+        assert!(sim_requests(&w, Arrivals::Trace { speed: -1.0 }).is_err());
+    }
+
+    #[test]
+    fn sweep_reports_the_workloads_reuse() {
+        let w = gsp();
+        // Spaced arrivals: each request comes after the previous one's prefill (in a burst
+        // they would all share one prefill batch, before anything is cached).
+        let reqs = sim_requests(&w, Arrivals::Poisson { rate: 2.0, seed: 1 }).unwrap();
+        let configs = vec![
+            config(SchedulePolicy::Fcfs, 1 << 16),
+            config(SchedulePolicy::Lpm, 1 << 16),
+        ];
+        let out = run_sweep(&reqs, &configs, 2, &|_| {}).unwrap();
+        for o in &out {
+            assert_eq!((o.requests, o.aborted), (16, 0));
+            assert_eq!(o.output_tokens, 16 * 16);
+            // With room for everything, 12 of 16 requests reuse a 256-token system prompt.
+            assert_eq!(o.cached_tokens, 12 * 256, "{o:?}");
+            assert!(o.ttft_p99_s >= o.ttft_p50_s && o.itl_p50_s > 0.0);
+        }
+        let table = render_table(&out, false);
+        assert!(
+            table.starts_with("schedule  eviction  capacity  hit_rate"),
+            "{table}"
+        );
+        assert_eq!(table.lines().count(), 3);
+    }
+
+    #[test]
+    fn a_tiny_pool_is_an_error_and_oversized_requests_abort() {
+        let w = Workload {
+            name: "t".into(),
+            requests: vec![Request {
+                tokens: (0..200).collect(),
+                output_len: 4,
+                arrival_s: 0.0,
+            }],
+        };
+        let reqs = sim_requests(&w, Arrivals::Burst).unwrap();
+        assert!(matches!(
+            run_one(&reqs, &config(SchedulePolicy::Fcfs, 8), &mut |_, _| {}),
+            Err(EngineError::InvalidArgument { .. })
+        ));
+        let o = run_one(&reqs, &config(SchedulePolicy::Fcfs, 128), &mut |_, _| {}).unwrap();
+        assert_eq!((o.requests, o.aborted), (0, 1));
+    }
+
+    #[test]
+    fn default_request_limit_as_sglang() {
+        assert_eq!(default_max_running_requests(441_536, 8192), 4096);
+        assert_eq!(default_max_running_requests(100_000, 131_072), 2048);
+        assert_eq!(default_max_running_requests(1000, 8192), 500);
+    }
+}
