@@ -659,7 +659,7 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
                 if word.allocated & mask == mask {
                     word.allocated &= !mask;
                     word.marks |= mask;
-                    pages.extend(page..=hi);
+                    pages.extend(page..hi + 1); // a Range (TrustedLen), unlike ..=
                 } else {
                     for pg in page..=hi {
                         let b = 1u64 << (pg % 64);
