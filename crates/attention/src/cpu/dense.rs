@@ -9,7 +9,7 @@ use super::attention::dot;
 /// fixed order, so a row's result is bitwise the same whatever `m` and wherever the row sits in
 /// `x` (greedy decoding must not depend on the batch). The `gemm` crate used before did not
 /// give that (its `m = 1` path sums in another order than its tiled path), so the kernel is our
-/// own: AVX2 + FMA tiles of 4 `x` rows × 2 `w` rows over cache blocks of `w` where the CPU has
+/// own: AVX2 + FMA tiles of 4 `x` rows × 3 `w` rows over cache blocks of `w` where the CPU has
 /// them, else the portable 8-lane [`dot`].
 pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
     assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n);

@@ -113,69 +113,38 @@ unsafe fn hsum(a: __m256) -> f32 {
     }
 }
 
-/// Dot products of `H` f32 rows `a[h]` with two rows `b0`, `b1` of `E`, `d` elements each, in
-/// the module's fixed order: `(a[h]·b0, a[h]·b1)`.
+/// Dot products of `H` f32 rows `a[h]` with `P` rows `b[p]` of `E`, `d` elements each, in the
+/// module's fixed order: `out[p][h] = a[h]·b[p]` (an `H × P` register tile sharing every load).
 ///
 /// # Safety
-/// Every `a[h]` must be valid for `d` f32 reads, `b0` and `b1` for `d` elements of `E`, and the
+/// Every `a[h]` must be valid for `d` f32 reads, every `b[p]` for `d` elements of `E`, and the
 /// CPU must have AVX2, FMA and F16C.
 #[inline(always)]
-unsafe fn dot_h2<E: Elem, const H: usize>(
+unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
     a: &[*const f32; H],
-    b0: *const u8,
-    b1: *const u8,
+    b: [*const u8; P],
     d: usize,
-) -> ([f32; H], [f32; H]) {
+) -> [[f32; H]; P] {
     // SAFETY: every access is below `d` elements of its row (see the function's contract).
     unsafe {
-        let mut c0 = [_mm256_setzero_ps(); H];
-        let mut c1 = [_mm256_setzero_ps(); H];
+        let mut c = [[_mm256_setzero_ps(); H]; P];
         let chunks = d / 8;
-        for c in 0..chunks {
-            let k0 = E::load8(b0.add(c * 8 * E::BYTES));
-            let k1 = E::load8(b1.add(c * 8 * E::BYTES));
+        for ch in 0..chunks {
+            let k: [__m256; P] = std::array::from_fn(|p| E::load8(b[p].add(ch * 8 * E::BYTES)));
             for h in 0..H {
-                let q = _mm256_loadu_ps(a[h].add(c * 8));
-                c0[h] = _mm256_fmadd_ps(q, k0, c0[h]);
-                c1[h] = _mm256_fmadd_ps(q, k1, c1[h]);
+                let q = _mm256_loadu_ps(a[h].add(ch * 8));
+                for p in 0..P {
+                    c[p][h] = _mm256_fmadd_ps(q, k[p], c[p][h]);
+                }
             }
         }
-        let mut s0 = [0.0f32; H];
-        let mut s1 = [0.0f32; H];
-        for h in 0..H {
-            s0[h] = hsum(c0[h]);
-            s1[h] = hsum(c1[h]);
-            for e in chunks * 8..d {
-                let q = *a[h].add(e);
-                s0[h] = q.mul_add(E::load1(b0.add(e * E::BYTES)), s0[h]);
-                s1[h] = q.mul_add(E::load1(b1.add(e * E::BYTES)), s1[h]);
-            }
-        }
-        (s0, s1)
-    }
-}
-
-/// [`dot_h2`] against one row.
-///
-/// # Safety
-/// As [`dot_h2`].
-#[inline(always)]
-unsafe fn dot_h1<E: Elem, const H: usize>(a: &[*const f32; H], b: *const u8, d: usize) -> [f32; H] {
-    // SAFETY: every access is below `d` elements of its row (see the function's contract).
-    unsafe {
-        let mut c0 = [_mm256_setzero_ps(); H];
-        let chunks = d / 8;
-        for c in 0..chunks {
-            let k = E::load8(b.add(c * 8 * E::BYTES));
+        let mut s = [[0.0f32; H]; P];
+        for p in 0..P {
             for h in 0..H {
-                c0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(a[h].add(c * 8)), k, c0[h]);
-            }
-        }
-        let mut s = [0.0f32; H];
-        for h in 0..H {
-            s[h] = hsum(c0[h]);
-            for e in chunks * 8..d {
-                s[h] = (*a[h].add(e)).mul_add(E::load1(b.add(e * E::BYTES)), s[h]);
+                s[p][h] = hsum(c[p][h]);
+                for e in chunks * 8..d {
+                    s[p][h] = (*a[h].add(e)).mul_add(E::load1(b[p].add(e * E::BYTES)), s[p][h]);
+                }
             }
         }
         s
@@ -199,42 +168,20 @@ unsafe fn weighted_sum<E: Elem, const H: usize>(
     // SAFETY: every access is below `dv` elements of its row (see the function's contract).
     unsafe {
         let mut e = 0;
-        while e + 16 <= dv {
-            let mut a0 = [_mm256_setzero_ps(); H];
-            let mut a1 = [_mm256_setzero_ps(); H];
-            for h in 0..H {
-                a0[h] = _mm256_loadu_ps(acc[h].add(e));
-                a1[h] = _mm256_loadu_ps(acc[h].add(e + 8));
+        // Four accumulator registers per head where they fit in the 16 registers, else three.
+        if H <= 3 {
+            while e + 32 <= dv {
+                weighted_chunk::<E, H, 4>(acc, p, v, n, e);
+                e += 32;
             }
-            for (j, &vp) in v[..n].iter().enumerate() {
-                let v0 = E::load8(vp.add(e * E::BYTES));
-                let v1 = E::load8(vp.add((e + 8) * E::BYTES));
-                for h in 0..H {
-                    let w = _mm256_set1_ps(p[h][j]);
-                    a0[h] = _mm256_fmadd_ps(w, v0, a0[h]);
-                    a1[h] = _mm256_fmadd_ps(w, v1, a1[h]);
-                }
+        } else {
+            while e + 24 <= dv {
+                weighted_chunk::<E, H, 3>(acc, p, v, n, e);
+                e += 24;
             }
-            for h in 0..H {
-                _mm256_storeu_ps(acc[h].add(e), a0[h]);
-                _mm256_storeu_ps(acc[h].add(e + 8), a1[h]);
-            }
-            e += 16;
         }
-        if e + 8 <= dv {
-            let mut a0 = [_mm256_setzero_ps(); H];
-            for h in 0..H {
-                a0[h] = _mm256_loadu_ps(acc[h].add(e));
-            }
-            for (j, &vp) in v[..n].iter().enumerate() {
-                let v0 = E::load8(vp.add(e * E::BYTES));
-                for h in 0..H {
-                    a0[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h][j]), v0, a0[h]);
-                }
-            }
-            for h in 0..H {
-                _mm256_storeu_ps(acc[h].add(e), a0[h]);
-            }
+        while e + 8 <= dv {
+            weighted_chunk::<E, H, 1>(acc, p, v, n, e);
             e += 8;
         }
         for e in e..dv {
@@ -244,6 +191,44 @@ unsafe fn weighted_sum<E: Elem, const H: usize>(
                     a = p[h][j].mul_add(E::load1(vp.add(e * E::BYTES)), a);
                 }
                 *acc[h].add(e) = a;
+            }
+        }
+    }
+}
+
+/// [`weighted_sum`] over elements `e .. e + 8W`, in `H × W` registers.
+///
+/// # Safety
+/// As [`weighted_sum`], with `e + 8W ≤ dv`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
+unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
+    acc: &[*mut f32; H],
+    p: &[[f32; BLOCK]; H],
+    v: &[*const u8],
+    n: usize,
+    e: usize,
+) {
+    // SAFETY: every access is below `e + 8W ≤ dv` elements of its row (function contract).
+    unsafe {
+        let mut a = [[_mm256_setzero_ps(); W]; H];
+        for h in 0..H {
+            for w in 0..W {
+                a[h][w] = _mm256_loadu_ps(acc[h].add(e + 8 * w));
+            }
+        }
+        for (j, &vp) in v[..n].iter().enumerate() {
+            let x: [__m256; W] = std::array::from_fn(|w| E::load8(vp.add((e + 8 * w) * E::BYTES)));
+            for h in 0..H {
+                let wgt = _mm256_set1_ps(p[h][j]);
+                for w in 0..W {
+                    a[h][w] = _mm256_fmadd_ps(wgt, x[w], a[h][w]);
+                }
+            }
+        }
+        for h in 0..H {
+            for w in 0..W {
+                _mm256_storeu_ps(acc[h].add(e + 8 * w), a[h][w]);
             }
         }
     }
@@ -285,20 +270,23 @@ unsafe fn tile<E: Elem, const H: usize>(
     // SAFETY: the K rows hold head gk's `d` elements at `koff` (gk < kv heads), and the query
     // rows `d` f32 each (sliced above); see the function's contract for the CPU.
     unsafe {
+        let kp = |j: usize| tb.k[j].add(koff);
         let mut j = 0;
-        while j + 2 <= n {
-            let (s0, s1) = dot_h2::<E, H>(&qp, tb.k[j].add(koff), tb.k[j + 1].add(koff), d);
-            for h in 0..H {
-                s[h][j] = tb.scale * s0[h];
-                s[h][j + 1] = tb.scale * s1[h];
+        while j + 3 <= n {
+            let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
+            for (p, t) in t.iter().enumerate() {
+                for h in 0..H {
+                    s[h][j + p] = tb.scale * t[h];
+                }
             }
-            j += 2;
+            j += 3;
         }
-        if j < n {
-            let s0 = dot_h1::<E, H>(&qp, tb.k[j].add(koff), d);
+        while j < n {
+            let [t] = dot_tile::<E, H, 1>(&qp, [kp(j)], d);
             for h in 0..H {
-                s[h][j] = tb.scale * s0[h];
+                s[h][j] = tb.scale * t[h];
             }
+            j += 1;
         }
     }
     for (h, s) in s.iter_mut().enumerate() {
@@ -404,7 +392,7 @@ const MR: usize = 4;
 pub(crate) unsafe fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
     assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n && k > 0);
     // About 256 KiB of w per block.
-    let nb = (65536 / k).max(2) & !1;
+    let nb = (65536 / k).max(3);
     for j0 in (0..n).step_by(nb) {
         let j1 = (j0 + nb).min(n);
         for i0 in (0..m).step_by(MR) {
@@ -442,20 +430,22 @@ unsafe fn matmul_tile<const H: usize>(
     let a: [*const f32; H] = std::array::from_fn(|i| x[(i0 + i) * k..][..k].as_ptr());
     let row = |j: usize| w[j * k..][..k].as_ptr().cast::<u8>();
     let mut j = j0;
-    while j + 2 <= j1 {
-        // SAFETY: the x rows and the two w rows hold k f32 each (sliced); CPU per contract.
-        let (s0, s1) = unsafe { dot_h2::<F32, H>(&a, row(j), row(j + 1), k) };
-        for h in 0..H {
-            dst[(i0 + h) * n + j] = s0[h];
-            dst[(i0 + h) * n + j + 1] = s1[h];
+    while j + 3 <= j1 {
+        // SAFETY: the x rows and the three w rows hold k f32 each (sliced); CPU per contract.
+        let t = unsafe { dot_tile::<F32, H, 3>(&a, [row(j), row(j + 1), row(j + 2)], k) };
+        for (p, t) in t.iter().enumerate() {
+            for h in 0..H {
+                dst[(i0 + h) * n + j + p] = t[h];
+            }
         }
-        j += 2;
+        j += 3;
     }
-    if j < j1 {
+    while j < j1 {
         // SAFETY: as above, one w row.
-        let s0 = unsafe { dot_h1::<F32, H>(&a, row(j), k) };
+        let [t] = unsafe { dot_tile::<F32, H, 1>(&a, [row(j)], k) };
         for h in 0..H {
-            dst[(i0 + h) * n + j] = s0[h];
+            dst[(i0 + h) * n + j] = t[h];
         }
+        j += 1;
     }
 }
