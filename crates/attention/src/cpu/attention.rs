@@ -2,9 +2,10 @@
 //!
 //! One request is one unit of work. Its KV positions are visited in fixed blocks of
 //! [`BLOCK`] positions (block `b` is positions `b·BLOCK .. (b+1)·BLOCK`, whatever the page size);
-//! each block's K and V rows are decoded from the store into f32 scratch (contiguous runs of
-//! slots are decoded in one call), and every query of the request that can see part of the
-//! block folds it into its running softmax state (max, sum, weighted values) in position order.
+//! each block's K and V rows are read from the store (in place by the AVX2 kernel of
+//! [`super::simd`] for f32, f16 and bf16; otherwise decoded into f32 scratch, contiguous runs of
+//! slots in one call), and every query of the request that can see part of the block folds it
+//! into its running softmax state (max, sum, weighted values) in position order.
 //! A query at position `p` therefore always sees the same blocks, truncated at `p + 1`, in the
 //! same order, with the same values read from the store: its result does not depend on the
 //! other requests of the batch, on how its prompt was chunked, on whether its prefix came from
