@@ -2,9 +2,10 @@
 //!
 //! One request is one unit of work. Its KV positions are visited in fixed blocks of
 //! [`BLOCK`] positions (block `b` is positions `b·BLOCK .. (b+1)·BLOCK`, whatever the page size);
-//! each block's K and V rows are decoded from the store into f32 scratch (contiguous runs of
-//! slots are decoded in one call), and every query of the request that can see part of the
-//! block folds it into its running softmax state (max, sum, weighted values) in position order.
+//! each block's K and V rows are read from the store (in place by the AVX2 kernel of
+//! [`super::simd`] for f32, f16 and bf16; otherwise decoded into f32 scratch, contiguous runs of
+//! slots in one call), and every query of the request that can see part of the block folds it
+//! into its running softmax state (max, sum, weighted values) in position order.
 //! A query at position `p` therefore always sees the same blocks, truncated at `p + 1`, in the
 //! same order, with the same values read from the store: its result does not depend on the
 //! other requests of the batch, on how its prompt was chunked, on whether its prefix came from
@@ -131,7 +132,9 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-/// Dot product in a fixed order (eight lanes, then the lanes, then the tail).
+/// Dot product in a fixed order: lane `i` of eight accumulates elements `i, i + 8, …`, the
+/// lanes are summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` (the order of the
+/// AVX2 kernels' horizontal sum), then the tail is added element by element.
 #[inline(always)]
 pub(crate) fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 8];
@@ -143,8 +146,8 @@ pub(crate) fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
             lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
         }
     }
-    let mut s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    let mut s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
     for (x, y) in ar.iter().zip(br) {
         s = madd::<FMA>(*x, *y, s);
     }
@@ -162,7 +165,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// `2^n` built in the exponent bits. Inputs below −87 give 0 (e^−87 is below f32's normal
 /// range), as do −∞.
 #[inline(always)]
-fn exp_nonpos<const FMA: bool>(x: f32) -> f32 {
+pub(crate) fn exp_nonpos<const FMA: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
@@ -244,9 +247,9 @@ pub(crate) struct Sources<'a> {
 /// Dense causal attention of request `r`: `q` is the request's rows `[ext, q_heads, d]`, `out`
 /// its rows `[ext, q_heads, dv]` (overwritten).
 ///
-/// (An AVX2+FMA build of the kernel through `#[target_feature]` was tried and measured no
-/// faster in `benches/decode_attention.rs`, so there is no `unsafe` dispatch here; the kernel
-/// keeps its `FMA` parameter for when a measured SIMD build lands.)
+/// Runs the AVX2 + FMA + F16C kernel ([`super::simd`]) where the CPU has it, else the portable
+/// kernel without fused multiply-adds. (The choice is made once per process, so it never
+/// depends on the batch.)
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dense_request(
     g: &Geom,
@@ -258,7 +261,115 @@ pub(crate) fn dense_request(
     out: &mut [f32],
     sc: &mut Scratch,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        return dense_request_simd(g, meta, r, src, q, scale, out, sc);
+    }
     dense_request_impl::<false>(g, meta, r, src, q, scale, out, sc)
+}
+
+/// The dense kernel through [`super::simd`]: f32, f16 and bf16 rows are read in place from the
+/// store; other dtypes are decoded block by block into f32 scratch first. Same visiting order
+/// as [`dense_request_impl`], and bitwise the same result as its `FMA = true` instantiation.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dense_request_simd(
+    g: &Geom,
+    meta: &BatchMetadata,
+    r: usize,
+    src: &Sources<'_>,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
+    use super::simd::{self, TokenBlock};
+    #[derive(Clone, Copy)]
+    enum Path {
+        F32,
+        F16,
+        Bf16,
+        Scratch,
+    }
+    let (kv_len, ext, pos0) = (meta.kv_len(r), meta.extend_len(r), meta.prefix_len(r));
+    let nq = ext * g.q_heads;
+    out.fill(0.0);
+    grow(&mut sc.m, nq).fill(f32::NEG_INFINITY);
+    grow(&mut sc.l, nq).fill(0.0);
+    let path = match src.k.dtype {
+        KvDtype::F32 => Path::F32,
+        KvDtype::F16 => Path::F16,
+        KvDtype::Bf16 => Path::Bf16,
+        _ => Path::Scratch,
+    };
+    let scratch = matches!(path, Path::Scratch);
+    let kbuf = grow(&mut sc.kbuf, if scratch { BLOCK * g.k_row } else { 0 });
+    let v_rows = if g.v_in_k || !scratch {
+        0
+    } else {
+        BLOCK * g.v_row
+    };
+    let vbuf = grow(&mut sc.vbuf, v_rows);
+    let kb = src.k.elems * src.k.dtype.bytes();
+    let mut kp = [std::ptr::null::<u8>(); BLOCK];
+    let mut vp = [std::ptr::null::<u8>(); BLOCK];
+    for start in (0..kv_len).step_by(BLOCK) {
+        let end = (start + BLOCK).min(kv_len);
+        let n = end - start;
+        if scratch {
+            let slots = (start..end).map(|p| meta.slot(r, p));
+            src.k
+                .load(slots.clone(), 0, g.k_row, &mut kbuf[..n * g.k_row]);
+            if let Some(v) = &src.v {
+                v.load(slots, 0, g.v_row, &mut vbuf[..n * g.v_row]);
+            }
+            for j in 0..n {
+                kp[j] = kbuf[j * g.k_row..][..g.k_row].as_ptr().cast();
+                vp[j] = if g.v_in_k {
+                    kp[j]
+                } else {
+                    vbuf[j * g.v_row..][..g.v_row].as_ptr().cast()
+                };
+            }
+        } else {
+            for (j, p) in (start..end).enumerate() {
+                let s = meta.slot(r, p).index();
+                kp[j] = src.k.bytes[s * kb..][..kb].as_ptr();
+                vp[j] = match &src.v {
+                    Some(v) => {
+                        let vb = v.elems * v.dtype.bytes();
+                        v.bytes[s * vb..][..vb].as_ptr()
+                    }
+                    None => kp[j],
+                };
+            }
+        }
+        for t in start.saturating_sub(pos0)..ext {
+            let tb = TokenBlock {
+                g,
+                k: &kp[..n],
+                v: &vp[..n],
+                seen: (pos0 + t + 1).min(end) - start,
+                scale,
+            };
+            let qt = &q[t * g.q_heads * g.d..][..g.q_heads * g.d];
+            let m = &mut sc.m[t * g.q_heads..][..g.q_heads];
+            let l = &mut sc.l[t * g.q_heads..][..g.q_heads];
+            let acc = &mut out[t * g.q_heads * g.dv..][..g.q_heads * g.dv];
+            // SAFETY: `simd::available()` was checked by the caller; every K pointer starts a
+            // whole K row (`g.k_row` elements of the path's type: a checked slice of the store
+            // or of scratch), every V pointer a whole V row (or the K row for MLA), for the
+            // block's `n ≥ seen` positions; q, m, l and acc hold the token's `q_heads` rows.
+            unsafe {
+                match path {
+                    Path::F16 => simd::token_block_f16(&tb, qt, m, l, acc),
+                    Path::Bf16 => simd::token_block_bf16(&tb, qt, m, l, acc),
+                    Path::F32 | Path::Scratch => simd::token_block_f32(&tb, qt, m, l, acc),
+                }
+            }
+        }
+    }
+    finish(out, &sc.l[..nq], g.dv);
 }
 
 /// The dense kernel; `FMA` selects fused multiply-adds (only in the AVX2+FMA build).
@@ -400,6 +511,105 @@ pub(crate) fn sparse_decode_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX2 kernel equals the portable kernel with fused multiply-adds bitwise, for every
+    /// dtype path (in place: f32, f16, bf16; through scratch: fp8), GQA groups that tile as 4,
+    /// 3, 2 and 1 heads, head dims with and without 8- and 16-element tails, MLA, and a causal
+    /// extend over a cached prefix on scattered pages.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_kernel_equals_portable_fma_kernel() {
+        use crate::conformance::scattered_slots;
+        use crate::metadata::RequestKv;
+        use crate::rng::SplitMix;
+        use kv_pool::{HostKvStore, KvBuffer, KvLayout, KvShape, KvStore};
+
+        if !super::super::simd::available() {
+            eprintln!("no AVX2 + FMA + F16C: nothing to compare");
+            return;
+        }
+        let dtypes = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8E4m3];
+        // (q heads, kv heads, d, dv, mla)
+        let shapes = [
+            (8, 2, 64, 64, false),
+            (7, 1, 40, 24, false),
+            (6, 2, 19, 13, false),
+            (3, 3, 128, 128, false),
+            (10, 2, 16, 8, false),
+            (4, 1, 48, 32, true),
+        ];
+        let mut rng = SplitMix(21);
+        for dtype in dtypes {
+            for &(qh, kvh, d, dv, mla) in &shapes {
+                let shape = if mla {
+                    KvShape::mla(dv as u32, (d - dv) as u32, 1, dtype).unwrap()
+                } else {
+                    KvShape::mha(kvh as u32, d as u32, dv as u32, 1, dtype).unwrap()
+                };
+                let page = 16;
+                let layout = KvLayout::new(shape, page, 1024).unwrap();
+                let mut store = HostKvStore::new(layout).unwrap();
+                if dtype.is_fp8() {
+                    store.set_scales(0, 0.5, 0.25).unwrap();
+                }
+                let reqs = [(70usize, 45usize), (0, 33)];
+                let slots = scattered_slots(page, 1024, &reqs, &mut rng).unwrap();
+                for (sl, &(pre, ext)) in slots.iter().zip(&reqs) {
+                    let all = &sl[..pre + ext];
+                    let (kr, vr) = (
+                        shape.row_elems(KvBuffer::Key),
+                        if mla { 0 } else { kvh * dv },
+                    );
+                    let k = rng.nonzero_vec(all.len() * kr);
+                    let v = rng.nonzero_vec(all.len() * vr);
+                    store.write_kv(0, all, &k, &v).unwrap();
+                }
+                let rk: Vec<RequestKv<'_>> = slots
+                    .iter()
+                    .zip(&reqs)
+                    .map(|(sl, &(pre, ext))| RequestKv {
+                        slots: &sl[..pre + ext],
+                        extend_len: ext,
+                    })
+                    .collect();
+                let meta = BatchMetadata::new(page, &rk).unwrap();
+                let (ks, vs) = store.scales(0).unwrap();
+                let src = |b: KvBuffer, scale: f32| RowSource {
+                    bytes: store.layer_buffer(0, b).unwrap(),
+                    dtype,
+                    scale,
+                    elems: shape.row_elems(b),
+                };
+                let sources = Sources {
+                    k: src(KvBuffer::Key, ks),
+                    v: (!mla).then(|| src(KvBuffer::Value, vs)),
+                    labels: None,
+                };
+                let g = Geom {
+                    q_heads: qh,
+                    group: qh / kvh,
+                    d,
+                    dv,
+                    k_row: if mla { d } else { kvh * d },
+                    v_row: if mla { 0 } else { kvh * dv },
+                    v_in_k: mla,
+                };
+                for r in 0..meta.num_requests() {
+                    let ext = meta.extend_len(r);
+                    let q = rng.nonzero_vec(ext * qh * d);
+                    let mut a = vec![0.0; ext * qh * dv];
+                    let mut b = vec![1.0; ext * qh * dv];
+                    let mut sc = Scratch::default();
+                    dense_request_simd(&g, &meta, r, &sources, &q, 0.3, &mut a, &mut sc);
+                    dense_request_impl::<true>(&g, &meta, r, &sources, &q, 0.3, &mut b, &mut sc);
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{dtype} {qh}/{kvh} d {d} dv {dv} mla {mla} request {r}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn fast_exp_matches_std() {

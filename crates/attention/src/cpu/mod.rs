@@ -1,9 +1,12 @@
-//! The CPU backend: f32 tensors in host memory, GEMM through the pure-Rust `gemm` crate, and
-//! paged attention over a [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32
-//! on read.
+//! The CPU backend: f32 tensors in host memory, a batch-invariant matmul, and paged attention
+//! over a [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where
+//! the CPU has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention
+//! kernel run hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place from the store.
 
 mod attention;
 mod dense;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 
 use kv_pool::store::check;
 use kv_pool::{HostKvStore, KvBuffer, KvKind, KvLayout, KvStore};

@@ -1,0 +1,451 @@
+//! AVX2 + FMA + F16C kernels of the CPU backend, chosen at run time when the CPU has them.
+//!
+//! They compute exactly what the portable kernels compute with fused multiply-adds (the `FMA =
+//! true` instantiation of [`super::attention::dense_request_impl`] and
+//! [`super::attention::dot_with`]), in the same order, only eight lanes at a time: every dot
+//! product accumulates lane `i` over elements `i, i + 8, …` with fused multiply-adds, sums the
+//! lanes as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` and then adds the tail one
+//! element at a time; every weighted sum of value rows adds the rows one position after the
+//! other, element-wise. The unit tests check the two bitwise equal.
+//!
+//! What makes them fast is memory traffic, not only width: f16 and bf16 rows are converted in
+//! registers as they are read (no scratch copy, no call per element), f32 rows are read straight
+//! from the store, and each K and V row of a KV head is loaded once for a tile of up to four
+//! query heads (or matmul rows) that share it.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::attention::{exp_nonpos, Geom, BLOCK};
+
+/// Whether the CPU runs these kernels (AVX2, FMA and F16C), detected once.
+pub(crate) fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// An element type of store rows the kernels read directly.
+pub(crate) trait Elem {
+    /// Bytes per element.
+    const BYTES: usize;
+    /// Eight elements at `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `8 × BYTES` bytes (any alignment), and the CPU must have
+    /// AVX2, FMA and F16C ([`available`]).
+    unsafe fn load8(p: *const u8) -> __m256;
+    /// One element at `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `BYTES` bytes (any alignment).
+    unsafe fn load1(p: *const u8) -> f32;
+}
+
+/// Little-endian f32 rows.
+pub(crate) struct F32;
+/// Little-endian IEEE half rows.
+pub(crate) struct F16;
+/// Little-endian bfloat16 rows.
+pub(crate) struct Bf16;
+
+impl Elem for F32 {
+    const BYTES: usize = 4;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 32 readable bytes at p and AVX; loadu takes any alignment.
+        unsafe { _mm256_loadu_ps(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn load1(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 4 readable bytes at p; read_unaligned takes any alignment.
+        f32::from_le_bytes(unsafe { p.cast::<[u8; 4]>().read_unaligned() })
+    }
+}
+
+impl Elem for F16 {
+    const BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 16 readable bytes at p and F16C; the conversion is exact.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    #[inline(always)]
+    unsafe fn load1(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes at p.
+        half::f16::from_le_bytes(unsafe { p.cast::<[u8; 2]>().read_unaligned() }).to_f32()
+    }
+}
+
+impl Elem for Bf16 {
+    const BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 16 readable bytes at p and AVX2. A bf16 is the top half
+        // of the f32 with the same bits, so widening and shifting left by 16 is exact.
+        unsafe {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load1(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes at p.
+        half::bf16::from_le_bytes(unsafe { p.cast::<[u8; 2]>().read_unaligned() }).to_f32()
+    }
+}
+
+/// The lanes of `a` summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+///
+/// # Safety
+/// The CPU must have AVX.
+#[inline(always)]
+unsafe fn hsum(a: __m256) -> f32 {
+    // SAFETY: register-only AVX/SSE operations, which the caller guarantees.
+    unsafe {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        _mm_cvtss_f32(s1)
+    }
+}
+
+/// Dot products of `H` f32 rows `a[h]` with `P` rows `b[p]` of `E`, `d` elements each, in the
+/// module's fixed order: `out[p][h] = a[h]·b[p]` (an `H × P` register tile sharing every load).
+///
+/// # Safety
+/// Every `a[h]` must be valid for `d` f32 reads, every `b[p]` for `d` elements of `E`, and the
+/// CPU must have AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
+    a: &[*const f32; H],
+    b: [*const u8; P],
+    d: usize,
+) -> [[f32; H]; P] {
+    // SAFETY: every access is below `d` elements of its row (see the function's contract).
+    unsafe {
+        let mut c = [[_mm256_setzero_ps(); H]; P];
+        let chunks = d / 8;
+        for ch in 0..chunks {
+            let k: [__m256; P] = std::array::from_fn(|p| E::load8(b[p].add(ch * 8 * E::BYTES)));
+            for h in 0..H {
+                let q = _mm256_loadu_ps(a[h].add(ch * 8));
+                for p in 0..P {
+                    c[p][h] = _mm256_fmadd_ps(q, k[p], c[p][h]);
+                }
+            }
+        }
+        let mut s = [[0.0f32; H]; P];
+        for p in 0..P {
+            for h in 0..H {
+                s[p][h] = hsum(c[p][h]);
+                for e in chunks * 8..d {
+                    s[p][h] = (*a[h].add(e)).mul_add(E::load1(b[p].add(e * E::BYTES)), s[p][h]);
+                }
+            }
+        }
+        s
+    }
+}
+
+/// `acc[h][e] = p[h][j] · v_j[e] + acc[h][e]` (fused) for `j = 0..n` in order, `e < dv`.
+///
+/// # Safety
+/// Every `acc[h]` must be valid for `dv` f32 reads and writes and not alias the others or the
+/// value rows, every `v[j]` (`j < n`) for `dv` elements of `E`; the CPU must have AVX2, FMA and
+/// F16C.
+#[inline(always)]
+unsafe fn weighted_sum<E: Elem, const H: usize>(
+    acc: &[*mut f32; H],
+    p: &[[f32; BLOCK]; H],
+    v: &[*const u8],
+    n: usize,
+    dv: usize,
+) {
+    // SAFETY: every access is below `dv` elements of its row (see the function's contract).
+    unsafe {
+        let mut e = 0;
+        // Four accumulator registers per head where they fit in the 16 registers, else three.
+        if H <= 3 {
+            while e + 32 <= dv {
+                weighted_chunk::<E, H, 4>(acc, p, v, n, e);
+                e += 32;
+            }
+        } else {
+            while e + 24 <= dv {
+                weighted_chunk::<E, H, 3>(acc, p, v, n, e);
+                e += 24;
+            }
+        }
+        while e + 8 <= dv {
+            weighted_chunk::<E, H, 1>(acc, p, v, n, e);
+            e += 8;
+        }
+        for e in e..dv {
+            for h in 0..H {
+                let mut a = *acc[h].add(e);
+                for (j, &vp) in v[..n].iter().enumerate() {
+                    a = p[h][j].mul_add(E::load1(vp.add(e * E::BYTES)), a);
+                }
+                *acc[h].add(e) = a;
+            }
+        }
+    }
+}
+
+/// [`weighted_sum`] over elements `e .. e + 8W`, in `H × W` registers.
+///
+/// # Safety
+/// As [`weighted_sum`], with `e + 8W ≤ dv`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
+unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
+    acc: &[*mut f32; H],
+    p: &[[f32; BLOCK]; H],
+    v: &[*const u8],
+    n: usize,
+    e: usize,
+) {
+    // SAFETY: every access is below `e + 8W ≤ dv` elements of its row (function contract).
+    unsafe {
+        let mut a = [[_mm256_setzero_ps(); W]; H];
+        for h in 0..H {
+            for w in 0..W {
+                a[h][w] = _mm256_loadu_ps(acc[h].add(e + 8 * w));
+            }
+        }
+        for (j, &vp) in v[..n].iter().enumerate() {
+            let x: [__m256; W] = std::array::from_fn(|w| E::load8(vp.add((e + 8 * w) * E::BYTES)));
+            for h in 0..H {
+                let wgt = _mm256_set1_ps(p[h][j]);
+                for w in 0..W {
+                    a[h][w] = _mm256_fmadd_ps(wgt, x[w], a[h][w]);
+                }
+            }
+        }
+        for h in 0..H {
+            for w in 0..W {
+                _mm256_storeu_ps(acc[h].add(e + 8 * w), a[h][w]);
+            }
+        }
+    }
+}
+
+/// One query token against one block: the rows of `q` (`q_heads × d`) fold the block's first
+/// `seen` positions (`k[j]`, `v[j]`: row starts in the store or in scratch) into their softmax
+/// states `m`, `l` and `acc` (`q_heads × dv`), head by head in the module's fixed order.
+pub(crate) struct TokenBlock<'a> {
+    pub g: &'a Geom,
+    pub k: &'a [*const u8],
+    pub v: &'a [*const u8],
+    pub seen: usize,
+    pub scale: f32,
+}
+
+/// Folds one tile of `H` query heads `h0 .. h0 + H` (all of KV head `gk`) into their states.
+///
+/// # Safety
+/// `tb.k[j]` must be valid for a whole K row of `E` (`g.k_row` elements), `tb.v[j]` for a whole
+/// V row (`g.v_row`, or the K row when `g.v_in_k`), for `j < tb.seen ≤ BLOCK`; `q`, `m`, `l`,
+/// `acc` must hold `q_heads` rows; the CPU must have AVX2, FMA and F16C.
+#[inline(always)]
+unsafe fn tile<E: Elem, const H: usize>(
+    tb: &TokenBlock<'_>,
+    gk: usize,
+    h0: usize,
+    q: &[f32],
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+) {
+    let g = tb.g;
+    let (d, dv, n) = (g.d, g.dv, tb.seen);
+    let qp: [*const f32; H] = std::array::from_fn(|i| q[(h0 + i) * d..][..d].as_ptr());
+    let koff = gk * d * E::BYTES;
+    let voff = if g.v_in_k { 0 } else { gk * dv * E::BYTES };
+    let mut s = [[0.0f32; BLOCK]; H];
+    // SAFETY: the K rows hold head gk's `d` elements at `koff` (gk < kv heads), and the query
+    // rows `d` f32 each (sliced above); see the function's contract for the CPU.
+    unsafe {
+        let kp = |j: usize| tb.k[j].add(koff);
+        let mut j = 0;
+        while j + 3 <= n {
+            let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
+            for (p, t) in t.iter().enumerate() {
+                for h in 0..H {
+                    s[h][j + p] = tb.scale * t[h];
+                }
+            }
+            j += 3;
+        }
+        while j < n {
+            let [t] = dot_tile::<E, H, 1>(&qp, [kp(j)], d);
+            for h in 0..H {
+                s[h][j] = tb.scale * t[h];
+            }
+            j += 1;
+        }
+    }
+    for (h, s) in s.iter_mut().enumerate() {
+        let i = h0 + h;
+        let s = &mut s[..n];
+        let m_b = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m_new = m[i].max(m_b);
+        if m[i] != m_new {
+            let corr = if m[i] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp_nonpos::<true>(m[i] - m_new)
+            };
+            l[i] *= corr;
+            acc[i * dv..(i + 1) * dv]
+                .iter_mut()
+                .for_each(|a| *a *= corr);
+            m[i] = m_new;
+        }
+        for x in s.iter_mut() {
+            *x = exp_nonpos::<true>(*x - m_new);
+        }
+        let mut sum = 0.0f32;
+        for &p in s.iter() {
+            sum += p;
+        }
+        l[i] += sum;
+    }
+    let accp: [*mut f32; H] = std::array::from_fn(|i| acc[(h0 + i) * dv..][..dv].as_mut_ptr());
+    let mut vp = [std::ptr::null::<u8>(); BLOCK];
+    for (p, &v) in vp.iter_mut().zip(&tb.v[..n]) {
+        // SAFETY: the V row holds head gk's `dv` elements at `voff` (function contract).
+        *p = unsafe { v.add(voff) };
+    }
+    // SAFETY: the accumulator rows are disjoint `dv`-element rows of `acc` (sliced above), the
+    // value rows hold `dv` elements at `vp[j]`; see the function's contract for the CPU.
+    unsafe { weighted_sum::<E, H>(&accp, &s, &vp, n, dv) };
+}
+
+/// One query token against one block (see [`TokenBlock`]).
+///
+/// # Safety
+/// As [`tile`], for every KV head.
+#[inline(always)]
+unsafe fn token_block<E: Elem>(
+    tb: &TokenBlock<'_>,
+    q: &[f32],
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+) {
+    let g = tb.g;
+    for gk in 0..g.q_heads / g.group {
+        let (mut h, end) = (gk * g.group, (gk + 1) * g.group);
+        while h < end {
+            // SAFETY: forwarded contract; h .. h + tile width stays within KV head gk.
+            unsafe {
+                match end - h {
+                    1 => tile::<E, 1>(tb, gk, h, q, m, l, acc),
+                    2 => tile::<E, 2>(tb, gk, h, q, m, l, acc),
+                    3 => tile::<E, 3>(tb, gk, h, q, m, l, acc),
+                    _ => tile::<E, 4>(tb, gk, h, q, m, l, acc),
+                }
+            }
+            h += (end - h).min(4);
+        }
+    }
+}
+
+macro_rules! token_block_for {
+    ($name:ident, $elem:ty) => {
+        /// [`token_block`] for one element type, compiled for AVX2 + FMA + F16C.
+        ///
+        /// # Safety
+        /// As [`token_block`]; the CPU must have AVX2, FMA and F16C ([`available`]).
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(crate) unsafe fn $name(
+            tb: &TokenBlock<'_>,
+            q: &[f32],
+            m: &mut [f32],
+            l: &mut [f32],
+            acc: &mut [f32],
+        ) {
+            // SAFETY: forwarded contract.
+            unsafe { token_block::<$elem>(tb, q, m, l, acc) }
+        }
+    };
+}
+
+token_block_for!(token_block_f32, F32);
+token_block_for!(token_block_f16, F16);
+token_block_for!(token_block_bf16, Bf16);
+
+/// Rows of `x` per matmul tile.
+const MR: usize = 4;
+
+/// `dst[i, j] = x_i · w_j` for rows `x[m, k]`, `w[n, k]`, each in the module's fixed dot order,
+/// so a row's result never depends on `m`. Blocks `w` so a block stays in cache over all rows.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C ([`available`]). Lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
+    assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n && k > 0);
+    // About 256 KiB of w per block.
+    let nb = (65536 / k).max(3);
+    for j0 in (0..n).step_by(nb) {
+        let j1 = (j0 + nb).min(n);
+        for i0 in (0..m).step_by(MR) {
+            let rows = (m - i0).min(MR);
+            // SAFETY: rows i0 .. i0 + rows of x and j0 .. j1 of w exist (asserted lengths).
+            unsafe {
+                match rows {
+                    1 => matmul_tile::<1>(x, w, k, n, i0, j0, j1, dst),
+                    2 => matmul_tile::<2>(x, w, k, n, i0, j0, j1, dst),
+                    3 => matmul_tile::<3>(x, w, k, n, i0, j0, j1, dst),
+                    _ => matmul_tile::<4>(x, w, k, n, i0, j0, j1, dst),
+                }
+            }
+        }
+    }
+}
+
+/// Rows `i0 .. i0 + H` of `x` against rows `j0 .. j1` of `w`.
+///
+/// # Safety
+/// Those rows must exist (`x`: `m × k`, `w`: `n × k`, `dst`: `m × n`); the CPU must have AVX2,
+/// FMA and F16C.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn matmul_tile<const H: usize>(
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    n: usize,
+    i0: usize,
+    j0: usize,
+    j1: usize,
+    dst: &mut [f32],
+) {
+    let a: [*const f32; H] = std::array::from_fn(|i| x[(i0 + i) * k..][..k].as_ptr());
+    let row = |j: usize| w[j * k..][..k].as_ptr().cast::<u8>();
+    let mut j = j0;
+    while j + 3 <= j1 {
+        // SAFETY: the x rows and the three w rows hold k f32 each (sliced); CPU per contract.
+        let t = unsafe { dot_tile::<F32, H, 3>(&a, [row(j), row(j + 1), row(j + 2)], k) };
+        for (p, t) in t.iter().enumerate() {
+            for h in 0..H {
+                dst[(i0 + h) * n + j + p] = t[h];
+            }
+        }
+        j += 3;
+    }
+    while j < j1 {
+        // SAFETY: as above, one w row.
+        let [t] = unsafe { dot_tile::<F32, H, 1>(&a, [row(j)], k) };
+        for h in 0..H {
+            dst[(i0 + h) * n + j] = t[h];
+        }
+        j += 1;
+    }
+}
