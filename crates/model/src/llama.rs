@@ -245,7 +245,7 @@ impl<B: Backend> LlamaModel<B> {
                 request: 0,
                 reason: format!("layer {layer} out of range ({})", self.layers.len()),
             })?;
-        let n = x.shape()[0];
+        let n = x.shape().first().copied().unwrap_or(0);
         let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let eps = c.rms_norm_eps as f32;
         let add_bias = |t: &mut B::Tensor, bias: &Option<Vec<f32>>| -> Result<()> {

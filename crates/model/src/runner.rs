@@ -58,7 +58,7 @@ pub struct ForwardOutput {
 }
 
 impl ForwardOutput {
-    /// Logits of row `row` (`vocab_size` values).
+    /// Logits of row `row` (`vocab_size` values). Panics if `row` is out of range.
     pub fn row(&self, row: usize) -> &[f32] {
         &self.logits[row * self.vocab_size..(row + 1) * self.vocab_size]
     }
