@@ -1,0 +1,186 @@
+//! Model throughput on the CPU backend: the `tiny` preset's prefill and decode tokens/s, and
+//! one decoder layer's forward tokens/s at the tiny shape and at a TinyLlama-1.1B layer shape
+//! (hidden 2048, 32 query heads over 4 KV heads of 64, MLP 5632).
+//!
+//! Run: `cargo bench -p model --bench tiny_model -- --warm-up-time 1 --measurement-time 3`.
+
+use std::hint::black_box;
+
+use attention::{Backend, BatchMetadata, CpuBackend, RequestKv, RopeScaling};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kv_pool::{KvDtype, KvLayout, Slot};
+use model::tiny::{random_weights, tiny_config, tiny_model};
+use model::{
+    Architecture, ForwardInput, ForwardMode, ForwardRequest, LlamaModel, LogitsMode, ModelConfig,
+    ModelRunner,
+};
+
+const PAGE: u32 = 16;
+
+fn tiny_runner(pool: usize) -> ModelRunner<CpuBackend> {
+    let backend = CpuBackend::default();
+    let model = tiny_model(&backend).unwrap();
+    let layout = KvLayout::new(tiny_config().kv_shape(KvDtype::F32).unwrap(), PAGE, pool).unwrap();
+    ModelRunner::new(backend, model, layout).unwrap()
+}
+
+fn ids(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 50_000)
+        .collect()
+}
+
+/// Request `r`'s slots: its own run of pages starting at page `1 + r · pages_each`.
+fn slots(r: usize, len: usize, pages_each: usize) -> Vec<Slot> {
+    let base = (1 + r * pages_each) as u32 * PAGE;
+    (0..len as u32).map(|p| Slot(base + p)).collect()
+}
+
+fn bench_tiny(c: &mut Criterion) {
+    let mut g = c.benchmark_group("tiny");
+    // Prefill: one request of 512 tokens, logits for the last.
+    let prompt = 512;
+    let mut runner = tiny_runner(4096);
+    let p_ids = ids(prompt, 1);
+    let p_slots = slots(0, prompt, prompt / PAGE as usize);
+    g.throughput(Throughput::Elements(prompt as u64));
+    g.bench_function("prefill_512", |b| {
+        b.iter(|| {
+            let out = runner
+                .forward(&ForwardInput {
+                    mode: ForwardMode::Extend,
+                    requests: vec![ForwardRequest {
+                        input_ids: &p_ids,
+                        slots: &p_slots,
+                    }],
+                    logits: LogitsMode::LastToken,
+                })
+                .unwrap();
+            black_box(out);
+        })
+    });
+    // Decode: 16 requests with 512 tokens of context each, one step (re-run at the same
+    // position, so the KV state is the same every iteration).
+    let batch = 16;
+    let ctx = 512;
+    let pages_each = ctx / PAGE as usize + 1;
+    let mut runner = tiny_runner(batch * pages_each * PAGE as usize + PAGE as usize);
+    let all: Vec<(Vec<u32>, Vec<Slot>)> = (0..batch)
+        .map(|r| (ids(ctx, r as u32), slots(r, ctx, pages_each)))
+        .collect();
+    for (i, s) in &all {
+        runner
+            .forward(&ForwardInput {
+                mode: ForwardMode::Extend,
+                requests: vec![ForwardRequest {
+                    input_ids: &i[..ctx - 1],
+                    slots: &s[..ctx - 1],
+                }],
+                logits: LogitsMode::None,
+            })
+            .unwrap();
+    }
+    g.throughput(Throughput::Elements(batch as u64));
+    g.bench_function("decode_16x512", |b| {
+        b.iter(|| {
+            let reqs = all
+                .iter()
+                .map(|(i, s)| ForwardRequest {
+                    input_ids: &i[ctx - 1..],
+                    slots: s,
+                })
+                .collect();
+            let out = runner
+                .forward(&ForwardInput {
+                    mode: ForwardMode::Decode,
+                    requests: reqs,
+                    logits: LogitsMode::LastToken,
+                })
+                .unwrap();
+            black_box(out);
+        })
+    });
+    g.finish();
+}
+
+fn tinyllama_layer() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Llama,
+        hidden_size: 2048,
+        intermediate_size: 5632,
+        num_hidden_layers: 1,
+        num_attention_heads: 32,
+        num_key_value_heads: 4,
+        head_dim: 64,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
+        max_position_embeddings: 2048,
+        vocab_size: 256,
+        tie_word_embeddings: true,
+        qkv_bias: false,
+        o_bias: false,
+        qk_norm: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+fn bench_layer(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decoder_layer");
+    g.sample_size(10);
+    for (name, cfg, n) in [
+        ("tiny_128", tiny_config(), 128usize),
+        ("tinyllama_128", tinyllama_layer(), 128),
+        ("tinyllama_decode_16", tinyllama_layer(), 16),
+    ] {
+        let backend = CpuBackend::default();
+        let model = LlamaModel::load(&backend, cfg.clone(), &random_weights(&cfg, 1)).unwrap();
+        let layout = KvLayout::new(cfg.kv_shape(KvDtype::F32).unwrap(), PAGE, 4096).unwrap();
+        let mut store = backend.new_kv_store(layout).unwrap();
+        let decode = name.contains("decode");
+        // Extend: one request of n tokens. Decode: n requests of 1 token at position 0.
+        let slot_lists: Vec<Vec<Slot>> = if decode {
+            (0..n).map(|r| slots(r, 1, 1)).collect()
+        } else {
+            vec![slots(0, n, n / PAGE as usize)]
+        };
+        let reqs: Vec<RequestKv> = slot_lists
+            .iter()
+            .map(|s| RequestKv {
+                slots: s,
+                extend_len: s.len(),
+            })
+            .collect();
+        let meta = if decode {
+            BatchMetadata::new_decode(PAGE, &reqs).unwrap()
+        } else {
+            BatchMetadata::new(PAGE, &reqs).unwrap()
+        };
+        let positions = meta.positions();
+        let plan = backend.plan(&meta).unwrap();
+        let x0 = model
+            .embed(
+                &backend,
+                &ids(n, 5)
+                    .iter()
+                    .map(|t| t % cfg.vocab_size as u32)
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let mut x = x0.clone();
+                model
+                    .layer_forward(&backend, 0, &plan, &mut store, &mut x, &positions)
+                    .unwrap();
+                black_box(x);
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_tiny, bench_layer);
+criterion_main!(benches);

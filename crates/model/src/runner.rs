@@ -1,0 +1,211 @@
+//! The [`ModelRunner`]: a backend, a model and the paged KV store, running one forward pass
+//! per scheduler batch.
+
+use std::ops::Range;
+
+use attention::{Backend, BatchMetadata, RequestKv};
+use kv_pool::{KvKind, KvLayout, KvStore, Slot};
+
+use crate::error::{ModelError, Result};
+use crate::llama::{LlamaModel, LogitsMode};
+
+/// Extend (prefill, chunked prefill, prefix-cached extend, mixed) or decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardMode {
+    /// Any number of new tokens per request (SGLang's `EXTEND` and `MIXED`).
+    #[default]
+    Extend,
+    /// Exactly one new token per request (SGLang's `DECODE`).
+    Decode,
+}
+
+/// One request of a batch: its new tokens and the slots of all its KV positions.
+///
+/// The engine builds it from the scheduler's `ForwardBatch`: `input_ids` is the request's
+/// `extend_lens[r]` ids from `input_ids`, `slots` is `req_to_token[rows[r], 0..seq_lens[r]]`
+/// (the cached prefix's slots, then the request's part of `out_cache_loc`). The token
+/// positions are implied: the new tokens sit at `prefix_len .. seq_len` with
+/// `prefix_len = slots.len() − input_ids.len()` (the scheduler's `positions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardRequest<'a> {
+    /// New token ids (`1..=slots.len()` of them; exactly 1 in a decode batch).
+    pub input_ids: &'a [u32],
+    /// Slots of positions `0..seq_len`; the last `input_ids.len()` receive the new K/V.
+    pub slots: &'a [Slot],
+}
+
+/// The input of one forward pass: a plain struct the engine fills from the scheduler's batch.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ForwardInput<'a> {
+    /// Extend or decode.
+    pub mode: ForwardMode,
+    /// The requests, in batch order.
+    pub requests: Vec<ForwardRequest<'a>>,
+    /// Which rows get logits.
+    pub logits: LogitsMode,
+}
+
+/// Logits of a forward pass: `[rows, vocab]` row-major, with each request's rows.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ForwardOutput {
+    /// Vocabulary size (row length).
+    pub vocab_size: usize,
+    /// All logit rows, row-major.
+    pub logits: Vec<f32>,
+    /// Per request, its rows of `logits` (one row in [`LogitsMode::LastToken`], its new
+    /// tokens in [`LogitsMode::AllTokens`], none in [`LogitsMode::None`]).
+    pub rows: Vec<Range<usize>>,
+}
+
+impl ForwardOutput {
+    /// Logits of row `row` (`vocab_size` values). Panics if `row` is out of range.
+    pub fn row(&self, row: usize) -> &[f32] {
+        &self.logits[row * self.vocab_size..(row + 1) * self.vocab_size]
+    }
+
+    /// Logits of request `r`'s last row, if it has one.
+    pub fn last(&self, r: usize) -> Option<&[f32]> {
+        let rows = self.rows.get(r)?;
+        (!rows.is_empty()).then(|| self.row(rows.end - 1))
+    }
+
+    /// The greedy (argmax, lowest index on ties) next token of every request with logits.
+    pub fn argmax(&self) -> Vec<Option<u32>> {
+        (0..self.rows.len())
+            .map(|r| self.last(r).map(crate::sampling::argmax))
+            .collect()
+    }
+}
+
+/// Owns a backend, a Llama-family model on it and the paged KV store it attends over.
+pub struct ModelRunner<B: Backend> {
+    backend: B,
+    model: LlamaModel<B>,
+    store: B::KvStore,
+}
+
+impl<B: Backend> ModelRunner<B> {
+    /// A runner with a new zeroed KV store of `layout`, which must be an MHA layout matching
+    /// the model (KV heads, head dim, layers).
+    pub fn new(backend: B, model: LlamaModel<B>, layout: KvLayout) -> Result<Self> {
+        let c = model.config();
+        let want = KvKind::Mha {
+            kv_heads: c.num_key_value_heads as u32,
+            head_dim: c.head_dim as u32,
+            v_head_dim: c.head_dim as u32,
+        };
+        if layout.shape.kind != want || layout.shape.layers as usize != c.num_hidden_layers {
+            return Err(ModelError::ConfigField {
+                field: "kv layout".into(),
+                reason: format!(
+                    "{:?} × {} layers does not match the model ({want:?} × {} layers)",
+                    layout.shape.kind, layout.shape.layers, c.num_hidden_layers
+                ),
+            });
+        }
+        let store = backend.new_kv_store(layout)?;
+        Ok(ModelRunner {
+            backend,
+            model,
+            store,
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The model.
+    pub fn model(&self) -> &LlamaModel<B> {
+        &self.model
+    }
+
+    /// The KV store.
+    pub fn kv_store(&self) -> &B::KvStore {
+        &self.store
+    }
+
+    /// The KV store, mutably (the engine copies or offloads pages through it).
+    pub fn kv_store_mut(&mut self) -> &mut B::KvStore {
+        &mut self.store
+    }
+
+    /// Runs one forward pass: writes every layer's K/V for the new tokens at their slots and
+    /// returns the requested logits. Inconsistent input is a typed error before any KV write.
+    pub fn forward(&mut self, input: &ForwardInput<'_>) -> Result<ForwardOutput> {
+        let vocab = self.model.config().vocab_size;
+        if input.requests.is_empty() {
+            return Ok(ForwardOutput {
+                vocab_size: vocab,
+                ..Default::default()
+            });
+        }
+        let mut kvs = Vec::with_capacity(input.requests.len());
+        let mut ids = Vec::new();
+        for (r, req) in input.requests.iter().enumerate() {
+            let (n, kv) = (req.input_ids.len(), req.slots.len());
+            if n == 0 || n > kv {
+                return Err(ModelError::InvalidInput {
+                    request: r,
+                    reason: format!("{n} new tokens for {kv} slots (need 1..=slots)"),
+                });
+            }
+            if let Some(&bad) = req.input_ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::InvalidInput {
+                    request: r,
+                    reason: format!("token id {bad} is outside the vocabulary ({vocab})"),
+                });
+            }
+            ids.extend_from_slice(req.input_ids);
+            kvs.push(RequestKv {
+                slots: req.slots,
+                extend_len: n,
+            });
+        }
+        let page_size = self.store.layout().page_size;
+        let meta = match input.mode {
+            ForwardMode::Extend => BatchMetadata::new(page_size, &kvs),
+            ForwardMode::Decode => BatchMetadata::new_decode(page_size, &kvs),
+        }
+        .map_err(|e| match e {
+            attention::AttentionError::InvalidRequest { request, reason } => {
+                ModelError::InvalidInput { request, reason }
+            }
+            e => e.into(),
+        })?;
+        let positions = meta.positions();
+        let plan = self.backend.plan(&meta)?;
+        let b = &self.backend;
+        let mut x = self.model.embed(b, &ids)?;
+        for layer in 0..self.model.num_layers() {
+            self.model
+                .layer_forward(b, layer, &plan, &mut self.store, &mut x, &positions)?;
+        }
+        let nreq = meta.num_requests();
+        let (rows, sel): (Vec<Range<usize>>, Option<Vec<u32>>) = match input.logits {
+            LogitsMode::LastToken => (
+                (0..nreq).map(|r| r..r + 1).collect(),
+                Some(
+                    (0..nreq)
+                        .map(|r| (meta.qo_range(r).end - 1) as u32)
+                        .collect(),
+                ),
+            ),
+            LogitsMode::AllTokens => ((0..nreq).map(|r| meta.qo_range(r)).collect(), None),
+            LogitsMode::None => {
+                return Ok(ForwardOutput {
+                    vocab_size: vocab,
+                    logits: Vec::new(),
+                    rows: vec![0..0; nreq],
+                })
+            }
+        };
+        let logits = self.model.logits(b, &x, sel.as_deref())?;
+        Ok(ForwardOutput {
+            vocab_size: vocab,
+            logits: b.download(&logits)?,
+            rows,
+        })
+    }
+}

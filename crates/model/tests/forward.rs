@@ -1,0 +1,309 @@
+//! Forward-pass invariances on the CPU backend (deterministic, batch-invariant mode): paged
+//! over scattered slots = contiguous, prefix-cached extend = full prefill, chunked prefill =
+//! one pass, a mixed decode batch = each request alone.
+//!
+//! The CPU backend's attention is batch-invariant, but its GEMM (the `gemm` crate) is not yet
+//! row-invariant: a row's result depends on how many rows the matmul has (different kernels
+//! and blockings). Paths with equal row counts (scattered vs contiguous slots) are compared
+//! bitwise; the others within a tight tolerance (`|Δ| ≤ 1e-5 · max(1, |x|)`) plus equal argmax
+//! per row, and the tests print whether they happened to be bitwise.
+
+use attention::{CpuBackend, RopeScaling};
+use kv_pool::{KvDtype, KvLayout, Slot};
+use model::tiny::random_weights;
+use model::{
+    Architecture, ForwardInput, ForwardMode, ForwardOutput, ForwardRequest, LlamaModel, LogitsMode,
+    ModelConfig, ModelError, ModelRunner,
+};
+
+const POOL: usize = 512;
+
+fn config() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Qwen2,
+        hidden_size: 48,
+        intermediate_size: 96,
+        num_hidden_layers: 2,
+        num_attention_heads: 6,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        rms_norm_eps: 1e-6,
+        rope_theta: 500_000.0,
+        rope_scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64.0,
+        },
+        max_position_embeddings: 1024,
+        vocab_size: 128,
+        tie_word_embeddings: false,
+        qkv_bias: true,
+        o_bias: false,
+        qk_norm: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+/// Compares logit rows: equal argmax per row and `|Δ| ≤ 1e-5 · max(1, |want|)`; returns
+/// whether they were bitwise equal.
+fn assert_close(got: &[f32], want: &[f32], vocab: usize, what: &str) -> bool {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (r, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        assert_eq!(
+            model::argmax(g),
+            model::argmax(w),
+            "{what}: argmax of row {r}"
+        );
+        for (i, (a, b)) in g.iter().zip(w).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{what}: row {r} logit {i}: {a} vs {b}"
+            );
+        }
+    }
+    let bitwise = got == want;
+    eprintln!(
+        "{what}: {}",
+        if bitwise {
+            "bitwise equal"
+        } else {
+            "within tolerance"
+        }
+    );
+    bitwise
+}
+
+fn runner(page_size: u32) -> ModelRunner<CpuBackend> {
+    let cfg = config();
+    let backend = CpuBackend::default();
+    let weights = random_weights(&cfg, 7);
+    let model = LlamaModel::load(&backend, cfg.clone(), &weights).unwrap();
+    let layout = KvLayout::new(cfg.kv_shape(KvDtype::F32).unwrap(), page_size, POOL).unwrap();
+    ModelRunner::new(backend, model, layout).unwrap()
+}
+
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 7) % 128)
+        .collect()
+}
+
+/// Slots for `len` positions on the given pages (position p at `pages[p / P] · P + p mod P`).
+fn slots_on(pages: &[u32], page_size: u32, len: usize) -> Vec<Slot> {
+    (0..len)
+        .map(|p| Slot(pages[p / page_size as usize] * page_size + (p as u32 % page_size)))
+        .collect()
+}
+
+fn contiguous(page_size: u32, len: usize, first_page: u32) -> Vec<Slot> {
+    let pages: Vec<u32> = (first_page..first_page + (len as u32).div_ceil(page_size)).collect();
+    slots_on(&pages, page_size, len)
+}
+
+fn extend(
+    r: &mut ModelRunner<CpuBackend>,
+    ids: &[u32],
+    slots: &[Slot],
+    logits: LogitsMode,
+) -> ForwardOutput {
+    r.forward(&ForwardInput {
+        mode: ForwardMode::Extend,
+        requests: vec![ForwardRequest {
+            input_ids: ids,
+            slots,
+        }],
+        logits,
+    })
+    .unwrap()
+}
+
+#[test]
+fn paged_scattered_slots_equal_contiguous() {
+    for page_size in [1u32, 4, 16] {
+        let ids = prompt(37, 1);
+        let mut a = runner(page_size);
+        let want = extend(
+            &mut a,
+            &ids,
+            &contiguous(page_size, 37, 1),
+            LogitsMode::AllTokens,
+        );
+        // Scattered: pages in a shuffled, non-contiguous order.
+        let npages = 37usize.div_ceil(page_size as usize) as u32;
+        let total = (POOL as u32) / page_size;
+        let pages: Vec<u32> = (0..npages).map(|i| total - 2 * i).collect();
+        let mut b = runner(page_size);
+        let got = extend(
+            &mut b,
+            &ids,
+            &slots_on(&pages, page_size, 37),
+            LogitsMode::AllTokens,
+        );
+        assert_eq!(got, want, "page size {page_size}");
+    }
+}
+
+#[test]
+fn prefix_cached_extend_equals_full_prefill() {
+    let ids = prompt(30, 2);
+    let slots = contiguous(4, 30, 3);
+    let mut a = runner(4);
+    let full = extend(&mut a, &ids, &slots, LogitsMode::AllTokens);
+    for prefix in [1usize, 8, 13, 29] {
+        let mut b = runner(4);
+        extend(&mut b, &ids[..prefix], &slots[..prefix], LogitsMode::None);
+        let rest = extend(&mut b, &ids[prefix..], &slots, LogitsMode::AllTokens);
+        let want = &full.logits[prefix * full.vocab_size..];
+        assert_close(
+            &rest.logits,
+            want,
+            full.vocab_size,
+            &format!("prefix {prefix}"),
+        );
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    let ids = prompt(100, 3);
+    let slots = contiguous(1, 100, 1);
+    let mut a = runner(1);
+    let full = extend(&mut a, &ids, &slots, LogitsMode::AllTokens);
+    for chunk in [1usize, 7, 64] {
+        let mut b = runner(1);
+        let mut logits = Vec::new();
+        let mut done = 0;
+        while done < ids.len() {
+            let end = (done + chunk).min(ids.len());
+            let out = extend(
+                &mut b,
+                &ids[done..end],
+                &slots[..end],
+                LogitsMode::AllTokens,
+            );
+            logits.extend_from_slice(&out.logits);
+            done = end;
+        }
+        assert_close(
+            &logits,
+            &full.logits,
+            full.vocab_size,
+            &format!("chunk {chunk}"),
+        );
+    }
+}
+
+#[test]
+fn mixed_decode_batch_equals_each_request_alone() {
+    let lens = [3usize, 11, 29, 1];
+    let page = 4u32;
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| prompt(l, 10 + i as u32))
+        .collect();
+    // Each request gets 16 pages of its own, placed at different offsets.
+    let slot_lists: Vec<Vec<Slot>> = (0..lens.len())
+        .map(|i| contiguous(page, 40, 1 + 20 * i as u32))
+        .collect();
+    let steps = 4;
+    // Batched: prefill every request alone, then decode all together.
+    let mut batched = runner(page);
+    let mut seqs = prompts.clone();
+    for (i, p) in prompts.iter().enumerate() {
+        let out = extend(
+            &mut batched,
+            p,
+            &slot_lists[i][..p.len()],
+            LogitsMode::LastToken,
+        );
+        seqs[i].push(out.argmax()[0].unwrap());
+    }
+    let mut batch_logits = Vec::new();
+    for _ in 0..steps {
+        let reqs: Vec<ForwardRequest> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ForwardRequest {
+                input_ids: &s[s.len() - 1..],
+                slots: &slot_lists[i][..s.len()],
+            })
+            .collect();
+        let out = batched
+            .forward(&ForwardInput {
+                mode: ForwardMode::Decode,
+                requests: reqs,
+                logits: LogitsMode::LastToken,
+            })
+            .unwrap();
+        let next = out.argmax();
+        for (i, s) in seqs.iter_mut().enumerate() {
+            s.push(next[i].unwrap());
+        }
+        batch_logits.push(out);
+    }
+    // Alone: each request in its own runner, one decode at a time.
+    for i in 0..lens.len() {
+        let mut alone = runner(page);
+        let p = &prompts[i];
+        extend(
+            &mut alone,
+            p,
+            &slot_lists[i][..p.len()],
+            LogitsMode::LastToken,
+        );
+        for (step, batch_out) in batch_logits.iter().enumerate() {
+            let len = p.len() + step + 1;
+            let s = &seqs[i][..len];
+            let out = alone
+                .forward(&ForwardInput {
+                    mode: ForwardMode::Decode,
+                    requests: vec![ForwardRequest {
+                        input_ids: &s[len - 1..],
+                        slots: &slot_lists[i][..len],
+                    }],
+                    logits: LogitsMode::LastToken,
+                })
+                .unwrap();
+            assert_close(
+                out.last(0).unwrap(),
+                batch_out.last(i).unwrap(),
+                out.vocab_size,
+                &format!("request {i}, step {step}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_forward_input_is_a_typed_error() {
+    let mut r = runner(1);
+    let slots = contiguous(1, 4, 1);
+    let err = |r: &mut ModelRunner<CpuBackend>, ids: &[u32], slots: &[Slot], mode| {
+        r.forward(&ForwardInput {
+            mode,
+            requests: vec![ForwardRequest {
+                input_ids: ids,
+                slots,
+            }],
+            logits: LogitsMode::LastToken,
+        })
+        .unwrap_err()
+    };
+    let e = err(&mut r, &[1, 2, 3, 4, 5], &slots, ForwardMode::Extend);
+    assert!(
+        matches!(e, ModelError::InvalidInput { request: 0, .. }),
+        "{e}"
+    );
+    let e = err(&mut r, &[1, 999], &slots[..2], ForwardMode::Extend);
+    assert!(e.to_string().contains("token id 999"), "{e}");
+    let e = err(&mut r, &[1, 2], &slots[..2], ForwardMode::Decode);
+    assert!(matches!(e, ModelError::InvalidInput { .. }), "{e}");
+    let e = err(&mut r, &[], &slots[..2], ForwardMode::Extend);
+    assert!(matches!(e, ModelError::InvalidInput { .. }), "{e}");
+    // A slot beyond the pool.
+    let e = err(&mut r, &[1], &[Slot(100_000)], ForwardMode::Extend);
+    assert!(matches!(e, ModelError::Attention(_)), "{e}");
+}
