@@ -37,6 +37,9 @@ pub enum Command {
     /// cost model of the model and accelerator instead of a GPU; reports hit rate, throughput,
     /// TTFT and inter-token latency per schedule policy, eviction policy and pool size.
     Sim(SimArgs),
+    /// Benchmark serving a workload in process: the real scheduler, prefix cache and a real
+    /// model (the built-in tiny preset, or a Hugging Face checkpoint) on the CPU backend.
+    Bench(BenchArgs),
 }
 
 /// Generated workloads.
@@ -106,70 +109,34 @@ pub struct WorkloadArgs {
     #[arg(long, value_enum, default_value_t = WorkloadKind::Gsp)]
     pub workload: WorkloadKind,
 
-    /// gsp: number of system prompts.
-    #[arg(
-        long,
-        default_value_t = 64,
-        help_heading = "Generated shared prefix (gsp)"
-    )]
-    pub gsp_num_groups: usize,
-    /// gsp: requests per system prompt.
-    #[arg(
-        long,
-        default_value_t = 16,
-        help_heading = "Generated shared prefix (gsp)"
-    )]
-    pub gsp_prompts_per_group: usize,
-    /// gsp: system prompt length in tokens.
-    #[arg(
-        long,
-        default_value_t = 2048,
-        help_heading = "Generated shared prefix (gsp)"
-    )]
-    pub gsp_system_prompt_len: usize,
-    /// gsp: question length in tokens.
-    #[arg(
-        long,
-        default_value_t = 128,
-        help_heading = "Generated shared prefix (gsp)"
-    )]
-    pub gsp_question_len: usize,
-    /// gsp: output length in tokens.
-    #[arg(
-        long,
-        default_value_t = 256,
-        help_heading = "Generated shared prefix (gsp)"
-    )]
-    pub gsp_output_len: usize,
+    /// gsp: number of system prompts [default: 64; bench: 16]
+    #[arg(long, help_heading = "Generated shared prefix (gsp)")]
+    pub gsp_num_groups: Option<usize>,
+    /// gsp: requests per system prompt [default: 16; bench: 16]
+    #[arg(long, help_heading = "Generated shared prefix (gsp)")]
+    pub gsp_prompts_per_group: Option<usize>,
+    /// gsp: system prompt length in tokens [default: 2048; bench: 1024]
+    #[arg(long, help_heading = "Generated shared prefix (gsp)")]
+    pub gsp_system_prompt_len: Option<usize>,
+    /// gsp: question length in tokens [default: 128; bench: 128]
+    #[arg(long, help_heading = "Generated shared prefix (gsp)")]
+    pub gsp_question_len: Option<usize>,
+    /// gsp: output length in tokens [default: 256; bench: 128]
+    #[arg(long, help_heading = "Generated shared prefix (gsp)")]
+    pub gsp_output_len: Option<usize>,
 
-    /// multiturn: concurrent chat sessions.
-    #[arg(
-        long,
-        default_value_t = 64,
-        help_heading = "Multi-turn chat (multiturn)"
-    )]
-    pub mt_sessions: usize,
-    /// multiturn: turns per session.
-    #[arg(
-        long,
-        default_value_t = 8,
-        help_heading = "Multi-turn chat (multiturn)"
-    )]
-    pub mt_turns: usize,
-    /// multiturn: new input tokens per turn.
-    #[arg(
-        long,
-        default_value_t = 256,
-        help_heading = "Multi-turn chat (multiturn)"
-    )]
-    pub mt_input_len: usize,
-    /// multiturn: output tokens per turn (part of the next turn's history).
-    #[arg(
-        long,
-        default_value_t = 128,
-        help_heading = "Multi-turn chat (multiturn)"
-    )]
-    pub mt_output_len: usize,
+    /// multiturn: concurrent chat sessions [default: 64; bench: 16]
+    #[arg(long, help_heading = "Multi-turn chat (multiturn)")]
+    pub mt_sessions: Option<usize>,
+    /// multiturn: turns per session [default: 8; bench: 4]
+    #[arg(long, help_heading = "Multi-turn chat (multiturn)")]
+    pub mt_turns: Option<usize>,
+    /// multiturn: new input tokens per turn [default: 256; bench: 128]
+    #[arg(long, help_heading = "Multi-turn chat (multiturn)")]
+    pub mt_input_len: Option<usize>,
+    /// multiturn: output tokens per turn (part of the next turn's history) [default: 128; bench: 64]
+    #[arg(long, help_heading = "Multi-turn chat (multiturn)")]
+    pub mt_output_len: Option<usize>,
 
     /// Seed of generated workloads.
     #[arg(long, default_value_t = 1)]
@@ -225,28 +192,57 @@ pub struct CacheSimArgs {
     pub quiet: bool,
 }
 
+/// Defaults of the generated workloads, per command (flags override them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkloadDefaults {
+    /// gsp: groups, prompts per group, system prompt, question, output lengths.
+    pub gsp: [usize; 5],
+    /// multiturn: sessions, turns, input and output lengths per turn.
+    pub multiturn: [usize; 4],
+}
+
+impl WorkloadDefaults {
+    /// SGLang bench_serving's defaults (cache-sim, sim): gsp 64 × 16 prompts, 2048-token
+    /// system prompts, 128-token questions, 256 output tokens; multiturn 64 sessions × 8 turns
+    /// of 256 in, 128 out.
+    pub const SGLANG: WorkloadDefaults = WorkloadDefaults {
+        gsp: [64, 16, 2048, 128, 256],
+        multiturn: [64, 8, 256, 128],
+    };
+    /// `kvserve bench` on the tiny model, sized for about a minute on 2 cores: gsp 16 × 16
+    /// prompts, 1024-token system prompts, 128-token questions, 128 output tokens; multiturn
+    /// 16 sessions × 4 turns of 128 in, 64 out.
+    pub const BENCH: WorkloadDefaults = WorkloadDefaults {
+        gsp: [16, 16, 1024, 128, 128],
+        multiturn: [16, 4, 128, 64],
+    };
+}
+
 impl WorkloadArgs {
-    /// Loads the trace or generates the workload the flags describe.
-    pub fn load(&self) -> Result<Workload> {
+    /// Loads the trace or generates the workload the flags describe, unset generator flags
+    /// taking `defaults`.
+    pub fn load(&self, defaults: WorkloadDefaults) -> Result<Workload> {
         if let Some(path) = &self.trace {
             return load_mooncake(path);
         }
+        let [groups, per_group, system, question, gsp_out] = defaults.gsp;
+        let [sessions, turns, input, mt_out] = defaults.multiturn;
         match self.workload {
             WorkloadKind::Gsp => GspConfig {
-                num_groups: self.gsp_num_groups,
-                prompts_per_group: self.gsp_prompts_per_group,
-                system_prompt_len: self.gsp_system_prompt_len,
-                question_len: self.gsp_question_len,
-                output_len: self.gsp_output_len,
+                num_groups: self.gsp_num_groups.unwrap_or(groups),
+                prompts_per_group: self.gsp_prompts_per_group.unwrap_or(per_group),
+                system_prompt_len: self.gsp_system_prompt_len.unwrap_or(system),
+                question_len: self.gsp_question_len.unwrap_or(question),
+                output_len: self.gsp_output_len.unwrap_or(gsp_out),
                 seed: self.seed,
                 vocab_size: self.vocab_size,
             }
             .generate(),
             WorkloadKind::Multiturn => MultiTurnConfig {
-                sessions: self.mt_sessions,
-                turns: self.mt_turns,
-                input_len: self.mt_input_len,
-                output_len: self.mt_output_len,
+                sessions: self.mt_sessions.unwrap_or(sessions),
+                turns: self.mt_turns.unwrap_or(turns),
+                input_len: self.mt_input_len.unwrap_or(input),
+                output_len: self.mt_output_len.unwrap_or(mt_out),
                 seed: self.seed,
                 vocab_size: self.vocab_size,
             }
@@ -260,7 +256,217 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::CacheSim(args) => cache_sim(&args, out),
         Command::Sim(args) => sim(&args, out),
+        Command::Bench(args) => bench(&args, out),
     }
+}
+
+/// Flags of `kvserve bench`, named after SGLang's server and bench_serving arguments.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The workload (generated defaults sized for the tiny model on 2 cores; see each flag).
+    #[command(flatten)]
+    pub source: WorkloadArgs,
+    /// Poisson arrivals at this many requests per second (seeded with --seed); `inf` sends
+    /// everything at once. Default: 16 for a generated workload; a trace uses its own
+    /// timestamps unless this is given.
+    #[arg(long, value_name = "R", help_heading = "Arrivals")]
+    pub request_rate: Option<String>,
+    /// Replay a trace's timestamps this many times faster.
+    #[arg(
+        long,
+        value_name = "X",
+        default_value_t = 1.0,
+        help_heading = "Arrivals"
+    )]
+    pub speed: f64,
+
+    /// A Hugging Face model directory (config.json, *.safetensors); default: the built-in
+    /// tiny preset, which needs no download.
+    #[arg(long, value_name = "DIR", help_heading = "Engine")]
+    pub model_path: Option<PathBuf>,
+    /// Compute backend: cpu (the only one compiled into this build).
+    #[arg(long, default_value = "cpu", help_heading = "Engine")]
+    pub backend: String,
+    /// CPU threads.
+    #[arg(long, value_name = "N", help_heading = "Engine")]
+    pub threads: Option<usize>,
+    /// KV cache element type: auto (float32), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2.
+    #[arg(long, default_value = "auto", help_heading = "Engine")]
+    pub kv_cache_dtype: String,
+    /// Page size in tokens.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Engine")]
+    pub page_size: u32,
+    /// KV pool size in tokens.
+    #[arg(long, default_value_t = 1 << 17, help_heading = "Engine")]
+    pub max_total_tokens: usize,
+    /// Request limit.
+    #[arg(long, default_value_t = 256, help_heading = "Engine")]
+    pub max_running_requests: usize,
+    /// Chunk size of chunked prefill (≤ 0 disables chunking).
+    #[arg(
+        long,
+        default_value_t = 8192,
+        allow_negative_numbers = true,
+        help_heading = "Engine"
+    )]
+    pub chunked_prefill_size: i64,
+    /// Token budget of one prefill batch.
+    #[arg(long, default_value_t = 16384, help_heading = "Engine")]
+    pub max_prefill_tokens: usize,
+    /// Schedule policy: fcfs, lpm, dfs-weight, lof, random.
+    #[arg(long, default_value = "fcfs", help_heading = "Engine")]
+    pub schedule_policy: String,
+    /// Eviction policy of the radix cache.
+    #[arg(long, default_value = "lru", help_heading = "Engine")]
+    pub radix_eviction_policy: String,
+
+    /// Also run the workload with the radix cache disabled and print the ratios.
+    #[arg(long)]
+    pub compare_no_cache: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long, value_name = "FILE", default_value = "kvserve-bench.json")]
+    pub json: PathBuf,
+    /// Draw the TTFT distribution into this PNG file.
+    #[arg(long, value_name = "FILE.png", default_value = "kvserve-bench.png")]
+    pub plot: PathBuf,
+    /// No progress bar and no notes on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// `kvserve bench`.
+pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
+    use crate::bench::{default_setup, parse_policy, plot, render, run_bench, timed, ModelSource};
+    use crate::sim::{sim_requests, Arrivals};
+
+    if args.backend != "cpu" {
+        return Err(EngineError::arg(
+            "--backend",
+            format!(
+                "{:?} is not compiled into this build; compiled backends: cpu",
+                args.backend
+            ),
+        ));
+    }
+    let kv_dtype = match args.kv_cache_dtype.as_str() {
+        "auto" => kv_pool::KvDtype::F32,
+        other => other.parse().map_err(|e: kv_pool::KvPoolError| {
+            EngineError::arg("--kv-cache-dtype", e.to_string())
+        })?,
+    };
+    let workload = args.source.load(WorkloadDefaults::BENCH)?;
+    let arrivals = match (
+        args.request_rate.as_deref().map(str::trim),
+        &args.source.trace,
+    ) {
+        (None, Some(_)) => Arrivals::Trace { speed: args.speed },
+        (None, None) => Arrivals::Poisson {
+            rate: 16.0,
+            seed: args.source.seed,
+        },
+        (Some(r), _) if r.eq_ignore_ascii_case("inf") => Arrivals::Burst,
+        (Some(r), _) => {
+            let rate: f64 = r
+                .parse()
+                .map_err(|e| EngineError::arg("--request-rate", format!("{r:?}: {e}")))?;
+            Arrivals::Poisson {
+                rate,
+                seed: args.source.seed,
+            }
+        }
+    };
+    let requests = sim_requests(&workload, arrivals)?;
+    let stats = workload.stats(args.page_size);
+    let longest = workload
+        .requests
+        .iter()
+        .map(|r| r.tokens.len() + r.output_len.max(1))
+        .max()
+        .unwrap_or(1);
+    let mut setup = default_setup(longest + 1);
+    setup.model = args
+        .model_path
+        .clone()
+        .map_or(ModelSource::Tiny, ModelSource::Path);
+    setup.capacity_tokens = args.max_total_tokens;
+    setup.kv_dtype = kv_dtype;
+    setup.threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    setup.eviction_policy = args.radix_eviction_policy.clone();
+    setup.seed = args.source.seed;
+    setup.scheduler.page_size = args.page_size;
+    setup.scheduler.max_running_requests = args.max_running_requests;
+    setup.scheduler.chunked_prefill_size =
+        (args.chunked_prefill_size > 0).then_some(args.chunked_prefill_size as usize);
+    setup.scheduler.max_prefill_tokens = args.max_prefill_tokens;
+    setup.scheduler.schedule_policy = parse_policy(&args.schedule_policy)?;
+    if !args.quiet {
+        eprintln!(
+            "note: {} ({} requests, {} prompt tokens, ideal hit rate {:.2}%), model {}, {} CPU threads",
+            workload.name,
+            requests.len(),
+            stats.prompt_tokens,
+            100.0 * stats.ideal_hit_rate(),
+            args.model_path.as_ref().map_or("tiny".into(), |p| p.display().to_string()),
+            setup.threads
+        );
+    }
+    let runs: &[bool] = if args.compare_no_cache {
+        &[true, false]
+    } else {
+        &[true]
+    };
+    let (outcomes, wall) = timed(|| -> Result<Vec<_>> {
+        let mut outcomes = Vec::new();
+        for &radix in runs {
+            let bar = if args.quiet || !std::io::stderr().is_terminal() {
+                ProgressBar::hidden()
+            } else {
+                let bar = ProgressBar::new(requests.len() as u64);
+                if let Ok(style) = ProgressStyle::with_template(&format!(
+                    "{} {{elapsed_precise}} [{{bar:40}}] {{human_pos}}/{{human_len}} requests",
+                    if radix { "radix   " } else { "no-cache" }
+                )) {
+                    bar.set_style(style.progress_chars("=> "));
+                }
+                bar
+            };
+            let r = run_bench(
+                &requests,
+                &setup,
+                radix,
+                stats.ideal_hit_rate(),
+                &mut |done, _| bar.set_position(done as u64),
+            );
+            bar.finish_and_clear();
+            outcomes.push(r?);
+        }
+        Ok(outcomes)
+    });
+    let outcomes = outcomes?;
+    let text = render(&outcomes, wall);
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|source| EngineError::Io {
+            path: "standard output".into(),
+            source,
+        })?;
+    let json = serde_json::to_string_pretty(&outcomes)
+        .map_err(|e| EngineError::arg("--json", e.to_string()))?;
+    std::fs::write(&args.json, json + "\n").map_err(|source| EngineError::Io {
+        path: args.json.display().to_string(),
+        source,
+    })?;
+    plot(&outcomes, &workload.name, &args.plot)?;
+    if !args.quiet {
+        eprintln!(
+            "note: wrote {} and {}",
+            args.json.display(),
+            args.plot.display()
+        );
+    }
+    Ok(())
 }
 
 /// Flags of `kvserve sim`, named after SGLang's server arguments where they exist.
@@ -406,7 +612,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
             .map(|p| p.to_string())
             .collect()
     };
-    let workload = args.source.load()?;
+    let workload = args.source.load(WorkloadDefaults::SGLANG)?;
     let arrivals = match (args.request_rate, &args.source.trace) {
         (Some(rate), _) => Arrivals::Poisson {
             rate,
@@ -560,6 +766,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
                 x_desc: format!("KV pool (tokens, page size {})", args.page_size),
                 y_desc: "output tokens/s".into(),
                 y_percent: false,
+                x_log: true,
                 series,
             },
             path,
@@ -582,7 +789,7 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
     let policies = parse_policies(&args.policy)?;
     let p = args.page_size;
     let load_start = Instant::now();
-    let workload = args.source.load()?;
+    let workload = args.source.load(WorkloadDefaults::SGLANG)?;
     let stats = workload.stats(p);
     note(
         args,

@@ -57,6 +57,9 @@ pub enum EngineError {
         /// What went wrong.
         message: String,
     },
+    /// A model could not be built or loaded (bad checkpoint, unsupported architecture).
+    #[error("model: {0}")]
+    Model(String),
     /// The scheduler or the simulator failed (a bug, or a stalled simulation).
     #[error("simulation: {0}")]
     Simulation(String),

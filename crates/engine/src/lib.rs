@@ -44,9 +44,11 @@
 //! # Ok::<(), engine::EngineError>(())
 //! ```
 
+pub mod bench;
 pub mod cache_sim;
 pub mod cli;
 pub mod error;
+pub mod model_exec;
 pub mod plot;
 pub mod report;
 pub mod rng;

@@ -38,6 +38,9 @@ pub struct LinePlot {
     pub y_desc: String,
     /// Whether y values are percentages (axis from 0 to 100 at most, labels with `%`).
     pub y_percent: bool,
+    /// Whether the x axis may be logarithmic (it is when the x values span more than a
+    /// factor of 4); off for axes like percentiles.
+    pub x_log: bool,
     /// Named series of (x, y) points.
     pub series: Vec<(String, Vec<(f64, f64)>)>,
 }
@@ -70,6 +73,7 @@ pub fn plot_hit_rates(results: &[ReplayResult], title: &str, path: &Path) -> Res
             x_desc: format!("capacity (tokens, page size {page})"),
             y_desc: "hit rate (% of prompt tokens)".into(),
             y_percent: true,
+            x_log: true,
             series,
         },
         path,
@@ -107,7 +111,7 @@ pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
         .collect();
     ticks.sort_by(f64::total_cmp);
     ticks.dedup();
-    let axis = CapacityAxis::new(ticks);
+    let axis = CapacityAxis::new(ticks, plot.x_log);
     let y_max = series
         .iter()
         .flat_map(|(_, p)| p.iter().map(|q| q.1))
@@ -181,7 +185,7 @@ fn human_number(y: f64) -> String {
         format!("{:.1}M", y / 1e6)
     } else if y >= 1e3 {
         format!("{:.1}k", y / 1e3)
-    } else if y >= 1.0 {
+    } else if y >= 1.0 || y == 0.0 {
         format!("{y:.0}")
     } else {
         format!("{y:.3}")
@@ -200,9 +204,9 @@ struct CapacityAxis {
 }
 
 impl CapacityAxis {
-    fn new(ticks: Vec<f64>) -> Self {
+    fn new(ticks: Vec<f64>, allow_log: bool) -> Self {
         let (min, max) = (ticks[0].max(1.0), ticks[ticks.len() - 1].max(1.0));
-        let log = max > 4.0 * min;
+        let log = allow_log && max > 4.0 * min;
         let (a, b) = if log {
             (min.ln(), max.ln())
         } else {

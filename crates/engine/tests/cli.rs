@@ -353,3 +353,68 @@ fn sim_bad_input_exits_with_code_2() {
     assert_fails(&["sim", "--request-rate", "-3"], &["--request-rate"]);
     assert_fails(&["sim", "--tp", "0"], &["--tp"]);
 }
+
+#[test]
+fn bench_runs_the_tiny_model_with_and_without_the_cache() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let json = dir.join("bench.json");
+    let png = dir.join("bench.png");
+    let o = kvserve(&[
+        "bench",
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "3",
+        "--gsp-system-prompt-len",
+        "96",
+        "--gsp-question-len",
+        "16",
+        "--gsp-output-len",
+        "4",
+        "--request-rate",
+        "100",
+        "--compare-no-cache",
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        png.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("[radix] 6 requests (0 aborted)"), "{text}");
+    assert!(text.contains("[no-cache] 6 requests (0 aborted)"), "{text}");
+    assert!(text.contains("radix cache vs none"), "{text}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v[0]["cache"], "radix");
+    assert_eq!(v[1]["cached_tokens"], 0);
+    assert!(v[0]["cached_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(v[0]["output_tokens"], 24);
+    assert!(std::fs::metadata(&png).unwrap().len() > 1000);
+}
+
+#[test]
+fn bench_bad_input_exits_with_code_2() {
+    assert_fails(
+        &["bench", "--backend", "cuda"],
+        &["--backend", "not compiled"],
+    );
+    assert_fails(
+        &["bench", "--kv-cache-dtype", "int3"],
+        &["--kv-cache-dtype"],
+    );
+    assert_fails(&["bench", "--request-rate", "fast"], &["--request-rate"]);
+    assert_fails(
+        &["bench", "--schedule-policy", "nope"],
+        &["--schedule-policy"],
+    );
+    assert_fails(
+        &["bench", "--model-path", "/nonexistent/model"],
+        &["model", "/nonexistent/model"],
+    );
+    assert_fails(
+        &["bench", "--max-total-tokens", "8"],
+        &["--max-total-tokens"],
+    );
+}

@@ -268,6 +268,8 @@ pub struct SimReport {
     pub capacity_tokens: usize,
     /// Scheduler steps.
     pub steps: u64,
+    /// Every request's time to first token, sorted ascending.
+    pub ttft_s: Vec<f64>,
 }
 
 impl fmt::Display for SimReport {
@@ -302,12 +304,33 @@ pub fn percentile(v: &mut [f64], q: f64) -> f64 {
     v[rank - 1]
 }
 
+/// How the replay's clock advances per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Clock {
+    /// By the time the executor reports for the pass (a cost model's charge): a simulation.
+    Charged,
+    /// By the measured wall time of the whole step (scheduling and the real forward pass): a
+    /// benchmark of a real executor. Idle gaps before the next arrival are skipped, not slept.
+    Wall,
+}
+
 /// Replays `requests` (in arrival order) through `scheduler` on a simulated clock driven by
 /// `exec`'s pass times. `progress` is called with (requests done, total) after every step.
 pub fn simulate(
     requests: &[SimRequest],
     scheduler: &mut Scheduler,
     exec: &mut dyn Executor,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<SimReport> {
+    replay(requests, scheduler, exec, Clock::Charged, progress)
+}
+
+/// [`simulate`] with a choice of [`Clock`].
+pub fn replay(
+    requests: &[SimRequest],
+    scheduler: &mut Scheduler,
+    exec: &mut dyn Executor,
+    clock: Clock,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimReport> {
     let mut order: Vec<usize> = (0..requests.len()).collect();
@@ -349,8 +372,12 @@ pub fn simulate(
             now = now.max(requests[order[next]].arrival_s);
             continue;
         }
+        let started = std::time::Instant::now();
         let step = scheduler.step(exec)?;
-        now += step.elapsed_s;
+        now += match clock {
+            Clock::Charged => step.elapsed_s,
+            Clock::Wall => started.elapsed().as_secs_f64(),
+        };
         stalled = if step.mode.is_none() && step.finished.is_empty() {
             stalled + 1
         } else {
@@ -412,6 +439,7 @@ pub fn simulate(
         0.0
     };
     report.ttft_p50_s = percentile(&mut ttft, 0.5);
+    report.ttft_s = ttft.clone();
     report.ttft_p99_s = percentile(&mut ttft, 0.99);
     report.itl_p50_s = percentile(&mut itl, 0.5);
     report.itl_p99_s = percentile(&mut itl, 0.99);

@@ -1,0 +1,258 @@
+//! [`ModelExecutor`]: the scheduler's [`Executor`] over a real model. It turns the scheduler's
+//! [`ForwardBatch`] into the model runner's [`ForwardInput`] (each request's new tokens and the
+//! slots of all its positions, read from its row of the request-to-token table), runs the
+//! forward pass, and samples one token per request that asks for one.
+//!
+//! Sampling is per request: [`ModelExecutor::register`] gives a request its
+//! [`SamplingParams`] and prompt (for repetition penalties); unregistered requests are decoded
+//! greedily. The executor keeps each registered request's generated tokens so penalties see
+//! them, also across a retraction (the scheduler keeps outputs when it re-queues a request).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use attention::Backend;
+use kv_pool::ReqToTokenPool;
+use model::{
+    ForwardInput, ForwardMode as ModelMode, ForwardRequest, LogitsMode, ModelRunner, Sampler,
+    SamplingParams,
+};
+use scheduler::{Executor, ForwardBatch, ForwardMode, ForwardOutput, ReqId};
+
+struct ReqSampling {
+    sampler: Sampler,
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+}
+
+/// The scheduler's executor over a [`ModelRunner`].
+pub struct ModelExecutor<B: Backend> {
+    runner: ModelRunner<B>,
+    sampling: HashMap<ReqId, ReqSampling>,
+    default_seed: u64,
+}
+
+impl<B: Backend> std::fmt::Debug for ModelExecutor<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelExecutor")
+            .field("backend", &self.runner.backend().name())
+            .field("requests", &self.sampling.len())
+            .finish()
+    }
+}
+
+impl<B: Backend> ModelExecutor<B> {
+    /// An executor over `runner`; `default_seed` seeds requests that give no seed.
+    pub fn new(runner: ModelRunner<B>, default_seed: u64) -> Self {
+        ModelExecutor {
+            runner,
+            sampling: HashMap::new(),
+            default_seed,
+        }
+    }
+
+    /// Gives request `id` its sampling parameters and prompt.
+    pub fn register(
+        &mut self,
+        id: ReqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> model::Result<()> {
+        let seed = self.default_seed ^ id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let sampler = Sampler::new(params, seed)?;
+        self.sampling.insert(
+            id,
+            ReqSampling {
+                sampler,
+                prompt,
+                output: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Forgets a finished request.
+    pub fn release(&mut self, id: ReqId) {
+        self.sampling.remove(&id);
+    }
+
+    /// The model runner.
+    pub fn runner(&self) -> &ModelRunner<B> {
+        &self.runner
+    }
+}
+
+impl<B: Backend> Executor for ModelExecutor<B> {
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        rows: &ReqToTokenPool,
+    ) -> Result<ForwardOutput, String> {
+        let start = Instant::now();
+        let mut requests = Vec::with_capacity(batch.len());
+        let mut offset = 0;
+        for k in 0..batch.len() {
+            let n = batch.extend_lens[k];
+            let slots = rows
+                .read(batch.rows[k], batch.seq_lens[k])
+                .map_err(|e| e.to_string())?;
+            requests.push(ForwardRequest {
+                input_ids: &batch.input_ids[offset..offset + n],
+                slots,
+            });
+            offset += n;
+        }
+        let mode = if batch.mode == ForwardMode::Decode {
+            ModelMode::Decode
+        } else {
+            ModelMode::Extend
+        };
+        let out = self
+            .runner
+            .forward(&ForwardInput {
+                mode,
+                requests,
+                logits: LogitsMode::LastToken,
+            })
+            .map_err(|e| e.to_string())?;
+        let mut next_tokens = Vec::with_capacity(batch.len());
+        for k in 0..batch.len() {
+            if !batch.sample[k] {
+                next_tokens.push(0);
+                continue;
+            }
+            let logits = out
+                .last(k)
+                .ok_or_else(|| format!("no logits for {}", batch.reqs[k]))?;
+            let token = match self.sampling.get_mut(&batch.reqs[k]) {
+                Some(s) => {
+                    let t = s
+                        .sampler
+                        .sample(logits, &s.prompt, &s.output)
+                        .map_err(|e| e.to_string())?;
+                    s.output.push(t);
+                    t
+                }
+                None => model::argmax(logits),
+            };
+            next_tokens.push(token);
+        }
+        Ok(ForwardOutput {
+            next_tokens,
+            elapsed_s: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attention::{CpuBackend, CpuConfig};
+    use kv_pool::{KvDtype, KvLayout, PagedAllocator};
+    use model::tiny::{tiny_config, tiny_model};
+    use radix_cache::{BuiltinPolicy, RadixCache};
+    use scheduler::{SamplingLimits, Scheduler, SchedulerConfig};
+
+    fn executor() -> ModelExecutor<CpuBackend> {
+        let backend = CpuBackend::new(CpuConfig::default()).unwrap();
+        let model = tiny_model(&backend).unwrap();
+        let layout =
+            KvLayout::new(tiny_config().kv_shape(KvDtype::F32).unwrap(), 16, 4096).unwrap();
+        ModelExecutor::new(ModelRunner::new(backend, model, layout).unwrap(), 7)
+    }
+
+    /// Greedy outputs of the tiny model through the scheduler: the same whatever the chunk size,
+    /// cache state and batch company, because the CPU backend is batch-invariant.
+    #[test]
+    fn greedy_output_is_independent_of_chunking_caching_and_batching() {
+        let prompt: Vec<u32> = (0..150).map(|i| 100 + i * 7).collect();
+        let mut outputs = Vec::new();
+        for (chunk, warm, company) in [
+            (None, false, 0),
+            (Some(16), false, 0),
+            (Some(48), true, 3),
+            (None, true, 5),
+        ] {
+            let cfg = SchedulerConfig {
+                page_size: 16,
+                context_len: 1024,
+                chunked_prefill_size: chunk,
+                strict: true,
+                ..SchedulerConfig::default()
+            };
+            let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
+            let mut s = Scheduler::new(
+                cfg,
+                Box::new(cache),
+                true,
+                Box::new(PagedAllocator::new(4096, 16).unwrap()),
+            )
+            .unwrap();
+            let mut e = executor();
+            if warm {
+                s.add_request(prompt.clone(), SamplingLimits::max_new(1), 0, None)
+                    .unwrap();
+                s.run_to_idle(&mut e, 100).unwrap();
+                s.take_finished();
+            }
+            let id = s
+                .add_request(prompt.clone(), SamplingLimits::max_new(12), 0, None)
+                .unwrap();
+            for c in 0..company {
+                let other: Vec<u32> = (0..40 + c * 9).map(|i| 900 + i as u32).collect();
+                s.add_request(other, SamplingLimits::max_new(5), 0, None)
+                    .unwrap();
+            }
+            s.run_to_idle(&mut e, 500).unwrap();
+            let f = s.take_finished().into_iter().find(|f| f.id == id).unwrap();
+            if warm {
+                assert!(f.cached_tokens >= 144, "the prompt came from the cache");
+            }
+            outputs.push(f.output_ids);
+        }
+        assert_eq!(outputs[0].len(), 12);
+        assert!(outputs.iter().all(|o| *o == outputs[0]), "{outputs:?}");
+    }
+
+    #[test]
+    fn registered_requests_sample_with_their_parameters() {
+        let cfg = SchedulerConfig {
+            page_size: 16,
+            context_len: 512,
+            ..SchedulerConfig::default()
+        };
+        let mut s = Scheduler::new(
+            cfg,
+            Box::new(RadixCache::new(16, Box::new(BuiltinPolicy::Lru))),
+            true,
+            Box::new(PagedAllocator::new(4096, 16).unwrap()),
+        )
+        .unwrap();
+        let mut e = executor();
+        let prompt: Vec<u32> = (0..20).collect();
+        let mut runs = Vec::new();
+        for seed in [1, 1, 2] {
+            let id = s
+                .add_request(prompt.clone(), SamplingLimits::max_new(16), 0, None)
+                .unwrap();
+            // The tiny model is very peaked (tied random embeddings favour repeating a token): a high
+            // temperature flattens it enough for seeds to matter.
+            let params = SamplingParams {
+                temperature: 100.0,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            };
+            e.register(id, prompt.clone(), params).unwrap();
+            s.run_to_idle(&mut e, 200).unwrap();
+            runs.push(s.take_finished().remove(0).output_ids);
+            e.release(id);
+        }
+        assert_eq!(runs[0], runs[1], "the same seed samples the same tokens");
+        assert_ne!(runs[0], runs[2], "another seed samples other tokens");
+        let bad = SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        };
+        assert!(e.register(ReqId(99), prompt, bad).is_err());
+    }
+}
