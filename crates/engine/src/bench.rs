@@ -149,14 +149,9 @@ fn model_err(e: model::ModelError) -> EngineError {
     EngineError::Model(e.to_string())
 }
 
-/// Runs the workload once, with the radix cache (`radix`) or without.
-pub fn run_bench(
-    requests: &[SimRequest],
-    setup: &BenchSetup,
-    radix: bool,
-    ideal_hit_rate: f64,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<BenchOutcome> {
+/// Builds the scheduler (radix or chunk cache, paged allocator) and the model executor that a
+/// bench run or a server uses.
+pub fn build(setup: &BenchSetup, radix: bool) -> Result<(Scheduler, ModelExecutor<CpuBackend>)> {
     let p = setup.scheduler.page_size;
     let capacity = floor_to_page(setup.capacity_tokens, p as usize);
     if capacity == 0 {
@@ -168,7 +163,7 @@ pub fn run_bench(
             ),
         ));
     }
-    let mut exec = executor(setup, capacity)?;
+    let exec = executor(setup, capacity)?;
     let cache: Box<dyn PrefixCache> = if radix {
         Box::new(RadixCache::new(
             p,
@@ -177,13 +172,25 @@ pub fn run_bench(
     } else {
         Box::new(ChunkCache::new(p))
     };
-    let mut sched = Scheduler::new(
+    let sched = Scheduler::new(
         setup.scheduler.clone(),
         cache,
         radix,
         Box::new(PagedAllocator::new(capacity, p)?),
     )
     .map_err(|e| EngineError::Simulation(e.to_string()))?;
+    Ok((sched, exec))
+}
+
+/// Runs the workload once, with the radix cache (`radix`) or without.
+pub fn run_bench(
+    requests: &[SimRequest],
+    setup: &BenchSetup,
+    radix: bool,
+    ideal_hit_rate: f64,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<BenchOutcome> {
+    let (mut sched, mut exec) = build(setup, radix)?;
     let report = replay(requests, &mut sched, &mut exec, Clock::Wall, progress)
         .map_err(|e| EngineError::Simulation(e.to_string()))?;
     sched

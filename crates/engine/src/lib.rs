@@ -47,6 +47,7 @@
 pub mod bench;
 pub mod cache_sim;
 pub mod cli;
+pub mod engine_loop;
 pub mod error;
 pub mod model_exec;
 pub mod plot;

@@ -43,11 +43,12 @@ pub struct DecodeRequest {
     pub last_loc: Option<Slot>,
 }
 
-/// A KV slot allocator (SGLang's `BaseTokenToKVPoolAllocator`).
+/// A KV slot allocator (SGLang's `BaseTokenToKVPoolAllocator`). `Send`, so an engine can own
+/// it on a scheduler thread.
 ///
 /// Every method validates its whole input first: on `Err` nothing changed (and `out` was not
 /// touched). Allocation methods append to `out`, so a caller can reuse one buffer across steps.
-pub trait Allocator {
+pub trait Allocator: Send {
     /// Page size `P` (1 for a token allocator).
     fn page_size(&self) -> u32;
     /// Allocatable slots (`pages × P`).

@@ -100,8 +100,9 @@ pub struct InsertOptions {
     pub chunked: bool,
 }
 
-/// SGLang's prefix-cache interface (`BasePrefixCache`).
-pub trait PrefixCache {
+/// SGLang's prefix-cache interface (`BasePrefixCache`). `Send`, so an engine can own its
+/// cache on a scheduler thread.
+pub trait PrefixCache: Send {
     /// Page size `P`.
     fn page_size(&self) -> u32;
     /// The root of a namespace (`None`: the default one); created on demand.

@@ -48,4 +48,6 @@ pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
 pub use error::{Result, SchedulerError};
 pub use req::{FinishReason, Req, ReqId, SamplingLimits};
 pub use scheduler::{FinishedReq, Scheduler, SchedulerStats, StepReport};
-pub use sim::{replay, simulate, Accelerator, Clock, CostModel, ModelShape, SimExecutor, SimReport, SimRequest};
+pub use sim::{
+    replay, simulate, Accelerator, Clock, CostModel, ModelShape, SimExecutor, SimReport, SimRequest,
+};

@@ -1170,6 +1170,17 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Empties the prefix cache (SGLang's `/flush_cache`); refused unless idle.
+    pub fn flush_cache(&mut self) -> Result<()> {
+        if !self.is_idle() {
+            return Err(SchedulerError::InvalidRequest(
+                "flush_cache needs an idle scheduler".into(),
+            ));
+        }
+        self.cache.reset(&mut *self.alloc)?;
+        Ok(())
+    }
+
     /// Rows held by requests (for leak checks).
     pub fn held_rows(&self) -> Vec<ReqRow> {
         self.reqs.values().filter_map(|r| r.row).collect()

@@ -1,0 +1,450 @@
+//! The engine loop: the scheduler and a model executor on their own thread, requests in and
+//! token streams out through channels.
+//!
+//! [`EngineHandle::submit`] sends a request and returns a [`RequestStream`] of [`Event`]s:
+//! `Tokens` (one or more new tokens as they are generated) then exactly one `Finished`. When
+//! a client drops its stream, the loop notices at the next token it sends and aborts the
+//! request, freeing its KV. [`EngineHandle::shutdown`] stops taking requests, aborts those
+//! still in flight (their streams end with an abort), and joins the thread.
+//!
+//! The loop blocks on its inbox when idle and drains it without blocking between steps, so an
+//! idle engine costs nothing and a busy one admits new requests every step.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use attention::Backend;
+use model::SamplingParams;
+use scheduler::{Executor, FinishReason, ReqId, SamplingLimits, Scheduler};
+
+use crate::model_exec::ModelExecutor;
+
+/// A request to the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    /// Prompt token ids.
+    pub input_ids: Vec<u32>,
+    /// Sampling parameters (temperature, top-k/p, penalties, seed, stop ids).
+    pub sampling: SamplingParams,
+    /// Tokens to generate at most.
+    pub max_new_tokens: usize,
+    /// Keep generating past EOS and stop tokens.
+    pub ignore_eos: bool,
+    /// Request priority.
+    pub priority: i64,
+}
+
+/// What a request's stream carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Newly generated tokens.
+    Tokens(Vec<u32>),
+    /// The end of the stream.
+    Finished(Finished),
+    /// The engine refused the request (invalid, queue full, shutting down).
+    Rejected(String),
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    /// The scheduler's id of the request.
+    pub id: u64,
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+    /// Seconds from submission to the end.
+    pub e2e_latency_s: f64,
+}
+
+/// A request's event stream.
+pub type RequestStream = Receiver<Event>;
+
+enum Command {
+    Submit(Box<GenerateRequest>, Sender<Event>),
+    Flush(SyncSender<Result<(), String>>),
+    Info(SyncSender<EngineInfo>),
+    Shutdown,
+}
+
+/// A snapshot of the engine's state (for `/get_server_info`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EngineInfo {
+    /// Requests waiting.
+    pub waiting: usize,
+    /// Requests running.
+    pub running: usize,
+    /// KV pool size in tokens.
+    pub total_tokens: usize,
+    /// Free KV slots.
+    pub available_tokens: usize,
+    /// Tokens held by the prefix cache, unlocked.
+    pub evictable_tokens: usize,
+    /// Tokens held by the prefix cache, locked by requests.
+    pub protected_tokens: usize,
+    /// Whether the ownership checker passes (checked when idle; `None` when busy).
+    pub ownership_ok: Option<bool>,
+    /// Prompt tokens admitted since start.
+    pub prompt_tokens: usize,
+    /// Of those, served from the cache.
+    pub cached_tokens: usize,
+    /// Tokens generated since start.
+    pub output_tokens: usize,
+}
+
+/// A handle to a running engine loop.
+#[derive(Debug)]
+pub struct EngineHandle {
+    inbox: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct Live {
+    events: Sender<Event>,
+    sent: usize,
+    start: Instant,
+}
+
+impl EngineHandle {
+    /// Starts the loop on its own thread, owning `scheduler` and `exec`.
+    pub fn start<B: Backend + 'static>(scheduler: Scheduler, exec: ModelExecutor<B>) -> Self
+    where
+        ModelExecutor<B>: Send,
+    {
+        let (inbox, commands) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("kvserve-engine".into())
+            .spawn(move || run(scheduler, exec, commands))
+            .expect("spawn the engine thread");
+        EngineHandle {
+            inbox,
+            thread: Some(thread),
+        }
+    }
+
+    /// Submits a request; its events arrive on the returned stream.
+    pub fn submit(&self, request: GenerateRequest) -> RequestStream {
+        let (tx, rx) = mpsc::channel();
+        if let Err(mpsc::SendError(Command::Submit(_, tx))) =
+            self.inbox.send(Command::Submit(Box::new(request), tx))
+        {
+            let _ = tx.send(Event::Rejected("the engine is shutting down".into()));
+        }
+        rx
+    }
+
+    /// Empties the prefix cache (refused while requests run).
+    pub fn flush_cache(&self) -> Result<(), String> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.inbox
+            .send(Command::Flush(tx))
+            .map_err(|_| "the engine is stopped".to_string())?;
+        rx.recv().map_err(|_| "the engine is stopped".to_string())?
+    }
+
+    /// The engine's state.
+    pub fn info(&self) -> Option<EngineInfo> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.inbox.send(Command::Info(tx)).ok()?;
+        rx.recv().ok()
+    }
+
+    /// Stops the loop: in-flight requests are aborted and their streams closed.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.inbox.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn info(s: &Scheduler) -> EngineInfo {
+    let idle = s.is_idle();
+    EngineInfo {
+        waiting: s.num_waiting(),
+        running: s.num_running(),
+        total_tokens: s.allocator().size(),
+        available_tokens: s.allocator().available_size(),
+        evictable_tokens: s.cache().evictable_size(),
+        protected_tokens: s.cache().protected_size(),
+        ownership_ok: idle.then(|| s.check_invariants().is_ok()),
+        prompt_tokens: s.stats.prompt_tokens,
+        cached_tokens: s.stats.cached_tokens,
+        output_tokens: s.stats.output_tokens,
+    }
+}
+
+fn run<B: Backend>(mut s: Scheduler, mut exec: ModelExecutor<B>, commands: Receiver<Command>) {
+    let mut live: HashMap<ReqId, Live> = HashMap::new();
+    loop {
+        // Idle: block for work. Busy: take what is there and go on stepping.
+        let mut next = if s.is_idle() {
+            match commands.recv_timeout(Duration::from_secs(3600)) {
+                Ok(c) => Some(c),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        } else {
+            commands.try_recv().ok()
+        };
+        while let Some(cmd) = next.take() {
+            match cmd {
+                Command::Submit(req, events) => submit(&mut s, &mut exec, &mut live, *req, events),
+                Command::Flush(reply) => {
+                    let r = if s.is_idle() {
+                        s.flush_cache().map_err(|e| e.to_string())
+                    } else {
+                        Err("requests are running; flush when idle".into())
+                    };
+                    let _ = reply.send(r);
+                }
+                Command::Info(reply) => {
+                    let _ = reply.send(info(&s));
+                }
+                Command::Shutdown => {
+                    let ids: Vec<ReqId> = live.keys().copied().collect();
+                    for id in ids {
+                        let _ = s.abort(id, "the server is shutting down");
+                    }
+                    deliver(&mut s, &mut exec, &mut live);
+                    return;
+                }
+            }
+            next = commands.try_recv().ok();
+        }
+        if s.is_idle() {
+            continue;
+        }
+        if let Err(e) = step(&mut s, &mut exec) {
+            // A failed step is a bug; fail every request rather than hang them.
+            for (_, l) in live.drain() {
+                let _ = l.events.send(Event::Rejected(format!("engine error: {e}")));
+            }
+            return;
+        }
+        deliver(&mut s, &mut exec, &mut live);
+    }
+}
+
+fn step<B: Backend>(s: &mut Scheduler, exec: &mut ModelExecutor<B>) -> Result<(), String> {
+    let exec: &mut dyn Executor = exec;
+    s.step(exec).map(|_| ()).map_err(|e| e.to_string())
+}
+
+fn submit<B: Backend>(
+    s: &mut Scheduler,
+    exec: &mut ModelExecutor<B>,
+    live: &mut HashMap<ReqId, Live>,
+    req: GenerateRequest,
+    events: Sender<Event>,
+) {
+    let limits = SamplingLimits {
+        max_new_tokens: req.max_new_tokens,
+        ignore_eos: req.ignore_eos,
+        stop_token_ids: req.sampling.stop_token_ids.clone(),
+    };
+    if let Err(e) = req.sampling.validate() {
+        let _ = events.send(Event::Rejected(e.to_string()));
+        return;
+    }
+    match s.add_request(req.input_ids.clone(), limits, req.priority, None) {
+        Ok(id) => {
+            if let Err(e) = exec.register(id, req.input_ids, req.sampling) {
+                let _ = s.abort(id, "invalid sampling parameters");
+                s.take_finished();
+                let _ = events.send(Event::Rejected(e.to_string()));
+                return;
+            }
+            live.insert(
+                id,
+                Live {
+                    events,
+                    sent: 0,
+                    start: Instant::now(),
+                },
+            );
+        }
+        Err(e) => {
+            let _ = events.send(Event::Rejected(e.to_string()));
+        }
+    }
+}
+
+/// Sends every live request its new tokens, finishes what finished, and aborts requests whose
+/// client went away.
+fn deliver<B: Backend>(
+    s: &mut Scheduler,
+    exec: &mut ModelExecutor<B>,
+    live: &mut HashMap<ReqId, Live>,
+) {
+    let mut gone = Vec::new();
+    for (&id, l) in live.iter_mut() {
+        let Some(r) = s.request(id) else { continue };
+        let out = r.output_ids();
+        if out.len() > l.sent {
+            if l.events
+                .send(Event::Tokens(out[l.sent..].to_vec()))
+                .is_err()
+            {
+                gone.push(id);
+            }
+            l.sent = out.len();
+        }
+    }
+    for id in gone {
+        let _ = s.abort(id, "the client disconnected");
+    }
+    for f in s.take_finished() {
+        exec.release(f.id);
+        let Some(l) = live.remove(&f.id) else {
+            continue;
+        };
+        if f.output_ids.len() > l.sent {
+            let _ = l
+                .events
+                .send(Event::Tokens(f.output_ids[l.sent..].to_vec()));
+        }
+        let _ = l.events.send(Event::Finished(Finished {
+            id: f.id.0,
+            reason: f.reason,
+            prompt_tokens: f.prompt_tokens,
+            cached_tokens: f.cached_tokens,
+            completion_tokens: f.output_ids.len(),
+            e2e_latency_s: l.start.elapsed().as_secs_f64(),
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::{default_setup, ModelSource};
+
+    fn engine() -> EngineHandle {
+        let setup = crate::bench::BenchSetup {
+            model: ModelSource::Tiny,
+            capacity_tokens: 4096,
+            ..default_setup(1024)
+        };
+        let (sched, exec) = crate::bench::build(&setup, true).unwrap();
+        EngineHandle::start(sched, exec)
+    }
+
+    fn collect(stream: RequestStream) -> (Vec<u32>, Option<Finished>, Option<String>) {
+        let (mut tokens, mut fin, mut rej) = (Vec::new(), None, None);
+        for ev in stream {
+            match ev {
+                Event::Tokens(t) => tokens.extend(t),
+                Event::Finished(f) => fin = Some(f),
+                Event::Rejected(m) => rej = Some(m),
+            }
+        }
+        (tokens, fin, rej)
+    }
+
+    fn greedy(prompt: Vec<u32>, n: usize) -> GenerateRequest {
+        GenerateRequest {
+            input_ids: prompt,
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: n,
+            ignore_eos: true,
+            priority: 0,
+        }
+    }
+
+    #[test]
+    fn concurrent_requests_stream_and_finish_and_the_cache_is_shared() {
+        let e = engine();
+        let prompt: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+        let first = collect(e.submit(greedy(prompt.clone(), 6)));
+        assert_eq!(first.0.len(), 6);
+        let streams: Vec<_> = (0..4)
+            .map(|_| e.submit(greedy(prompt.clone(), 6)))
+            .collect();
+        for s in streams {
+            let (tokens, fin, rej) = collect(s);
+            assert_eq!(rej, None);
+            assert_eq!(
+                tokens, first.0,
+                "greedy output does not depend on the cache or the batch"
+            );
+            let f = fin.unwrap();
+            assert_eq!((f.prompt_tokens, f.completion_tokens), (100, 6));
+            assert!(f.cached_tokens >= 96, "{f:?}");
+        }
+        let info = e.info().unwrap();
+        assert_eq!(
+            (info.waiting, info.running, info.protected_tokens),
+            (0, 0, 0)
+        );
+        assert_eq!(info.ownership_ok, Some(true));
+        assert_eq!(
+            info.available_tokens + info.evictable_tokens,
+            info.total_tokens
+        );
+        e.flush_cache().unwrap();
+        assert_eq!(e.info().unwrap().available_tokens, info.total_tokens);
+        e.shutdown();
+    }
+
+    #[test]
+    fn bad_requests_are_rejected_and_disconnects_free_the_kv() {
+        let e = engine();
+        let (_, _, rej) = collect(e.submit(greedy(vec![], 4)));
+        assert!(rej.unwrap().contains("empty"));
+        let bad = GenerateRequest {
+            sampling: SamplingParams {
+                temperature: -1.0,
+                ..SamplingParams::default()
+            },
+            ..greedy(vec![1, 2], 4)
+        };
+        assert!(collect(e.submit(bad)).2.unwrap().contains("temperature"));
+        // A client that goes away: its request is aborted and its KV freed.
+        drop(e.submit(greedy((0..50).collect(), 500)));
+        let mut info = e.info().unwrap();
+        for _ in 0..200 {
+            if info.running == 0 && info.waiting == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            info = e.info().unwrap();
+        }
+        assert_eq!((info.running, info.protected_tokens), (0, 0));
+        assert_eq!(info.ownership_ok, Some(true));
+        assert_eq!(
+            info.available_tokens + info.evictable_tokens,
+            info.total_tokens
+        );
+        e.shutdown();
+    }
+
+    #[test]
+    fn shutdown_aborts_in_flight_requests() {
+        let e = engine();
+        let s = e.submit(greedy((0..40).collect(), 100_000));
+        // Wait for the first tokens, then shut down.
+        let first = s.recv().unwrap();
+        assert!(matches!(first, Event::Tokens(_)));
+        e.shutdown();
+        let (_, fin, _) = collect(s);
+        assert!(matches!(fin.unwrap().reason, FinishReason::Abort { .. }));
+    }
+}
