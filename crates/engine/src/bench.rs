@@ -26,9 +26,9 @@ pub enum ModelSource {
     Path(std::path::PathBuf),
 }
 
-/// The engine configuration of one bench run.
+/// The engine configuration of a bench run or a server.
 #[derive(Debug, Clone, PartialEq)]
-pub struct BenchSetup {
+pub struct EngineSetup {
     /// The model.
     pub model: ModelSource,
     /// KV pool size in tokens.
@@ -126,7 +126,7 @@ impl BenchOutcome {
 }
 
 /// Builds the executor: the model on the CPU backend, with a KV store of `capacity` slots.
-fn executor(setup: &BenchSetup, capacity: usize) -> Result<ModelExecutor<CpuBackend>> {
+fn executor(setup: &EngineSetup, capacity: usize) -> Result<ModelExecutor<CpuBackend>> {
     let backend = CpuBackend::new(CpuConfig {
         threads: setup.threads.max(1),
         ..CpuConfig::default()
@@ -151,7 +151,7 @@ fn model_err(e: model::ModelError) -> EngineError {
 
 /// Builds the scheduler (radix or chunk cache, paged allocator) and the model executor that a
 /// bench run or a server uses.
-pub fn build(setup: &BenchSetup, radix: bool) -> Result<(Scheduler, ModelExecutor<CpuBackend>)> {
+pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecutor<CpuBackend>)> {
     let p = setup.scheduler.page_size;
     let capacity = floor_to_page(setup.capacity_tokens, p as usize);
     if capacity == 0 {
@@ -185,7 +185,7 @@ pub fn build(setup: &BenchSetup, radix: bool) -> Result<(Scheduler, ModelExecuto
 /// Runs the workload once, with the radix cache (`radix`) or without.
 pub fn run_bench(
     requests: &[SimRequest],
-    setup: &BenchSetup,
+    setup: &EngineSetup,
     radix: bool,
     ideal_hit_rate: f64,
     progress: &mut dyn FnMut(usize, usize),
@@ -279,8 +279,8 @@ pub fn parse_policy(s: &str) -> Result<SchedulePolicy> {
 
 /// The default bench setup: the tiny model, a 128k-token pool in pages of 16, SGLang's
 /// scheduler defaults with 8k-token chunks, LRU eviction.
-pub fn default_setup(context_len: usize) -> BenchSetup {
-    BenchSetup {
+pub fn default_setup(context_len: usize) -> EngineSetup {
+    EngineSetup {
         model: ModelSource::Tiny,
         capacity_tokens: 1 << 17,
         kv_dtype: KvDtype::F32,
@@ -332,7 +332,7 @@ mod tests {
             },
         )
         .unwrap();
-        let setup = BenchSetup {
+        let setup = EngineSetup {
             capacity_tokens: 8192,
             ..default_setup(512)
         };

@@ -40,6 +40,9 @@ pub enum Command {
     /// Benchmark serving a workload in process: the real scheduler, prefix cache and a real
     /// model (the built-in tiny preset, or a Hugging Face checkpoint) on the CPU backend.
     Bench(BenchArgs),
+    /// Serve a model over HTTP (SGLang's native API: /generate, /health, /get_model_info,
+    /// /get_server_info, /flush_cache; /v1/models).
+    Serve(ServeArgs),
 }
 
 /// Generated workloads.
@@ -257,37 +260,21 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::CacheSim(args) => cache_sim(&args, out),
         Command::Sim(args) => sim(&args, out),
         Command::Bench(args) => bench(&args, out),
+        Command::Serve(args) => serve(&args),
     }
 }
 
-/// Flags of `kvserve bench`, named after SGLang's server and bench_serving arguments.
-#[derive(Debug, Args)]
-pub struct BenchArgs {
-    /// The workload (generated defaults sized for the tiny model on 2 cores; see each flag).
-    #[command(flatten)]
-    pub source: WorkloadArgs,
-    /// Poisson arrivals at this many requests per second (seeded with --seed); `inf` sends
-    /// everything at once. Default: 16 for a generated workload; a trace uses its own
-    /// timestamps unless this is given.
-    #[arg(long, value_name = "R", help_heading = "Arrivals")]
-    pub request_rate: Option<String>,
-    /// Replay a trace's timestamps this many times faster.
-    #[arg(
-        long,
-        value_name = "X",
-        default_value_t = 1.0,
-        help_heading = "Arrivals"
-    )]
-    pub speed: f64,
-
-    /// A Hugging Face model directory (config.json, *.safetensors); default: the built-in
-    /// tiny preset, which needs no download.
+/// Engine flags shared by `bench` and `serve`, named after SGLang's server arguments.
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// A Hugging Face model directory (config.json, *.safetensors, tokenizer.json); default:
+    /// the built-in tiny preset, which needs no download.
     #[arg(long, value_name = "DIR", help_heading = "Engine")]
     pub model_path: Option<PathBuf>,
     /// Compute backend: cpu (the only one compiled into this build).
     #[arg(long, default_value = "cpu", help_heading = "Engine")]
     pub backend: String,
-    /// CPU threads.
+    /// CPU threads (default: the available cores).
     #[arg(long, value_name = "N", help_heading = "Engine")]
     pub threads: Option<usize>,
     /// KV cache element type: auto (float32), float32, float16, bfloat16, fp8_e4m3, fp8_e5m2.
@@ -319,6 +306,150 @@ pub struct BenchArgs {
     /// Eviction policy of the radix cache.
     #[arg(long, default_value = "lru", help_heading = "Engine")]
     pub radix_eviction_policy: String,
+    /// Context length (default: the workload's longest request for bench, the model's maximum
+    /// position embeddings for serve).
+    #[arg(long, help_heading = "Engine")]
+    pub context_length: Option<usize>,
+}
+
+impl EngineArgs {
+    /// The engine set-up these flags describe, with `default_context_len` unless
+    /// `--context-length` is given.
+    pub fn setup(&self, default_context_len: usize) -> Result<crate::bench::EngineSetup> {
+        use crate::bench::{default_setup, parse_policy, ModelSource};
+        if self.backend != "cpu" {
+            return Err(EngineError::arg(
+                "--backend",
+                format!(
+                    "{:?} is not compiled into this build; compiled backends: cpu",
+                    self.backend
+                ),
+            ));
+        }
+        let mut setup = default_setup(self.context_length.unwrap_or(default_context_len));
+        setup.kv_dtype = match self.kv_cache_dtype.as_str() {
+            "auto" => kv_pool::KvDtype::F32,
+            other => other.parse().map_err(|e: kv_pool::KvPoolError| {
+                EngineError::arg("--kv-cache-dtype", e.to_string())
+            })?,
+        };
+        setup.model = self
+            .model_path
+            .clone()
+            .map_or(ModelSource::Tiny, ModelSource::Path);
+        setup.capacity_tokens = self.max_total_tokens;
+        setup.threads = self
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        setup.eviction_policy = self.radix_eviction_policy.clone();
+        setup.scheduler.page_size = self.page_size;
+        setup.scheduler.max_running_requests = self.max_running_requests;
+        setup.scheduler.chunked_prefill_size =
+            (self.chunked_prefill_size > 0).then_some(self.chunked_prefill_size as usize);
+        setup.scheduler.max_prefill_tokens = self.max_prefill_tokens;
+        setup.scheduler.schedule_policy = parse_policy(&self.schedule_policy)?;
+        Ok(setup)
+    }
+}
+
+/// Flags of `kvserve serve`, named after SGLang's server arguments.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 30000)]
+    pub port: u16,
+    /// The engine.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Use the chunk cache (no prefix reuse).
+    #[arg(long)]
+    pub disable_radix_cache: bool,
+    /// Refuse new requests (503) while this many wait.
+    #[arg(long)]
+    pub max_queued_requests: Option<usize>,
+}
+
+/// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
+pub fn serve(args: &ServeArgs) -> Result<()> {
+    let state = build_server_state(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| EngineError::Io {
+            path: "the async runtime".into(),
+            source,
+        })?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|source| EngineError::Io {
+                path: addr.clone(),
+                source,
+            })?;
+        let local = listener.local_addr().map_err(|source| EngineError::Io {
+            path: addr.clone(),
+            source,
+        })?;
+        eprintln!("kvserve: serving {} on http://{local}", state.model_name);
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        crate::server::serve(listener, state, shutdown)
+            .await
+            .map_err(|source| EngineError::Io {
+                path: local.to_string(),
+                source,
+            })
+    })
+}
+
+/// The server's shared state for `args`: engine thread started, tokenizer loaded.
+pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::server::AppState>> {
+    let (tokenizer, config, name) = match &args.engine.model_path {
+        None => (
+            model::tiny::tiny_tokenizer(),
+            model::tiny::tiny_config(),
+            "tiny".to_string(),
+        ),
+        Some(dir) => {
+            let (tok, _) =
+                model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))?;
+            let cfg = model::ModelConfig::from_file(&dir.join("config.json"))
+                .map_err(|e| EngineError::Model(e.to_string()))?;
+            (tok, cfg, dir.display().to_string())
+        }
+    };
+    let mut setup = args.engine.setup(config.max_position_embeddings)?;
+    setup.scheduler.max_queued_requests = args.max_queued_requests;
+    let context_len = setup.scheduler.context_len;
+    let (sched, exec) = crate::bench::build(&setup, !args.disable_radix_cache)?;
+    Ok(std::sync::Arc::new(crate::server::AppState {
+        engine: crate::engine_loop::EngineHandle::start(sched, exec),
+        vocab_size: config.vocab_size,
+        eos_token_ids: config.eos_token_ids.clone(),
+        tokenizer,
+        model_name: name,
+        context_len,
+    }))
+}
+
+/// Flags of `kvserve bench`, named after SGLang's server and bench_serving arguments.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The workload (generated defaults sized for the tiny model on 2 cores; see each flag).
+    #[command(flatten)]
+    pub source: WorkloadArgs,
+    /// When requests arrive (default for a generated workload: 16 per second).
+    #[command(flatten)]
+    pub arrivals: ArrivalArgs,
+
+    /// The engine.
+    #[command(flatten)]
+    pub engine: EngineArgs,
 
     /// Also run the workload with the radix cache disabled and print the ratios.
     #[arg(long)]
@@ -336,71 +467,21 @@ pub struct BenchArgs {
 
 /// `kvserve bench`.
 pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
-    use crate::bench::{default_setup, parse_policy, plot, render, run_bench, timed, ModelSource};
-    use crate::sim::{sim_requests, Arrivals};
+    use crate::bench::{plot, render, run_bench, timed};
+    use crate::sim::sim_requests;
 
-    if args.backend != "cpu" {
-        return Err(EngineError::arg(
-            "--backend",
-            format!(
-                "{:?} is not compiled into this build; compiled backends: cpu",
-                args.backend
-            ),
-        ));
-    }
-    let kv_dtype = match args.kv_cache_dtype.as_str() {
-        "auto" => kv_pool::KvDtype::F32,
-        other => other.parse().map_err(|e: kv_pool::KvPoolError| {
-            EngineError::arg("--kv-cache-dtype", e.to_string())
-        })?,
-    };
     let workload = args.source.load(WorkloadDefaults::BENCH)?;
-    let arrivals = match (
-        args.request_rate.as_deref().map(str::trim),
-        &args.source.trace,
-    ) {
-        (None, Some(_)) => Arrivals::Trace { speed: args.speed },
-        (None, None) => Arrivals::Poisson {
-            rate: 16.0,
-            seed: args.source.seed,
-        },
-        (Some(r), _) if r.eq_ignore_ascii_case("inf") => Arrivals::Burst,
-        (Some(r), _) => {
-            let rate: f64 = r
-                .parse()
-                .map_err(|e| EngineError::arg("--request-rate", format!("{r:?}: {e}")))?;
-            Arrivals::Poisson {
-                rate,
-                seed: args.source.seed,
-            }
-        }
-    };
+    let arrivals = args.arrivals.arrivals(&args.source, Some(16.0))?;
     let requests = sim_requests(&workload, arrivals)?;
-    let stats = workload.stats(args.page_size);
+    let stats = workload.stats(args.engine.page_size);
     let longest = workload
         .requests
         .iter()
         .map(|r| r.tokens.len() + r.output_len.max(1))
         .max()
         .unwrap_or(1);
-    let mut setup = default_setup(longest + 1);
-    setup.model = args
-        .model_path
-        .clone()
-        .map_or(ModelSource::Tiny, ModelSource::Path);
-    setup.capacity_tokens = args.max_total_tokens;
-    setup.kv_dtype = kv_dtype;
-    setup.threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    setup.eviction_policy = args.radix_eviction_policy.clone();
+    let mut setup = args.engine.setup(longest + 1)?;
     setup.seed = args.source.seed;
-    setup.scheduler.page_size = args.page_size;
-    setup.scheduler.max_running_requests = args.max_running_requests;
-    setup.scheduler.chunked_prefill_size =
-        (args.chunked_prefill_size > 0).then_some(args.chunked_prefill_size as usize);
-    setup.scheduler.max_prefill_tokens = args.max_prefill_tokens;
-    setup.scheduler.schedule_policy = parse_policy(&args.schedule_policy)?;
     if !args.quiet {
         eprintln!(
             "note: {} ({} requests, {} prompt tokens, ideal hit rate {:.2}%), model {}, {} CPU threads",
@@ -408,7 +489,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
             requests.len(),
             stats.prompt_tokens,
             100.0 * stats.ideal_hit_rate(),
-            args.model_path.as_ref().map_or("tiny".into(), |p| p.display().to_string()),
+            args.engine.model_path.as_ref().map_or("tiny".into(), |p| p.display().to_string()),
             setup.threads
         );
     }
@@ -469,21 +550,19 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
     Ok(())
 }
 
-/// Flags of `kvserve sim`, named after SGLang's server arguments where they exist.
-#[derive(Debug, Args)]
-pub struct SimArgs {
-    /// The workload.
-    #[command(flatten)]
-    pub source: WorkloadArgs,
-    /// Poisson arrivals at this many requests per second (seeded with --seed). Default: a
-    /// trace's own timestamps, or everything at once for a generated workload.
+/// Arrival flags shared by `sim` and `bench`.
+#[derive(Debug, Clone, Args)]
+pub struct ArrivalArgs {
+    /// Poisson arrivals at this many requests per second (seeded with --seed), or `inf` for
+    /// everything at once. Default: a trace's own timestamps; for a generated workload, the
+    /// command's default.
     #[arg(
         long,
         value_name = "R",
         allow_negative_numbers = true,
         help_heading = "Arrivals"
     )]
-    pub request_rate: Option<f64>,
+    pub request_rate: Option<String>,
     /// Replay a trace's timestamps this many times faster.
     #[arg(
         long,
@@ -492,6 +571,44 @@ pub struct SimArgs {
         help_heading = "Arrivals"
     )]
     pub speed: f64,
+}
+
+impl ArrivalArgs {
+    /// The arrival process: `--request-rate` if given, else a trace's timestamps, else
+    /// Poisson at `default_rate` (`None`: everything at once).
+    pub fn arrivals(
+        &self,
+        source: &WorkloadArgs,
+        default_rate: Option<f64>,
+    ) -> Result<crate::sim::Arrivals> {
+        use crate::sim::Arrivals;
+        let poisson = |rate| Arrivals::Poisson {
+            rate,
+            seed: source.seed,
+        };
+        Ok(
+            match (self.request_rate.as_deref().map(str::trim), &source.trace) {
+                (None, Some(_)) => Arrivals::Trace { speed: self.speed },
+                (None, None) => default_rate.map_or(Arrivals::Burst, poisson),
+                (Some(r), _) if r.eq_ignore_ascii_case("inf") => Arrivals::Burst,
+                (Some(r), _) => poisson(
+                    r.parse()
+                        .map_err(|e| EngineError::arg("--request-rate", format!("{r:?}: {e}")))?,
+                ),
+            },
+        )
+    }
+}
+
+/// Flags of `kvserve sim`, named after SGLang's server arguments where they exist.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// The workload.
+    #[command(flatten)]
+    pub source: WorkloadArgs,
+    /// When requests arrive (default for a generated workload: all at once).
+    #[command(flatten)]
+    pub arrivals: ArrivalArgs,
 
     /// Model preset of the cost model: llama-3-8b, llama-3-70b.
     #[arg(long, default_value = "llama-3-8b", help_heading = "Cost model")]
@@ -587,8 +704,7 @@ pub struct SimArgs {
 /// `kvserve sim`.
 pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
     use crate::sim::{
-        default_max_running_requests, parse_schedule_policies, run_sweep, sim_requests, Arrivals,
-        SimConfig,
+        default_max_running_requests, parse_schedule_policies, run_sweep, sim_requests, SimConfig,
     };
     use scheduler::{Accelerator, CostModel, ModelShape, SchedulerConfig};
 
@@ -613,14 +729,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
             .collect()
     };
     let workload = args.source.load(WorkloadDefaults::SGLANG)?;
-    let arrivals = match (args.request_rate, &args.source.trace) {
-        (Some(rate), _) => Arrivals::Poisson {
-            rate,
-            seed: args.source.seed,
-        },
-        (None, Some(_)) => Arrivals::Trace { speed: args.speed },
-        (None, None) => Arrivals::Burst,
-    };
+    let arrivals = args.arrivals.arrivals(&args.source, None)?;
     let requests = sim_requests(&workload, arrivals)?;
     let longest = workload
         .requests

@@ -338,7 +338,7 @@ mod tests {
     use crate::bench::{default_setup, ModelSource};
 
     fn engine() -> EngineHandle {
-        let setup = crate::bench::BenchSetup {
+        let setup = crate::bench::EngineSetup {
             model: ModelSource::Tiny,
             capacity_tokens: 4096,
             ..default_setup(1024)

@@ -53,6 +53,7 @@ pub mod model_exec;
 pub mod plot;
 pub mod report;
 pub mod rng;
+pub mod server;
 pub mod sim;
 pub mod workload;
 

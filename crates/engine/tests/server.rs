@@ -1,0 +1,339 @@
+//! `kvserve serve` on loopback: /generate (plain, batch, streaming), the info endpoints, bad
+//! input (4xx with a JSON error, other requests undisturbed), a full queue (503), a client that
+//! disconnects mid-stream (its request aborted, its KV freed), greedy output equal with the
+//! cache cold, warm and disabled, and concurrent clients with shared prefixes.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use clap::Parser;
+use engine::cli::{build_server_state, Cli, Command};
+use serde_json::{json, Value};
+
+struct Server {
+    port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn start(extra: &[&str]) -> Server {
+    let mut argv = vec!["kvserve", "serve", "--port", "0", "--threads", "1"];
+    argv.extend(extra);
+    let Command::Serve(args) = Cli::parse_from(argv).command else {
+        unreachable!()
+    };
+    let state = build_server_state(&args).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (port_tx, port_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            port_tx.send(listener.local_addr().unwrap().port()).unwrap();
+            engine::server::serve(listener, state, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+        });
+    });
+    Server {
+        port: port_rx.recv().unwrap(),
+        stop: Some(stop),
+        thread: Some(thread),
+    }
+}
+
+/// One HTTP/1.1 request; returns (status, body).
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let status: u16 = raw.split(' ').nth(1).unwrap().parse().unwrap();
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(port: u16, path: &str, body: Value) -> (u16, Value) {
+    let (status, text) = http(port, "POST", path, &body.to_string());
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+fn get(port: u16, path: &str) -> Value {
+    let (status, text) = http(port, "GET", path, "");
+    assert_eq!(status, 200, "{path}: {text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn wait_idle(port: u16) -> Value {
+    for _ in 0..400 {
+        let info = get(port, "/get_server_info");
+        if info["engine"]["running"] == 0 && info["engine"]["waiting"] == 0 {
+            return info;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the server did not go idle");
+}
+
+#[test]
+fn generate_plain_batch_and_streaming() {
+    let srv = start(&[]);
+    assert_eq!(http(srv.port, "GET", "/health", "").0, 200);
+    assert_eq!(get(srv.port, "/v1/models")["data"][0]["id"], "tiny");
+    assert_eq!(get(srv.port, "/get_model_info")["vocab_size"], 50257);
+
+    let (status, r) = post(
+        srv.port,
+        "/generate",
+        json!({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["output_ids"].as_array().unwrap().len(), 8);
+    assert_eq!(r["meta_info"]["completion_tokens"], 8);
+    assert_eq!(r["meta_info"]["finish_reason"]["type"], "length");
+    assert!(r["text"].is_string());
+    let prompt_tokens = r["meta_info"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 0);
+
+    let (status, b) = post(
+        srv.port,
+        "/generate",
+        json!({"input_ids": [[1, 2, 3], [4, 5, 6, 7]], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": true}}),
+    );
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b.as_array().unwrap().len(), 2);
+    assert_eq!(b[1]["meta_info"]["prompt_tokens"], 4);
+
+    let (status, text) = http(srv.port, "POST", "/generate", &json!({"text": "The capital of France is", "stream": true, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}}).to_string());
+    assert_eq!(status, 200);
+    let chunks: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*chunks.last().unwrap(), "[DONE]");
+    let last: Value = serde_json::from_str(chunks[chunks.len() - 2]).unwrap();
+    assert_eq!(
+        last["output_ids"], r["output_ids"],
+        "streaming gives the same greedy tokens"
+    );
+    assert_eq!(last["meta_info"]["finish_reason"]["type"], "length");
+    // The second run of the same prompt came from the cache.
+    assert!(last["meta_info"]["cached_tokens"].as_u64().unwrap() > 0 || prompt_tokens < 16);
+}
+
+#[test]
+fn greedy_output_is_the_same_cold_warm_chunked_and_without_the_cache() {
+    let body = json!({"input_ids": (0..120u32).map(|i| 500 + i * 3).collect::<Vec<_>>(), "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": true}});
+    let mut outs = Vec::new();
+    for flags in [
+        &[][..],
+        &["--chunked-prefill-size", "16"][..],
+        &["--disable-radix-cache"][..],
+    ] {
+        let srv = start(flags);
+        for _ in 0..2 {
+            let (status, r) = post(srv.port, "/generate", body.clone());
+            assert_eq!(status, 200, "{r}");
+            outs.push(r["output_ids"].clone());
+        }
+    }
+    assert!(outs.iter().all(|o| *o == outs[0]), "{outs:?}");
+}
+
+#[test]
+fn bad_input_is_a_4xx_json_error_and_disturbs_nothing() {
+    let srv = start(&["--context-length", "256"]);
+    let cases = [
+        (r#"{"text": "#.to_string(), "EOF"),
+        (json!({"text": ""}).to_string(), "empty"),
+        (json!({"text": 42}).to_string(), ""),
+        (json!({}).to_string(), "text or input_ids"),
+        (
+            json!({"input_ids": [1, 99999999]}).to_string(),
+            "vocabulary",
+        ),
+        (
+            json!({"input_ids": vec![1u32; 300]}).to_string(),
+            "context length",
+        ),
+        (
+            json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}).to_string(),
+            "max_new_tokens",
+        ),
+        (
+            json!({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}).to_string(),
+            "temperature",
+        ),
+        (
+            json!({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}).to_string(),
+            "top_k",
+        ),
+        (
+            json!({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "many"}}).to_string(),
+            "",
+        ),
+        (
+            json!({"input_ids": [1, 2], "bogus": 1}).to_string(),
+            "bogus",
+        ),
+    ];
+    for (body, needle) in cases {
+        let (status, text) = http(srv.port, "POST", "/generate", &body);
+        assert!((400..500).contains(&status), "{body}: {status} {text}");
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("{body}: not JSON: {text}"));
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(msg.contains(needle), "{body}: {msg}");
+    }
+    let (status, _) = post(
+        srv.port,
+        "/generate",
+        json!({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}),
+    );
+    assert_eq!(status, 200, "the server still serves");
+    assert_eq!(wait_idle(srv.port)["engine"]["ownership_ok"], true);
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_frees_its_kv() {
+    let srv = start(&[]);
+    let mut s = TcpStream::connect(("127.0.0.1", srv.port)).unwrap();
+    let body = json!({"input_ids": (0..64u32).collect::<Vec<_>>(), "stream": true, "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": true}}).to_string();
+    write!(s, "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    drop(s);
+    let info = wait_idle(srv.port);
+    assert_eq!(info["engine"]["ownership_ok"], true);
+    assert_eq!(info["engine"]["protected_tokens"], 0);
+    let e = &info["engine"];
+    assert_eq!(
+        e["available_tokens"].as_u64().unwrap() + e["evictable_tokens"].as_u64().unwrap(),
+        e["total_tokens"].as_u64().unwrap()
+    );
+}
+
+#[test]
+fn concurrent_clients_with_shared_prefixes_leave_a_consistent_pool() {
+    let srv = start(&[]);
+    let port = srv.port;
+    // Warm the shared prefix, then 64 clients at once (requests admitted in one batch would
+    // otherwise all compute it together, before any of them cached it).
+    let warm: Vec<u32> = (0..96).map(|t| 1000 + t).collect();
+    assert_eq!(
+        post(
+            port,
+            "/generate",
+            json!({"input_ids": warm, "sampling_params": {"max_new_tokens": 1}})
+        )
+        .0,
+        200
+    );
+    let clients: Vec<_> = (0..64)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut ids: Vec<u32> = (0..96).map(|t| 1000 + t).collect();
+                ids.extend([2000 + i, 2001 + i]);
+                post(port, "/generate", json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}}))
+            })
+        })
+        .collect();
+    let mut cached = 0;
+    for c in clients {
+        let (status, r) = c.join().unwrap();
+        assert_eq!(status, 200, "{r}");
+        cached += r["meta_info"]["cached_tokens"].as_u64().unwrap();
+    }
+    assert!(
+        cached >= 64 * 96,
+        "every client reused the 96-token prefix: {cached}"
+    );
+    let info = wait_idle(port);
+    let e = &info["engine"];
+    assert_eq!(e["ownership_ok"], true);
+    assert_eq!(e["protected_tokens"], 0);
+    // Used tokens equal the tree's size when idle.
+    assert_eq!(
+        e["total_tokens"].as_u64().unwrap() - e["available_tokens"].as_u64().unwrap(),
+        e["evictable_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(post(port, "/flush_cache", json!({})).0, 200);
+    assert_eq!(
+        get(port, "/get_server_info")["engine"]["evictable_tokens"],
+        0
+    );
+}
+
+#[test]
+fn a_full_queue_is_a_503() {
+    let srv = start(&["--max-queued-requests", "1", "--max-running-requests", "1"]);
+    let port = srv.port;
+    let long = |_| {
+        std::thread::spawn(move || {
+            post(
+                port,
+                "/generate",
+                json!({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 400, "ignore_eos": true, "temperature": 0}}),
+            )
+        })
+    };
+    let running: Vec<_> = (0..4).map(long).collect();
+    let statuses: Vec<u16> = running.into_iter().map(|h| h.join().unwrap().0).collect();
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert!(
+        statuses.contains(&503),
+        "with one running and one queued, the rest are refused: {statuses:?}"
+    );
+}
