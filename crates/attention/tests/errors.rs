@@ -2,7 +2,7 @@
 //! unchanged.
 
 use attention::{
-    AttentionError, AttentionParams, Backend, BatchMetadata, CpuBackend, CpuConfig,
+    AttentionError, AttentionParams, Backend, BatchMetadata, CpuBackend, CpuConfig, DeviceTensor,
     DoubleSparseConfig, RequestKv, RopeConfig, RopeScaling,
 };
 use kv_pool::{HostKvStore, KvBuffer, KvDtype, KvLayout, KvPoolError, KvShape, KvStore, Slot};
@@ -453,4 +453,22 @@ fn dense_ops_refuse_bad_shapes() {
             ..
         })
     ));
+}
+
+#[test]
+fn concat_last_joins_rows_and_refuses_mismatched_leading_dims() {
+    let b = CpuBackend::default();
+    let a = b.upload(&[1.0, 2.0, 3.0, 4.0], &[2, 1, 2]).unwrap();
+    let c = b
+        .upload(&[5.0, 6.0, 7.0, 8.0, 9.0, 10.0], &[2, 1, 3])
+        .unwrap();
+    let ac = b.concat_last(&a, &c).unwrap();
+    assert_eq!(ac.shape(), &[2, 1, 5]);
+    assert_eq!(
+        b.download(&ac).unwrap(),
+        vec![1.0, 2.0, 5.0, 6.0, 7.0, 3.0, 4.0, 8.0, 9.0, 10.0]
+    );
+    let bad = b.upload(&[0.0; 6], &[3, 2]).unwrap();
+    let e = b.concat_last(&a, &bad).unwrap_err();
+    assert!(matches!(e, AttentionError::ShapeMismatch { .. }), "{e}");
 }

@@ -123,6 +123,7 @@ fn tinyllama_layer() -> ModelConfig {
         qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
+        mla: None,
     }
 }
 

@@ -39,6 +39,7 @@ pub fn tiny_config() -> ModelConfig {
         qk_norm: false,
         bos_token_id: Some(TINY_EOS),
         eos_token_ids: vec![TINY_EOS],
+        mla: None,
     }
 }
 
