@@ -644,3 +644,19 @@ fn mla_config_parses_v2_lite_fields() {
         .sum();
     assert_eq!(c.num_parameters(), total);
 }
+
+#[test]
+fn tiny_mla_preset_loads_and_generates_deterministically() {
+    let run = || {
+        let backend = CpuBackend::default();
+        let model = model::tiny::tiny_mla_model(&backend).unwrap();
+        assert_eq!(model.num_layers(), 2);
+        let mut runner = runner_for(model, 64);
+        let prompt = [50_256u32, 464, 2068, 7586];
+        let slots: Vec<Slot> = (0..prompt.len() as u32).map(|p| Slot(PAGE + p)).collect();
+        extend(&mut runner, &prompt, &slots, LogitsMode::LastToken).argmax()[0].unwrap()
+    };
+    let t = run();
+    assert!(t < 50_257);
+    assert_eq!(t, run());
+}
