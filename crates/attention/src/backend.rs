@@ -61,6 +61,23 @@ pub enum RopeScaling {
         /// The pre-training context (e.g. 8192).
         original_max_position_embeddings: f64,
     },
+    /// YaRN (`rope_type` / `type = "yarn"`) inverse frequencies, as DeepSeek-V2 and HF
+    /// compute them: with `d = rotary_dim`, the correction dims
+    /// `c(r) = d · ln(original / (2π r)) / (2 ln θ)`, `low = max(⌊c(beta_fast)⌋, 0)` and
+    /// `high = min(⌈c(beta_slow)⌉, d − 1)`, the ramp `γ_i = clamp((i − low) / (high − low), 0,
+    /// 1)` (`high` nudged by 0.001 when equal to `low`), each frequency is
+    /// `f_i / factor · γ_i + f_i · (1 − γ_i)`. Only the frequencies: YaRN's magnitude scale
+    /// (`mscale` on cos/sin and on the softmax scale) is the model's to apply.
+    Yarn {
+        /// Context extension factor (e.g. 40).
+        factor: f64,
+        /// The pre-training context (e.g. 4096).
+        original_max_position_embeddings: f64,
+        /// Rotations above which dims are kept (extrapolated), e.g. 32.
+        beta_fast: f64,
+        /// Rotations below which dims are interpolated, e.g. 1.
+        beta_slow: f64,
+    },
 }
 
 /// Rotary position embedding of one tensor of heads.
@@ -155,6 +172,40 @@ impl RopeConfig {
                                 / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
+                    })
+                    .collect())
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: old,
+                beta_fast,
+                beta_slow,
+            } => {
+                let ok = |x: f64| x.is_finite() && x > 0.0;
+                if !(ok(factor) && ok(old) && ok(beta_fast) && ok(beta_slow)) {
+                    return bad(
+                        "yarn rope scaling",
+                        format!(
+                            "factor {factor}, original {old}, beta_fast {beta_fast}, \
+                             beta_slow {beta_slow}: all must be finite and > 0"
+                        ),
+                    );
+                }
+                let d = self.rotary_dim as f64;
+                let corr = |rot: f64| {
+                    d * (old / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * self.theta.ln())
+                };
+                let low = corr(beta_fast).floor().max(0.0);
+                let mut high = corr(beta_slow).ceil().min(d - 1.0);
+                if high == low {
+                    high += 0.001;
+                }
+                Ok(base
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, f)| {
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        f / factor * ramp + f * (1.0 - ramp)
                     })
                     .collect())
             }

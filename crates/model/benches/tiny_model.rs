@@ -156,6 +156,8 @@ fn v2lite_dense_layer() -> ModelConfig {
             qk_nope_head_dim: 128,
             qk_rope_head_dim: 64,
             v_head_dim: 128,
+            rope_mscale: 1.0,
+            softmax_mscale: 1.0,
             moe: None,
         }),
         ..tinyllama_layer()

@@ -80,6 +80,14 @@ pub struct MlaConfig {
     pub v_head_dim: usize,
     /// Mixture-of-experts MLPs, if `n_routed_experts` is set.
     pub moe: Option<MoeConfig>,
+    /// YaRN's amplitude on the rotary cos/sin, `mscale(factor, mscale) /
+    /// mscale(factor, mscale_all_dim)` with `mscale(s, m) = 0.1·m·ln s + 1` (1 for `s ≤ 1`);
+    /// 1 without YaRN. Folded into the q_pe and k_pe projections at load (rotation is linear).
+    pub rope_mscale: f64,
+    /// YaRN's softmax correction `mscale(factor, mscale_all_dim)` (1 when `mscale_all_dim` is 0
+    /// or absent, and without YaRN): the softmax scale is
+    /// `softmax_mscale² / √(qk_nope + qk_rope)`.
+    pub softmax_mscale: f64,
 }
 
 /// DeepSeek-V2 mixture-of-experts MLP: softmax router, greedy top-k, shared experts.
@@ -244,10 +252,22 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
             .and_then(Value::as_f64)
             .ok_or_else(|| field_err(&format!("rope_scaling.{name}"), "missing or not a number"))
     };
+    let opt = |name: &str, default: f64| match obj.get(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| field_err(&format!("rope_scaling.{name}"), "not a number")),
+    };
     match kind {
         "default" => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear {
             factor: num("factor")?,
+        }),
+        "yarn" => Ok(RopeScaling::Yarn {
+            factor: num("factor")?,
+            original_max_position_embeddings: opt("original_max_position_embeddings", 4096.0)?,
+            beta_fast: opt("beta_fast", 32.0)?,
+            beta_slow: opt("beta_slow", 1.0)?,
         }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor")?,
@@ -257,7 +277,7 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
         }),
         other => Err(field_err(
             key,
-            format!("`{other}` is not supported (supported: default, linear, llama3)"),
+            format!("`{other}` is not supported (supported: default, linear, llama3, yarn)"),
         )),
     }
 }
@@ -304,6 +324,33 @@ fn parse_mla(f: &Fields<'_>) -> Result<MlaConfig> {
             })
         }
     };
+    let (mut rope_mscale, mut softmax_mscale) = (1.0, 1.0);
+    if let RopeScaling::Yarn { factor, .. } = parse_rope_scaling(f.get("rope_scaling"))? {
+        let obj = f.get("rope_scaling").and_then(Value::as_object);
+        let num = |name: &str, default: f64| -> Result<f64> {
+            match obj.and_then(|o| o.get(name)).filter(|v| !v.is_null()) {
+                None => Ok(default),
+                Some(v) => v.as_f64().ok_or_else(|| {
+                    field_err(
+                        &format!("rope_scaling.{name}"),
+                        format!("expected a number, got {v}"),
+                    )
+                }),
+            }
+        };
+        let mscale = |m: f64| {
+            if factor <= 1.0 {
+                1.0
+            } else {
+                0.1 * m * factor.ln() + 1.0
+            }
+        };
+        let (m, m_all) = (num("mscale", 1.0)?, num("mscale_all_dim", 0.0)?);
+        rope_mscale = mscale(m) / mscale(m_all);
+        if m_all != 0.0 {
+            softmax_mscale = mscale(m_all);
+        }
+    }
     Ok(MlaConfig {
         q_lora_rank: f.opt_usize("q_lora_rank")?,
         kv_lora_rank: f.usize("kv_lora_rank")?,
@@ -311,6 +358,8 @@ fn parse_mla(f: &Fields<'_>) -> Result<MlaConfig> {
         qk_rope_head_dim: f.usize("qk_rope_head_dim")?,
         v_head_dim: f.usize("v_head_dim")?,
         moe,
+        rope_mscale,
+        softmax_mscale,
     })
 }
 
@@ -356,6 +405,17 @@ impl MlaConfig {
             }
             if !m.routed_scaling_factor.is_finite() {
                 return Err(field_err("routed_scaling_factor", "must be finite"));
+            }
+        }
+        for (field, v) in [
+            ("rope_scaling.mscale", self.rope_mscale),
+            ("rope_scaling.mscale_all_dim", self.softmax_mscale),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(field_err(
+                    field,
+                    format!("gives a scale {v}; must be finite and > 0"),
+                ));
             }
         }
         Ok(())
@@ -417,6 +477,22 @@ impl ModelConfig {
             return Err(field_err("mlp_bias", "MLP biases are not supported"));
         }
         let attention_bias = f.bool_or("attention_bias", false)?;
+        let rope_scaling = parse_rope_scaling(f.get("rope_scaling"))?;
+        if matches!(rope_scaling, RopeScaling::Yarn { .. })
+            && architecture != Architecture::DeepseekV2
+        {
+            let key = match f.get("rope_scaling").and_then(|v| v.get("rope_type")) {
+                Some(_) => "rope_scaling.rope_type",
+                None => "rope_scaling.type",
+            };
+            return Err(field_err(
+                key,
+                format!(
+                    "`yarn` is supported for DeepseekV2ForCausalLM only, not {}",
+                    architecture.hf_name()
+                ),
+            ));
+        }
         let mla = if architecture == Architecture::DeepseekV2 {
             Some(parse_mla(&f)?)
         } else {
@@ -436,7 +512,7 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
             rope_theta: f.f64_or("rope_theta", 10_000.0)?,
-            rope_scaling: parse_rope_scaling(f.get("rope_scaling"))?,
+            rope_scaling,
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
             vocab_size: f.usize("vocab_size")?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,

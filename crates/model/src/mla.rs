@@ -19,6 +19,13 @@
 //! and `kv_lora_rank / v_head_dim` (output) times the unfolded projections' FLOPs; a per-head
 //! batched matmul on the backend would avoid that and is a possible follow-up.
 //!
+//! ## Rotary and YaRN
+//! q_pe and k_pe use GPT-J (interleaved) pairing, which gives the same scores as HF's
+//! de-interleave-then-`rotate_half`. With `rope_scaling.type = "yarn"` the frequencies come
+//! from [`attention::RopeScaling::Yarn`]; YaRN's cos/sin amplitude
+//! ([`MlaConfig::rope_mscale`]) is folded into the q_pe and k_pe projection rows, and the
+//! softmax scale is multiplied by [`MlaConfig::softmax_mscale`]², as in HF.
+//!
 //! ## MoE routing
 //! Router logits come from the backend's matmul; the softmax, greedy top-k (ties to the lower
 //! expert index) and the weighted combination run on the host per token in rank order, and
@@ -182,7 +189,11 @@ fn absorb_query(m: &MlaConfig, heads: usize, w: &HostTensor, kv_b: &HostTensor) 
                 }
             }
         }
-        rope_rows.extend_from_slice(&w.data[(qbase + nope) * inp..(qbase + nope + rope) * inp]);
+        rope_rows.extend(
+            w.data[(qbase + nope) * inp..(qbase + nope + rope) * inp]
+                .iter()
+                .map(|&x| (x as f64 * m.rope_mscale) as f32),
+        );
     }
     [
         HostTensor {
@@ -272,7 +283,10 @@ impl<B: Backend> MlaModel<B> {
                 }
             };
             let kv_a = loader.get(&format!("{a}kv_a_proj_with_mqa.weight"))?;
-            let [latent, rope] = split_rows(&kv_a, m.kv_lora_rank);
+            let [latent, mut rope] = split_rows(&kv_a, m.kv_lora_rank);
+            for x in &mut rope.data {
+                *x = (*x as f64 * m.rope_mscale) as f32;
+            }
             let o = loader.get(&format!("{a}o_proj.weight"))?;
             let mlp = match &m.moe {
                 Some(e) if e.is_moe_layer(i) => Mlp::Moe(Moe {
@@ -377,7 +391,7 @@ impl<B: Backend> MlaModel<B> {
         let k_pe = backend.reshape(k_pe, &[n, dr])?;
         let latent = backend.concat_last(&ckv, &k_pe)?;
         drop((ckv, k_pe));
-        let scale = 1.0 / ((m.qk_nope_head_dim + dr) as f64).sqrt();
+        let scale = m.softmax_mscale * m.softmax_mscale / ((m.qk_nope_head_dim + dr) as f64).sqrt();
         let params = AttentionParams::dense(scale as f32);
         let o_lat = backend.attention_mla(layer, plan, store, &q, &latent, &params)?;
         drop((q, latent));

@@ -60,6 +60,8 @@ pub fn tiny_mla_config() -> ModelConfig {
             qk_nope_head_dim: 16,
             qk_rope_head_dim: 8,
             v_head_dim: 16,
+            rope_mscale: 1.0,
+            softmax_mscale: 1.0,
             moe: Some(MoeConfig {
                 n_routed_experts: 4,
                 num_experts_per_tok: 2,

@@ -43,6 +43,8 @@ struct MlaTest {
     tied: bool,
     eps: f64,
     theta: f64,
+    /// YaRN: factor, original context, beta_fast, beta_slow, mscale, mscale_all_dim.
+    yarn: Option<[f64; 6]>,
     weights: Weights,
 }
 
@@ -71,6 +73,7 @@ impl MlaTest {
             tied: q_lora,
             eps: 1e-6,
             theta: 10_000.0,
+            yarn: None,
             weights: BTreeMap::new(),
         };
         let mut rng = Rng::new(seed);
@@ -168,7 +171,10 @@ impl MlaTest {
             "aux_loss_alpha": 0.001,
             "rms_norm_eps": self.eps,
             "rope_theta": self.theta,
-            "rope_scaling": null,
+            "rope_scaling": self.yarn.map(|[factor, orig, fast, slow, ms, ms_all]| serde_json::json!({
+                "type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+                "beta_fast": fast, "beta_slow": slow, "mscale": ms, "mscale_all_dim": ms_all
+            })),
             "max_position_embeddings": 2048,
             "vocab_size": self.vocab,
             "tie_word_embeddings": self.tied,
@@ -210,6 +216,48 @@ impl MlaTest {
                 .map(|o| (0..k).map(|c| v[c] * w[o * k + c] as f64).sum())
                 .collect()
         };
+        // HF DeepseekV2YarnRotaryEmbedding / yarn_get_mscale, step by step.
+        let get_mscale = |scale: f64, m: f64| {
+            if scale <= 1.0 {
+                1.0
+            } else {
+                0.1 * m * scale.ln() + 1.0
+            }
+        };
+        let (inv_freq, amp, softmax_mscale): (Vec<f64>, f64, f64) = match self.yarn {
+            None => (
+                (0..dr / 2)
+                    .map(|i| self.theta.powf(-(2.0 * i as f64) / dr as f64))
+                    .collect(),
+                1.0,
+                1.0,
+            ),
+            Some([factor, orig, fast, slow, ms, ms_all]) => {
+                let corr = |rot: f64| {
+                    dr as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * self.theta.ln())
+                };
+                let low = corr(fast).floor().max(0.0);
+                let mut high = corr(slow).ceil().min(dr as f64 - 1.0);
+                if low == high {
+                    high += 0.001;
+                }
+                let inv = (0..dr / 2)
+                    .map(|i| {
+                        let extra = 1.0 / self.theta.powf(2.0 * i as f64 / dr as f64);
+                        let inter = extra / factor;
+                        let mask = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        inter * (1.0 - mask) + extra * mask
+                    })
+                    .collect();
+                let sm = if ms_all != 0.0 {
+                    get_mscale(factor, ms_all)
+                } else {
+                    1.0
+                };
+                (inv, get_mscale(factor, ms) / get_mscale(factor, ms_all), sm)
+            }
+        };
         let rope = |v: &[f64], pos: usize| -> Vec<f64> {
             let half = dr / 2;
             let de: Vec<f64> = (0..dr)
@@ -223,8 +271,8 @@ impl MlaTest {
                 .collect();
             let mut out = vec![0.0; dr];
             for i in 0..half {
-                let inv = self.theta.powf(-(2.0 * i as f64) / dr as f64);
-                let (s, c) = (pos as f64 * inv).sin_cos();
+                let (s, c) = (pos as f64 * inv_freq[i]).sin_cos();
+                let (s, c) = (s * amp, c * amp);
                 out[i] = de[i] * c - de[i + half] * s;
                 out[i + half] = de[i + half] * c + de[i] * s;
             }
@@ -268,7 +316,7 @@ impl MlaTest {
                     vs[t][hh].copy_from_slice(&kvh[nope..]);
                 }
             }
-            let scale = 1.0 / ((nope + dr) as f64).sqrt();
+            let scale = softmax_mscale * softmax_mscale / ((nope + dr) as f64).sqrt();
             for t in 0..n {
                 let mut attn = vec![0.0; hn * dv];
                 for hh in 0..hn {
@@ -436,6 +484,19 @@ fn mla_v2_lite_checkpoint_greedy_matches_f64_reference() {
 }
 
 #[test]
+fn mla_yarn_rope_scaling_greedy_matches_f64_reference() {
+    let mut m = MlaTest::new(29, false);
+    m.yarn = Some([40.0, 4096.0, 32.0, 1.0, 1.0, 0.707]);
+    let c = ModelConfig::from_json_str(&m.config_json().to_string()).unwrap();
+    let mla = c.mla.as_ref().unwrap();
+    assert!(
+        mla.rope_mscale > 1.05 && mla.softmax_mscale > 1.2,
+        "{mla:?}"
+    );
+    check_greedy(&m, "mla-yarn-ok");
+}
+
+#[test]
 fn mla_q_lora_renormalised_topk_greedy_matches_f64_reference() {
     check_greedy(&MlaTest::new(22, true), "mla-qlora");
 }
@@ -579,13 +640,19 @@ fn mla_wrong_shape_is_named_with_expected_and_got() {
 fn mla_unsupported_config_fields_are_named() {
     let m = MlaTest::new(26, false);
     let mut cfg = m.config_json();
-    cfg["rope_scaling"] = serde_json::json!({
-        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707
-    });
+    cfg["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 4.0});
     assert_eq!(
-        load_err(&m, "mla-yarn", Some(cfg)),
-        "config field `rope_scaling.type`: `yarn` is not supported (supported: default, linear, llama3)"
+        load_err(&m, "mla-dynamic", Some(cfg)),
+        "config field `rope_scaling.type`: `dynamic` is not supported (supported: default, linear, llama3, yarn)"
+    );
+    let mut cfg = m.config_json();
+    cfg["rope_scaling"] = serde_json::json!({"type": "yarn", "beta_fast": 32});
+    let e = ModelConfig::from_json_str(&cfg.to_string())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "config field `rope_scaling.factor`: missing or not a number"
     );
 
     let mut cfg = m.config_json();
