@@ -176,19 +176,22 @@ fn absorb_query(m: &MlaConfig, heads: usize, w: &HostTensor, kv_b: &HostTensor) 
     );
     let inp = w.shape[1];
     let mut absorbed = vec![0.0f64; heads * r * inp];
-    let mut rope_rows = Vec::with_capacity(heads * rope * inp);
-    for h in 0..heads {
+    par_chunks(&mut absorbed, r * inp, |h, block| {
         let qbase = h * (nope + rope);
         for i in 0..nope {
             let qrow = &w.data[(qbase + i) * inp..(qbase + i + 1) * inp];
             let ukrow = &kv_b.data[(h * (nope + v) + i) * r..(h * (nope + v) + i + 1) * r];
             for (j, &uk) in ukrow.iter().enumerate() {
-                let dst = &mut absorbed[(h * r + j) * inp..(h * r + j + 1) * inp];
+                let dst = &mut block[j * inp..(j + 1) * inp];
                 for (d, &q) in dst.iter_mut().zip(qrow) {
                     *d += uk as f64 * q as f64;
                 }
             }
         }
+    });
+    let mut rope_rows = Vec::with_capacity(heads * rope * inp);
+    for h in 0..heads {
+        let qbase = h * (nope + rope);
         rope_rows.extend(
             w.data[(qbase + nope) * inp..(qbase + nope + rope) * inp]
                 .iter()
@@ -213,9 +216,9 @@ fn absorb_output(m: &MlaConfig, heads: usize, o: &HostTensor, kv_b: &HostTensor)
     let (nope, r, v) = (m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim);
     let d = o.shape[0];
     let mut out = vec![0.0f64; d * heads * r];
-    for row in 0..d {
+    par_chunks(&mut out, heads * r, |row, block| {
         for h in 0..heads {
-            let dst = &mut out[(row * heads + h) * r..(row * heads + h + 1) * r];
+            let dst = &mut block[h * r..(h + 1) * r];
             for k in 0..v {
                 let wo = o.data[row * heads * v + h * v + k] as f64;
                 let uv = &kv_b.data
@@ -225,11 +228,33 @@ fn absorb_output(m: &MlaConfig, heads: usize, o: &HostTensor, kv_b: &HostTensor)
                 }
             }
         }
-    }
+    });
     HostTensor {
         shape: vec![d, heads * r],
         data: out.into_iter().map(|x| x as f32).collect(),
     }
+}
+
+/// Runs `f(index, chunk)` over the `chunk`-sized pieces of `data` on the available cores
+/// (each piece computed by one thread in a fixed order, so the result does not depend on the
+/// thread count).
+fn par_chunks(data: &mut [f64], chunk: usize, f: impl Fn(usize, &mut [f64]) + Sync) {
+    let pieces = data.len() / chunk.max(1);
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(pieces.max(1));
+    let per = pieces.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (g, group) in data.chunks_mut(per * chunk.max(1)).enumerate() {
+            let f = &f;
+            scope.spawn(move || {
+                for (k, piece) in group.chunks_mut(chunk.max(1)).enumerate() {
+                    f(g * per + k, piece);
+                }
+            });
+        }
+    });
 }
 
 /// Splits rows `[0, at)` and `[at, ..)` of a matrix.
