@@ -61,6 +61,23 @@ pub enum RopeScaling {
         /// The pre-training context (e.g. 8192).
         original_max_position_embeddings: f64,
     },
+    /// YaRN (`rope_type` / `type = "yarn"`) inverse frequencies, as DeepSeek-V2 and HF
+    /// compute them: with `d = rotary_dim`, the correction dims
+    /// `c(r) = d · ln(original / (2π r)) / (2 ln θ)`, `low = max(⌊c(beta_fast)⌋, 0)` and
+    /// `high = min(⌈c(beta_slow)⌉, d − 1)`, the ramp `γ_i = clamp((i − low) / (high − low), 0,
+    /// 1)` (`high` nudged by 0.001 when equal to `low`), each frequency is
+    /// `f_i / factor · γ_i + f_i · (1 − γ_i)`. Only the frequencies: YaRN's magnitude scale
+    /// (`mscale` on cos/sin and on the softmax scale) is the model's to apply.
+    Yarn {
+        /// Context extension factor (e.g. 40).
+        factor: f64,
+        /// The pre-training context (e.g. 4096).
+        original_max_position_embeddings: f64,
+        /// Rotations above which dims are kept (extrapolated), e.g. 32.
+        beta_fast: f64,
+        /// Rotations below which dims are interpolated, e.g. 1.
+        beta_slow: f64,
+    },
 }
 
 /// Rotary position embedding of one tensor of heads.
@@ -158,6 +175,40 @@ impl RopeConfig {
                     })
                     .collect())
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: old,
+                beta_fast,
+                beta_slow,
+            } => {
+                let ok = |x: f64| x.is_finite() && x > 0.0;
+                if !(ok(factor) && ok(old) && ok(beta_fast) && ok(beta_slow)) {
+                    return bad(
+                        "yarn rope scaling",
+                        format!(
+                            "factor {factor}, original {old}, beta_fast {beta_fast}, \
+                             beta_slow {beta_slow}: all must be finite and > 0"
+                        ),
+                    );
+                }
+                let d = self.rotary_dim as f64;
+                let corr = |rot: f64| {
+                    d * (old / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * self.theta.ln())
+                };
+                let low = corr(beta_fast).floor().max(0.0);
+                let mut high = corr(beta_slow).ceil().min(d - 1.0);
+                if high == low {
+                    high += 0.001;
+                }
+                Ok(base
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, f)| {
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        f / factor * ramp + f * (1.0 - ramp)
+                    })
+                    .collect())
+            }
         }
     }
 }
@@ -246,6 +297,38 @@ pub trait Backend {
     /// Row gather: `table` is `[vocab, d]`, the result `[ids.len(), d]` (embedding lookup; also
     /// selects the last hidden row of each request before the final logits).
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+
+    /// Concatenation along the last dimension: `a` is `[.., da]`, `b` is `[.., db]` with the
+    /// same leading dimensions; the result is `[.., da + db]`, each row `a`'s row then `b`'s
+    /// (the MLA decoder assembles its query and latent rows from a no-position part and a
+    /// rotary part with it).
+    ///
+    /// The default goes through the host ([`download`](Backend::download), interleave,
+    /// [`upload`](Backend::upload)), so every backend has it; a device may override it with a
+    /// kernel. It is exact (a copy), so the result is the same on every backend.
+    fn concat_last(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor> {
+        let (sa, sb) = (a.shape(), b.shape());
+        let lead_ok =
+            !sa.is_empty() && sa.len() == sb.len() && sa[..sa.len() - 1] == sb[..sb.len() - 1];
+        if !lead_ok {
+            return Err(AttentionError::ShapeMismatch {
+                what: "concat_last b (leading dims of a)",
+                expected: sa.to_vec(),
+                got: sb.to_vec(),
+            });
+        }
+        let (da, db) = (sa[sa.len() - 1], sb[sb.len() - 1]);
+        let rows: usize = sa[..sa.len() - 1].iter().product();
+        let (ha, hb) = (self.download(a)?, self.download(b)?);
+        let mut out = Vec::with_capacity(rows * (da + db));
+        for r in 0..rows {
+            out.extend_from_slice(&ha[r * da..(r + 1) * da]);
+            out.extend_from_slice(&hb[r * db..(r + 1) * db]);
+        }
+        let mut shape = sa.to_vec();
+        *shape.last_mut().expect("rank checked above") = da + db;
+        self.upload(&out, &shape)
+    }
 
     /// Final logits `hidden · lm_headᵀ`: `hidden` `[m, d]`, `lm_head` `[vocab, d]`.
     fn logits(&self, hidden: &Self::Tensor, lm_head: &Self::Tensor) -> Result<Self::Tensor> {

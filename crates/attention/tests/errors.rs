@@ -2,7 +2,7 @@
 //! unchanged.
 
 use attention::{
-    AttentionError, AttentionParams, Backend, BatchMetadata, CpuBackend, CpuConfig,
+    AttentionError, AttentionParams, Backend, BatchMetadata, CpuBackend, CpuConfig, DeviceTensor,
     DoubleSparseConfig, RequestKv, RopeConfig, RopeScaling,
 };
 use kv_pool::{HostKvStore, KvBuffer, KvDtype, KvLayout, KvPoolError, KvShape, KvStore, Slot};
@@ -416,6 +416,15 @@ fn dense_ops_refuse_bad_shapes() {
             ..cfg
         },
         RopeConfig {
+            scaling: RopeScaling::Yarn {
+                factor: 40.0,
+                original_max_position_embeddings: 4096.0,
+                beta_fast: 0.0,
+                beta_slow: 1.0,
+            },
+            ..cfg
+        },
+        RopeConfig {
             scaling: RopeScaling::Llama3 {
                 factor: 8.0,
                 low_freq_factor: 4.0,
@@ -453,4 +462,50 @@ fn dense_ops_refuse_bad_shapes() {
             ..
         })
     ));
+}
+
+#[test]
+fn concat_last_joins_rows_and_refuses_mismatched_leading_dims() {
+    let b = CpuBackend::default();
+    let a = b.upload(&[1.0, 2.0, 3.0, 4.0], &[2, 1, 2]).unwrap();
+    let c = b
+        .upload(&[5.0, 6.0, 7.0, 8.0, 9.0, 10.0], &[2, 1, 3])
+        .unwrap();
+    let ac = b.concat_last(&a, &c).unwrap();
+    assert_eq!(ac.shape(), &[2, 1, 5]);
+    assert_eq!(
+        b.download(&ac).unwrap(),
+        vec![1.0, 2.0, 5.0, 6.0, 7.0, 3.0, 4.0, 8.0, 9.0, 10.0]
+    );
+    let bad = b.upload(&[0.0; 6], &[3, 2]).unwrap();
+    let e = b.concat_last(&a, &bad).unwrap_err();
+    assert!(matches!(e, AttentionError::ShapeMismatch { .. }), "{e}");
+}
+
+#[test]
+fn yarn_inv_freqs_blend_extrapolated_and_interpolated_dims() {
+    // DeepSeek-V2's numbers on a 16-dim rotary: correction dims c(32) = 2.62 → low 2,
+    // c(1) = 5.63 → high 6; dims below low keep θ^(-2i/d), dims from high on are divided by
+    // the factor, and the ones between blend linearly.
+    let cfg = RopeConfig {
+        head_dim: 16,
+        rotary_dim: 16,
+        theta: 10_000.0,
+        style: attention::RopeStyle::GptJ,
+        scaling: RopeScaling::Yarn {
+            factor: 40.0,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        },
+    };
+    let inv = cfg.inv_freqs().unwrap();
+    for (i, &got) in inv.iter().enumerate() {
+        let f = 10_000f64.powf(-(2.0 * i as f64) / 16.0);
+        let ramp = ((i as f64 - 2.0) / 4.0).clamp(0.0, 1.0);
+        let want = f / 40.0 * ramp + f * (1.0 - ramp);
+        assert!((got - want).abs() <= 1e-15 * f, "dim {i}: {got} vs {want}");
+    }
+    assert_eq!(inv[0], 1.0);
+    assert!((inv[7] - 10_000f64.powf(-14.0 / 16.0) / 40.0).abs() < 1e-18);
 }

@@ -2,6 +2,10 @@
 //! one decoder layer's forward tokens/s at the tiny shape and at a TinyLlama-1.1B layer shape
 //! (hidden 2048, 32 query heads over 4 KV heads of 64, MLP 5632).
 //!
+//! The `tiny_mla` group runs the same prefill and decode on the DeepSeek-V2-Lite-shaped tiny
+//! MLA preset, and `decoder_layer/v2lite_dense_*` one dense DeepSeek-V2-Lite layer (hidden
+//! 2048, 16 heads, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128, MLP 10944).
+//!
 //! Run: `cargo bench -p model --bench tiny_model -- --warm-up-time 1 --measurement-time 3`.
 
 use std::hint::black_box;
@@ -9,18 +13,22 @@ use std::hint::black_box;
 use attention::{Backend, BatchMetadata, CpuBackend, RequestKv, RopeScaling};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kv_pool::{KvDtype, KvLayout, Slot};
-use model::tiny::{random_weights, tiny_config, tiny_model};
+use model::tiny::{random_weights, tiny_config, tiny_mla_config, tiny_mla_model, tiny_model};
 use model::{
-    Architecture, ForwardInput, ForwardMode, ForwardRequest, LlamaModel, LogitsMode, ModelConfig,
-    ModelRunner,
+    Architecture, ForwardInput, ForwardMode, ForwardRequest, LogitsMode, MlaConfig, Model,
+    ModelConfig, ModelRunner,
 };
 
 const PAGE: u32 = 16;
 
-fn tiny_runner(pool: usize) -> ModelRunner<CpuBackend> {
+fn tiny_runner(mla: bool, pool: usize) -> ModelRunner<CpuBackend> {
     let backend = CpuBackend::default();
-    let model = tiny_model(&backend).unwrap();
-    let layout = KvLayout::new(tiny_config().kv_shape(KvDtype::F32).unwrap(), PAGE, pool).unwrap();
+    let (model, cfg): (Model<CpuBackend>, ModelConfig) = if mla {
+        (tiny_mla_model(&backend).unwrap(), tiny_mla_config())
+    } else {
+        (tiny_model(&backend).unwrap().into(), tiny_config())
+    };
+    let layout = KvLayout::new(cfg.kv_shape(KvDtype::F32).unwrap(), PAGE, pool).unwrap();
     ModelRunner::new(backend, model, layout).unwrap()
 }
 
@@ -37,10 +45,15 @@ fn slots(r: usize, len: usize, pages_each: usize) -> Vec<Slot> {
 }
 
 fn bench_tiny(c: &mut Criterion) {
-    let mut g = c.benchmark_group("tiny");
+    bench_tiny_group(c, "tiny", false);
+    bench_tiny_group(c, "tiny_mla", true);
+}
+
+fn bench_tiny_group(c: &mut Criterion, group: &str, mla: bool) {
+    let mut g = c.benchmark_group(group);
     // Prefill: one request of 512 tokens, logits for the last.
     let prompt = 512;
-    let mut runner = tiny_runner(4096);
+    let mut runner = tiny_runner(mla, 4096);
     let p_ids = ids(prompt, 1);
     let p_slots = slots(0, prompt, prompt / PAGE as usize);
     g.throughput(Throughput::Elements(prompt as u64));
@@ -64,7 +77,7 @@ fn bench_tiny(c: &mut Criterion) {
     let batch = 16;
     let ctx = 512;
     let pages_each = ctx / PAGE as usize + 1;
-    let mut runner = tiny_runner(batch * pages_each * PAGE as usize + PAGE as usize);
+    let mut runner = tiny_runner(mla, batch * pages_each * PAGE as usize + PAGE as usize);
     let all: Vec<(Vec<u32>, Vec<Slot>)> = (0..batch)
         .map(|r| (ids(ctx, r as u32), slots(r, ctx, pages_each)))
         .collect();
@@ -123,6 +136,31 @@ fn tinyllama_layer() -> ModelConfig {
         qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
+        mla: None,
+    }
+}
+
+/// One dense layer of DeepSeek-V2-Lite (its layer 0).
+fn v2lite_dense_layer() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::DeepseekV2,
+        hidden_size: 2048,
+        intermediate_size: 10944,
+        num_attention_heads: 16,
+        num_key_value_heads: 16,
+        head_dim: 192,
+        rms_norm_eps: 1e-6,
+        mla: Some(MlaConfig {
+            q_lora_rank: None,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            rope_mscale: 1.0,
+            softmax_mscale: 1.0,
+            moe: None,
+        }),
+        ..tinyllama_layer()
     }
 }
 
@@ -133,12 +171,17 @@ fn bench_layer(c: &mut Criterion) {
         ("tiny_128", tiny_config(), 128usize),
         ("tinyllama_128", tinyllama_layer(), 128),
         ("tinyllama_decode_16", tinyllama_layer(), 16),
+        ("tiny_mla_moe_128", tiny_mla_config(), 128),
+        ("v2lite_dense_128", v2lite_dense_layer(), 128),
+        ("v2lite_dense_decode_16", v2lite_dense_layer(), 16),
     ] {
         let backend = CpuBackend::default();
-        let model = LlamaModel::load(&backend, cfg.clone(), &random_weights(&cfg, 1)).unwrap();
+        let model = Model::load(&backend, cfg.clone(), &random_weights(&cfg, 1)).unwrap();
         let layout = KvLayout::new(cfg.kv_shape(KvDtype::F32).unwrap(), PAGE, 4096).unwrap();
         let mut store = backend.new_kv_store(layout).unwrap();
         let decode = name.contains("decode");
+        // The tiny MLA preset's layer 1 is its MoE layer.
+        let layer = usize::from(name.contains("moe"));
         // Extend: one request of n tokens. Decode: n requests of 1 token at position 0.
         let slot_lists: Vec<Vec<Slot>> = if decode {
             (0..n).map(|r| slots(r, 1, 1)).collect()
@@ -173,7 +216,7 @@ fn bench_layer(c: &mut Criterion) {
             b.iter(|| {
                 let mut x = x0.clone();
                 model
-                    .layer_forward(&backend, 0, &plan, &mut store, &mut x, &positions)
+                    .layer_forward(&backend, layer, &plan, &mut store, &mut x, &positions)
                     .unwrap();
                 black_box(x);
             })

@@ -21,15 +21,19 @@ pub enum Architecture {
     Qwen2,
     /// `Qwen3ForCausalLM` (RMSNorm over each head of q and k before rotary).
     Qwen3,
+    /// `DeepseekV2ForCausalLM` (multi-head latent attention, dense and MoE MLPs; the
+    /// DeepSeek-V2-Lite shape). Its extra fields are in [`ModelConfig::mla`].
+    DeepseekV2,
 }
 
 impl Architecture {
     /// Every supported architecture with its Hugging Face class name.
-    pub const ALL: [(Architecture, &'static str); 4] = [
+    pub const ALL: [(Architecture, &'static str); 5] = [
         (Architecture::Llama, "LlamaForCausalLM"),
         (Architecture::Mistral, "MistralForCausalLM"),
         (Architecture::Qwen2, "Qwen2ForCausalLM"),
         (Architecture::Qwen3, "Qwen3ForCausalLM"),
+        (Architecture::DeepseekV2, "DeepseekV2ForCausalLM"),
     ];
 
     /// The Hugging Face class name.
@@ -58,7 +62,64 @@ impl Architecture {
     }
 }
 
-/// The configuration of a Llama-family decoder.
+/// Multi-head latent attention and MLP routing of a DeepSeek-V2 decoder (HF
+/// `DeepseekV2ForCausalLM`). Attention runs in absorbed form over one latent row per token,
+/// `[kv_lora_rank + qk_rope_head_dim]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaConfig {
+    /// Rank of the query compression (`q_a_proj` → `q_a_layernorm` → `q_b_proj`); `None`
+    /// (V2-Lite) means a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the compressed KV latent `c_kv` (512 in V2-Lite).
+    pub kv_lora_rank: usize,
+    /// Per-head query/key dims without position (128).
+    pub qk_nope_head_dim: usize,
+    /// Per-head rotary dims, the key part shared by all heads (64).
+    pub qk_rope_head_dim: usize,
+    /// Per-head value dims (128).
+    pub v_head_dim: usize,
+    /// Mixture-of-experts MLPs, if `n_routed_experts` is set.
+    pub moe: Option<MoeConfig>,
+    /// YaRN's amplitude on the rotary cos/sin, `mscale(factor, mscale) /
+    /// mscale(factor, mscale_all_dim)` with `mscale(s, m) = 0.1·m·ln s + 1` (1 for `s ≤ 1`);
+    /// 1 without YaRN. Folded into the q_pe and k_pe projections at load (rotation is linear).
+    pub rope_mscale: f64,
+    /// YaRN's softmax correction `mscale(factor, mscale_all_dim)` (1 when `mscale_all_dim` is 0
+    /// or absent, and without YaRN): the softmax scale is
+    /// `softmax_mscale² / √(qk_nope + qk_rope)`.
+    pub softmax_mscale: f64,
+}
+
+/// DeepSeek-V2 mixture-of-experts MLP: softmax router, greedy top-k, shared experts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer.
+    pub n_routed_experts: usize,
+    /// Experts each token is routed to (top-k).
+    pub num_experts_per_tok: usize,
+    /// Always-on shared experts (one MLP of `n_shared_experts · moe_intermediate_size`).
+    pub n_shared_experts: usize,
+    /// Width of each expert's MLP.
+    pub moe_intermediate_size: usize,
+    /// Layers `< first_k_dense_replace` have a dense MLP.
+    pub first_k_dense_replace: usize,
+    /// Of the later layers, those with `layer % moe_layer_freq == 0` are MoE.
+    pub moe_layer_freq: usize,
+    /// Renormalise the top-k weights to sum to 1 (when top-k > 1); otherwise they are
+    /// multiplied by `routed_scaling_factor`.
+    pub norm_topk_prob: bool,
+    /// Scale of the routed output when the weights are not renormalised.
+    pub routed_scaling_factor: f64,
+}
+
+impl MoeConfig {
+    /// Whether decoder layer `layer` has the MoE MLP (HF's rule).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace && layer % self.moe_layer_freq == 0
+    }
+}
+
+/// The configuration of a decoder (the Llama family, or DeepSeek-V2 with [`mla`](Self::mla)).
 ///
 /// Invariants (checked by [`validate`](Self::validate), which every constructor runs): every
 /// dimension is positive, `num_attention_heads` is a multiple of `num_key_value_heads`,
@@ -101,6 +162,10 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (the config may give one or a list).
     pub eos_token_ids: Vec<u32>,
+    /// MLA attention and MoE fields; `Some` exactly for [`Architecture::DeepseekV2`]. For it,
+    /// `num_key_value_heads` equals the query heads and `head_dim` is
+    /// `qk_nope_head_dim + qk_rope_head_dim` (the query head).
+    pub mla: Option<MlaConfig>,
 }
 
 fn field_err(field: &str, reason: impl Into<String>) -> ModelError {
@@ -171,20 +236,38 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
     let obj = v
         .as_object()
         .ok_or_else(|| field_err("rope_scaling", format!("expected an object, got {v}")))?;
+    // Newer configs say `rope_type`, older ones (DeepSeek-V2) `type`; errors name the key used.
+    let key = if obj.contains_key("rope_type") {
+        "rope_scaling.rope_type"
+    } else {
+        "rope_scaling.type"
+    };
     let kind = obj
         .get("rope_type")
         .or_else(|| obj.get("type"))
         .and_then(Value::as_str)
-        .ok_or_else(|| field_err("rope_scaling.rope_type", "missing"))?;
+        .ok_or_else(|| field_err(key, "missing"))?;
     let num = |name: &str| {
         obj.get(name)
             .and_then(Value::as_f64)
             .ok_or_else(|| field_err(&format!("rope_scaling.{name}"), "missing or not a number"))
     };
+    let opt = |name: &str, default: f64| match obj.get(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| field_err(&format!("rope_scaling.{name}"), "not a number")),
+    };
     match kind {
         "default" => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear {
             factor: num("factor")?,
+        }),
+        "yarn" => Ok(RopeScaling::Yarn {
+            factor: num("factor")?,
+            original_max_position_embeddings: opt("original_max_position_embeddings", 4096.0)?,
+            beta_fast: opt("beta_fast", 32.0)?,
+            beta_slow: opt("beta_slow", 1.0)?,
         }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor")?,
@@ -193,9 +276,149 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         }),
         other => Err(field_err(
-            "rope_scaling.rope_type",
-            format!("`{other}` is not supported (supported: default, linear, llama3)"),
+            key,
+            format!("`{other}` is not supported (supported: default, linear, llama3, yarn)"),
         )),
+    }
+}
+
+fn parse_mla(f: &Fields<'_>) -> Result<MlaConfig> {
+    if f.bool_or("attention_bias", false)? {
+        return Err(field_err(
+            "attention_bias",
+            "biases are not supported for DeepseekV2ForCausalLM",
+        ));
+    }
+    let moe = match f.opt_usize("n_routed_experts")? {
+        None => None,
+        Some(n_routed_experts) => {
+            let method = match f.get("topk_method") {
+                None => "greedy",
+                Some(v) => v.as_str().ok_or_else(|| {
+                    field_err("topk_method", format!("expected a string, got {v}"))
+                })?,
+            };
+            if method != "greedy" {
+                return Err(field_err(
+                    "topk_method",
+                    format!("`{method}` is not supported (supported: greedy)"),
+                ));
+            }
+            if let Some(v) = f.get("scoring_func") {
+                if v.as_str() != Some("softmax") {
+                    return Err(field_err(
+                        "scoring_func",
+                        format!("{v} is not supported (supported: softmax)"),
+                    ));
+                }
+            }
+            Some(MoeConfig {
+                n_routed_experts,
+                num_experts_per_tok: f.usize("num_experts_per_tok")?,
+                n_shared_experts: f.opt_usize("n_shared_experts")?.unwrap_or(0),
+                moe_intermediate_size: f.usize("moe_intermediate_size")?,
+                first_k_dense_replace: f.opt_usize("first_k_dense_replace")?.unwrap_or(0),
+                moe_layer_freq: f.opt_usize("moe_layer_freq")?.unwrap_or(1),
+                norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
+                routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)?,
+            })
+        }
+    };
+    let (mut rope_mscale, mut softmax_mscale) = (1.0, 1.0);
+    if let RopeScaling::Yarn { factor, .. } = parse_rope_scaling(f.get("rope_scaling"))? {
+        let obj = f.get("rope_scaling").and_then(Value::as_object);
+        let num = |name: &str, default: f64| -> Result<f64> {
+            match obj.and_then(|o| o.get(name)).filter(|v| !v.is_null()) {
+                None => Ok(default),
+                Some(v) => v.as_f64().ok_or_else(|| {
+                    field_err(
+                        &format!("rope_scaling.{name}"),
+                        format!("expected a number, got {v}"),
+                    )
+                }),
+            }
+        };
+        let mscale = |m: f64| {
+            if factor <= 1.0 {
+                1.0
+            } else {
+                0.1 * m * factor.ln() + 1.0
+            }
+        };
+        let (m, m_all) = (num("mscale", 1.0)?, num("mscale_all_dim", 0.0)?);
+        rope_mscale = mscale(m) / mscale(m_all);
+        if m_all != 0.0 {
+            softmax_mscale = mscale(m_all);
+        }
+    }
+    Ok(MlaConfig {
+        q_lora_rank: f.opt_usize("q_lora_rank")?,
+        kv_lora_rank: f.usize("kv_lora_rank")?,
+        qk_nope_head_dim: f.usize("qk_nope_head_dim")?,
+        qk_rope_head_dim: f.usize("qk_rope_head_dim")?,
+        v_head_dim: f.usize("v_head_dim")?,
+        moe,
+        rope_mscale,
+        softmax_mscale,
+    })
+}
+
+impl MlaConfig {
+    fn validate(&self) -> Result<()> {
+        let mut positive = vec![
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+        ];
+        if let Some(r) = self.q_lora_rank {
+            positive.push(("q_lora_rank", r));
+        }
+        if let Some(m) = &self.moe {
+            positive.extend([
+                ("n_routed_experts", m.n_routed_experts),
+                ("num_experts_per_tok", m.num_experts_per_tok),
+                ("moe_intermediate_size", m.moe_intermediate_size),
+                ("moe_layer_freq", m.moe_layer_freq),
+            ]);
+        }
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(field_err(field, "must be positive"));
+            }
+        }
+        if self.qk_rope_head_dim % 2 != 0 {
+            return Err(field_err(
+                "qk_rope_head_dim",
+                format!("{} must be even", self.qk_rope_head_dim),
+            ));
+        }
+        if let Some(m) = &self.moe {
+            if m.num_experts_per_tok > m.n_routed_experts {
+                return Err(field_err(
+                    "num_experts_per_tok",
+                    format!(
+                        "{} exceeds n_routed_experts {}",
+                        m.num_experts_per_tok, m.n_routed_experts
+                    ),
+                ));
+            }
+            if !m.routed_scaling_factor.is_finite() {
+                return Err(field_err("routed_scaling_factor", "must be finite"));
+            }
+        }
+        for (field, v) in [
+            ("rope_scaling.mscale", self.rope_mscale),
+            ("rope_scaling.mscale_all_dim", self.softmax_mscale),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(field_err(
+                    field,
+                    format!("gives a scale {v}; must be finite and > 0"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -254,6 +477,31 @@ impl ModelConfig {
             return Err(field_err("mlp_bias", "MLP biases are not supported"));
         }
         let attention_bias = f.bool_or("attention_bias", false)?;
+        let rope_scaling = parse_rope_scaling(f.get("rope_scaling"))?;
+        if matches!(rope_scaling, RopeScaling::Yarn { .. })
+            && architecture != Architecture::DeepseekV2
+        {
+            let key = match f.get("rope_scaling").and_then(|v| v.get("rope_type")) {
+                Some(_) => "rope_scaling.rope_type",
+                None => "rope_scaling.type",
+            };
+            return Err(field_err(
+                key,
+                format!(
+                    "`yarn` is supported for DeepseekV2ForCausalLM only, not {}",
+                    architecture.hf_name()
+                ),
+            ));
+        }
+        let mla = if architecture == Architecture::DeepseekV2 {
+            Some(parse_mla(&f)?)
+        } else {
+            None
+        };
+        let (num_key_value_heads, head_dim) = match &mla {
+            Some(m) => (num_attention_heads, m.qk_nope_head_dim + m.qk_rope_head_dim),
+            None => (num_key_value_heads, head_dim),
+        };
         let cfg = ModelConfig {
             architecture,
             hidden_size,
@@ -264,16 +512,17 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
             rope_theta: f.f64_or("rope_theta", 10_000.0)?,
-            rope_scaling: parse_rope_scaling(f.get("rope_scaling"))?,
+            rope_scaling,
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
             vocab_size: f.usize("vocab_size")?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
-            qkv_bias: architecture == Architecture::Qwen2 || attention_bias,
+            qkv_bias: architecture == Architecture::Qwen2 || (attention_bias && mla.is_none()),
             o_bias: matches!(architecture, Architecture::Llama | Architecture::Mistral)
                 && attention_bias,
             qk_norm: architecture == Architecture::Qwen3,
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
+            mla,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -320,7 +569,50 @@ impl ModelConfig {
         self.rope()
             .inv_freqs()
             .map_err(|e| field_err("rope_theta / rope_scaling", e.to_string()))?;
+        match (&self.mla, self.architecture) {
+            (Some(m), Architecture::DeepseekV2) => {
+                m.validate()?;
+                if self.num_key_value_heads != self.num_attention_heads
+                    || self.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim
+                {
+                    return Err(field_err(
+                        "num_key_value_heads / head_dim",
+                        "an MLA config has as many KV heads as query heads and \
+                         head_dim = qk_nope_head_dim + qk_rope_head_dim",
+                    ));
+                }
+            }
+            (None, Architecture::DeepseekV2) => {
+                return Err(field_err(
+                    "kv_lora_rank",
+                    "missing (DeepseekV2 needs MLA fields)",
+                ))
+            }
+            (Some(_), a) => {
+                return Err(field_err(
+                    "kv_lora_rank",
+                    format!(
+                        "MLA fields are only used by DeepseekV2, not {}",
+                        a.hf_name()
+                    ),
+                ))
+            }
+            (None, _) => {}
+        }
         Ok(())
+    }
+
+    /// The rotary configuration of MLA's rope part (`qk_rope_head_dim`, GPT-J pairing: HF's
+    /// DeepSeek-V2 de-interleaves q_pe / k_pe before `rotate_half`, which gives the same dot
+    /// products as rotating interleaved pairs in place). `None` for non-MLA models.
+    pub fn mla_rope(&self) -> Option<RopeConfig> {
+        self.mla.as_ref().map(|m| RopeConfig {
+            head_dim: m.qk_rope_head_dim,
+            rotary_dim: m.qk_rope_head_dim,
+            theta: self.rope_theta,
+            style: RopeStyle::GptJ,
+            scaling: self.rope_scaling,
+        })
     }
 
     /// The rotary configuration of every layer (NeoX pairing over the whole head).
@@ -336,6 +628,14 @@ impl ModelConfig {
 
     /// The per-token KV shape of this model for a store of `dtype`.
     pub fn kv_shape(&self, dtype: KvDtype) -> Result<KvShape> {
+        if let Some(m) = &self.mla {
+            return Ok(KvShape::mla(
+                m.kv_lora_rank as u32,
+                m.qk_rope_head_dim as u32,
+                self.num_hidden_layers as u32,
+                dtype,
+            )?);
+        }
         Ok(KvShape::mha(
             self.num_key_value_heads as u32,
             self.head_dim as u32,
@@ -348,6 +648,9 @@ impl ModelConfig {
     /// Parameters of the model (embedding, layers, final norm and an untied LM head).
     pub fn num_parameters(&self) -> usize {
         let d = self.hidden_size;
+        if let Some(m) = &self.mla {
+            return self.mla_parameters(m);
+        }
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
         let mut layer = d * q + 2 * d * kv + q * d + 3 * d * self.intermediate_size + 2 * d;
@@ -366,6 +669,42 @@ impl ModelConfig {
             self.vocab_size * d
         };
         self.vocab_size * d + self.num_hidden_layers * layer + d + head
+    }
+}
+
+impl ModelConfig {
+    fn mla_parameters(&self, m: &MlaConfig) -> usize {
+        let (d, h) = (self.hidden_size, self.num_attention_heads);
+        let qh = m.qk_nope_head_dim + m.qk_rope_head_dim;
+        let q = match m.q_lora_rank {
+            Some(r) => d * r + r + r * h * qh,
+            None => d * h * qh,
+        };
+        let attn = q
+            + d * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + m.kv_lora_rank
+            + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+            + h * m.v_head_dim * d;
+        let layers: usize = (0..self.num_hidden_layers)
+            .map(|i| {
+                let mlp = match &m.moe {
+                    Some(moe) if moe.is_moe_layer(i) => {
+                        let e = 3 * d * moe.moe_intermediate_size;
+                        moe.n_routed_experts * d
+                            + moe.n_routed_experts * e
+                            + moe.n_shared_experts * e
+                    }
+                    _ => 3 * d * self.intermediate_size,
+                };
+                attn + mlp + 2 * d
+            })
+            .sum();
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * d
+        };
+        self.vocab_size * d + layers + d + head
     }
 }
 
@@ -399,6 +738,24 @@ impl fmt::Display for ModelConfig {
             self.qkv_bias, self.o_bias
         )?;
         writeln!(f, "qk_norm                 {}", self.qk_norm)?;
+        if let Some(m) = &self.mla {
+            writeln!(
+                f,
+                "mla                     q_lora {:?}, kv_lora {}, nope {}, rope {}, v {}",
+                m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+            )?;
+            if let Some(e) = &m.moe {
+                writeln!(
+                    f,
+                    "moe                     {} routed (top {}), {} shared, width {}, dense below {}",
+                    e.n_routed_experts,
+                    e.num_experts_per_tok,
+                    e.n_shared_experts,
+                    e.moe_intermediate_size,
+                    e.first_k_dense_replace
+                )?;
+            }
+        }
         writeln!(
             f,
             "bos / eos               {:?} / {:?}",

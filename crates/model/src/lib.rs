@@ -2,12 +2,15 @@
 //!
 //! What it provides:
 //! - [`ModelConfig`]: a Hugging Face `config.json` of the Llama family (Llama 2/3, SmolLM,
-//!   Mistral, Qwen2/2.5 with q/k/v biases, Qwen3 with q/k norm), parsed field by field.
+//!   Mistral, Qwen2/2.5 with q/k/v biases, Qwen3 with q/k norm) or DeepSeek-V2 (MLA and MoE
+//!   fields in [`MlaConfig`] / [`MoeConfig`]), parsed field by field.
 //! - [`SafetensorsCheckpoint`]: a single or sharded (index file) safetensors checkpoint,
 //!   memory-mapped, bf16 / f16 / f32 converted to the backend's f32 upload; [`TensorMap`] for
 //!   weights in memory.
-//! - [`LlamaModel`]: the decoder on any [`attention::Backend`], and [`ModelRunner`], which owns
-//!   a backend, a model and the paged KV store and runs one forward per batch
+//! - [`LlamaModel`] and [`MlaModel`] (DeepSeek-V2-Lite shape: absorbed multi-head latent
+//!   attention over the MLA store, dense and MoE MLPs): decoders on any [`attention::Backend`],
+//!   unified by [`Model`]; and [`ModelRunner`], which owns a backend, a model and the paged
+//!   KV store and runs one forward per batch
 //!   ([`ForwardInput`]: per request its new token ids and the slots of all its positions).
 //! - [`Tokenizer`] (HF `tokenizer.json` or built-in tiktoken), [`IncrementalDecoder`]
 //!   (streaming text that never splits a UTF-8 character), [`ChatTemplate`] (Jinja templates
@@ -34,8 +37,11 @@
 //! into a [`ForwardInput`] and feeds sampled tokens back.
 
 pub mod config;
+pub mod decoder;
 pub mod error;
+mod layers;
 pub mod llama;
+pub mod mla;
 pub mod runner;
 pub mod sampling;
 pub mod tiny;
@@ -46,9 +52,11 @@ use std::path::Path;
 
 use attention::Backend;
 
-pub use config::{Architecture, ModelConfig};
+pub use config::{Architecture, MlaConfig, ModelConfig, MoeConfig};
+pub use decoder::Model;
 pub use error::{ModelError, Result};
 pub use llama::{expected_tensors, LlamaModel, LogitsMode};
+pub use mla::{mla_expected_tensors, route_token, MlaModel};
 pub use runner::{ForwardInput, ForwardMode, ForwardOutput, ForwardRequest, ModelRunner};
 pub use sampling::{
     apply_penalties, argmax, check_stop, stop_string_holdback, Sampler, SamplingParams, SplitMix64,
@@ -57,13 +65,13 @@ pub use sampling::{
 pub use tokenizer::{ChatMessage, ChatTemplate, IncrementalDecoder, TiktokenEncoding, Tokenizer};
 pub use weights::{HostTensor, SafetensorsCheckpoint, TensorMap, TensorSource};
 
-/// Loads the Llama-family model in the Hugging Face directory `dir` (`config.json` and
+/// Loads the model in the Hugging Face directory `dir` (`config.json` and
 /// `model.safetensors` or its sharded form with `model.safetensors.index.json`) onto
-/// `backend`.
-pub fn load_model_dir<B: Backend>(backend: &B, dir: &Path) -> Result<LlamaModel<B>> {
+/// `backend`: a Llama-family decoder or, for `DeepseekV2ForCausalLM`, the MLA decoder.
+pub fn load_model_dir<B: Backend>(backend: &B, dir: &Path) -> Result<Model<B>> {
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let ckpt = SafetensorsCheckpoint::open_dir(dir)?;
-    LlamaModel::load(backend, config, &ckpt)
+    Model::load(backend, config, &ckpt)
 }
 
 /// Loads `tokenizer.json` from the model directory `dir`, and the chat template of its

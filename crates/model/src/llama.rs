@@ -9,7 +9,8 @@ use attention::{AttentionParams, Backend, DeviceTensor};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::weights::{HostTensor, TensorSource};
+use crate::layers::{mlp_tensors, trunk_tensors, DenseMlp, Loader, Trunk};
+use crate::weights::TensorSource;
 
 /// One decoder layer's weights on the backend. Biases stay on the host and are broadcast to
 /// the batch's rows at forward time (the backend has no broadcasting add).
@@ -26,17 +27,13 @@ pub struct LayerWeights<B: Backend> {
     q_norm: Option<B::Tensor>,
     k_norm: Option<B::Tensor>,
     post_norm: B::Tensor,
-    /// `[2 · intermediate, hidden]`: gate rows, then up rows (SGLang's merged projection).
-    gate_up: B::Tensor,
-    down: B::Tensor,
+    mlp: DenseMlp<B>,
 }
 
 /// A Llama-family decoder with its weights uploaded to a backend.
 pub struct LlamaModel<B: Backend> {
     config: ModelConfig,
-    embed: B::Tensor,
-    lm_head: Option<B::Tensor>,
-    final_norm: B::Tensor,
+    trunk: Trunk<B>,
     layers: Vec<LayerWeights<B>>,
 }
 
@@ -88,10 +85,7 @@ pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let kv = config.num_key_value_heads * config.head_dim;
     let inter = config.intermediate_size;
     let hd = config.head_dim;
-    let mut out = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![config.vocab_size, d],
-    )];
+    let (mut out, tail) = trunk_tensors(config);
     for i in 0..config.num_hidden_layers {
         for name in layer_tensor_names(config, i) {
             let leaf = name.rsplit_once("layers.").map(|x| x.1).unwrap_or(&name);
@@ -105,22 +99,19 @@ pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 "self_attn.k_proj.bias" | "self_attn.v_proj.bias" => vec![kv],
                 "self_attn.o_proj.bias" => vec![d],
                 "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![hd],
-                "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![inter, d],
-                "mlp.down_proj.weight" => vec![d, inter],
-                _ => vec![],
+                _ => match mlp_tensors("mlp.", inter, d)
+                    .into_iter()
+                    .find(|(n, _)| n == leaf)
+                {
+                    Some((_, shape)) => shape,
+                    None => vec![],
+                },
             };
             out.push((name, shape));
         }
     }
-    out.push(("model.norm.weight".to_string(), vec![d]));
-    if !config.tie_word_embeddings {
-        out.push(("lm_head.weight".to_string(), vec![config.vocab_size, d]));
-    }
+    out.extend(tail);
     out
-}
-
-fn up<B: Backend>(backend: &B, t: &HostTensor) -> Result<B::Tensor> {
-    Ok(backend.upload(&t.data, &t.shape)?)
 }
 
 impl<B: Backend> LlamaModel<B> {
@@ -128,36 +119,19 @@ impl<B: Backend> LlamaModel<B> {
     /// bad checkpoint fails before anything is uploaded) and uploads them to `backend`.
     pub fn load(backend: &B, config: ModelConfig, source: &dyn TensorSource) -> Result<Self> {
         config.validate()?;
-        let expected = expected_tensors(&config);
-        for (name, shape) in &expected {
-            match source.info(name) {
-                None => return Err(ModelError::MissingTensor { name: name.clone() }),
-                Some((got, _)) if got != *shape => {
-                    return Err(ModelError::TensorShape {
-                        name: name.clone(),
-                        expected: shape.clone(),
-                        got,
-                    })
-                }
-                Some(_) => {}
-            }
+        if config.mla.is_some() {
+            return Err(ModelError::ConfigField {
+                field: "architectures".into(),
+                reason: format!(
+                    "{} is an MLA model; load it with MlaModel",
+                    config.architecture.hf_name()
+                ),
+            });
         }
-        let get = |name: &str| -> Result<HostTensor> {
-            let shape = &expected
-                .iter()
-                .find(|(n, _)| n == name)
-                .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?
-                .1;
-            source.load_shaped(name, shape)
-        };
-        let upload = |name: &str| -> Result<B::Tensor> { up(backend, &get(name)?) };
-        let embed = upload("model.embed_tokens.weight")?;
-        let lm_head = if config.tie_word_embeddings {
-            None
-        } else {
-            Some(upload("lm_head.weight")?)
-        };
-        let final_norm = upload("model.norm.weight")?;
+        let loader = Loader::new(backend, source, expected_tensors(&config))?;
+        let get = |name: &str| loader.get(name);
+        let upload = |name: &str| loader.upload(name);
+        let trunk = Trunk::load(&loader, &config)?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = format!("model.layers.{i}.");
@@ -175,10 +149,6 @@ impl<B: Backend> LlamaModel<B> {
                     Ok(None)
                 }
             };
-            let gate = get(&format!("{p}mlp.gate_proj.weight"))?;
-            let upw = get(&format!("{p}mlp.up_proj.weight"))?;
-            let mut gu = gate.data;
-            gu.extend_from_slice(&upw.data);
             layers.push(LayerWeights {
                 input_norm: upload(&format!("{p}input_layernorm.weight"))?,
                 q_proj: upload(&format!("{p}self_attn.q_proj.weight"))?,
@@ -192,16 +162,12 @@ impl<B: Backend> LlamaModel<B> {
                 q_norm: norm("q")?,
                 k_norm: norm("k")?,
                 post_norm: upload(&format!("{p}post_attention_layernorm.weight"))?,
-                gate_up: backend
-                    .upload(&gu, &[2 * config.intermediate_size, config.hidden_size])?,
-                down: upload(&format!("{p}mlp.down_proj.weight"))?,
+                mlp: DenseMlp::load(&loader, &format!("{p}mlp."))?,
             });
         }
         Ok(LlamaModel {
             config,
-            embed,
-            lm_head,
-            final_norm,
+            trunk,
             layers,
         })
     }
@@ -213,16 +179,7 @@ impl<B: Backend> LlamaModel<B> {
 
     /// Token embeddings `[n, hidden]` of `ids` (every id must be `< vocab_size`).
     pub fn embed(&self, backend: &B, ids: &[u32]) -> Result<B::Tensor> {
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            return Err(ModelError::InvalidInput {
-                request: 0,
-                reason: format!(
-                    "token id {bad} is outside the vocabulary ({})",
-                    self.config.vocab_size
-                ),
-            });
-        }
-        Ok(backend.embedding(&self.embed, ids)?)
+        self.trunk.embed(backend, ids)
     }
 
     /// One decoder layer over the hidden state `x` (`[n, hidden]`, updated in place): the
@@ -284,9 +241,7 @@ impl<B: Backend> LlamaModel<B> {
         add_bias(&mut o, &w.o_bias)?;
         backend.add_assign(x, &o)?;
         let h = backend.rms_norm(x, &w.post_norm, eps)?;
-        let gu = backend.matmul(&h, &w.gate_up)?;
-        let act = backend.silu_mul(&gu)?;
-        let down = backend.matmul(&act, &w.down)?;
+        let down = w.mlp.forward(backend, &h)?;
         backend.add_assign(x, &down)?;
         Ok(())
     }
@@ -294,15 +249,7 @@ impl<B: Backend> LlamaModel<B> {
     /// Final RMSNorm and LM head over the rows `rows` of `x` (all rows if `None`); returns
     /// `[rows, vocab]`.
     pub fn logits(&self, backend: &B, x: &B::Tensor, rows: Option<&[u32]>) -> Result<B::Tensor> {
-        let eps = self.config.rms_norm_eps as f32;
-        let h = match rows {
-            Some(rows) => {
-                let sel = backend.embedding(x, rows)?;
-                backend.rms_norm(&sel, &self.final_norm, eps)?
-            }
-            None => backend.rms_norm(x, &self.final_norm, eps)?,
-        };
-        Ok(backend.logits(&h, self.lm_head.as_ref().unwrap_or(&self.embed))?)
+        self.trunk.logits(backend, x, rows)
     }
 
     /// Number of decoder layers.

@@ -4,10 +4,11 @@
 use std::ops::Range;
 
 use attention::{Backend, BatchMetadata, RequestKv};
-use kv_pool::{KvKind, KvLayout, KvStore, Slot};
+use kv_pool::{KvLayout, KvStore, Slot};
 
+use crate::decoder::Model;
 use crate::error::{ModelError, Result};
-use crate::llama::{LlamaModel, LogitsMode};
+use crate::llama::LogitsMode;
 
 /// Extend (prefill, chunked prefill, prefix-cached extend, mixed) or decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,23 +78,21 @@ impl ForwardOutput {
     }
 }
 
-/// Owns a backend, a Llama-family model on it and the paged KV store it attends over.
+/// Owns a backend, a model ([`Model`]: Llama family or MLA) on it and the paged KV store it attends over.
 pub struct ModelRunner<B: Backend> {
     backend: B,
-    model: LlamaModel<B>,
+    model: Model<B>,
     store: B::KvStore,
 }
 
 impl<B: Backend> ModelRunner<B> {
-    /// A runner with a new zeroed KV store of `layout`, which must be an MHA layout matching
-    /// the model (KV heads, head dim, layers).
-    pub fn new(backend: B, model: LlamaModel<B>, layout: KvLayout) -> Result<Self> {
+    /// A runner with a new zeroed KV store of `layout`, which must match the model: an MHA
+    /// layout (KV heads, head dim) for the Llama family, an MLA layout (`kv_lora_rank`,
+    /// `qk_rope_head_dim`) for DeepSeek-V2, and the model's layer count.
+    pub fn new(backend: B, model: impl Into<Model<B>>, layout: KvLayout) -> Result<Self> {
+        let model = model.into();
         let c = model.config();
-        let want = KvKind::Mha {
-            kv_heads: c.num_key_value_heads as u32,
-            head_dim: c.head_dim as u32,
-            v_head_dim: c.head_dim as u32,
-        };
+        let want = model.kv_kind();
         if layout.shape.kind != want || layout.shape.layers as usize != c.num_hidden_layers {
             return Err(ModelError::ConfigField {
                 field: "kv layout".into(),
@@ -117,7 +116,7 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// The model.
-    pub fn model(&self) -> &LlamaModel<B> {
+    pub fn model(&self) -> &Model<B> {
         &self.model
     }
 

@@ -4,9 +4,11 @@
 
 use attention::{Backend, RopeScaling};
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::{Architecture, MlaConfig, ModelConfig, MoeConfig};
+use crate::decoder::Model;
 use crate::error::Result;
 use crate::llama::{expected_tensors, LlamaModel};
+use crate::mla::mla_expected_tensors;
 use crate::sampling::SplitMix64;
 use crate::tokenizer::{TiktokenEncoding, Tokenizer};
 use crate::weights::{HostTensor, TensorMap};
@@ -39,16 +41,55 @@ pub fn tiny_config() -> ModelConfig {
         qk_norm: false,
         bos_token_id: Some(TINY_EOS),
         eos_token_ids: vec![TINY_EOS],
+        mla: None,
     }
 }
 
-/// Seeded random weights for any Llama-family `config`, with every tensor the loader expects:
+/// A tiny DeepSeek-V2-Lite-shaped MLA model on the same vocabulary (tied embeddings): 2
+/// layers of width 64 (layer 0 dense with MLP 128, layer 1 MoE with 4 routed experts, top 2,
+/// and 1 shared expert of width 32), 4 heads, `kv_lora_rank` 32, `qk_nope` 16, `qk_rope` 8,
+/// `v_head_dim` 16, no query compression.
+pub fn tiny_mla_config() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::DeepseekV2,
+        num_key_value_heads: 4,
+        head_dim: 24,
+        mla: Some(MlaConfig {
+            q_lora_rank: None,
+            kv_lora_rank: 32,
+            qk_nope_head_dim: 16,
+            qk_rope_head_dim: 8,
+            v_head_dim: 16,
+            rope_mscale: 1.0,
+            softmax_mscale: 1.0,
+            moe: Some(MoeConfig {
+                n_routed_experts: 4,
+                num_experts_per_tok: 2,
+                n_shared_experts: 1,
+                moe_intermediate_size: 32,
+                first_k_dense_replace: 1,
+                moe_layer_freq: 1,
+                norm_topk_prob: false,
+                routed_scaling_factor: 1.0,
+            }),
+        }),
+        ..tiny_config()
+    }
+}
+
+/// Seeded random weights for any supported `config` (Llama family or MLA), with every tensor
+/// the loader expects:
 /// matrices uniform in `±1/√fan_in`, embeddings uniform in `±1`, norm weights near 1, biases
 /// small. Deterministic in `(config, seed)`.
 pub fn random_weights(config: &ModelConfig, seed: u64) -> TensorMap {
     let mut rng = SplitMix64::new(seed);
     let mut map = TensorMap::new();
-    for (name, shape) in expected_tensors(config) {
+    let tensors = if config.mla.is_some() {
+        mla_expected_tensors(config)
+    } else {
+        expected_tensors(config)
+    };
+    for (name, shape) in tensors {
         let n: usize = shape.iter().product();
         let mut uniform = |scale: f64, offset: f64| -> Vec<f32> {
             (0..n)
@@ -75,6 +116,13 @@ pub fn tiny_model<B: Backend>(backend: &B) -> Result<LlamaModel<B>> {
     let config = tiny_config();
     let weights = random_weights(&config, TINY_SEED);
     LlamaModel::load(backend, config, &weights)
+}
+
+/// The MLA preset ([`tiny_mla_config`]) on `backend`, with seeded random weights.
+pub fn tiny_mla_model<B: Backend>(backend: &B) -> Result<Model<B>> {
+    let config = tiny_mla_config();
+    let weights = random_weights(&config, TINY_SEED);
+    Model::load(backend, config, &weights)
 }
 
 /// The preset's tokenizer: tiktoken `r50k_base`, shipped inside `tiktoken-rs`.

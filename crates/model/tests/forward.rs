@@ -40,6 +40,7 @@ fn config() -> ModelConfig {
         qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
+        mla: None,
     }
 }
 

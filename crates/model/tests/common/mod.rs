@@ -436,8 +436,17 @@ pub fn write_checkpoint(m: &TestModel, dir: &Path, bf16: bool, sharded: bool) {
         .to_string(),
     )
     .unwrap();
-    let raws: Vec<(String, Raw)> = m
-        .weights
+    write_safetensors(&m.weights, dir, bf16, sharded);
+}
+
+/// Writes `weights` as `model.safetensors` (or two shards plus the index file) in `dir`.
+pub fn write_safetensors(
+    weights: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    dir: &Path,
+    bf16: bool,
+    sharded: bool,
+) {
+    let raws: Vec<(String, Raw)> = weights
         .iter()
         .map(|(k, (s, d))| (k.clone(), raw(s, d, bf16)))
         .collect();

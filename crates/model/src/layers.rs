@@ -1,0 +1,178 @@
+//! Pieces shared by the decoders: checkpoint validation and loading against the expected
+//! tensor list, the embedding / final norm / LM head trunk, and the gated SiLU MLP.
+
+use attention::Backend;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::weights::{HostTensor, TensorSource};
+
+/// Loads tensors from a source against the expected names and shapes. Construction checks
+/// every expected tensor is present with its shape, so a bad checkpoint fails before anything
+/// is uploaded.
+pub(crate) struct Loader<'a, B: Backend> {
+    backend: &'a B,
+    source: &'a dyn TensorSource,
+    expected: Vec<(String, Vec<usize>)>,
+}
+
+impl<'a, B: Backend> Loader<'a, B> {
+    pub(crate) fn new(
+        backend: &'a B,
+        source: &'a dyn TensorSource,
+        expected: Vec<(String, Vec<usize>)>,
+    ) -> Result<Self> {
+        for (name, shape) in &expected {
+            match source.info(name) {
+                None => return Err(ModelError::MissingTensor { name: name.clone() }),
+                Some((got, _)) if got != *shape => {
+                    return Err(ModelError::TensorShape {
+                        name: name.clone(),
+                        expected: shape.clone(),
+                        got,
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(Loader {
+            backend,
+            source,
+            expected,
+        })
+    }
+
+    /// Reads an expected tensor to the host (f32).
+    pub(crate) fn get(&self, name: &str) -> Result<HostTensor> {
+        let shape = &self
+            .expected
+            .iter()
+            .find(|(n, _)| n == name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?
+            .1;
+        self.source.load_shaped(name, shape)
+    }
+
+    /// Reads an expected tensor and uploads it as is.
+    pub(crate) fn upload(&self, name: &str) -> Result<B::Tensor> {
+        self.put(&self.get(name)?)
+    }
+
+    /// Uploads a host tensor.
+    pub(crate) fn put(&self, t: &HostTensor) -> Result<B::Tensor> {
+        Ok(self.backend.upload(&t.data, &t.shape)?)
+    }
+}
+
+/// Token embedding, final RMSNorm and LM head (tied to the embedding or separate).
+pub(crate) struct Trunk<B: Backend> {
+    embed: B::Tensor,
+    lm_head: Option<B::Tensor>,
+    final_norm: B::Tensor,
+    vocab_size: usize,
+    eps: f32,
+}
+
+/// Tensor names with their shapes.
+pub(crate) type TensorList = Vec<(String, Vec<usize>)>;
+
+/// The trunk's tensors with their shapes: those before the layers (the embedding) and those
+/// after (the final norm and an untied LM head).
+pub(crate) fn trunk_tensors(config: &ModelConfig) -> (TensorList, TensorList) {
+    let d = config.hidden_size;
+    let head = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![config.vocab_size, d],
+    )];
+    let mut tail = vec![("model.norm.weight".to_string(), vec![d])];
+    if !config.tie_word_embeddings {
+        tail.push(("lm_head.weight".to_string(), vec![config.vocab_size, d]));
+    }
+    (head, tail)
+}
+
+impl<B: Backend> Trunk<B> {
+    pub(crate) fn load(loader: &Loader<'_, B>, config: &ModelConfig) -> Result<Self> {
+        Ok(Trunk {
+            embed: loader.upload("model.embed_tokens.weight")?,
+            lm_head: if config.tie_word_embeddings {
+                None
+            } else {
+                Some(loader.upload("lm_head.weight")?)
+            },
+            final_norm: loader.upload("model.norm.weight")?,
+            vocab_size: config.vocab_size,
+            eps: config.rms_norm_eps as f32,
+        })
+    }
+
+    /// Token embeddings `[n, hidden]` of `ids` (every id must be `< vocab_size`).
+    pub(crate) fn embed(&self, backend: &B, ids: &[u32]) -> Result<B::Tensor> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(ModelError::InvalidInput {
+                request: 0,
+                reason: format!(
+                    "token id {bad} is outside the vocabulary ({})",
+                    self.vocab_size
+                ),
+            });
+        }
+        Ok(backend.embedding(&self.embed, ids)?)
+    }
+
+    /// Final RMSNorm and LM head over the rows `rows` of `x` (all rows if `None`).
+    pub(crate) fn logits(
+        &self,
+        backend: &B,
+        x: &B::Tensor,
+        rows: Option<&[u32]>,
+    ) -> Result<B::Tensor> {
+        let h = match rows {
+            Some(rows) => {
+                let sel = backend.embedding(x, rows)?;
+                backend.rms_norm(&sel, &self.final_norm, self.eps)?
+            }
+            None => backend.rms_norm(x, &self.final_norm, self.eps)?,
+        };
+        Ok(backend.logits(&h, self.lm_head.as_ref().unwrap_or(&self.embed))?)
+    }
+}
+
+/// The gated SiLU MLP (`down(silu(gate(x)) · up(x))`), gate and up merged into one matmul as
+/// in SGLang.
+pub(crate) struct DenseMlp<B: Backend> {
+    /// `[2 · inter, hidden]`: gate rows, then up rows.
+    gate_up: B::Tensor,
+    down: B::Tensor,
+}
+
+/// The names and shapes of an MLP's tensors under `prefix` (e.g. `model.layers.0.mlp.`).
+pub(crate) fn mlp_tensors(prefix: &str, inter: usize, hidden: usize) -> [(String, Vec<usize>); 3] {
+    [
+        (format!("{prefix}gate_proj.weight"), vec![inter, hidden]),
+        (format!("{prefix}up_proj.weight"), vec![inter, hidden]),
+        (format!("{prefix}down_proj.weight"), vec![hidden, inter]),
+    ]
+}
+
+impl<B: Backend> DenseMlp<B> {
+    pub(crate) fn load(loader: &Loader<'_, B>, prefix: &str) -> Result<Self> {
+        let gate = loader.get(&format!("{prefix}gate_proj.weight"))?;
+        let up = loader.get(&format!("{prefix}up_proj.weight"))?;
+        let mut shape = gate.shape.clone();
+        shape[0] *= 2;
+        let mut data = gate.data;
+        data.extend_from_slice(&up.data);
+        Ok(DenseMlp {
+            gate_up: loader.put(&HostTensor { shape, data })?,
+            down: loader.upload(&format!("{prefix}down_proj.weight"))?,
+        })
+    }
+
+    /// The MLP of `h` (`[n, hidden]` → `[n, hidden]`).
+    pub(crate) fn forward(&self, backend: &B, h: &B::Tensor) -> Result<B::Tensor> {
+        let gu = backend.matmul(h, &self.gate_up)?;
+        let act = backend.silu_mul(&gu)?;
+        Ok(backend.matmul(&act, &self.down)?)
+    }
+}
