@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use attention::{CpuBackend, CpuConfig};
 use kv_pool::{floor_to_page, KvDtype, KvLayout, PagedAllocator};
-use model::{LlamaModel, ModelRunner};
+use model::{Model, ModelRunner};
 use radix_cache::policy::policy_from_name;
 use radix_cache::{ChunkCache, PrefixCache, RadixCache};
 use scheduler::{replay, Clock, SchedulePolicy, Scheduler, SchedulerConfig, SimReport, SimRequest};
@@ -132,8 +132,8 @@ fn executor(setup: &EngineSetup, capacity: usize) -> Result<ModelExecutor<CpuBac
         ..CpuConfig::default()
     })
     .map_err(|e| EngineError::arg("--threads", e.to_string()))?;
-    let model: LlamaModel<CpuBackend> = match &setup.model {
-        ModelSource::Tiny => model::tiny::tiny_model(&backend).map_err(model_err)?,
+    let model: Model<CpuBackend> = match &setup.model {
+        ModelSource::Tiny => model::tiny::tiny_model(&backend).map_err(model_err)?.into(),
         ModelSource::Path(dir) => model::load_model_dir(&backend, dir).map_err(model_err)?,
     };
     let shape = model
