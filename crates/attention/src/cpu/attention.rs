@@ -313,9 +313,29 @@ pub(crate) fn dense_request_simd(
     let kb = src.k.elems * src.k.dtype.bytes();
     let mut kp = [std::ptr::null::<u8>(); BLOCK];
     let mut vp = [std::ptr::null::<u8>(); BLOCK];
+    // The next block's rows (in place only), for prefetching.
+    let mut nkp = [std::ptr::null::<u8>(); BLOCK];
+    let mut nvp = [std::ptr::null::<u8>(); BLOCK];
+    let row_ptrs = |start: usize, end: usize, kp: &mut [*const u8], vp: &mut [*const u8]| {
+        for (j, p) in (start..end).enumerate() {
+            let s = meta.slot(r, p).index();
+            kp[j] = src.k.bytes[s * kb..][..kb].as_ptr();
+            vp[j] = match &src.v {
+                Some(v) => {
+                    let vb = v.elems * v.dtype.bytes();
+                    v.bytes[s * vb..][..vb].as_ptr()
+                }
+                None => kp[j],
+            };
+        }
+    };
+    if !scratch {
+        row_ptrs(0, kv_len.min(BLOCK), &mut nkp, &mut nvp);
+    }
     for start in (0..kv_len).step_by(BLOCK) {
         let end = (start + BLOCK).min(kv_len);
         let n = end - start;
+        let next_end = (end + BLOCK).min(kv_len);
         if scratch {
             let slots = (start..end).map(|p| meta.slot(r, p));
             src.k
@@ -332,25 +352,22 @@ pub(crate) fn dense_request_simd(
                 };
             }
         } else {
-            for (j, p) in (start..end).enumerate() {
-                let s = meta.slot(r, p).index();
-                kp[j] = src.k.bytes[s * kb..][..kb].as_ptr();
-                vp[j] = match &src.v {
-                    Some(v) => {
-                        let vb = v.elems * v.dtype.bytes();
-                        v.bytes[s * vb..][..vb].as_ptr()
-                    }
-                    None => kp[j],
-                };
-            }
+            kp = nkp;
+            vp = nvp;
+            row_ptrs(end, next_end, &mut nkp, &mut nvp);
         }
-        for t in start.saturating_sub(pos0)..ext {
+        let nn = if scratch { 0 } else { next_end - end };
+        let t0 = start.saturating_sub(pos0);
+        for t in t0..ext {
             let tb = TokenBlock {
                 g,
                 k: &kp[..n],
                 v: &vp[..n],
                 seen: (pos0 + t + 1).min(end) - start,
                 scale,
+                prefetch: t == t0 && !scratch,
+                next_k: &nkp[..nn],
+                next_v: &nvp[..nn],
             };
             let qt = &q[t * g.q_heads * g.d..][..g.q_heads * g.d];
             let m = &mut sc.m[t * g.q_heads..][..g.q_heads];

@@ -237,12 +237,58 @@ unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
 /// One query token against one block: the rows of `q` (`q_heads × d`) fold the block's first
 /// `seen` positions (`k[j]`, `v[j]`: row starts in the store or in scratch) into their softmax
 /// states `m`, `l` and `acc` (`q_heads × dv`), head by head in the module's fixed order.
+///
+/// When `prefetch`, the tiles also prefetch the rows of the next KV head of the block, and
+/// after the last head those of the first head in the next block (`next_k`, `next_v`; empty
+/// when there is none), so they are in cache when their turn comes. Prefetching changes no
+/// arithmetic.
 pub(crate) struct TokenBlock<'a> {
     pub g: &'a Geom,
     pub k: &'a [*const u8],
     pub v: &'a [*const u8],
     pub seen: usize,
     pub scale: f32,
+    pub prefetch: bool,
+    pub next_k: &'a [*const u8],
+    pub next_v: &'a [*const u8],
+}
+
+/// Rows one tile prefetches: the `kbytes` at `k[j] + koff` and the `vbytes` at `v[j] + voff`.
+struct Prefetch<'a> {
+    k: &'a [*const u8],
+    v: &'a [*const u8],
+    koff: usize,
+    voff: usize,
+    kbytes: usize,
+    vbytes: usize,
+}
+
+impl Prefetch<'_> {
+    /// Prefetches the rows `j0 .. j1` (those that exist).
+    #[inline(always)]
+    fn rows(&self, j0: usize, j1: usize) {
+        for j in j0..j1.min(self.k.len()) {
+            span(self.k[j].wrapping_add(self.koff), self.kbytes);
+            if self.vbytes > 0 {
+                span(self.v[j].wrapping_add(self.voff), self.vbytes);
+            }
+        }
+    }
+}
+
+/// Prefetches the cache lines of `bytes` bytes at `p` into L1.
+#[inline(always)]
+fn span(p: *const u8, bytes: usize) {
+    let mut o = 0;
+    while o < bytes {
+        // SAFETY: a prefetch is only a hint: it never faults, whatever the address, and the
+        // address is computed with wrapping arithmetic (no pointer is dereferenced).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o).cast()) };
+        o += 64;
+    }
+    // The last line, when the span is not line-aligned.
+    // SAFETY: as above.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1).cast()) };
 }
 
 /// Folds one tile of `H` query heads `h0 .. h0 + H` (all of KV head `gk`) into their states.
@@ -252,6 +298,7 @@ pub(crate) struct TokenBlock<'a> {
 /// V row (`g.v_row`, or the K row when `g.v_in_k`), for `j < tb.seen ≤ BLOCK`; `q`, `m`, `l`,
 /// `acc` must hold `q_heads` rows; the CPU must have AVX2, FMA and F16C.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile<E: Elem, const H: usize>(
     tb: &TokenBlock<'_>,
     gk: usize,
@@ -260,6 +307,7 @@ unsafe fn tile<E: Elem, const H: usize>(
     m: &mut [f32],
     l: &mut [f32],
     acc: &mut [f32],
+    pf: Option<&Prefetch<'_>>,
 ) {
     let g = tb.g;
     let (d, dv, n) = (g.d, g.dv, tb.seen);
@@ -273,6 +321,9 @@ unsafe fn tile<E: Elem, const H: usize>(
         let kp = |j: usize| tb.k[j].add(koff);
         let mut j = 0;
         while j + 3 <= n {
+            if let Some(pf) = pf {
+                pf.rows(j, j + 3);
+            }
             let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
             for (p, t) in t.iter().enumerate() {
                 for h in 0..H {
@@ -280,6 +331,9 @@ unsafe fn tile<E: Elem, const H: usize>(
                 }
             }
             j += 3;
+        }
+        if let Some(pf) = pf {
+            pf.rows(j, BLOCK);
         }
         while j < n {
             let [t] = dot_tile::<E, H, 1>(&qp, [kp(j)], d);
@@ -339,18 +393,35 @@ unsafe fn token_block<E: Elem>(
     acc: &mut [f32],
 ) {
     let g = tb.g;
-    for gk in 0..g.q_heads / g.group {
+    let kv_heads = g.q_heads / g.group;
+    for gk in 0..kv_heads {
         let (mut h, end) = (gk * g.group, (gk + 1) * g.group);
+        // The first tile of the head prefetches the next head's rows.
+        let (rows_k, rows_v, next) = if gk + 1 < kv_heads {
+            (tb.k, tb.v, gk + 1)
+        } else {
+            (tb.next_k, tb.next_v, 0)
+        };
+        let pf = Prefetch {
+            k: rows_k,
+            v: rows_v,
+            koff: next * g.d * E::BYTES,
+            voff: if g.v_in_k { 0 } else { next * g.dv * E::BYTES },
+            kbytes: g.d * E::BYTES,
+            vbytes: if g.v_in_k { 0 } else { g.dv * E::BYTES },
+        };
+        let mut pf = (tb.prefetch && !rows_k.is_empty()).then_some(&pf);
         while h < end {
             // SAFETY: forwarded contract; h .. h + tile width stays within KV head gk.
             unsafe {
                 match end - h {
-                    1 => tile::<E, 1>(tb, gk, h, q, m, l, acc),
-                    2 => tile::<E, 2>(tb, gk, h, q, m, l, acc),
-                    3 => tile::<E, 3>(tb, gk, h, q, m, l, acc),
-                    _ => tile::<E, 4>(tb, gk, h, q, m, l, acc),
+                    1 => tile::<E, 1>(tb, gk, h, q, m, l, acc, pf),
+                    2 => tile::<E, 2>(tb, gk, h, q, m, l, acc, pf),
+                    3 => tile::<E, 3>(tb, gk, h, q, m, l, acc, pf),
+                    _ => tile::<E, 4>(tb, gk, h, q, m, l, acc, pf),
                 }
             }
+            pf = None;
             h += (end - h).min(4);
         }
     }
