@@ -357,8 +357,13 @@ pub(crate) fn dense_request_simd(
             row_ptrs(end, next_end, &mut nkp, &mut nvp);
         }
         let nn = if scratch { 0 } else { next_end - end };
-        let t0 = start.saturating_sub(pos0);
-        for t in t0..ext {
+        // Tokens before `full` see part of the block, one position more each; the tokens from
+        // `full` on all see the whole block and go through it together.
+        let t0 = start.saturating_sub(pos0).min(ext);
+        let full = (end - 1).saturating_sub(pos0).clamp(t0, ext);
+        let mut t = t0;
+        while t < ext {
+            let tokens = if t < full { t..t + 1 } else { t..ext };
             let tb = TokenBlock {
                 g,
                 k: &kp[..n],
@@ -369,19 +374,17 @@ pub(crate) fn dense_request_simd(
                 next_k: &nkp[..nn],
                 next_v: &nvp[..nn],
             };
-            let qt = &q[t * g.q_heads * g.d..][..g.q_heads * g.d];
-            let m = &mut sc.m[t * g.q_heads..][..g.q_heads];
-            let l = &mut sc.l[t * g.q_heads..][..g.q_heads];
-            let acc = &mut out[t * g.q_heads * g.dv..][..g.q_heads * g.dv];
+            t = tokens.end;
+            let (m, l) = (&mut sc.m[..nq], &mut sc.l[..nq]);
             // SAFETY: `simd::available()` was checked by the caller; every K pointer starts a
             // whole K row (`g.k_row` elements of the path's type: a checked slice of the store
             // or of scratch), every V pointer a whole V row (or the K row for MLA), for the
-            // block's `n ≥ seen` positions; q, m, l and acc hold the token's `q_heads` rows.
+            // block's `n ≥ seen` positions; q, m, l and acc hold the request's `ext` tokens.
             unsafe {
                 match path {
-                    Path::F16 => simd::token_block_f16(&tb, qt, m, l, acc),
-                    Path::Bf16 => simd::token_block_bf16(&tb, qt, m, l, acc),
-                    Path::F32 | Path::Scratch => simd::token_block_f32(&tb, qt, m, l, acc),
+                    Path::F16 => simd::token_block_f16(&tb, tokens, q, m, l, out),
+                    Path::Bf16 => simd::token_block_bf16(&tb, tokens, q, m, l, out),
+                    Path::F32 | Path::Scratch => simd::token_block_f32(&tb, tokens, q, m, l, out),
                 }
             }
         }

@@ -168,16 +168,21 @@ unsafe fn weighted_sum<E: Elem, const H: usize>(
     // SAFETY: every access is below `dv` elements of its row (see the function's contract).
     unsafe {
         let mut e = 0;
-        // Four accumulator registers per head where they fit in the 16 registers, else three.
+        // As many accumulator registers per row as fit in the 16 registers.
         if H <= 3 {
             while e + 32 <= dv {
                 weighted_chunk::<E, H, 4>(acc, p, v, n, e);
                 e += 32;
             }
-        } else {
+        } else if H == 4 {
             while e + 24 <= dv {
                 weighted_chunk::<E, H, 3>(acc, p, v, n, e);
                 e += 24;
+            }
+        } else if H <= 6 {
+            while e + 16 <= dv {
+                weighted_chunk::<E, H, 2>(acc, p, v, n, e);
+                e += 16;
             }
         }
         while e + 8 <= dv {
@@ -234,9 +239,10 @@ unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
     }
 }
 
-/// One query token against one block: the rows of `q` (`q_heads × d`) fold the block's first
-/// `seen` positions (`k[j]`, `v[j]`: row starts in the store or in scratch) into their softmax
-/// states `m`, `l` and `acc` (`q_heads × dv`), head by head in the module's fixed order.
+/// Query tokens against one block: their rows of `q` (`q_heads × d` per token) fold the
+/// block's first `seen` positions (`k[j]`, `v[j]`: row starts in the store or in scratch) into
+/// their softmax states `m`, `l` and `acc` (`q_heads × dv` per token), head by head in the
+/// module's fixed order.
 ///
 /// When `prefetch`, the tiles also prefetch the rows of the next KV head of the block, and
 /// after the last head those of the first head in the next block (`next_k`, `next_v`; empty
@@ -291,7 +297,10 @@ fn span(p: *const u8, bytes: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1).cast()) };
 }
 
-/// Folds one tile of `H` query heads `h0 .. h0 + H` (all of KV head `gk`) into their states.
+/// Folds one tile of `H` query rows `rows[i]` (token-major indices `t · q_heads + h` into the
+/// request's `q`, `m`, `l`, `acc`; every head `h` of KV head `gk`) into their states. The rows
+/// share every K and V load; each keeps its own fixed-order arithmetic, so the tile's shape
+/// changes no result.
 ///
 /// # Safety
 /// `tb.k[j]` must be valid for a whole K row of `E` (`g.k_row` elements), `tb.v[j]` for a whole
@@ -302,7 +311,7 @@ fn span(p: *const u8, bytes: usize) {
 unsafe fn tile<E: Elem, const H: usize>(
     tb: &TokenBlock<'_>,
     gk: usize,
-    h0: usize,
+    rows: [usize; H],
     q: &[f32],
     m: &mut [f32],
     l: &mut [f32],
@@ -311,7 +320,7 @@ unsafe fn tile<E: Elem, const H: usize>(
 ) {
     let g = tb.g;
     let (d, dv, n) = (g.d, g.dv, tb.seen);
-    let qp: [*const f32; H] = std::array::from_fn(|i| q[(h0 + i) * d..][..d].as_ptr());
+    let qp: [*const f32; H] = std::array::from_fn(|i| q[rows[i] * d..][..d].as_ptr());
     let koff = gk * d * E::BYTES;
     let voff = if g.v_in_k { 0 } else { gk * dv * E::BYTES };
     let mut s = [[0.0f32; BLOCK]; H];
@@ -320,22 +329,38 @@ unsafe fn tile<E: Elem, const H: usize>(
     unsafe {
         let kp = |j: usize| tb.k[j].add(koff);
         let mut j = 0;
-        while j + 3 <= n {
-            if let Some(pf) = pf {
-                pf.rows(j, j + 3);
-            }
-            let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
-            for (p, t) in t.iter().enumerate() {
-                for h in 0..H {
-                    s[h][j + p] = tb.scale * t[h];
+        // Three positions per step where the 4 × 3 register tile fits, else two, else one.
+        if H <= 4 {
+            while j + 3 <= n {
+                if let Some(pf) = pf {
+                    pf.rows(j, j + 3);
                 }
+                let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
+                for (p, t) in t.iter().enumerate() {
+                    for h in 0..H {
+                        s[h][j + p] = tb.scale * t[h];
+                    }
+                }
+                j += 3;
             }
-            j += 3;
-        }
-        if let Some(pf) = pf {
-            pf.rows(j, BLOCK);
+        } else if H <= 6 {
+            while j + 2 <= n {
+                if let Some(pf) = pf {
+                    pf.rows(j, j + 2);
+                }
+                let t = dot_tile::<E, H, 2>(&qp, [kp(j), kp(j + 1)], d);
+                for (p, t) in t.iter().enumerate() {
+                    for h in 0..H {
+                        s[h][j + p] = tb.scale * t[h];
+                    }
+                }
+                j += 2;
+            }
         }
         while j < n {
+            if let Some(pf) = pf {
+                pf.rows(j, j + 1);
+            }
             let [t] = dot_tile::<E, H, 1>(&qp, [kp(j)], d);
             for h in 0..H {
                 s[h][j] = tb.scale * t[h];
@@ -344,7 +369,7 @@ unsafe fn tile<E: Elem, const H: usize>(
         }
     }
     for (h, s) in s.iter_mut().enumerate() {
-        let i = h0 + h;
+        let i = rows[h];
         let s = &mut s[..n];
         let m_b = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_new = m[i].max(m_b);
@@ -369,7 +394,7 @@ unsafe fn tile<E: Elem, const H: usize>(
         }
         l[i] += sum;
     }
-    let accp: [*mut f32; H] = std::array::from_fn(|i| acc[(h0 + i) * dv..][..dv].as_mut_ptr());
+    let accp: [*mut f32; H] = std::array::from_fn(|i| acc[rows[i] * dv..][..dv].as_mut_ptr());
     let mut vp = [std::ptr::null::<u8>(); BLOCK];
     for (p, &v) in vp.iter_mut().zip(&tb.v[..n]) {
         // SAFETY: the V row holds head gk's `dv` elements at `voff` (function contract).
@@ -380,13 +405,21 @@ unsafe fn tile<E: Elem, const H: usize>(
     unsafe { weighted_sum::<E, H>(&accp, &s, &vp, n, dv) };
 }
 
-/// One query token against one block (see [`TokenBlock`]).
+/// Maximum query rows per tile.
+const ROWS: usize = 8;
+
+/// The query tokens `tokens` (all seeing the block's first `tb.seen` positions) against one
+/// block (see [`TokenBlock`]): for each KV head, the rows of all those tokens on its query
+/// heads go through tiles of up to [`ROWS`] rows that share the head's K and V loads, so the
+/// block's rows are read from memory once for all the tokens. `q`, `m`, `l`, `acc` are the
+/// request's (token-major) arrays.
 ///
 /// # Safety
-/// As [`tile`], for every KV head.
+/// As [`tile`], for every KV head; `tokens` must be rows of `q`, `m`, `l` and `acc`.
 #[inline(always)]
 unsafe fn token_block<E: Elem>(
     tb: &TokenBlock<'_>,
+    tokens: std::ops::Range<usize>,
     q: &[f32],
     m: &mut [f32],
     l: &mut [f32],
@@ -394,8 +427,8 @@ unsafe fn token_block<E: Elem>(
 ) {
     let g = tb.g;
     let kv_heads = g.q_heads / g.group;
+    let total = tokens.len() * g.group;
     for gk in 0..kv_heads {
-        let (mut h, end) = (gk * g.group, (gk + 1) * g.group);
         // The first tile of the head prefetches the next head's rows.
         let (rows_k, rows_v, next) = if gk + 1 < kv_heads {
             (tb.k, tb.v, gk + 1)
@@ -411,18 +444,90 @@ unsafe fn token_block<E: Elem>(
             vbytes: if g.v_in_k { 0 } else { g.dv * E::BYTES },
         };
         let mut pf = (tb.prefetch && !rows_k.is_empty()).then_some(&pf);
-        while h < end {
-            // SAFETY: forwarded contract; h .. h + tile width stays within KV head gk.
+        // Row `k` of the head is token `tokens.start + k / group`, head `gk · group + k % group`.
+        let row = |k: usize| (tokens.start + k / g.group) * g.q_heads + gk * g.group + k % g.group;
+        let mut k = 0;
+        while k < total {
+            let w = (total - k).min(ROWS);
+            // SAFETY: forwarded contract; the rows are rows of the request (see above) on the
+            // query heads of KV head gk.
             unsafe {
-                match end - h {
-                    1 => tile::<E, 1>(tb, gk, h, q, m, l, acc, pf),
-                    2 => tile::<E, 2>(tb, gk, h, q, m, l, acc, pf),
-                    3 => tile::<E, 3>(tb, gk, h, q, m, l, acc, pf),
-                    _ => tile::<E, 4>(tb, gk, h, q, m, l, acc, pf),
+                match w {
+                    1 => tile::<E, 1>(tb, gk, [row(k)], q, m, l, acc, pf),
+                    2 => tile::<E, 2>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    3 => tile::<E, 3>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    4 => tile::<E, 4>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    5 => tile::<E, 5>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    6 => tile::<E, 6>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    7 => tile::<E, 7>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    _ => tile::<E, 8>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
                 }
             }
             pf = None;
-            h += (end - h).min(4);
+            k += w;
         }
     }
 }
@@ -436,13 +541,14 @@ macro_rules! token_block_for {
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(crate) unsafe fn $name(
             tb: &TokenBlock<'_>,
+            tokens: std::ops::Range<usize>,
             q: &[f32],
             m: &mut [f32],
             l: &mut [f32],
             acc: &mut [f32],
         ) {
             // SAFETY: forwarded contract.
-            unsafe { token_block::<$elem>(tb, q, m, l, acc) }
+            unsafe { token_block::<$elem>(tb, tokens, q, m, l, acc) }
         }
     };
 }
