@@ -151,7 +151,8 @@ unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
     }
 }
 
-/// `acc[h][e] = p[h][j] · v_j[e] + acc[h][e]` (fused) for `j = 0..n` in order, `e < dv`.
+/// `acc[h][e] = p[h][j] · v_j[e] + acc[h][e]` (fused) for `j = 0..n` in order, `e < dv`, after
+/// `acc[h][e] *= corr[h]` (the softmax rescale; a factor 1 leaves the row bitwise unchanged).
 ///
 /// # Safety
 /// Every `acc[h]` must be valid for `dv` f32 reads and writes and not alias the others or the
@@ -160,6 +161,7 @@ unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
 #[inline(always)]
 unsafe fn weighted_sum<E: Elem, const H: usize>(
     acc: &[*mut f32; H],
+    corr: &[f32; H],
     p: &[[f32; BLOCK]; H],
     v: &[*const u8],
     n: usize,
@@ -171,27 +173,27 @@ unsafe fn weighted_sum<E: Elem, const H: usize>(
         // As many accumulator registers per row as fit in the 16 registers.
         if H <= 3 {
             while e + 32 <= dv {
-                weighted_chunk::<E, H, 4>(acc, p, v, n, e);
+                weighted_chunk::<E, H, 4>(acc, corr, p, v, n, e);
                 e += 32;
             }
         } else if H == 4 {
             while e + 24 <= dv {
-                weighted_chunk::<E, H, 3>(acc, p, v, n, e);
+                weighted_chunk::<E, H, 3>(acc, corr, p, v, n, e);
                 e += 24;
             }
         } else if H <= 6 {
             while e + 16 <= dv {
-                weighted_chunk::<E, H, 2>(acc, p, v, n, e);
+                weighted_chunk::<E, H, 2>(acc, corr, p, v, n, e);
                 e += 16;
             }
         }
         while e + 8 <= dv {
-            weighted_chunk::<E, H, 1>(acc, p, v, n, e);
+            weighted_chunk::<E, H, 1>(acc, corr, p, v, n, e);
             e += 8;
         }
         for e in e..dv {
             for h in 0..H {
-                let mut a = *acc[h].add(e);
+                let mut a = *acc[h].add(e) * corr[h];
                 for (j, &vp) in v[..n].iter().enumerate() {
                     a = p[h][j].mul_add(E::load1(vp.add(e * E::BYTES)), a);
                 }
@@ -209,6 +211,7 @@ unsafe fn weighted_sum<E: Elem, const H: usize>(
 #[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
 unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
     acc: &[*mut f32; H],
+    corr: &[f32; H],
     p: &[[f32; BLOCK]; H],
     v: &[*const u8],
     n: usize,
@@ -218,8 +221,9 @@ unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
     unsafe {
         let mut a = [[_mm256_setzero_ps(); W]; H];
         for h in 0..H {
+            let c = _mm256_set1_ps(corr[h]);
             for w in 0..W {
-                a[h][w] = _mm256_loadu_ps(acc[h].add(e + 8 * w));
+                a[h][w] = _mm256_mul_ps(_mm256_loadu_ps(acc[h].add(e + 8 * w)), c);
             }
         }
         for (j, &vp) in v[..n].iter().enumerate() {
@@ -236,6 +240,46 @@ unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
                 _mm256_storeu_ps(acc[h].add(e + 8 * w), a[h][w]);
             }
         }
+    }
+}
+
+/// [`exp_nonpos`]`::<true>` on eight lanes: the same operations in the same order, so each
+/// lane is bitwise the scalar result.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[inline(always)]
+unsafe fn exp8(x: __m256) -> __m256 {
+    // The constants of `exp_nonpos`.
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0;
+    // SAFETY: register-only AVX2/FMA operations, which the caller guarantees.
+    unsafe {
+        let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+        let x = _mm256_blendv_ps(x, _mm256_set1_ps(-87.0), small);
+        let round = _mm256_set1_ps(ROUND);
+        let n = _mm256_sub_ps(
+            _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round),
+            round,
+        );
+        let neg_n = _mm256_xor_ps(n, _mm256_set1_ps(-0.0));
+        let r = _mm256_fmadd_ps(
+            neg_n,
+            _mm256_set1_ps(LN2_LO),
+            _mm256_fmadd_ps(neg_n, _mm256_set1_ps(LN2_HI), x),
+        );
+        let mut p = _mm256_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvttps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        _mm256_andnot_ps(small, y)
     }
 }
 
@@ -308,6 +352,7 @@ fn span(p: *const u8, bytes: usize) {
 /// `acc` must hold `q_heads` rows; the CPU must have AVX2, FMA and F16C.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)] // the rows' folds run side by side, indexed [row][position]
 unsafe fn tile<E: Elem, const H: usize>(
     tb: &TokenBlock<'_>,
     gk: usize,
@@ -368,31 +413,47 @@ unsafe fn tile<E: Elem, const H: usize>(
             j += 1;
         }
     }
+    // The block maxima and (below) the weight sums run the rows' sequential folds side by side,
+    // each row still in position order: the rows are independent chains.
+    let mut m_b = [f32::NEG_INFINITY; H];
+    for j in 0..n {
+        for h in 0..H {
+            m_b[h] = m_b[h].max(s[h][j]);
+        }
+    }
+    // The rescale of the accumulator rows is applied as `weighted_sum` loads them.
+    let mut corr = [1.0f32; H];
     for (h, s) in s.iter_mut().enumerate() {
         let i = rows[h];
-        let s = &mut s[..n];
-        let m_b = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let m_new = m[i].max(m_b);
+        let m_new = m[i].max(m_b[h]);
         if m[i] != m_new {
-            let corr = if m[i] == f32::NEG_INFINITY {
+            corr[h] = if m[i] == f32::NEG_INFINITY {
                 0.0
             } else {
                 exp_nonpos::<true>(m[i] - m_new)
             };
-            l[i] *= corr;
-            acc[i * dv..(i + 1) * dv]
-                .iter_mut()
-                .for_each(|a| *a *= corr);
+            l[i] *= corr[h];
             m[i] = m_new;
         }
-        for x in s.iter_mut() {
-            *x = exp_nonpos::<true>(*x - m_new);
+        // Eight weights at a time (past `n` the lanes compute unused values).
+        // SAFETY: `s` holds BLOCK = 32 elements, a multiple of 8, and n ≤ BLOCK; the CPU has
+        // AVX2 and FMA (function contract).
+        unsafe {
+            let mv = _mm256_set1_ps(m_new);
+            for c in 0..n.div_ceil(8) {
+                let x = _mm256_loadu_ps(s[c * 8..].as_ptr());
+                _mm256_storeu_ps(s[c * 8..].as_mut_ptr(), exp8(_mm256_sub_ps(x, mv)));
+            }
         }
-        let mut sum = 0.0f32;
-        for &p in s.iter() {
-            sum += p;
+    }
+    let mut sum = [0.0f32; H];
+    for j in 0..n {
+        for h in 0..H {
+            sum[h] += s[h][j];
         }
-        l[i] += sum;
+    }
+    for h in 0..H {
+        l[rows[h]] += sum[h];
     }
     let accp: [*mut f32; H] = std::array::from_fn(|i| acc[rows[i] * dv..][..dv].as_mut_ptr());
     let mut vp = [std::ptr::null::<u8>(); BLOCK];
@@ -402,11 +463,11 @@ unsafe fn tile<E: Elem, const H: usize>(
     }
     // SAFETY: the accumulator rows are disjoint `dv`-element rows of `acc` (sliced above), the
     // value rows hold `dv` elements at `vp[j]`; see the function's contract for the CPU.
-    unsafe { weighted_sum::<E, H>(&accp, &s, &vp, n, dv) };
+    unsafe { weighted_sum::<E, H>(&accp, &corr, &s, &vp, n, dv) };
 }
 
 /// Maximum query rows per tile.
-const ROWS: usize = 8;
+const ROWS: usize = 6;
 
 /// The query tokens `tokens` (all seeing the block's first `tb.seen` positions) against one
 /// block (see [`TokenBlock`]): for each KV head, the rows of all those tokens on its query
