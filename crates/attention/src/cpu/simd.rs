@@ -113,6 +113,40 @@ unsafe fn hsum(a: __m256) -> f32 {
     }
 }
 
+/// [`hsum`] of eight vectors at once, bitwise the same sums: a transposing reduction that adds
+/// the same pairs in the same order (`l_i + l_{i+4}`, then `+ (l_{i+2} + l_{i+6})`, then the
+/// two halves).
+///
+/// # Safety
+/// The CPU must have AVX.
+#[inline(always)]
+unsafe fn hsum8(v: [__m256; 8]) -> [f32; 8] {
+    // SAFETY: register-only AVX operations, which the caller guarantees.
+    unsafe {
+        // [a_i + a_{i+4} | b_i + b_{i+4}] for the pairs (a, b) = (0, 1), (2, 3), …
+        let x: [__m256; 4] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(a, b),
+                _mm256_permute2f128_ps::<0x31>(a, b),
+            )
+        });
+        // Per 128-bit lane [s_0 + s_2, s_1 + s_3] of the two vectors of x[i] and x[i + 1].
+        let t: [__m256; 2] = std::array::from_fn(|i| {
+            let (a, b) = (x[2 * i], x[2 * i + 1]);
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0x44>(a, b),
+                _mm256_shuffle_ps::<0xEE>(a, b),
+            )
+        });
+        // Lanes: v0, v2, v4, v6, v1, v3, v5, v7.
+        let r = _mm256_hadd_ps(t[0], t[1]);
+        let mut o = [0.0f32; 8];
+        _mm256_storeu_ps(o.as_mut_ptr(), r);
+        [o[0], o[4], o[1], o[5], o[2], o[6], o[3], o[7]]
+    }
+}
+
 /// Dot products of `H` f32 rows `a[h]` with `P` rows `b[p]` of `E`, `d` elements each, in the
 /// module's fixed order: `out[p][h] = a[h]·b[p]` (an `H × P` register tile sharing every load).
 ///
@@ -139,9 +173,20 @@ unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
             }
         }
         let mut s = [[0.0f32; H]; P];
+        // Eight accumulators at a time through one transposed reduction, the rest one by one.
+        let mut k = 0;
+        while k + 8 <= H * P {
+            let r = hsum8(std::array::from_fn(|i| c[(k + i) / H][(k + i) % H]));
+            for (i, r) in r.into_iter().enumerate() {
+                s[(k + i) / H][(k + i) % H] = r;
+            }
+            k += 8;
+        }
+        for k in k..H * P {
+            s[k / H][k % H] = hsum(c[k / H][k % H]);
+        }
         for p in 0..P {
             for h in 0..H {
-                s[p][h] = hsum(c[p][h]);
                 for e in chunks * 8..d {
                     s[p][h] = (*a[h].add(e)).mul_add(E::load1(b[p].add(e * E::BYTES)), s[p][h]);
                 }
