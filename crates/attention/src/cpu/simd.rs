@@ -10,8 +10,12 @@
 //!
 //! What makes them fast is memory traffic, not only width: f16 and bf16 rows are converted in
 //! registers as they are read (no scratch copy, no call per element), f32 rows are read straight
-//! from the store, and each K and V row of a KV head is loaded once for a tile of up to four
-//! query heads (or matmul rows) that share it.
+//! from the store, each K and V row of a KV head is loaded once for a tile of up to six query
+//! rows that share it (the KV head's query heads, over all the extend tokens that see the whole
+//! block) or four matmul rows, and the rows of the next KV head (or next block) are prefetched
+//! while a head is processed. The softmax weights are computed eight at a time with the same
+//! operations as the scalar `exp_nonpos`, and eight dot products are reduced at once with the
+//! same additions as `hsum`.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
