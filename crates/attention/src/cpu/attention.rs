@@ -102,6 +102,10 @@ pub(crate) struct Geom {
     pub v_in_k: bool,
 }
 
+/// Extend tokens that go through a block together in the SIMD kernel: enough to share each
+/// K/V row load, few enough that their query and output rows stay in L2.
+const TOKEN_CHUNK: usize = 16;
+
 /// Per-thread buffers reused across requests.
 #[derive(Default)]
 pub(crate) struct Scratch {
@@ -358,12 +362,16 @@ pub(crate) fn dense_request_simd(
         }
         let nn = if scratch { 0 } else { next_end - end };
         // Tokens before `full` see part of the block, one position more each; the tokens from
-        // `full` on all see the whole block and go through it together.
+        // `full` on all see the whole block and go through it together, `TOKEN_CHUNK` at a time.
         let t0 = start.saturating_sub(pos0).min(ext);
         let full = (end - 1).saturating_sub(pos0).clamp(t0, ext);
         let mut t = t0;
         while t < ext {
-            let tokens = if t < full { t..t + 1 } else { t..ext };
+            let tokens = if t < full {
+                t..t + 1
+            } else {
+                t..(t + TOKEN_CHUNK).min(ext)
+            };
             let tb = TokenBlock {
                 g,
                 k: &kp[..n],
