@@ -102,6 +102,10 @@ pub(crate) struct Geom {
     pub v_in_k: bool,
 }
 
+/// Extend tokens that go through a block together in the SIMD kernel: enough to share each
+/// K/V row load, few enough that their query and output rows stay in L2.
+const TOKEN_CHUNK: usize = 16;
+
 /// Per-thread buffers reused across requests.
 #[derive(Default)]
 pub(crate) struct Scratch {
@@ -313,9 +317,29 @@ pub(crate) fn dense_request_simd(
     let kb = src.k.elems * src.k.dtype.bytes();
     let mut kp = [std::ptr::null::<u8>(); BLOCK];
     let mut vp = [std::ptr::null::<u8>(); BLOCK];
+    // The next block's rows (in place only), for prefetching.
+    let mut nkp = [std::ptr::null::<u8>(); BLOCK];
+    let mut nvp = [std::ptr::null::<u8>(); BLOCK];
+    let row_ptrs = |start: usize, end: usize, kp: &mut [*const u8], vp: &mut [*const u8]| {
+        for (j, p) in (start..end).enumerate() {
+            let s = meta.slot(r, p).index();
+            kp[j] = src.k.bytes[s * kb..][..kb].as_ptr();
+            vp[j] = match &src.v {
+                Some(v) => {
+                    let vb = v.elems * v.dtype.bytes();
+                    v.bytes[s * vb..][..vb].as_ptr()
+                }
+                None => kp[j],
+            };
+        }
+    };
+    if !scratch {
+        row_ptrs(0, kv_len.min(BLOCK), &mut nkp, &mut nvp);
+    }
     for start in (0..kv_len).step_by(BLOCK) {
         let end = (start + BLOCK).min(kv_len);
         let n = end - start;
+        let next_end = (end + BLOCK).min(kv_len);
         if scratch {
             let slots = (start..end).map(|p| meta.slot(r, p));
             src.k
@@ -332,39 +356,43 @@ pub(crate) fn dense_request_simd(
                 };
             }
         } else {
-            for (j, p) in (start..end).enumerate() {
-                let s = meta.slot(r, p).index();
-                kp[j] = src.k.bytes[s * kb..][..kb].as_ptr();
-                vp[j] = match &src.v {
-                    Some(v) => {
-                        let vb = v.elems * v.dtype.bytes();
-                        v.bytes[s * vb..][..vb].as_ptr()
-                    }
-                    None => kp[j],
-                };
-            }
+            kp = nkp;
+            vp = nvp;
+            row_ptrs(end, next_end, &mut nkp, &mut nvp);
         }
-        for t in start.saturating_sub(pos0)..ext {
+        let nn = if scratch { 0 } else { next_end - end };
+        // Tokens before `full` see part of the block, one position more each; the tokens from
+        // `full` on all see the whole block and go through it together, `TOKEN_CHUNK` at a time.
+        let t0 = start.saturating_sub(pos0).min(ext);
+        let full = (end - 1).saturating_sub(pos0).clamp(t0, ext);
+        let mut t = t0;
+        while t < ext {
+            let tokens = if t < full {
+                t..t + 1
+            } else {
+                t..(t + TOKEN_CHUNK).min(ext)
+            };
             let tb = TokenBlock {
                 g,
                 k: &kp[..n],
                 v: &vp[..n],
                 seen: (pos0 + t + 1).min(end) - start,
                 scale,
+                prefetch: t == t0 && !scratch,
+                next_k: &nkp[..nn],
+                next_v: &nvp[..nn],
             };
-            let qt = &q[t * g.q_heads * g.d..][..g.q_heads * g.d];
-            let m = &mut sc.m[t * g.q_heads..][..g.q_heads];
-            let l = &mut sc.l[t * g.q_heads..][..g.q_heads];
-            let acc = &mut out[t * g.q_heads * g.dv..][..g.q_heads * g.dv];
+            t = tokens.end;
+            let (m, l) = (&mut sc.m[..nq], &mut sc.l[..nq]);
             // SAFETY: `simd::available()` was checked by the caller; every K pointer starts a
             // whole K row (`g.k_row` elements of the path's type: a checked slice of the store
             // or of scratch), every V pointer a whole V row (or the K row for MLA), for the
-            // block's `n ≥ seen` positions; q, m, l and acc hold the token's `q_heads` rows.
+            // block's `n ≥ seen` positions; q, m, l and acc hold the request's `ext` tokens.
             unsafe {
                 match path {
-                    Path::F16 => simd::token_block_f16(&tb, qt, m, l, acc),
-                    Path::Bf16 => simd::token_block_bf16(&tb, qt, m, l, acc),
-                    Path::F32 | Path::Scratch => simd::token_block_f32(&tb, qt, m, l, acc),
+                    Path::F16 => simd::token_block_f16(&tb, tokens, q, m, l, out),
+                    Path::Bf16 => simd::token_block_bf16(&tb, tokens, q, m, l, out),
+                    Path::F32 | Path::Scratch => simd::token_block_f32(&tb, tokens, q, m, l, out),
                 }
             }
         }

@@ -10,8 +10,12 @@
 //!
 //! What makes them fast is memory traffic, not only width: f16 and bf16 rows are converted in
 //! registers as they are read (no scratch copy, no call per element), f32 rows are read straight
-//! from the store, and each K and V row of a KV head is loaded once for a tile of up to four
-//! query heads (or matmul rows) that share it.
+//! from the store, each K and V row of a KV head is loaded once for a tile of up to six query
+//! rows that share it (the KV head's query heads, over all the extend tokens that see the whole
+//! block) or four matmul rows, and the rows of the next KV head (or next block) are prefetched
+//! while a head is processed. The softmax weights are computed eight at a time with the same
+//! operations as the scalar `exp_nonpos`, and eight dot products are reduced at once with the
+//! same additions as `hsum`.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -113,6 +117,40 @@ unsafe fn hsum(a: __m256) -> f32 {
     }
 }
 
+/// [`hsum`] of eight vectors at once, bitwise the same sums: a transposing reduction that adds
+/// the same pairs in the same order (`l_i + l_{i+4}`, then `+ (l_{i+2} + l_{i+6})`, then the
+/// two halves).
+///
+/// # Safety
+/// The CPU must have AVX.
+#[inline(always)]
+unsafe fn hsum8(v: [__m256; 8]) -> [f32; 8] {
+    // SAFETY: register-only AVX operations, which the caller guarantees.
+    unsafe {
+        // [a_i + a_{i+4} | b_i + b_{i+4}] for the pairs (a, b) = (0, 1), (2, 3), …
+        let x: [__m256; 4] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(a, b),
+                _mm256_permute2f128_ps::<0x31>(a, b),
+            )
+        });
+        // Per 128-bit lane [s_0 + s_2, s_1 + s_3] of the two vectors of x[i] and x[i + 1].
+        let t: [__m256; 2] = std::array::from_fn(|i| {
+            let (a, b) = (x[2 * i], x[2 * i + 1]);
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0x44>(a, b),
+                _mm256_shuffle_ps::<0xEE>(a, b),
+            )
+        });
+        // Lanes: v0, v2, v4, v6, v1, v3, v5, v7.
+        let r = _mm256_hadd_ps(t[0], t[1]);
+        let mut o = [0.0f32; 8];
+        _mm256_storeu_ps(o.as_mut_ptr(), r);
+        [o[0], o[4], o[1], o[5], o[2], o[6], o[3], o[7]]
+    }
+}
+
 /// Dot products of `H` f32 rows `a[h]` with `P` rows `b[p]` of `E`, `d` elements each, in the
 /// module's fixed order: `out[p][h] = a[h]·b[p]` (an `H × P` register tile sharing every load).
 ///
@@ -139,9 +177,20 @@ unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
             }
         }
         let mut s = [[0.0f32; H]; P];
+        // Eight accumulators at a time through one transposed reduction, the rest one by one.
+        let mut k = 0;
+        while k + 8 <= H * P {
+            let r = hsum8(std::array::from_fn(|i| c[(k + i) / H][(k + i) % H]));
+            for (i, r) in r.into_iter().enumerate() {
+                s[(k + i) / H][(k + i) % H] = r;
+            }
+            k += 8;
+        }
+        for k in k..H * P {
+            s[k / H][k % H] = hsum(c[k / H][k % H]);
+        }
         for p in 0..P {
             for h in 0..H {
-                s[p][h] = hsum(c[p][h]);
                 for e in chunks * 8..d {
                     s[p][h] = (*a[h].add(e)).mul_add(E::load1(b[p].add(e * E::BYTES)), s[p][h]);
                 }
@@ -151,7 +200,8 @@ unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
     }
 }
 
-/// `acc[h][e] = p[h][j] · v_j[e] + acc[h][e]` (fused) for `j = 0..n` in order, `e < dv`.
+/// `acc[h][e] = p[h][j] · v_j[e] + acc[h][e]` (fused) for `j = 0..n` in order, `e < dv`, after
+/// `acc[h][e] *= corr[h]` (the softmax rescale; a factor 1 leaves the row bitwise unchanged).
 ///
 /// # Safety
 /// Every `acc[h]` must be valid for `dv` f32 reads and writes and not alias the others or the
@@ -160,6 +210,7 @@ unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
 #[inline(always)]
 unsafe fn weighted_sum<E: Elem, const H: usize>(
     acc: &[*mut f32; H],
+    corr: &[f32; H],
     p: &[[f32; BLOCK]; H],
     v: &[*const u8],
     n: usize,
@@ -168,25 +219,30 @@ unsafe fn weighted_sum<E: Elem, const H: usize>(
     // SAFETY: every access is below `dv` elements of its row (see the function's contract).
     unsafe {
         let mut e = 0;
-        // Four accumulator registers per head where they fit in the 16 registers, else three.
+        // As many accumulator registers per row as fit in the 16 registers.
         if H <= 3 {
             while e + 32 <= dv {
-                weighted_chunk::<E, H, 4>(acc, p, v, n, e);
+                weighted_chunk::<E, H, 4>(acc, corr, p, v, n, e);
                 e += 32;
             }
-        } else {
+        } else if H == 4 {
             while e + 24 <= dv {
-                weighted_chunk::<E, H, 3>(acc, p, v, n, e);
+                weighted_chunk::<E, H, 3>(acc, corr, p, v, n, e);
                 e += 24;
+            }
+        } else if H <= 6 {
+            while e + 16 <= dv {
+                weighted_chunk::<E, H, 2>(acc, corr, p, v, n, e);
+                e += 16;
             }
         }
         while e + 8 <= dv {
-            weighted_chunk::<E, H, 1>(acc, p, v, n, e);
+            weighted_chunk::<E, H, 1>(acc, corr, p, v, n, e);
             e += 8;
         }
         for e in e..dv {
             for h in 0..H {
-                let mut a = *acc[h].add(e);
+                let mut a = *acc[h].add(e) * corr[h];
                 for (j, &vp) in v[..n].iter().enumerate() {
                     a = p[h][j].mul_add(E::load1(vp.add(e * E::BYTES)), a);
                 }
@@ -204,6 +260,7 @@ unsafe fn weighted_sum<E: Elem, const H: usize>(
 #[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
 unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
     acc: &[*mut f32; H],
+    corr: &[f32; H],
     p: &[[f32; BLOCK]; H],
     v: &[*const u8],
     n: usize,
@@ -213,8 +270,9 @@ unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
     unsafe {
         let mut a = [[_mm256_setzero_ps(); W]; H];
         for h in 0..H {
+            let c = _mm256_set1_ps(corr[h]);
             for w in 0..W {
-                a[h][w] = _mm256_loadu_ps(acc[h].add(e + 8 * w));
+                a[h][w] = _mm256_mul_ps(_mm256_loadu_ps(acc[h].add(e + 8 * w)), c);
             }
         }
         for (j, &vp) in v[..n].iter().enumerate() {
@@ -234,36 +292,129 @@ unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
     }
 }
 
-/// One query token against one block: the rows of `q` (`q_heads × d`) fold the block's first
-/// `seen` positions (`k[j]`, `v[j]`: row starts in the store or in scratch) into their softmax
-/// states `m`, `l` and `acc` (`q_heads × dv`), head by head in the module's fixed order.
+/// [`exp_nonpos`]`::<true>` on eight lanes: the same operations in the same order, so each
+/// lane is bitwise the scalar result.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[inline(always)]
+unsafe fn exp8(x: __m256) -> __m256 {
+    // The constants of `exp_nonpos`.
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0;
+    // SAFETY: register-only AVX2/FMA operations, which the caller guarantees.
+    unsafe {
+        let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+        let x = _mm256_blendv_ps(x, _mm256_set1_ps(-87.0), small);
+        let round = _mm256_set1_ps(ROUND);
+        let n = _mm256_sub_ps(
+            _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round),
+            round,
+        );
+        let neg_n = _mm256_xor_ps(n, _mm256_set1_ps(-0.0));
+        let r = _mm256_fmadd_ps(
+            neg_n,
+            _mm256_set1_ps(LN2_LO),
+            _mm256_fmadd_ps(neg_n, _mm256_set1_ps(LN2_HI), x),
+        );
+        let mut p = _mm256_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvttps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        _mm256_andnot_ps(small, y)
+    }
+}
+
+/// Query tokens against one block: their rows of `q` (`q_heads × d` per token) fold the
+/// block's first `seen` positions (`k[j]`, `v[j]`: row starts in the store or in scratch) into
+/// their softmax states `m`, `l` and `acc` (`q_heads × dv` per token), head by head in the
+/// module's fixed order.
+///
+/// When `prefetch`, the tiles also prefetch the rows of the next KV head of the block, and
+/// after the last head those of the first head in the next block (`next_k`, `next_v`; empty
+/// when there is none), so they are in cache when their turn comes. Prefetching changes no
+/// arithmetic.
 pub(crate) struct TokenBlock<'a> {
     pub g: &'a Geom,
     pub k: &'a [*const u8],
     pub v: &'a [*const u8],
     pub seen: usize,
     pub scale: f32,
+    pub prefetch: bool,
+    pub next_k: &'a [*const u8],
+    pub next_v: &'a [*const u8],
 }
 
-/// Folds one tile of `H` query heads `h0 .. h0 + H` (all of KV head `gk`) into their states.
+/// Rows one tile prefetches: the `kbytes` at `k[j] + koff` and the `vbytes` at `v[j] + voff`.
+struct Prefetch<'a> {
+    k: &'a [*const u8],
+    v: &'a [*const u8],
+    koff: usize,
+    voff: usize,
+    kbytes: usize,
+    vbytes: usize,
+}
+
+impl Prefetch<'_> {
+    /// Prefetches the rows `j0 .. j1` (those that exist).
+    #[inline(always)]
+    fn rows(&self, j0: usize, j1: usize) {
+        for j in j0..j1.min(self.k.len()) {
+            span(self.k[j].wrapping_add(self.koff), self.kbytes);
+            if self.vbytes > 0 {
+                span(self.v[j].wrapping_add(self.voff), self.vbytes);
+            }
+        }
+    }
+}
+
+/// Prefetches the cache lines of `bytes` bytes at `p` into L1.
+#[inline(always)]
+fn span(p: *const u8, bytes: usize) {
+    let mut o = 0;
+    while o < bytes {
+        // SAFETY: a prefetch is only a hint: it never faults, whatever the address, and the
+        // address is computed with wrapping arithmetic (no pointer is dereferenced).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o).cast()) };
+        o += 64;
+    }
+    // The last line, when the span is not line-aligned.
+    // SAFETY: as above.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1).cast()) };
+}
+
+/// Folds one tile of `H` query rows `rows[i]` (token-major indices `t · q_heads + h` into the
+/// request's `q`, `m`, `l`, `acc`; every head `h` of KV head `gk`) into their states. The rows
+/// share every K and V load; each keeps its own fixed-order arithmetic, so the tile's shape
+/// changes no result.
 ///
 /// # Safety
 /// `tb.k[j]` must be valid for a whole K row of `E` (`g.k_row` elements), `tb.v[j]` for a whole
 /// V row (`g.v_row`, or the K row when `g.v_in_k`), for `j < tb.seen ≤ BLOCK`; `q`, `m`, `l`,
 /// `acc` must hold `q_heads` rows; the CPU must have AVX2, FMA and F16C.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)] // the rows' folds run side by side, indexed [row][position]
 unsafe fn tile<E: Elem, const H: usize>(
     tb: &TokenBlock<'_>,
     gk: usize,
-    h0: usize,
+    rows: [usize; H],
     q: &[f32],
     m: &mut [f32],
     l: &mut [f32],
     acc: &mut [f32],
+    pf: Option<&Prefetch<'_>>,
 ) {
     let g = tb.g;
     let (d, dv, n) = (g.d, g.dv, tb.seen);
-    let qp: [*const f32; H] = std::array::from_fn(|i| q[(h0 + i) * d..][..d].as_ptr());
+    let qp: [*const f32; H] = std::array::from_fn(|i| q[rows[i] * d..][..d].as_ptr());
     let koff = gk * d * E::BYTES;
     let voff = if g.v_in_k { 0 } else { gk * dv * E::BYTES };
     let mut s = [[0.0f32; BLOCK]; H];
@@ -272,16 +423,38 @@ unsafe fn tile<E: Elem, const H: usize>(
     unsafe {
         let kp = |j: usize| tb.k[j].add(koff);
         let mut j = 0;
-        while j + 3 <= n {
-            let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
-            for (p, t) in t.iter().enumerate() {
-                for h in 0..H {
-                    s[h][j + p] = tb.scale * t[h];
+        // Three positions per step where the 4 × 3 register tile fits, else two, else one.
+        if H <= 4 {
+            while j + 3 <= n {
+                if let Some(pf) = pf {
+                    pf.rows(j, j + 3);
                 }
+                let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
+                for (p, t) in t.iter().enumerate() {
+                    for h in 0..H {
+                        s[h][j + p] = tb.scale * t[h];
+                    }
+                }
+                j += 3;
             }
-            j += 3;
+        } else if H <= 6 {
+            while j + 2 <= n {
+                if let Some(pf) = pf {
+                    pf.rows(j, j + 2);
+                }
+                let t = dot_tile::<E, H, 2>(&qp, [kp(j), kp(j + 1)], d);
+                for (p, t) in t.iter().enumerate() {
+                    for h in 0..H {
+                        s[h][j + p] = tb.scale * t[h];
+                    }
+                }
+                j += 2;
+            }
         }
         while j < n {
+            if let Some(pf) = pf {
+                pf.rows(j, j + 1);
+            }
             let [t] = dot_tile::<E, H, 1>(&qp, [kp(j)], d);
             for h in 0..H {
                 s[h][j] = tb.scale * t[h];
@@ -289,33 +462,49 @@ unsafe fn tile<E: Elem, const H: usize>(
             j += 1;
         }
     }
+    // The block maxima and (below) the weight sums run the rows' sequential folds side by side,
+    // each row still in position order: the rows are independent chains.
+    let mut m_b = [f32::NEG_INFINITY; H];
+    for j in 0..n {
+        for h in 0..H {
+            m_b[h] = m_b[h].max(s[h][j]);
+        }
+    }
+    // The rescale of the accumulator rows is applied as `weighted_sum` loads them.
+    let mut corr = [1.0f32; H];
     for (h, s) in s.iter_mut().enumerate() {
-        let i = h0 + h;
-        let s = &mut s[..n];
-        let m_b = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let m_new = m[i].max(m_b);
+        let i = rows[h];
+        let m_new = m[i].max(m_b[h]);
         if m[i] != m_new {
-            let corr = if m[i] == f32::NEG_INFINITY {
+            corr[h] = if m[i] == f32::NEG_INFINITY {
                 0.0
             } else {
                 exp_nonpos::<true>(m[i] - m_new)
             };
-            l[i] *= corr;
-            acc[i * dv..(i + 1) * dv]
-                .iter_mut()
-                .for_each(|a| *a *= corr);
+            l[i] *= corr[h];
             m[i] = m_new;
         }
-        for x in s.iter_mut() {
-            *x = exp_nonpos::<true>(*x - m_new);
+        // Eight weights at a time (past `n` the lanes compute unused values).
+        // SAFETY: `s` holds BLOCK = 32 elements, a multiple of 8, and n ≤ BLOCK; the CPU has
+        // AVX2 and FMA (function contract).
+        unsafe {
+            let mv = _mm256_set1_ps(m_new);
+            for c in 0..n.div_ceil(8) {
+                let x = _mm256_loadu_ps(s[c * 8..].as_ptr());
+                _mm256_storeu_ps(s[c * 8..].as_mut_ptr(), exp8(_mm256_sub_ps(x, mv)));
+            }
         }
-        let mut sum = 0.0f32;
-        for &p in s.iter() {
-            sum += p;
-        }
-        l[i] += sum;
     }
-    let accp: [*mut f32; H] = std::array::from_fn(|i| acc[(h0 + i) * dv..][..dv].as_mut_ptr());
+    let mut sum = [0.0f32; H];
+    for j in 0..n {
+        for h in 0..H {
+            sum[h] += s[h][j];
+        }
+    }
+    for h in 0..H {
+        l[rows[h]] += sum[h];
+    }
+    let accp: [*mut f32; H] = std::array::from_fn(|i| acc[rows[i] * dv..][..dv].as_mut_ptr());
     let mut vp = [std::ptr::null::<u8>(); BLOCK];
     for (p, &v) in vp.iter_mut().zip(&tb.v[..n]) {
         // SAFETY: the V row holds head gk's `dv` elements at `voff` (function contract).
@@ -323,35 +512,132 @@ unsafe fn tile<E: Elem, const H: usize>(
     }
     // SAFETY: the accumulator rows are disjoint `dv`-element rows of `acc` (sliced above), the
     // value rows hold `dv` elements at `vp[j]`; see the function's contract for the CPU.
-    unsafe { weighted_sum::<E, H>(&accp, &s, &vp, n, dv) };
+    unsafe { weighted_sum::<E, H>(&accp, &corr, &s, &vp, n, dv) };
 }
 
-/// One query token against one block (see [`TokenBlock`]).
+/// Maximum query rows per tile.
+const ROWS: usize = 6;
+
+/// The query tokens `tokens` (all seeing the block's first `tb.seen` positions) against one
+/// block (see [`TokenBlock`]): for each KV head, the rows of all those tokens on its query
+/// heads go through tiles of up to [`ROWS`] rows that share the head's K and V loads, so the
+/// block's rows are read from memory once for all the tokens. `q`, `m`, `l`, `acc` are the
+/// request's (token-major) arrays.
 ///
 /// # Safety
-/// As [`tile`], for every KV head.
+/// As [`tile`], for every KV head; `tokens` must be rows of `q`, `m`, `l` and `acc`.
 #[inline(always)]
 unsafe fn token_block<E: Elem>(
     tb: &TokenBlock<'_>,
+    tokens: std::ops::Range<usize>,
     q: &[f32],
     m: &mut [f32],
     l: &mut [f32],
     acc: &mut [f32],
 ) {
     let g = tb.g;
-    for gk in 0..g.q_heads / g.group {
-        let (mut h, end) = (gk * g.group, (gk + 1) * g.group);
-        while h < end {
-            // SAFETY: forwarded contract; h .. h + tile width stays within KV head gk.
+    let kv_heads = g.q_heads / g.group;
+    let total = tokens.len() * g.group;
+    for gk in 0..kv_heads {
+        // The first tile of the head prefetches the next head's rows.
+        let (rows_k, rows_v, next) = if gk + 1 < kv_heads {
+            (tb.k, tb.v, gk + 1)
+        } else {
+            (tb.next_k, tb.next_v, 0)
+        };
+        let pf = Prefetch {
+            k: rows_k,
+            v: rows_v,
+            koff: next * g.d * E::BYTES,
+            voff: if g.v_in_k { 0 } else { next * g.dv * E::BYTES },
+            kbytes: g.d * E::BYTES,
+            vbytes: if g.v_in_k { 0 } else { g.dv * E::BYTES },
+        };
+        let mut pf = (tb.prefetch && !rows_k.is_empty()).then_some(&pf);
+        // Row `k` of the head is token `tokens.start + k / group`, head `gk · group + k % group`.
+        let row = |k: usize| (tokens.start + k / g.group) * g.q_heads + gk * g.group + k % g.group;
+        let mut k = 0;
+        while k < total {
+            let w = (total - k).min(ROWS);
+            // SAFETY: forwarded contract; the rows are rows of the request (see above) on the
+            // query heads of KV head gk.
             unsafe {
-                match end - h {
-                    1 => tile::<E, 1>(tb, gk, h, q, m, l, acc),
-                    2 => tile::<E, 2>(tb, gk, h, q, m, l, acc),
-                    3 => tile::<E, 3>(tb, gk, h, q, m, l, acc),
-                    _ => tile::<E, 4>(tb, gk, h, q, m, l, acc),
+                match w {
+                    1 => tile::<E, 1>(tb, gk, [row(k)], q, m, l, acc, pf),
+                    2 => tile::<E, 2>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    3 => tile::<E, 3>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    4 => tile::<E, 4>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    5 => tile::<E, 5>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    6 => tile::<E, 6>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    7 => tile::<E, 7>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
+                    _ => tile::<E, 8>(
+                        tb,
+                        gk,
+                        std::array::from_fn(|i| row(k + i)),
+                        q,
+                        m,
+                        l,
+                        acc,
+                        pf,
+                    ),
                 }
             }
-            h += (end - h).min(4);
+            pf = None;
+            k += w;
         }
     }
 }
@@ -365,13 +651,14 @@ macro_rules! token_block_for {
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(crate) unsafe fn $name(
             tb: &TokenBlock<'_>,
+            tokens: std::ops::Range<usize>,
             q: &[f32],
             m: &mut [f32],
             l: &mut [f32],
             acc: &mut [f32],
         ) {
             // SAFETY: forwarded contract.
-            unsafe { token_block::<$elem>(tb, q, m, l, acc) }
+            unsafe { token_block::<$elem>(tb, tokens, q, m, l, acc) }
         }
     };
 }
