@@ -364,7 +364,10 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "insta reads snapshot files, which miri's isolation forbids")]
+    #[cfg_attr(
+        miri,
+        ignore = "insta reads snapshot files, which miri's isolation forbids"
+    )]
     fn rendering() {
         let mut pool = ReqToTokenPool::new(3, 4).unwrap();
         let rows = pool.alloc(2).unwrap();
