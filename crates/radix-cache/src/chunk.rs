@@ -29,19 +29,7 @@ impl ChunkCache {
     }
 
     fn check_view(&self, req: &ReqView<'_>) -> Result<()> {
-        if req.tokens.len() < req.committed_len {
-            return Err(RadixCacheError::LengthMismatch {
-                what: "request tokens (at least committed_len)",
-                expected: req.committed_len,
-                got: req.tokens.len(),
-            });
-        }
-        if req.state.cache_protected_len > req.committed_len {
-            return Err(RadixCacheError::InvalidRequest(format!(
-                "cache_protected_len {} exceeds committed_len {}",
-                req.state.cache_protected_len, req.committed_len
-            )));
-        }
+        req.check_lengths(self.page_size)?;
         if req.state.last_node != ROOT {
             return Err(RadixCacheError::StaleNode(req.state.last_node));
         }

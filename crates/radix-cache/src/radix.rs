@@ -853,21 +853,7 @@ impl RadixCache {
     }
 
     fn check_view(&self, req: &ReqView<'_>) -> Result<()> {
-        if req.tokens.len() < req.committed_len {
-            return Err(RadixCacheError::LengthMismatch {
-                what: "request tokens (at least committed_len)",
-                expected: req.committed_len,
-                got: req.tokens.len(),
-            });
-        }
-        if req.state.cache_protected_len > req.committed_len
-            || req.state.cache_protected_len % self.page_size as usize != 0
-        {
-            return Err(RadixCacheError::InvalidRequest(format!(
-                "cache_protected_len {} must be page-aligned and at most committed_len {}",
-                req.state.cache_protected_len, req.committed_len
-            )));
-        }
+        req.check_lengths(self.page_size)?;
         let last = self.resolve(req.state.last_node)?;
         if self.nodes[last as usize].parent != NONE && self.nodes[last as usize].lock_ref == 0 {
             return Err(RadixCacheError::LockUnderflow(req.state.last_node));

@@ -3,6 +3,7 @@
 
 use kv_pool::{ReqRow, Slot};
 
+use crate::error::{RadixCacheError, Result};
 use crate::NodeId;
 
 /// What the prefix cache keeps on a request (SGLang's `req.cache_protected_len`,
@@ -45,4 +46,26 @@ pub struct ReqView<'a> {
     pub priority: i64,
     /// The cache's state on the request.
     pub state: &'a mut PrefixState,
+}
+
+impl ReqView<'_> {
+    /// Checks the lengths every cache relies on: at least `committed_len` tokens, and a
+    /// protected length within them and on a page boundary (the tree holds whole pages).
+    pub fn check_lengths(&self, page_size: u32) -> Result<()> {
+        if self.tokens.len() < self.committed_len {
+            return Err(RadixCacheError::LengthMismatch {
+                what: "request tokens (at least committed_len)",
+                expected: self.committed_len,
+                got: self.tokens.len(),
+            });
+        }
+        let protected = self.state.cache_protected_len;
+        if protected > self.committed_len || protected % page_size.max(1) as usize != 0 {
+            return Err(RadixCacheError::InvalidRequest(format!(
+                "cache_protected_len {protected} must be page-aligned and at most committed_len {}",
+                self.committed_len
+            )));
+        }
+        Ok(())
+    }
 }
