@@ -559,83 +559,18 @@ unsafe fn token_block<E: Elem>(
         let mut k = 0;
         while k < total {
             let w = (total - k).min(ROWS);
+            // One monomorphised tile per width, so each width keeps its registers.
+            macro_rules! tile_of_width {
+                ($($n:literal)*) => {
+                    match w {
+                        $($n => tile::<E, $n>(tb, gk, std::array::from_fn(|i| row(k + i)), q, m, l, acc, pf),)*
+                        _ => tile::<E, 8>(tb, gk, std::array::from_fn(|i| row(k + i)), q, m, l, acc, pf),
+                    }
+                };
+            }
             // SAFETY: forwarded contract; the rows are rows of the request (see above) on the
             // query heads of KV head gk.
-            unsafe {
-                match w {
-                    1 => tile::<E, 1>(tb, gk, [row(k)], q, m, l, acc, pf),
-                    2 => tile::<E, 2>(
-                        tb,
-                        gk,
-                        std::array::from_fn(|i| row(k + i)),
-                        q,
-                        m,
-                        l,
-                        acc,
-                        pf,
-                    ),
-                    3 => tile::<E, 3>(
-                        tb,
-                        gk,
-                        std::array::from_fn(|i| row(k + i)),
-                        q,
-                        m,
-                        l,
-                        acc,
-                        pf,
-                    ),
-                    4 => tile::<E, 4>(
-                        tb,
-                        gk,
-                        std::array::from_fn(|i| row(k + i)),
-                        q,
-                        m,
-                        l,
-                        acc,
-                        pf,
-                    ),
-                    5 => tile::<E, 5>(
-                        tb,
-                        gk,
-                        std::array::from_fn(|i| row(k + i)),
-                        q,
-                        m,
-                        l,
-                        acc,
-                        pf,
-                    ),
-                    6 => tile::<E, 6>(
-                        tb,
-                        gk,
-                        std::array::from_fn(|i| row(k + i)),
-                        q,
-                        m,
-                        l,
-                        acc,
-                        pf,
-                    ),
-                    7 => tile::<E, 7>(
-                        tb,
-                        gk,
-                        std::array::from_fn(|i| row(k + i)),
-                        q,
-                        m,
-                        l,
-                        acc,
-                        pf,
-                    ),
-                    _ => tile::<E, 8>(
-                        tb,
-                        gk,
-                        std::array::from_fn(|i| row(k + i)),
-                        q,
-                        m,
-                        l,
-                        acc,
-                        pf,
-                    ),
-                }
-            }
+            unsafe { tile_of_width!(1 2 3 4 5 6 7) }
             pf = None;
             k += w;
         }
