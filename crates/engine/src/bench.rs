@@ -1,19 +1,18 @@
 //! `kvserve bench` in-process: a workload through the real scheduler, prefix cache and
-//! allocator and a real model ([`crate::model_exec::ModelExecutor`] on the CPU backend), timed
+//! allocator and a real model ([`crate::model_exec::ModelExecutor`] on the chosen backend), timed
 //! by the wall clock of every step. Reports throughput (requests/s, input and output tokens/s),
 //! TTFT and inter-token latency percentiles, and the cache hit rate against the workload's
 //! ideal; `--compare-no-cache` runs the same workload with the radix cache disabled.
 
 use std::time::Instant;
 
-use attention::{CpuBackend, CpuConfig};
-use kv_pool::{floor_to_page, KvDtype, KvLayout, PagedAllocator};
-use model::{Model, ModelRunner};
-use radix_cache::policy::policy_from_name;
-use radix_cache::{ChunkCache, PrefixCache, RadixCache};
-use scheduler::{replay, Clock, SchedulePolicy, Scheduler, SchedulerConfig, SimReport, SimRequest};
+use kv_pool::{floor_to_page, KvDtype};
+use scheduler::{
+    replay, Clock, ReplayConfig, SchedulePolicy, Scheduler, SchedulerConfig, SimReport, SimRequest,
+};
 use serde::Serialize;
 
+use crate::components::{build_scheduler, AnyRunner, BackendKind};
 use crate::error::{EngineError, Result};
 use crate::model_exec::ModelExecutor;
 
@@ -26,19 +25,42 @@ pub enum ModelSource {
     Path(std::path::PathBuf),
 }
 
+impl ModelSource {
+    /// The model's configuration (`config.json` of a directory), without loading weights.
+    pub fn config(&self) -> Result<model::ModelConfig> {
+        match self {
+            ModelSource::Tiny => Ok(model::tiny::tiny_config()),
+            ModelSource::Path(dir) => model::ModelConfig::from_file(&dir.join("config.json"))
+                .map_err(|e| EngineError::Model(e.to_string())),
+        }
+    }
+
+    /// The name the server reports (`tiny`, or the directory).
+    pub fn name(&self) -> String {
+        match self {
+            ModelSource::Tiny => "tiny".into(),
+            ModelSource::Path(dir) => dir.display().to_string(),
+        }
+    }
+}
+
 /// The engine configuration of a bench run or a server.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineSetup {
     /// The model.
     pub model: ModelSource,
-    /// KV pool size in tokens.
+    /// KV pool size in tokens; with `mem_fraction_static`, its cap (`usize::MAX`: none).
     pub capacity_tokens: usize,
+    /// `--mem-fraction-static`: size the pool from host memory ([`crate::memory`]).
+    pub mem_fraction_static: Option<f64>,
     /// KV cache dtype.
     pub kv_dtype: KvDtype,
     /// Scheduler settings.
     pub scheduler: SchedulerConfig,
     /// Eviction policy of the radix cache.
     pub eviction_policy: String,
+    /// The compute backend.
+    pub backend: BackendKind,
     /// CPU threads of the backend.
     pub threads: usize,
     /// Seed of sampling (greedy requests ignore it).
@@ -48,7 +70,7 @@ pub struct EngineSetup {
 /// The figures of one run (a JSON object of `--json`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BenchOutcome {
-    /// `radix` or `no-cache`.
+    /// `radix`, `no-cache`, or `remote` (`--url`).
     pub cache: String,
     /// Requests that finished.
     pub requests: usize,
@@ -92,7 +114,8 @@ pub struct BenchOutcome {
 }
 
 impl BenchOutcome {
-    fn new(cache: &str, r: SimReport, ideal_hit_rate: f64) -> Self {
+    /// The figures of a run from its report; `cache` labels it (`radix`, `no-cache`, `remote`).
+    pub fn new(cache: &str, r: SimReport, ideal_hit_rate: f64) -> Self {
         let per_s = |n: f64| {
             if r.duration_s > 0.0 {
                 n / r.duration_s
@@ -125,35 +148,24 @@ impl BenchOutcome {
     }
 }
 
-/// Builds the executor: the model on the CPU backend, with a KV store of `capacity` slots.
-fn executor(setup: &EngineSetup, capacity: usize) -> Result<ModelExecutor<CpuBackend>> {
-    let backend = CpuBackend::new(CpuConfig {
-        threads: setup.threads.max(1),
-        ..CpuConfig::default()
-    })
-    .map_err(|e| EngineError::arg("--threads", e.to_string()))?;
-    let model: Model<CpuBackend> = match &setup.model {
-        ModelSource::Tiny => model::tiny::tiny_model(&backend).map_err(model_err)?.into(),
-        ModelSource::Path(dir) => model::load_model_dir(&backend, dir).map_err(model_err)?,
-    };
-    let shape = model
-        .config()
-        .kv_shape(setup.kv_dtype)
-        .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
-    let layout = KvLayout::new(shape, setup.scheduler.page_size, capacity)?;
-    let runner = ModelRunner::new(backend, model, layout).map_err(model_err)?;
-    Ok(ModelExecutor::new(runner, setup.seed))
-}
-
-fn model_err(e: model::ModelError) -> EngineError {
-    EngineError::Model(e.to_string())
-}
-
 /// Builds the scheduler (radix or chunk cache, paged allocator) and the model executor that a
 /// bench run or a server uses.
-pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecutor<CpuBackend>)> {
+pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecutor)> {
     let p = setup.scheduler.page_size;
-    let capacity = floor_to_page(setup.capacity_tokens, p as usize);
+    let tokens = match setup.mem_fraction_static {
+        None => setup.capacity_tokens,
+        Some(f) => {
+            let shape = setup
+                .model
+                .config()?
+                .kv_shape(setup.kv_dtype)
+                .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
+            let cap = (setup.capacity_tokens != usize::MAX).then_some(setup.capacity_tokens);
+            crate::memory::pool_tokens(f, &setup.model, shape, p, setup.scheduler.context_len, cap)?
+                .max_total_num_tokens()
+        }
+    };
+    let capacity = floor_to_page(tokens, p as usize);
     if capacity == 0 {
         return Err(EngineError::arg(
             "--max-total-tokens",
@@ -163,22 +175,13 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
             ),
         ));
     }
-    let exec = executor(setup, capacity)?;
-    let cache: Box<dyn PrefixCache> = if radix {
-        Box::new(RadixCache::new(
-            p,
-            policy_from_name(&setup.eviction_policy)?,
-        ))
-    } else {
-        Box::new(ChunkCache::new(p))
-    };
-    let sched = Scheduler::new(
+    let exec = ModelExecutor::new(AnyRunner::build(setup, capacity)?, setup.seed);
+    let sched = build_scheduler(
         setup.scheduler.clone(),
-        cache,
         radix,
-        Box::new(PagedAllocator::new(capacity, p)?),
-    )
-    .map_err(|e| EngineError::Simulation(e.to_string()))?;
+        &setup.eviction_policy,
+        capacity,
+    )?;
     Ok((sched, exec))
 }
 
@@ -188,10 +191,15 @@ pub fn run_bench(
     setup: &EngineSetup,
     radix: bool,
     ideal_hit_rate: f64,
+    max_concurrency: Option<usize>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<BenchOutcome> {
     let (mut sched, mut exec) = build(setup, radix)?;
-    let report = replay(requests, &mut sched, &mut exec, Clock::Wall, progress)
+    let config = ReplayConfig {
+        clock: Clock::Wall,
+        max_concurrency,
+    };
+    let report = replay(requests, &mut sched, &mut exec, config, progress)
         .map_err(|e| EngineError::Simulation(e.to_string()))?;
     sched
         .check_invariants()
@@ -283,6 +291,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
     EngineSetup {
         model: ModelSource::Tiny,
         capacity_tokens: 1 << 17,
+        mem_fraction_static: None,
         kv_dtype: KvDtype::F32,
         scheduler: SchedulerConfig {
             page_size: 16,
@@ -292,6 +301,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
             ..SchedulerConfig::default()
         },
         eviction_policy: "lru".into(),
+        backend: BackendKind::Cpu,
         threads: 1,
         seed: 0,
     }
@@ -336,8 +346,8 @@ mod tests {
             capacity_tokens: 8192,
             ..default_setup(512)
         };
-        let with = run_bench(&reqs, &setup, true, ideal, &mut |_, _| {}).unwrap();
-        let without = run_bench(&reqs, &setup, false, ideal, &mut |_, _| {}).unwrap();
+        let with = run_bench(&reqs, &setup, true, ideal, None, &mut |_, _| {}).unwrap();
+        let without = run_bench(&reqs, &setup, false, ideal, None, &mut |_, _| {}).unwrap();
         for o in [&with, &without] {
             assert_eq!((o.requests, o.aborted, o.output_tokens), (8, 0, 64));
             assert!(

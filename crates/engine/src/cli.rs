@@ -16,7 +16,7 @@ use crate::cache_sim::{page_align_capacity, parse_policies, run_sweep, SweepConf
 use crate::error::{EngineError, Result};
 use crate::plot::plot_hit_rates;
 use crate::report::{render_json_lines, render_table, TableOptions};
-use crate::workload::{load_mooncake, GspConfig, MultiTurnConfig, Workload};
+use crate::workload::{load_mooncake, GspConfig, MultiTurnConfig, RandomConfig, Workload};
 
 /// kvserve: a KV-cache-centric LLM serving stack.
 #[derive(Debug, Parser)]
@@ -43,6 +43,32 @@ pub enum Command {
     /// Serve a model over HTTP (SGLang's native API: /generate, /health, /get_model_info,
     /// /get_server_info, /flush_cache; /v1/models).
     Serve(ServeArgs),
+    /// List what this build has: features, backends, allocators, prefix caches, policies,
+    /// KV dtypes and model architectures.
+    Info(InfoArgs),
+}
+
+/// Flags of `kvserve info`.
+#[derive(Debug, Args)]
+pub struct InfoArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvserve info`.
+pub fn info(args: &InfoArgs, out: &mut dyn Write) -> Result<()> {
+    let inventory = crate::components::Inventory::of_this_build();
+    let text = if args.json {
+        serde_json::to_string_pretty(&inventory)
+            .map_err(|e| EngineError::arg("--json", e.to_string()))?
+    } else {
+        inventory.to_string()
+    };
+    writeln!(out, "{text}").map_err(|source| EngineError::Io {
+        path: "standard output".into(),
+        source,
+    })
 }
 
 /// Generated workloads.
@@ -52,6 +78,8 @@ pub enum WorkloadKind {
     Gsp,
     /// Multi-turn chat sessions whose prompts carry the whole history.
     Multiturn,
+    /// SGLang bench_serving's random input and output lengths (no shared prefixes).
+    Random,
 }
 
 /// Output formats.
@@ -141,6 +169,19 @@ pub struct WorkloadArgs {
     #[arg(long, help_heading = "Multi-turn chat (multiturn)")]
     pub mt_output_len: Option<usize>,
 
+    /// random: requests [default: 1000; bench: 64]
+    #[arg(long, help_heading = "Random lengths (random)")]
+    pub num_prompts: Option<usize>,
+    /// random: the longest prompt in tokens [default: 1024; bench: 512]
+    #[arg(long, help_heading = "Random lengths (random)")]
+    pub random_input_len: Option<usize>,
+    /// random: the longest output in tokens [default: 1024; bench: 64]
+    #[arg(long, help_heading = "Random lengths (random)")]
+    pub random_output_len: Option<usize>,
+    /// random: lengths are uniform in [max(len × ratio, 1), len]
+    #[arg(long, default_value_t = 0.0, help_heading = "Random lengths (random)")]
+    pub random_range_ratio: f64,
+
     /// Seed of generated workloads.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -202,22 +243,26 @@ pub struct WorkloadDefaults {
     pub gsp: [usize; 5],
     /// multiturn: sessions, turns, input and output lengths per turn.
     pub multiturn: [usize; 4],
+    /// random: prompts, longest input and output lengths.
+    pub random: [usize; 3],
 }
 
 impl WorkloadDefaults {
     /// SGLang bench_serving's defaults (cache-sim, sim): gsp 64 × 16 prompts, 2048-token
     /// system prompts, 128-token questions, 256 output tokens; multiturn 64 sessions × 8 turns
-    /// of 256 in, 128 out.
+    /// of 256 in, 128 out; random 1000 prompts of up to 1024 in and 1024 out.
     pub const SGLANG: WorkloadDefaults = WorkloadDefaults {
         gsp: [64, 16, 2048, 128, 256],
         multiturn: [64, 8, 256, 128],
+        random: [1000, 1024, 1024],
     };
     /// `kvserve bench` on the tiny model, sized for about a minute on 2 cores: gsp 16 × 16
     /// prompts, 1024-token system prompts, 128-token questions, 128 output tokens; multiturn
-    /// 16 sessions × 4 turns of 128 in, 64 out.
+    /// 16 sessions × 4 turns of 128 in, 64 out; random 64 prompts of up to 512 in and 64 out.
     pub const BENCH: WorkloadDefaults = WorkloadDefaults {
         gsp: [16, 16, 1024, 128, 128],
         multiturn: [16, 4, 128, 64],
+        random: [64, 512, 64],
     };
 }
 
@@ -250,6 +295,15 @@ impl WorkloadArgs {
                 vocab_size: self.vocab_size,
             }
             .generate(),
+            WorkloadKind::Random => RandomConfig {
+                num_prompts: self.num_prompts.unwrap_or(defaults.random[0]),
+                input_len: self.random_input_len.unwrap_or(defaults.random[1]),
+                output_len: self.random_output_len.unwrap_or(defaults.random[2]),
+                range_ratio: self.random_range_ratio,
+                seed: self.seed,
+                vocab_size: self.vocab_size,
+            }
+            .generate(),
         }
     }
 }
@@ -261,17 +315,23 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Sim(args) => sim(&args, out),
         Command::Bench(args) => bench(&args, out),
         Command::Serve(args) => serve(&args),
+        Command::Info(args) => info(&args, out),
     }
 }
 
 /// Engine flags shared by `bench` and `serve`, named after SGLang's server arguments.
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
+    /// Read flags from this TOML file (keys are the long flags: `page-size = 16`); flags given
+    /// on the command line win.
+    #[arg(long, value_name = "FILE.toml", help_heading = "Engine")]
+    pub config: Option<PathBuf>,
     /// A Hugging Face model directory (config.json, *.safetensors, tokenizer.json); default:
     /// the built-in tiny preset, which needs no download.
     #[arg(long, value_name = "DIR", help_heading = "Engine")]
     pub model_path: Option<PathBuf>,
-    /// Compute backend: cpu (the only one compiled into this build).
+    /// Compute backend: cpu, wgpu, cuda (among those compiled into this build; see `kvserve
+    /// info`).
     #[arg(long, default_value = "cpu", help_heading = "Engine")]
     pub backend: String,
     /// CPU threads (default: the available cores).
@@ -283,9 +343,14 @@ pub struct EngineArgs {
     /// Page size in tokens.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Engine")]
     pub page_size: u32,
-    /// KV pool size in tokens.
-    #[arg(long, default_value_t = 1 << 17, help_heading = "Engine")]
-    pub max_total_tokens: usize,
+    /// KV pool size in tokens (default 131072, or with --mem-fraction-static the pool that
+    /// fraction of host memory holds, capped by this flag when both are given).
+    #[arg(long, value_name = "N", help_heading = "Engine")]
+    pub max_total_tokens: Option<usize>,
+    /// Fraction of memory that weights plus the KV pool may use, in (0, 1] (SGLang's sizing
+    /// rule, over host memory for the CPU backend).
+    #[arg(long, value_name = "F", help_heading = "Engine")]
+    pub mem_fraction_static: Option<f64>,
     /// Request limit.
     #[arg(long, default_value_t = 256, help_heading = "Engine")]
     pub max_running_requests: usize,
@@ -310,6 +375,16 @@ pub struct EngineArgs {
     /// position embeddings for serve).
     #[arg(long, help_heading = "Engine")]
     pub context_length: Option<usize>,
+    /// Use the chunk cache (no prefix reuse) instead of the radix cache.
+    #[arg(long, help_heading = "Engine")]
+    pub disable_radix_cache: bool,
+    /// Scales the scheduler's estimate of future decode tokens (higher: fewer retractions,
+    /// smaller batches).
+    #[arg(long, value_name = "X", default_value_t = 1.0, help_heading = "Engine")]
+    pub schedule_conservativeness: f64,
+    /// Let running decodes ride along in prefill batches.
+    #[arg(long, help_heading = "Engine")]
+    pub enable_mixed_chunk: bool,
 }
 
 impl EngineArgs {
@@ -317,16 +392,8 @@ impl EngineArgs {
     /// `--context-length` is given.
     pub fn setup(&self, default_context_len: usize) -> Result<crate::bench::EngineSetup> {
         use crate::bench::{default_setup, parse_policy, ModelSource};
-        if self.backend != "cpu" {
-            return Err(EngineError::arg(
-                "--backend",
-                format!(
-                    "{:?} is not compiled into this build; compiled backends: cpu",
-                    self.backend
-                ),
-            ));
-        }
         let mut setup = default_setup(self.context_length.unwrap_or(default_context_len));
+        setup.backend = crate::components::BackendKind::parse(&self.backend)?;
         setup.kv_dtype = match self.kv_cache_dtype.as_str() {
             "auto" => kv_pool::KvDtype::F32,
             other => other.parse().map_err(|e: kv_pool::KvPoolError| {
@@ -337,7 +404,14 @@ impl EngineArgs {
             .model_path
             .clone()
             .map_or(ModelSource::Tiny, ModelSource::Path);
-        setup.capacity_tokens = self.max_total_tokens;
+        setup.mem_fraction_static = self.mem_fraction_static;
+        setup.capacity_tokens = match (self.max_total_tokens, self.mem_fraction_static) {
+            (Some(n), _) => n,
+            (None, Some(_)) => usize::MAX,
+            (None, None) => 1 << 17,
+        };
+        setup.scheduler.schedule_conservativeness = self.schedule_conservativeness;
+        setup.scheduler.enable_mixed_chunk = self.enable_mixed_chunk;
         setup.threads = self
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -364,9 +438,6 @@ pub struct ServeArgs {
     /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Use the chunk cache (no prefix reuse).
-    #[arg(long)]
-    pub disable_radix_cache: bool,
     /// Refuse new requests (503) while this many wait.
     #[arg(long)]
     pub max_queued_requests: Option<usize>,
@@ -375,14 +446,7 @@ pub struct ServeArgs {
 /// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
 pub fn serve(args: &ServeArgs) -> Result<()> {
     let state = build_server_state(args)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|source| EngineError::Io {
-            path: "the async runtime".into(),
-            source,
-        })?;
-    runtime.block_on(async move {
+    crate::async_runtime()?.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
@@ -409,24 +473,24 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 
 /// The server's shared state for `args`: engine thread started, tokenizer loaded.
 pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::server::AppState>> {
-    let (tokenizer, config, name) = match &args.engine.model_path {
-        None => (
-            model::tiny::tiny_tokenizer(),
-            model::tiny::tiny_config(),
-            "tiny".to_string(),
-        ),
-        Some(dir) => {
-            let (tok, _) =
-                model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))?;
-            let cfg = model::ModelConfig::from_file(&dir.join("config.json"))
-                .map_err(|e| EngineError::Model(e.to_string()))?;
-            (tok, cfg, dir.display().to_string())
+    let source = args.engine.model_path.clone().map_or(
+        crate::bench::ModelSource::Tiny,
+        crate::bench::ModelSource::Path,
+    );
+    let config = source.config()?;
+    let name = source.name();
+    let tokenizer = match &source {
+        crate::bench::ModelSource::Tiny => model::tiny::tiny_tokenizer(),
+        crate::bench::ModelSource::Path(dir) => {
+            model::load_tokenizer_dir(dir)
+                .map_err(|e| EngineError::Model(e.to_string()))?
+                .0
         }
     };
     let mut setup = args.engine.setup(config.max_position_embeddings)?;
     setup.scheduler.max_queued_requests = args.max_queued_requests;
     let context_len = setup.scheduler.context_len;
-    let (sched, exec) = crate::bench::build(&setup, !args.disable_radix_cache)?;
+    let (sched, exec) = crate::bench::build(&setup, !args.engine.disable_radix_cache)?;
     Ok(std::sync::Arc::new(crate::server::AppState {
         engine: crate::engine_loop::EngineHandle::start(sched, exec),
         vocab_size: config.vocab_size,
@@ -454,6 +518,26 @@ pub struct BenchArgs {
     /// Also run the workload with the radix cache disabled and print the ratios.
     #[arg(long)]
     pub compare_no_cache: bool,
+    /// Drive this OpenAI-compatible server (`http://host:port`) over HTTP instead of an
+    /// in-process engine (the engine flags are then unused).
+    #[arg(long, value_name = "URL", help_heading = "Remote server")]
+    pub url: Option<String>,
+    /// With --url: the `model` of each request (default: the first of /v1/models).
+    #[arg(
+        long,
+        value_name = "NAME",
+        requires = "url",
+        help_heading = "Remote server"
+    )]
+    pub model: Option<String>,
+    /// With --url: the server's API key (sent as `Authorization: Bearer`).
+    #[arg(
+        long,
+        value_name = "KEY",
+        requires = "url",
+        help_heading = "Remote server"
+    )]
+    pub api_key: Option<String>,
     /// Write the results as JSON to this file.
     #[arg(long, value_name = "FILE", default_value = "kvserve-bench.json")]
     pub json: PathBuf,
@@ -467,7 +551,7 @@ pub struct BenchArgs {
 
 /// `kvserve bench`.
 pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
-    use crate::bench::{plot, render, run_bench, timed};
+    use crate::bench::{plot, render, run_bench, timed, BenchOutcome};
     use crate::sim::sim_requests;
 
     let workload = args.source.load(WorkloadDefaults::BENCH)?;
@@ -482,44 +566,87 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
         .unwrap_or(1);
     let mut setup = args.engine.setup(longest + 1)?;
     setup.seed = args.source.seed;
+    let max_concurrency = args.arrivals.max_concurrency.map(|n| n as usize);
+    // Each run: the in-process engine with the radix cache or without, or a remote server.
+    let runs: Vec<(&str, Option<bool>)> = match (
+        &args.url,
+        args.compare_no_cache,
+        args.engine.disable_radix_cache,
+    ) {
+        (Some(_), true, _) => {
+            return Err(EngineError::arg(
+                "--compare-no-cache",
+                "needs the in-process engine; run the remote server twice instead of --url",
+            ))
+        }
+        (None, true, true) => {
+            return Err(EngineError::arg(
+                "--compare-no-cache",
+                "runs with and without the radix cache; drop --disable-radix-cache",
+            ))
+        }
+        (Some(_), false, _) => vec![("remote", None)],
+        (None, true, false) => vec![("radix", Some(true)), ("no-cache", Some(false))],
+        (None, false, true) => vec![("no-cache", Some(false))],
+        (None, false, false) => vec![("radix", Some(true))],
+    };
     if !args.quiet {
+        let target = match &args.url {
+            Some(url) => format!("server {url}"),
+            None => format!(
+                "model {} on {} with {} threads",
+                setup.model.name(),
+                setup.backend,
+                setup.threads
+            ),
+        };
         eprintln!(
-            "note: {} ({} requests, {} prompt tokens, ideal hit rate {:.2}%), model {}, {} CPU threads",
+            "note: {} ({} requests, {} prompt tokens, ideal hit rate {:.2}%), {target}",
             workload.name,
             requests.len(),
             stats.prompt_tokens,
             100.0 * stats.ideal_hit_rate(),
-            args.engine.model_path.as_ref().map_or("tiny".into(), |p| p.display().to_string()),
-            setup.threads
         );
     }
-    let runs: &[bool] = if args.compare_no_cache {
-        &[true, false]
-    } else {
-        &[true]
-    };
     let (outcomes, wall) = timed(|| -> Result<Vec<_>> {
         let mut outcomes = Vec::new();
-        for &radix in runs {
+        for &(label, radix) in &runs {
             let bar = if args.quiet || !std::io::stderr().is_terminal() {
                 ProgressBar::hidden()
             } else {
                 let bar = ProgressBar::new(requests.len() as u64);
                 if let Ok(style) = ProgressStyle::with_template(&format!(
-                    "{} {{elapsed_precise}} [{{bar:40}}] {{human_pos}}/{{human_len}} requests",
-                    if radix { "radix   " } else { "no-cache" }
+                    "{label:<8} {{elapsed_precise}} [{{bar:40}}] {{human_pos}}/{{human_len}} requests"
                 )) {
                     bar.set_style(style.progress_chars("=> "));
                 }
                 bar
             };
-            let r = run_bench(
-                &requests,
-                &setup,
-                radix,
-                stats.ideal_hit_rate(),
-                &mut |done, _| bar.set_position(done as u64),
-            );
+            let ideal = stats.ideal_hit_rate();
+            let r = match (radix, &args.url) {
+                (Some(radix), _) => run_bench(
+                    &requests,
+                    &setup,
+                    radix,
+                    ideal,
+                    max_concurrency,
+                    &mut |done, _| bar.set_position(done as u64),
+                ),
+                (None, url) => {
+                    let target = crate::bench_client::RemoteTarget {
+                        url: url.clone().unwrap_or_default(),
+                        model: args.model.clone(),
+                        api_key: args.api_key.clone(),
+                    };
+                    crate::bench_client::run_remote(
+                        &requests,
+                        &target,
+                        max_concurrency,
+                        &|done, _| bar.set_position(done as u64),
+                    )
+                    .map(|report| BenchOutcome::new(label, report, ideal))
+                }
+            };
             bar.finish_and_clear();
             outcomes.push(r?);
         }
@@ -563,6 +690,10 @@ pub struct ArrivalArgs {
         help_heading = "Arrivals"
     )]
     pub request_rate: Option<String>,
+    /// At most this many requests in flight, as a client with that many connections
+    /// (bench_serving's `--max-concurrency`); a request waits for a free one.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), help_heading = "Arrivals")]
+    pub max_concurrency: Option<u64>,
     /// Replay a trace's timestamps this many times faster.
     #[arg(
         long,
@@ -787,6 +918,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
                     radix: !args.disable_radix_cache,
                     capacity_tokens: capacity,
                     cost: cost.clone(),
+                    max_concurrency: args.arrivals.max_concurrency.map(|n| n as usize),
                 });
             }
         }

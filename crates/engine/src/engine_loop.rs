@@ -15,7 +15,6 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use attention::Backend;
 use model::SamplingParams;
 use scheduler::{Executor, FinishReason, ReqId, SamplingLimits, Scheduler};
 
@@ -114,10 +113,7 @@ struct Live {
 
 impl EngineHandle {
     /// Starts the loop on its own thread, owning `scheduler` and `exec`.
-    pub fn start<B: Backend + 'static>(scheduler: Scheduler, exec: ModelExecutor<B>) -> Self
-    where
-        ModelExecutor<B>: Send,
-    {
+    pub fn start(scheduler: Scheduler, exec: ModelExecutor) -> Self {
         let (inbox, commands) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("kvserve-engine".into())
@@ -191,7 +187,7 @@ fn info(s: &Scheduler) -> EngineInfo {
     }
 }
 
-fn run<B: Backend>(mut s: Scheduler, mut exec: ModelExecutor<B>, commands: Receiver<Command>) {
+fn run(mut s: Scheduler, mut exec: ModelExecutor, commands: Receiver<Command>) {
     let mut live: HashMap<ReqId, Live> = HashMap::new();
     loop {
         // Idle: block for work. Busy: take what is there and go on stepping.
@@ -243,14 +239,14 @@ fn run<B: Backend>(mut s: Scheduler, mut exec: ModelExecutor<B>, commands: Recei
     }
 }
 
-fn step<B: Backend>(s: &mut Scheduler, exec: &mut ModelExecutor<B>) -> Result<(), String> {
+fn step(s: &mut Scheduler, exec: &mut ModelExecutor) -> Result<(), String> {
     let exec: &mut dyn Executor = exec;
     s.step(exec).map(|_| ()).map_err(|e| e.to_string())
 }
 
-fn submit<B: Backend>(
+fn submit(
     s: &mut Scheduler,
-    exec: &mut ModelExecutor<B>,
+    exec: &mut ModelExecutor,
     live: &mut HashMap<ReqId, Live>,
     req: GenerateRequest,
     events: Sender<Event>,
@@ -289,11 +285,7 @@ fn submit<B: Backend>(
 
 /// Sends every live request its new tokens, finishes what finished, and aborts requests whose
 /// client went away.
-fn deliver<B: Backend>(
-    s: &mut Scheduler,
-    exec: &mut ModelExecutor<B>,
-    live: &mut HashMap<ReqId, Live>,
-) {
+fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId, Live>) {
     let mut gone = Vec::new();
     for (&id, l) in live.iter_mut() {
         let Some(r) = s.request(id) else { continue };

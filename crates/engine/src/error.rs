@@ -69,6 +69,9 @@ pub enum EngineError {
     /// An allocator operation failed.
     #[error(transparent)]
     Pool(#[from] KvPoolError),
+    /// A component (a backend) that this build does not have.
+    #[error(transparent)]
+    NotCompiled(#[from] crate::components::NotCompiled),
 }
 
 impl EngineError {

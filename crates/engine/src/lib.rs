@@ -45,10 +45,14 @@
 //! ```
 
 pub mod bench;
+pub mod bench_client;
 pub mod cache_sim;
 pub mod cli;
+pub mod components;
+pub mod config_file;
 pub mod engine_loop;
 pub mod error;
+pub mod memory;
 pub mod model_exec;
 pub mod plot;
 pub mod report;
@@ -60,3 +64,14 @@ pub mod workload;
 pub use cache_sim::{replay, run_sweep, ReplayOptions, ReplayResult, SweepConfig};
 pub use error::{EngineError, Result};
 pub use workload::{Request, Workload, WorkloadStats};
+
+/// The multi-threaded tokio runtime `serve` and `bench --url` run on.
+pub(crate) fn async_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| EngineError::Io {
+            path: "the async runtime".into(),
+            source,
+        })
+}

@@ -11,12 +11,12 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use attention::Backend;
 use kv_pool::ReqToTokenPool;
 use model::{
-    ForwardInput, ForwardMode as ModelMode, ForwardRequest, LogitsMode, ModelRunner, Sampler,
-    SamplingParams,
+    ForwardInput, ForwardMode as ModelMode, ForwardRequest, LogitsMode, Sampler, SamplingParams,
 };
+
+use crate::components::{AnyRunner, ModelForward};
 use scheduler::{Executor, ForwardBatch, ForwardMode, ForwardOutput, ReqId};
 
 struct ReqSampling {
@@ -25,27 +25,27 @@ struct ReqSampling {
     output: Vec<u32>,
 }
 
-/// The scheduler's executor over a [`ModelRunner`].
-pub struct ModelExecutor<B: Backend> {
-    runner: ModelRunner<B>,
+/// The scheduler's executor over a model runner on any compiled backend.
+pub struct ModelExecutor {
+    runner: AnyRunner,
     sampling: HashMap<ReqId, ReqSampling>,
     default_seed: u64,
 }
 
-impl<B: Backend> std::fmt::Debug for ModelExecutor<B> {
+impl std::fmt::Debug for ModelExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelExecutor")
-            .field("backend", &self.runner.backend().name())
+            .field("backend", &self.runner.backend_name())
             .field("requests", &self.sampling.len())
             .finish()
     }
 }
 
-impl<B: Backend> ModelExecutor<B> {
+impl ModelExecutor {
     /// An executor over `runner`; `default_seed` seeds requests that give no seed.
-    pub fn new(runner: ModelRunner<B>, default_seed: u64) -> Self {
+    pub fn new(runner: impl Into<AnyRunner>, default_seed: u64) -> Self {
         ModelExecutor {
-            runner,
+            runner: runner.into(),
             sampling: HashMap::new(),
             default_seed,
         }
@@ -77,12 +77,12 @@ impl<B: Backend> ModelExecutor<B> {
     }
 
     /// The model runner.
-    pub fn runner(&self) -> &ModelRunner<B> {
+    pub fn runner(&self) -> &AnyRunner {
         &self.runner
     }
 }
 
-impl<B: Backend> Executor for ModelExecutor<B> {
+impl Executor for ModelExecutor {
     fn forward(
         &mut self,
         batch: &ForwardBatch,
@@ -153,12 +153,12 @@ mod tests {
     use radix_cache::{BuiltinPolicy, RadixCache};
     use scheduler::{SamplingLimits, Scheduler, SchedulerConfig};
 
-    fn executor() -> ModelExecutor<CpuBackend> {
+    fn executor() -> ModelExecutor {
         let backend = CpuBackend::new(CpuConfig::default()).unwrap();
         let model = tiny_model(&backend).unwrap();
         let layout =
             KvLayout::new(tiny_config().kv_shape(KvDtype::F32).unwrap(), 16, 4096).unwrap();
-        ModelExecutor::new(ModelRunner::new(backend, model, layout).unwrap(), 7)
+        ModelExecutor::new(model::ModelRunner::new(backend, model, layout).unwrap(), 7)
     }
 
     /// Greedy outputs of the tiny model through the scheduler: the same whatever the chunk size,

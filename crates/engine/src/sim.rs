@@ -4,12 +4,10 @@
 
 use std::time::Instant;
 
-use kv_pool::{floor_to_page, PagedAllocator};
-use radix_cache::policy::policy_from_name;
-use radix_cache::{ChunkCache, PrefixCache, RadixCache};
+use kv_pool::floor_to_page;
 use scheduler::{
-    simulate, CostModel, SchedulePolicy, Scheduler, SchedulerConfig, SimExecutor, SimReport,
-    SimRequest,
+    replay, Clock, CostModel, ReplayConfig, SchedulePolicy, SchedulerConfig, SimExecutor,
+    SimReport, SimRequest,
 };
 use serde::Serialize;
 
@@ -94,6 +92,8 @@ pub struct SimConfig {
     pub capacity_tokens: usize,
     /// The cost model.
     pub cost: CostModel,
+    /// `--max-concurrency`: requests in flight at most (`None`: no limit).
+    pub max_concurrency: Option<usize>,
 }
 
 /// The figures of one configuration (the JSON line of `--format json`).
@@ -202,19 +202,22 @@ pub fn run_one(
             ),
         ));
     }
-    let cache: Box<dyn PrefixCache> = if cfg.radix {
-        Box::new(RadixCache::new(p, policy_from_name(&cfg.eviction_policy)?))
-    } else {
-        Box::new(ChunkCache::new(p))
-    };
-    let alloc = PagedAllocator::new(capacity, p)?;
-    let mut sched = Scheduler::new(cfg.scheduler.clone(), cache, cfg.radix, Box::new(alloc))
-        .map_err(sched_err)?;
+    let mut sched = crate::components::build_scheduler(
+        cfg.scheduler.clone(),
+        cfg.radix,
+        &cfg.eviction_policy,
+        capacity,
+    )?;
     let mut exec = SimExecutor {
         cost: cfg.cost.clone(),
     };
     let start = Instant::now();
-    let report = simulate(requests, &mut sched, &mut exec, progress).map_err(sched_err)?;
+    let replay_cfg = ReplayConfig {
+        clock: Clock::Charged,
+        max_concurrency: cfg.max_concurrency,
+    };
+    let report =
+        replay(requests, &mut sched, &mut exec, replay_cfg, progress).map_err(sched_err)?;
     let cfg = SimConfig {
         capacity_tokens: capacity,
         ..cfg.clone()
@@ -377,6 +380,7 @@ mod tests {
             radix: true,
             capacity_tokens: capacity,
             cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
+            max_concurrency: None,
         }
     }
 

@@ -418,3 +418,141 @@ fn bench_bad_input_exits_with_code_2() {
         &["--max-total-tokens"],
     );
 }
+
+#[test]
+fn info_lists_this_build() {
+    let o = kvserve(&["info"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for needle in [
+        "backends:           cpu",
+        "allocators:         token, paged",
+        "prefix caches:      radix, chunk",
+        "cost-aware",
+        "LlamaForCausalLM",
+    ] {
+        assert!(text.contains(needle), "{needle:?} in {text}");
+    }
+    let o = kvserve(&["info", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let backends = v["backends"].as_array().unwrap();
+    assert_eq!(backends[0]["name"], "cpu");
+    assert_eq!(backends[0]["compiled"], true);
+    // Every backend listed as compiled is accepted by --backend, every other one refused
+    // with the feature that would bring it.
+    for b in backends {
+        let name = b["name"].as_str().unwrap();
+        if b["compiled"] == false {
+            let feature = b["feature"].as_str().unwrap();
+            assert_fails(
+                &["bench", "--backend", name, "--quiet"],
+                &[
+                    "--backend",
+                    "not compiled",
+                    &format!("--features {feature}"),
+                ],
+            );
+        }
+    }
+}
+
+/// A config file's keys are flags: they are validated like flags, and the command line wins.
+#[test]
+fn config_file_gives_flags_and_the_command_line_wins() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let json = dir.join("bench-config.json");
+    let config = tmp(
+        "bench.toml",
+        &format!(
+            r#"
+workload = "random"
+num_prompts = 6
+random-input-len = 40
+random-output-len = 3
+random-range-ratio = 1.0
+request-rate = "inf"
+max-concurrency = 2
+page-size = 8
+quiet = true
+json = "{}"
+plot = "{}"
+"#,
+            json.display(),
+            dir.join("bench-config.png").display()
+        ),
+    );
+    let o = kvserve(&[
+        "bench",
+        "--config",
+        config.to_str().unwrap(),
+        "--num-prompts",
+        "5",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("[radix] 5 requests (0 aborted)"), "{text}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v[0]["prompt_tokens"], 5 * 40);
+    assert_eq!(v[0]["output_tokens"], 5 * 3);
+    // Random prompts share nothing.
+    assert_eq!(v[0]["cached_tokens"], 0);
+
+    let bad = tmp("bad.toml", "page-size = \"big\"\n");
+    assert_fails(
+        &["bench", "--config", bad.to_str().unwrap()],
+        &["--page-size", "big"],
+    );
+    let unknown = tmp("unknown.toml", "no-such-flag = 1\n");
+    assert_fails(
+        &["bench", "--config", unknown.to_str().unwrap()],
+        &["--no-such-flag", "--config"],
+    );
+    assert_fails(
+        &["bench", "--config", "/nonexistent/kvserve.toml"],
+        &["/nonexistent/kvserve.toml"],
+    );
+    let nested = tmp("nested.toml", "[engine]\npage-size = 8\n");
+    assert_fails(
+        &["serve", "--config", nested.to_str().unwrap()],
+        &["sections are not supported"],
+    );
+}
+
+#[test]
+fn engine_flags_are_validated_naming_the_flag() {
+    assert_fails(
+        &["bench", "--mem-fraction-static", "1.5", "--quiet"],
+        &["--mem-fraction-static", "(0, 1]"],
+    );
+    assert_fails(&["bench", "--max-concurrency", "0"], &["--max-concurrency"]);
+    assert_fails(
+        &[
+            "bench",
+            "--random-range-ratio",
+            "2",
+            "--workload",
+            "random",
+            "--quiet",
+        ],
+        &["--random-range-ratio"],
+    );
+    assert_fails(
+        &[
+            "bench",
+            "--compare-no-cache",
+            "--disable-radix-cache",
+            "--quiet",
+        ],
+        &["--compare-no-cache"],
+    );
+    assert_fails(
+        &["bench", "--url", "https://example.com", "--quiet"],
+        &["--url", "http://"],
+    );
+    assert_fails(
+        &["bench", "--url", "http://127.0.0.1:9", "--compare-no-cache"],
+        &["--compare-no-cache"],
+    );
+    assert_fails(&["bench", "--model", "x"], &["--url"]);
+}

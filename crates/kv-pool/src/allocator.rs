@@ -48,6 +48,9 @@ pub struct DecodeRequest {
 ///
 /// Every method validates its whole input first: on `Err` nothing changed (and `out` was not
 /// touched). Allocation methods append to `out`, so a caller can reuse one buffer across steps.
+///
+/// [`AnyAllocator`] is the closed set of this crate's implementations, dispatched statically.
+#[enum_dispatch::enum_dispatch]
 pub trait Allocator: Send {
     /// Page size `P` (1 for a token allocator).
     fn page_size(&self) -> u32;
@@ -890,5 +893,41 @@ impl<O: ReuseOrder> fmt::Display for SlotAllocator<O> {
             write!(f, " group=[{}]", render_page_runs(group.iter().copied()))?;
         }
         write!(f, " allocated=[{}]", render_page_runs(allocated))
+    }
+}
+
+/// Every allocator this crate implements, as one value with static dispatch (the engine's
+/// allocator component). [`AnyAllocator::for_page_size`] picks as SGLang does: the token
+/// allocator for `P = 1`, the paged one otherwise.
+#[enum_dispatch::enum_dispatch(Allocator)]
+#[derive(Debug)]
+pub enum AnyAllocator {
+    /// [`TokenAllocator`] (FIFO reuse, `P = 1`).
+    Token(TokenAllocator),
+    /// [`PagedAllocator`] (LIFO page reuse).
+    Paged(PagedAllocator),
+}
+
+impl AnyAllocator {
+    /// The names [`AnyAllocator::name`] returns, for listings.
+    pub const NAMES: [&'static str; 2] = ["token", "paged"];
+
+    /// SGLang's choice for `size` slots of page size `page_size`: [`TokenAllocator`] when
+    /// `page_size == 1` (`TokenToKVPoolAllocator`), [`PagedAllocator`] otherwise
+    /// (`PagedTokenToKVPoolAllocator`).
+    pub fn for_page_size(size: usize, page_size: u32) -> Result<Self> {
+        Ok(if page_size == 1 {
+            AnyAllocator::Token(TokenAllocator::new(size)?)
+        } else {
+            AnyAllocator::Paged(PagedAllocator::new(size, page_size)?)
+        })
+    }
+
+    /// The implementation's name (one of [`AnyAllocator::NAMES`]).
+    pub fn name(&self) -> &'static str {
+        match self {
+            AnyAllocator::Token(_) => Self::NAMES[0],
+            AnyAllocator::Paged(_) => Self::NAMES[1],
+        }
     }
 }

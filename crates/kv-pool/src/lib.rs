@@ -41,7 +41,8 @@ pub mod store;
 pub(crate) mod test_util;
 
 pub use allocator::{
-    Allocator, AllocatorState, DecodeRequest, ExtendRequest, PagedAllocator, TokenAllocator,
+    Allocator, AllocatorState, AnyAllocator, DecodeRequest, ExtendRequest, PagedAllocator,
+    TokenAllocator,
 };
 pub use error::{KvPoolError, Result};
 pub use ids::{ceil_to_page, floor_to_page, slots_as_u32, u32_as_slots, Page, ReqRow, Slot};

@@ -209,8 +209,13 @@ fn implementations() -> Vec<(&'static str, u32, Maker)> {
     fn fifo_paged(size: usize, p: u32) -> Box<dyn Allocator> {
         Box::new(SlotAllocator::<Fifo>::with_page_size(size, p).unwrap())
     }
+    fn any(size: usize, p: u32) -> Box<dyn Allocator> {
+        Box::new(kv_pool::AnyAllocator::for_page_size(size, p).unwrap())
+    }
     vec![
         ("token", 1, token as Maker),
+        ("any P=1", 1, any),
+        ("any P=8", 8, any),
         ("paged P=1", 1, paged),
         ("paged P=4", 4, paged),
         ("paged P=16", 16, paged),

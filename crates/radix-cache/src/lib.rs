@@ -34,6 +34,7 @@
 //! Above kv-pool (allocators, request table, ownership checker); below the scheduler, which
 //! calls it through [`PrefixCache`] with a [`ReqView`] of its requests.
 
+pub mod any;
 pub mod chunk;
 pub mod error;
 pub mod events;
@@ -41,6 +42,7 @@ pub mod policy;
 pub mod radix;
 pub mod request;
 
+pub use any::AnyPrefixCache;
 pub use chunk::ChunkCache;
 pub use error::{RadixCacheError, Result};
 pub use events::KvEvent;
@@ -102,6 +104,9 @@ pub struct InsertOptions {
 
 /// SGLang's prefix-cache interface (`BasePrefixCache`). `Send`, so an engine can own its
 /// cache on a scheduler thread.
+///
+/// [`AnyPrefixCache`] is the closed set of this crate's implementations, dispatched statically.
+#[enum_dispatch::enum_dispatch]
 pub trait PrefixCache: Send {
     /// Page size `P`.
     fn page_size(&self) -> u32;

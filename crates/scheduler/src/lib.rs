@@ -49,5 +49,6 @@ pub use error::{Result, SchedulerError};
 pub use req::{FinishReason, Req, ReqId, SamplingLimits};
 pub use scheduler::{FinishedReq, Scheduler, SchedulerStats, StepReport};
 pub use sim::{
-    replay, simulate, Accelerator, Clock, CostModel, ModelShape, SimExecutor, SimReport, SimRequest,
+    replay, simulate, Accelerator, Clock, CostModel, ModelShape, ReplayConfig, SimExecutor,
+    SimReport, SimRequest,
 };

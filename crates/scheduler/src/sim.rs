@@ -314,6 +314,25 @@ pub enum Clock {
     Wall,
 }
 
+/// How [`replay`] feeds requests in and keeps time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayConfig {
+    /// How the clock advances per step.
+    pub clock: Clock,
+    /// bench_serving's `--max-concurrency`: at most this many requests in flight; a request
+    /// that arrives while the limit is reached waits (as a client would) and its TTFT counts
+    /// from when it is sent. `None`: no limit.
+    pub max_concurrency: Option<usize>,
+}
+
+impl ReplayConfig {
+    /// A simulation ([`Clock::Charged`]) with no concurrency limit.
+    pub const SIMULATION: ReplayConfig = ReplayConfig {
+        clock: Clock::Charged,
+        max_concurrency: None,
+    };
+}
+
 /// Replays `requests` (in arrival order) through `scheduler` on a simulated clock driven by
 /// `exec`'s pass times. `progress` is called with (requests done, total) after every step.
 pub fn simulate(
@@ -322,17 +341,32 @@ pub fn simulate(
     exec: &mut dyn Executor,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimReport> {
-    replay(requests, scheduler, exec, Clock::Charged, progress)
+    replay(
+        requests,
+        scheduler,
+        exec,
+        ReplayConfig::SIMULATION,
+        progress,
+    )
 }
 
-/// [`simulate`] with a choice of [`Clock`].
+/// [`simulate`] with a choice of [`Clock`] and a concurrency limit.
 pub fn replay(
     requests: &[SimRequest],
     scheduler: &mut Scheduler,
     exec: &mut dyn Executor,
-    clock: Clock,
+    config: ReplayConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimReport> {
+    if config.max_concurrency == Some(0) {
+        return Err(SchedulerError::InvalidConfig {
+            field: "max_concurrency",
+            reason: "must be at least 1".into(),
+        });
+    }
+    let limit = config.max_concurrency.unwrap_or(usize::MAX);
+    // Requests admitted so far, and when each admitted request finished, in finishing order.
+    let (mut admitted, mut finish_times) = (0usize, Vec::new());
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by(|&a, &b| requests[a].arrival_s.total_cmp(&requests[b].arrival_s));
     let start = order.first().map_or(0.0, |&i| requests[i].arrival_s);
@@ -347,7 +381,7 @@ pub fn replay(
     let mut done = 0;
     let mut stalled = 0;
     loop {
-        while next < order.len() && requests[order[next]].arrival_s <= now {
+        while next < order.len() && requests[order[next]].arrival_s <= now && timing.len() < limit {
             let r = &requests[order[next]];
             let limits = SamplingLimits {
                 max_new_tokens: r.output_len.max(1),
@@ -356,7 +390,14 @@ pub fn replay(
             };
             match scheduler.add_request(r.prompt.clone(), limits, 0, None) {
                 Ok(id) => {
-                    timing.insert(id, (r.arrival_s, None));
+                    // Under a concurrency limit the k-th request is sent (and its TTFT starts)
+                    // when it arrives or when the (k − limit)-th in flight finished, whichever
+                    // is later.
+                    let slot_free = admitted
+                        .checked_sub(limit)
+                        .map_or(f64::NEG_INFINITY, |k| finish_times[k]);
+                    timing.insert(id, (r.arrival_s.max(slot_free), None));
+                    admitted += 1;
                 }
                 Err(_) => {
                     report.aborted += 1;
@@ -374,7 +415,7 @@ pub fn replay(
         }
         let started = std::time::Instant::now();
         let step = scheduler.step(exec)?;
-        now += match clock {
+        now += match config.clock {
             Clock::Charged => step.elapsed_s,
             Clock::Wall => started.elapsed().as_secs_f64(),
         };
@@ -407,7 +448,9 @@ pub fn replay(
             }
         }
         for f in scheduler.take_finished() {
-            timing.remove(&f.id);
+            if timing.remove(&f.id).is_some() {
+                finish_times.push(now);
+            }
             done += 1;
             match f.reason {
                 FinishReason::Abort { .. } => report.aborted += 1,
@@ -564,6 +607,85 @@ mod tests {
         assert!(r.duration_s > 0.7 + 32.0 * 0.006, "{}", r.duration_s);
         assert!(calls > 0);
         s.check_invariants().unwrap();
+    }
+
+    /// With `max_concurrency`, no more than that many requests are ever in the scheduler, and a
+    /// burst then runs in waves: one request at a time takes the sum of the solo times.
+    #[test]
+    fn max_concurrency_limits_requests_in_flight() {
+        use crate::config::SchedulerConfig;
+        use kv_pool::PagedAllocator;
+        use radix_cache::ChunkCache;
+        let run = |limit: Option<usize>| {
+            let cfg = SchedulerConfig {
+                page_size: 16,
+                context_len: 4096,
+                strict: true,
+                ..SchedulerConfig::default()
+            };
+            let mut s = Scheduler::new(
+                cfg,
+                Box::new(ChunkCache::new(16)),
+                false,
+                Box::new(PagedAllocator::new(1 << 16, 16).unwrap()),
+            )
+            .unwrap();
+            let reqs: Vec<SimRequest> = (0..6u32)
+                .map(|i| SimRequest {
+                    prompt: (0..256).map(|j| i * 1000 + j).collect(),
+                    output_len: 8,
+                    arrival_s: 0.0,
+                })
+                .collect();
+            /// Records the largest batch it is given.
+            struct Widest(SimExecutor, usize);
+            impl Executor for Widest {
+                fn forward(
+                    &mut self,
+                    batch: &ForwardBatch,
+                    rows: &kv_pool::ReqToTokenPool,
+                ) -> std::result::Result<crate::batch::ForwardOutput, String> {
+                    self.1 = self.1.max(batch.len());
+                    self.0.forward(batch, rows)
+                }
+            }
+            let mut exec = Widest(
+                SimExecutor {
+                    cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
+                },
+                0,
+            );
+            let config = ReplayConfig {
+                clock: Clock::Charged,
+                max_concurrency: limit,
+            };
+            let r = replay(&reqs, &mut s, &mut exec, config, &mut |_, _| {}).unwrap();
+            (r, exec.1)
+        };
+        let (free, free_peak) = run(None);
+        assert_eq!(free_peak, 6);
+        let (one, peak) = run(Some(1));
+        assert_eq!((one.requests, one.output_tokens), (6, 48));
+        assert_eq!(peak, 1, "one request in flight at a time");
+        // Serialized, the burst takes longer but no request waits inside the engine: its TTFT
+        // (from when it is sent) is a solo prefill.
+        assert!(one.duration_s > free.duration_s);
+        assert!(one.ttft_p99_s < free.ttft_p99_s);
+        let mut s = Scheduler::new(
+            SchedulerConfig::default(),
+            Box::new(radix_cache::ChunkCache::new(1)),
+            false,
+            Box::new(PagedAllocator::new(64, 1).unwrap()),
+        )
+        .unwrap();
+        let zero = ReplayConfig {
+            clock: Clock::Charged,
+            max_concurrency: Some(0),
+        };
+        let mut exec = SimExecutor {
+            cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
+        };
+        assert!(replay(&[], &mut s, &mut exec, zero, &mut |_, _| {}).is_err());
     }
 
     #[test]

@@ -4,17 +4,20 @@
 //! Sources:
 //! - [`mooncake`]: Mooncake JSONL traces, with tokens synthesized from the block hash ids;
 //! - [`gsp`]: SGLang bench_serving's generated-shared-prefix workload;
-//! - [`multiturn`]: multi-turn chat sessions whose prompts carry the whole history.
+//! - [`multiturn`]: multi-turn chat sessions whose prompts carry the whole history;
+//! - [`random`]: SGLang bench_serving's random lengths (no shared prefixes).
 //!
 //! Generated workloads are deterministic functions of their configuration and seed.
 
 pub mod gsp;
 pub mod mooncake;
 pub mod multiturn;
+pub mod random;
 
 pub use gsp::GspConfig;
 pub use mooncake::{load_mooncake, parse_mooncake, MOONCAKE_BLOCK_TOKENS};
 pub use multiturn::MultiTurnConfig;
+pub use random::RandomConfig;
 
 use std::collections::HashSet;
 

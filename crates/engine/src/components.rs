@@ -1,0 +1,382 @@
+//! The engine's component kinds, each one value with static dispatch over the implementations
+//! compiled into this build (DESIGN.md §3): the KV allocator ([`kv_pool::AnyAllocator`]), the
+//! prefix cache ([`radix_cache::AnyPrefixCache`]), the eviction policy (a name resolved by
+//! [`radix_cache::policy::policy_from_name`]) and the compute backend ([`AnyRunner`], here).
+//!
+//! A backend whose Cargo feature is off still has its variant: a zero-sized stand-in whose
+//! constructor and methods answer [`EngineError::NotCompiled`], so choosing it gives a typed
+//! error that names the feature and the code that matches on a backend has no `cfg` in it.
+//! [`Inventory`] lists what this build has (`kvserve info`).
+
+use std::fmt;
+
+use attention::{Backend, CpuBackend, CpuConfig};
+use enum_dispatch::enum_dispatch;
+use kv_pool::{AnyAllocator, KvLayout};
+use model::{ForwardInput, ForwardOutput, Model, ModelRunner};
+use radix_cache::policy::policy_from_name;
+use radix_cache::{AnyPrefixCache, ChunkCache, RadixCache};
+use scheduler::{Scheduler, SchedulerConfig};
+use serde::Serialize;
+
+use crate::bench::{EngineSetup, ModelSource};
+use crate::error::{EngineError, Result};
+
+/// A compute backend the engine can run the model on (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// The CPU backend of `crates/attention` (always compiled).
+    Cpu,
+    /// `crates/attention-wgpu`: Vulkan, Metal, DX12 or GL through wgpu (feature `wgpu`).
+    Wgpu,
+    /// CUDA (feature `cuda`; not written yet).
+    Cuda,
+}
+
+impl BackendKind {
+    /// Every backend kind, compiled or not, in `--backend` order.
+    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda];
+
+    /// The `--backend` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
+    /// The Cargo feature that compiles it (`None`: always there).
+    pub fn feature(self) -> Option<&'static str> {
+        match self {
+            BackendKind::Cpu => None,
+            BackendKind::Wgpu => Some("wgpu"),
+            BackendKind::Cuda => Some("cuda"),
+        }
+    }
+
+    /// Whether this build has it.
+    pub fn compiled(self) -> bool {
+        match self {
+            BackendKind::Cpu => true,
+            BackendKind::Wgpu => <WgpuRunner as BuildRunner>::COMPILED,
+            BackendKind::Cuda => <CudaRunner as BuildRunner>::COMPILED,
+        }
+    }
+
+    /// The compiled backends' names, for error messages.
+    pub fn compiled_names() -> Vec<&'static str> {
+        Self::ALL
+            .iter()
+            .filter(|b| b.compiled())
+            .map(|b| b.name())
+            .collect()
+    }
+
+    /// Parses a `--backend` value. An unknown name and a backend this build lacks are both
+    /// errors naming the flag and the compiled choices.
+    pub fn parse(name: &str) -> Result<Self> {
+        let compiled = Self::compiled_names().join(", ");
+        let kind = Self::ALL
+            .into_iter()
+            .find(|b| b.name().eq_ignore_ascii_case(name.trim()))
+            .ok_or_else(|| {
+                EngineError::arg(
+                    "--backend",
+                    format!("unknown backend {name:?}; compiled backends: {compiled}"),
+                )
+            })?;
+        if !kind.compiled() {
+            return Err(EngineError::arg(
+                "--backend",
+                NotCompiled::of(kind).to_string() + &format!("; compiled backends: {compiled}"),
+            ));
+        }
+        Ok(kind)
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A component that this build does not have: which one and the feature that would bring it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} {name:?} is not compiled into this build (rebuild with `--features {feature}`)")]
+pub struct NotCompiled {
+    /// The component kind (e.g. "backend").
+    pub what: &'static str,
+    /// Its name (e.g. "wgpu").
+    pub name: &'static str,
+    /// The Cargo feature of the engine crate that compiles it.
+    pub feature: &'static str,
+}
+
+impl NotCompiled {
+    fn of(kind: BackendKind) -> Self {
+        NotCompiled {
+            what: "backend",
+            name: kind.name(),
+            feature: kind.feature().unwrap_or(kind.name()),
+        }
+    }
+}
+
+/// What the engine needs from a model runner on some backend, without the backend's associated
+/// types: one forward pass and the backend's name.
+#[enum_dispatch]
+pub trait ModelForward: Send {
+    /// Runs one batch (see [`ModelRunner::forward`]).
+    fn forward(&mut self, input: &ForwardInput<'_>) -> Result<ForwardOutput>;
+    /// The backend's name, for logs and `/get_server_info`.
+    fn backend_name(&self) -> String;
+}
+
+impl<B: Backend + Send> ModelForward for ModelRunner<B>
+where
+    B::KvStore: Send,
+    B::Tensor: Send,
+{
+    fn forward(&mut self, input: &ForwardInput<'_>) -> Result<ForwardOutput> {
+        ModelRunner::forward(self, input).map_err(|e| EngineError::Model(e.to_string()))
+    }
+
+    fn backend_name(&self) -> String {
+        self.backend().name().to_string()
+    }
+}
+
+/// The model runner on the backend `--backend` chose.
+// One per engine: the stand-ins' small size does not matter, and boxing would add an
+// indirection to every forward call.
+#[allow(clippy::large_enum_variant)]
+#[enum_dispatch(ModelForward)]
+pub enum AnyRunner {
+    /// On the CPU backend.
+    Cpu(ModelRunner<CpuBackend>),
+    /// On wgpu (a [`NotCompiled`] stand-in without feature `wgpu`).
+    Wgpu(WgpuRunner),
+    /// On CUDA (a [`NotCompiled`] stand-in without feature `cuda`).
+    Cuda(CudaRunner),
+}
+
+impl fmt::Debug for AnyRunner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AnyRunner({})", self.backend_name())
+    }
+}
+
+impl AnyRunner {
+    /// Builds the model of `setup` on `setup.backend` with a KV store of `capacity` slots.
+    pub fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+        match setup.backend {
+            BackendKind::Cpu => {
+                let backend = CpuBackend::new(CpuConfig {
+                    threads: setup.threads.max(1),
+                    ..CpuConfig::default()
+                })
+                .map_err(|e| EngineError::arg("--threads", e.to_string()))?;
+                Ok(runner_on(backend, setup, capacity)?.into())
+            }
+            BackendKind::Wgpu => Ok(WgpuRunner::build(setup, capacity)?.into()),
+            BackendKind::Cuda => Ok(CudaRunner::build(setup, capacity)?.into()),
+        }
+    }
+}
+
+/// The scheduler over the prefix cache (radix with `eviction_policy`, or the chunk cache) and
+/// allocator ([`AnyAllocator::for_page_size`]) of a `capacity`-token pool: the composition
+/// `bench`, `serve` and `sim` share.
+pub fn build_scheduler(
+    config: SchedulerConfig,
+    radix: bool,
+    eviction_policy: &str,
+    capacity: usize,
+) -> Result<Scheduler> {
+    let p = config.page_size;
+    let cache = if radix {
+        AnyPrefixCache::Radix(RadixCache::new(p, policy_from_name(eviction_policy)?))
+    } else {
+        AnyPrefixCache::Chunk(ChunkCache::new(p))
+    };
+    let alloc = AnyAllocator::for_page_size(capacity, p)?;
+    Scheduler::new(config, Box::new(cache), radix, Box::new(alloc)).map_err(|e| match e {
+        scheduler::SchedulerError::InvalidConfig { field, reason } => {
+            EngineError::arg(field, reason)
+        }
+        e => EngineError::Simulation(e.to_string()),
+    })
+}
+
+/// How each backend variant's runner is built. Implemented by the real runner of a compiled
+/// backend and by the [`NotCompiled`] stand-in of one whose feature is off.
+pub trait BuildRunner: Sized {
+    /// Whether the backend is compiled into this build.
+    const COMPILED: bool;
+    /// Builds the model of `setup` on this backend with a KV store of `capacity` slots.
+    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self>;
+}
+
+/// Loads `setup`'s model onto `backend` and sizes its KV store: the one path every backend's
+/// runner is built through.
+pub fn runner_on<B: Backend>(
+    backend: B,
+    setup: &EngineSetup,
+    capacity: usize,
+) -> Result<ModelRunner<B>> {
+    let model_err = |e: model::ModelError| EngineError::Model(e.to_string());
+    let model: Model<B> = match &setup.model {
+        ModelSource::Tiny => model::tiny::tiny_model(&backend).map_err(model_err)?.into(),
+        ModelSource::Path(dir) => model::load_model_dir(&backend, dir).map_err(model_err)?,
+    };
+    let shape = model
+        .config()
+        .kv_shape(setup.kv_dtype)
+        .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
+    let layout = KvLayout::new(shape, setup.scheduler.page_size, capacity)?;
+    ModelRunner::new(backend, model, layout).map_err(model_err)
+}
+
+/// Defines the stand-in of a backend whose feature is off: it cannot be built (its constructor
+/// answers [`NotCompiled`]) and, were one to exist, every method would answer the same.
+macro_rules! not_compiled_backend {
+    ($name:ident, $kind:expr) => {
+        /// The stand-in for a backend this build lacks.
+        #[derive(Debug)]
+        pub struct $name(());
+
+        impl BuildRunner for $name {
+            const COMPILED: bool = false;
+
+            fn build(_setup: &EngineSetup, _capacity: usize) -> Result<Self> {
+                Err(NotCompiled::of($kind).into())
+            }
+        }
+
+        impl ModelForward for $name {
+            fn forward(&mut self, _input: &ForwardInput<'_>) -> Result<ForwardOutput> {
+                Err(NotCompiled::of($kind).into())
+            }
+
+            fn backend_name(&self) -> String {
+                format!("{} (not compiled)", $kind.name())
+            }
+        }
+    };
+}
+
+// Until attention-wgpu lands, wgpu is a stand-in like CUDA.
+not_compiled_backend!(WgpuRunner, BackendKind::Wgpu);
+not_compiled_backend!(CudaRunner, BackendKind::Cuda);
+
+/// Everything a component choice can name in this build, for `kvserve info` and for error
+/// messages.
+#[derive(Debug, Clone, Serialize)]
+pub struct Inventory {
+    /// The engine's version.
+    pub version: &'static str,
+    /// The engine crate's Cargo features that are on.
+    pub features: Vec<&'static str>,
+    /// Backends, compiled or not.
+    pub backends: Vec<BackendEntry>,
+    /// KV allocators ([`AnyAllocator`]).
+    pub allocators: Vec<&'static str>,
+    /// Prefix caches ([`AnyPrefixCache`]).
+    pub prefix_caches: Vec<&'static str>,
+    /// Eviction policies `--radix-eviction-policy` accepts.
+    pub eviction_policies: Vec<String>,
+    /// Schedule policies `--schedule-policy` accepts.
+    pub schedule_policies: Vec<&'static str>,
+    /// KV cache dtypes `--kv-cache-dtype` accepts.
+    pub kv_cache_dtypes: Vec<&'static str>,
+    /// Model architectures (`architectures` in config.json) the model crate loads.
+    pub architectures: Vec<&'static str>,
+}
+
+/// One backend in an [`Inventory`].
+#[derive(Debug, Clone, Serialize)]
+pub struct BackendEntry {
+    /// Its `--backend` name.
+    pub name: BackendKind,
+    /// Whether this build has it.
+    pub compiled: bool,
+    /// The feature that compiles it, if any.
+    pub feature: Option<&'static str>,
+}
+
+impl Inventory {
+    /// This build's inventory.
+    pub fn of_this_build() -> Self {
+        let features = BackendKind::ALL
+            .iter()
+            .filter(|b| b.compiled())
+            .filter_map(|b| b.feature())
+            .collect();
+        Inventory {
+            version: env!("CARGO_PKG_VERSION"),
+            features,
+            backends: BackendKind::ALL
+                .iter()
+                .map(|&b| BackendEntry {
+                    name: b,
+                    compiled: b.compiled(),
+                    feature: b.feature(),
+                })
+                .collect(),
+            allocators: AnyAllocator::NAMES.to_vec(),
+            prefix_caches: AnyPrefixCache::NAMES.to_vec(),
+            eviction_policies: radix_cache::policy::policy_names()
+                .into_iter()
+                .map(str::to_string)
+                .chain([radix_cache::policy::Belady::NAME.to_string() + " (cache-sim only)"])
+                .collect(),
+            schedule_policies: scheduler::SchedulePolicy::ALL
+                .iter()
+                .map(|p| p.as_str())
+                .collect(),
+            kv_cache_dtypes: std::iter::once("auto")
+                .chain(kv_pool::KvDtype::ALL.iter().map(|d| d.name()))
+                .collect(),
+            architectures: model::Architecture::ALL.iter().map(|(_, n)| *n).collect(),
+        }
+    }
+}
+
+impl fmt::Display for Inventory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "kvserve {}", self.version)?;
+        let features = if self.features.is_empty() {
+            "(none beyond the defaults)".to_string()
+        } else {
+            self.features.join(", ")
+        };
+        writeln!(f, "features:           {features}")?;
+        let backends: Vec<String> = self
+            .backends
+            .iter()
+            .map(|b| match (b.compiled, b.feature) {
+                (true, _) => b.name.to_string(),
+                (false, Some(feat)) => format!("{} (not compiled; feature `{feat}`)", b.name),
+                (false, None) => format!("{} (not compiled)", b.name),
+            })
+            .collect();
+        writeln!(f, "backends:           {}", backends.join(", "))?;
+        writeln!(f, "allocators:         {}", self.allocators.join(", "))?;
+        writeln!(f, "prefix caches:      {}", self.prefix_caches.join(", "))?;
+        writeln!(
+            f,
+            "eviction policies:  {}",
+            self.eviction_policies.join(", ")
+        )?;
+        writeln!(
+            f,
+            "schedule policies:  {}",
+            self.schedule_policies.join(", ")
+        )?;
+        writeln!(f, "kv cache dtypes:    {}", self.kv_cache_dtypes.join(", "))?;
+        write!(f, "architectures:      {}", self.architectures.join(", "))
+    }
+}
