@@ -1,28 +1,34 @@
 //! # engine — the kvserve engine and the `kvserve` binary
 //!
-//! The top crate of kvserve. It composes the component crates (today kv-pool and radix-cache)
-//! and is the **only** crate that knows about command-line flags, files, threads and output
-//! formats: every crate below it is plain synchronous logic with no I/O.
+//! The top crate of kvserve. It composes the component crates (kv-pool, radix-cache,
+//! scheduler, attention backends, model) and is the **only** crate that knows about
+//! command-line flags, files, threads, sockets and output formats: every crate below it is plain
+//! synchronous logic with no I/O.
 //!
-//! What it holds now:
-//! - [`workload`]: request lists shared by the replayer and (later) the simulator and the
-//!   benchmark client — Mooncake JSONL traces with tokens synthesized from block hash ids,
-//!   SGLang's generated-shared-prefix workload, and multi-turn chat; generated workloads are
-//!   deterministic functions of a seed ([`rng`]).
-//! - [`cache_sim`]: trace replay (`kvserve cache-sim`): each request is matched, allocated,
-//!   inserted and unlocked through a [`radix_cache::RadixCache`] over a real
-//!   [`kv_pool::Allocator`] whose size is the capacity, for every eviction policy and capacity
-//!   of a sweep, on scoped threads; optionally with the accounting and ownership checks.
+//! What it holds:
+//! - [`components`]: one value per component kind over the implementations compiled into this
+//!   build (allocator, prefix cache, backend); a backend whose feature is off answers a typed
+//!   `NotCompiled` error; `kvserve info` lists them.
+//! - [`cli`] and [`config_file`]: the clap command line (SGLang's flag names) and `--config
+//!   FILE.toml`; `src/main.rs` only parses, runs and maps errors to exit code 2.
+//! - [`engine_loop`], [`model_exec`], [`server`]: the scheduler and model on their own thread,
+//!   token streams through channels, and the HTTP API on top (`kvserve serve`).
+//! - [`bench`](mod@bench) and [`bench_client`]: `kvserve bench`, in process or against any
+//!   OpenAI-compatible server (`--url`).
+//! - [`workload`]: request lists shared by the replayer, the simulator and the benchmarks —
+//!   Mooncake JSONL traces, generated shared prefix, multi-turn chat, random lengths; generated
+//!   workloads are deterministic functions of a seed ([`rng`]).
+//! - [`cache_sim`] (`kvserve cache-sim`: trace replay through the radix cache for every eviction
+//!   policy and capacity of a sweep) and [`sim`] (`kvserve sim`: the real scheduler over a cost
+//!   model).
 //! - [`report`] (aligned table, JSON lines) and [`plot`] (PNG, fonts embedded).
-//! - [`cli`]: the clap command line; `src/main.rs` only parses it, runs it and maps errors to
-//!   exit code 2.
 //!
 //! ## Where it sits
 //! ```text
-//! engine ─┬─> radix-cache ──> kv-pool
-//!         └─> kv-pool
+//! engine ─┬─> scheduler ──> radix-cache ──> kv-pool
+//!         ├─> model ──> attention ──> kv-pool
+//!         └─> attention backends (cpu; wgpu, cuda by feature)
 //! ```
-//! Later: the scheduler, model and attention backends, transfer, the HTTP server.
 //!
 //! ## Example: replay a generated workload
 //! ```
