@@ -370,6 +370,9 @@ pub struct ServeArgs {
     /// Refuse new requests (503) while this many wait.
     #[arg(long)]
     pub max_queued_requests: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
 }
 
 /// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
@@ -409,20 +412,23 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 
 /// The server's shared state for `args`: engine thread started, tokenizer loaded.
 pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::server::AppState>> {
-    let (tokenizer, config, name) = match &args.engine.model_path {
+    let (tokenizer, chat_template, config, name) = match &args.engine.model_path {
         None => (
             model::tiny::tiny_tokenizer(),
+            None,
             model::tiny::tiny_config(),
             "tiny".to_string(),
         ),
         Some(dir) => {
-            let (tok, _) =
+            let (tok, template) =
                 model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))?;
             let cfg = model::ModelConfig::from_file(&dir.join("config.json"))
                 .map_err(|e| EngineError::Model(e.to_string()))?;
-            (tok, cfg, dir.display().to_string())
+            (tok, template, cfg, dir.display().to_string())
         }
     };
+    let chat = crate::server::chat::ChatPrompt::new(chat_template)
+        .map_err(|e| EngineError::Model(e.to_string()))?;
     let mut setup = args.engine.setup(config.max_position_embeddings)?;
     setup.scheduler.max_queued_requests = args.max_queued_requests;
     let context_len = setup.scheduler.context_len;
@@ -432,8 +438,11 @@ pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::serv
         vocab_size: config.vocab_size,
         eos_token_ids: config.eos_token_ids.clone(),
         tokenizer,
+        chat,
         model_name: name,
         context_len,
+        api_key: args.api_key.clone(),
+        metrics: Default::default(),
     }))
 }
 

@@ -48,6 +48,7 @@ pub mod bench;
 pub mod cache_sim;
 pub mod cli;
 pub mod engine_loop;
+pub mod engine_metrics;
 pub mod error;
 pub mod model_exec;
 pub mod plot;
