@@ -14,6 +14,9 @@
 //!   [`kv_pool::Allocator`] whose size is the capacity, for every eviction policy and capacity
 //!   of a sweep, on scoped threads; optionally with the accounting and ownership checks.
 //! - [`report`] (aligned table, JSON lines) and [`plot`] (PNG, fonts embedded).
+//! - [`engine_loop`] (the scheduler and model on their own thread, request event streams) and
+//!   [`server`] (`kvserve serve`: SGLang's native API, OpenAI's completions and chat,
+//!   `/metrics`, `--api-key`).
 //! - [`cli`]: the clap command line; `src/main.rs` only parses it, runs it and maps errors to
 //!   exit code 2.
 //!

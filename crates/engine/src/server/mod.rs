@@ -142,3 +142,52 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
 }
+
+/// A server on its own thread and tokio runtime, stopped (gracefully) on drop: for tests,
+/// benches and programs that embed the server.
+#[derive(Debug)]
+pub struct BackgroundServer {
+    /// Where it listens.
+    pub addr: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Drop for BackgroundServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Binds `addr` (port 0: any free port) and serves `state` on a new thread with a runtime of
+/// `worker_threads` threads.
+pub fn spawn(
+    state: Arc<AppState>,
+    addr: &str,
+    worker_threads: usize,
+) -> std::io::Result<BackgroundServer> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(worker_threads.max(1))
+        .enable_all()
+        .build()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind(addr))?;
+    let local = listener.local_addr()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("kvserve-http".into())
+        .spawn(move || {
+            rt.block_on(serve(listener, state, async {
+                let _ = stopped.await;
+            }))
+        })?;
+    Ok(BackgroundServer {
+        addr: local,
+        stop: Some(stop),
+        thread: Some(thread),
+    })
+}

@@ -8,25 +8,14 @@ use std::time::Duration;
 
 use clap::Parser;
 use engine::cli::{build_server_state, Cli, Command};
+use engine::server::BackgroundServer;
 use serde_json::Value;
 
 /// A server on loopback, stopped on drop.
 pub struct Server {
     /// Its port.
     pub port: u16,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+    _server: BackgroundServer,
 }
 
 /// Starts `kvserve serve` in process with `extra` flags.
@@ -36,29 +25,11 @@ pub fn start(extra: &[&str]) -> Server {
     let Command::Serve(args) = Cli::parse_from(argv).command else {
         unreachable!()
     };
-    let state = build_server_state(&args).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let (port_tx, port_rx) = std::sync::mpsc::channel();
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            port_tx.send(listener.local_addr().unwrap().port()).unwrap();
-            engine::server::serve(listener, state, async {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap();
-        });
-    });
+    let server =
+        engine::server::spawn(build_server_state(&args).unwrap(), "127.0.0.1:0", 2).unwrap();
     Server {
-        port: port_rx.recv().unwrap(),
-        stop: Some(stop),
-        thread: Some(thread),
+        port: server.addr.port(),
+        _server: server,
     }
 }
 
@@ -67,7 +38,7 @@ pub fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     http_with(port, method, path, &[], body)
 }
 
-/// One HTTP/1.1 request with extra headers; returns (status, body, dechunked).
+/// One HTTP/1.1 request with extra headers; returns (status, body).
 pub fn http_with(
     port: u16,
     method: &str,
