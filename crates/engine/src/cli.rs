@@ -441,6 +441,9 @@ pub struct ServeArgs {
     /// Refuse new requests (503) while this many wait.
     #[arg(long)]
     pub max_queued_requests: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
 }
 
 /// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
@@ -479,14 +482,14 @@ pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::serv
     );
     let config = source.config()?;
     let name = source.name();
-    let tokenizer = match &source {
-        crate::bench::ModelSource::Tiny => model::tiny::tiny_tokenizer(),
+    let (tokenizer, chat_template) = match &source {
+        crate::bench::ModelSource::Tiny => (model::tiny::tiny_tokenizer(), None),
         crate::bench::ModelSource::Path(dir) => {
-            model::load_tokenizer_dir(dir)
-                .map_err(|e| EngineError::Model(e.to_string()))?
-                .0
+            model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))?
         }
     };
+    let chat = crate::server::chat::ChatPrompt::new(chat_template)
+        .map_err(|e| EngineError::Model(e.to_string()))?;
     let mut setup = args.engine.setup(config.max_position_embeddings)?;
     setup.scheduler.max_queued_requests = args.max_queued_requests;
     let context_len = setup.scheduler.context_len;
@@ -496,8 +499,11 @@ pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::serv
         vocab_size: config.vocab_size,
         eos_token_ids: config.eos_token_ids.clone(),
         tokenizer,
+        chat,
         model_name: name,
         context_len,
+        api_key: args.api_key.clone(),
+        metrics: Default::default(),
     }))
 }
 

@@ -4,21 +4,33 @@
 //! [`EngineHandle::submit`] sends a request and returns a [`RequestStream`] of [`Event`]s:
 //! `Tokens` (one or more new tokens as they are generated) then exactly one `Finished`. When
 //! a client drops its stream, the loop notices at the next token it sends and aborts the
-//! request, freeing its KV. [`EngineHandle::shutdown`] stops taking requests, aborts those
-//! still in flight (their streams end with an abort), and joins the thread.
+//! request, freeing its KV. [`RequestStream::cancel`] asks the loop to stop a request early
+//! (e.g. when the HTTP layer matched a stop string) while keeping the stream: the loop aborts
+//! it after the current step and the stream ends with `Finished` as usual.
+//! [`EngineHandle::shutdown`] stops taking requests, aborts those still in flight (their
+//! streams end with an abort), and joins the thread.
+//!
+//! Streams are tokio unbounded channels: the engine thread sends without blocking, async
+//! consumers `await` [`RequestStream::next`], blocking ones call [`RequestStream::recv`] or
+//! iterate. The loop keeps [`EngineMetrics`] up to date after every step and command.
 //!
 //! The loop blocks on its inbox when idle and drains it without blocking between steps, so an
 //! idle engine costs nothing and a busy one admits new requests every step.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use model::SamplingParams;
 use scheduler::{Executor, FinishReason, ReqId, SamplingLimits, Scheduler};
 
+use crate::engine_metrics::EngineMetrics;
 use crate::model_exec::ModelExecutor;
+
+type Sender<T> = tokio::sync::mpsc::UnboundedSender<T>;
 
 /// A request to the engine.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,11 +75,47 @@ pub struct Finished {
     pub e2e_latency_s: f64,
 }
 
-/// A request's event stream.
-pub type RequestStream = Receiver<Event>;
+/// A request's event stream. Dropping it aborts the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    events: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl RequestStream {
+    /// The next event (async); `None` once the stream has ended.
+    pub async fn next(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// The next event, blocking the thread (not for use inside an async runtime).
+    pub fn recv(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+
+    /// Asks the engine to stop generating for this request after the current step; the
+    /// stream stays open and ends with `Finished` (reason: abort).
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Iterator for RequestStream {
+    type Item = Event;
+
+    fn next(&mut self) -> Option<Event> {
+        self.recv()
+    }
+}
+
+struct Submission {
+    request: GenerateRequest,
+    events: Sender<Event>,
+    cancel: Arc<AtomicBool>,
+}
 
 enum Command {
-    Submit(Box<GenerateRequest>, Sender<Event>),
+    Submit(Box<Submission>),
     Flush(SyncSender<Result<(), String>>),
     Info(SyncSender<EngineInfo>),
     Shutdown,
@@ -101,12 +149,14 @@ pub struct EngineInfo {
 /// A handle to a running engine loop.
 #[derive(Debug)]
 pub struct EngineHandle {
-    inbox: Sender<Command>,
+    inbox: mpsc::Sender<Command>,
     thread: Option<JoinHandle<()>>,
+    metrics: Arc<EngineMetrics>,
 }
 
 struct Live {
     events: Sender<Event>,
+    cancel: Arc<AtomicBool>,
     sent: usize,
     start: Instant,
 }
@@ -115,25 +165,42 @@ impl EngineHandle {
     /// Starts the loop on its own thread, owning `scheduler` and `exec`.
     pub fn start(scheduler: Scheduler, exec: ModelExecutor) -> Self {
         let (inbox, commands) = mpsc::channel();
+        let metrics = Arc::new(EngineMetrics::default());
+        metrics.publish(&scheduler);
+        let m = metrics.clone();
         let thread = std::thread::Builder::new()
             .name("kvserve-engine".into())
-            .spawn(move || run(scheduler, exec, commands))
+            .spawn(move || run(scheduler, exec, commands, &m))
             .expect("spawn the engine thread");
         EngineHandle {
             inbox,
             thread: Some(thread),
+            metrics,
         }
     }
 
     /// Submits a request; its events arrive on the returned stream.
     pub fn submit(&self, request: GenerateRequest) -> RequestStream {
-        let (tx, rx) = mpsc::channel();
-        if let Err(mpsc::SendError(Command::Submit(_, tx))) =
-            self.inbox.send(Command::Submit(Box::new(request), tx))
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let sub = Submission {
+            request,
+            events: tx,
+            cancel: cancel.clone(),
+        };
+        if let Err(mpsc::SendError(Command::Submit(sub))) =
+            self.inbox.send(Command::Submit(Box::new(sub)))
         {
-            let _ = tx.send(Event::Rejected("the engine is shutting down".into()));
+            let _ = sub
+                .events
+                .send(Event::Rejected("the engine is shutting down".into()));
         }
-        rx
+        RequestStream { events: rx, cancel }
+    }
+
+    /// The gauges and counters the loop publishes.
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.metrics
     }
 
     /// Empties the prefix cache (refused while requests run).
@@ -187,9 +254,15 @@ fn info(s: &Scheduler) -> EngineInfo {
     }
 }
 
-fn run(mut s: Scheduler, mut exec: ModelExecutor, commands: Receiver<Command>) {
+fn run(
+    mut s: Scheduler,
+    mut exec: ModelExecutor,
+    commands: Receiver<Command>,
+    metrics: &EngineMetrics,
+) {
     let mut live: HashMap<ReqId, Live> = HashMap::new();
     loop {
+        metrics.publish(&s);
         // Idle: block for work. Busy: take what is there and go on stepping.
         let mut next = if s.is_idle() {
             match commands.recv_timeout(Duration::from_secs(3600)) {
@@ -202,7 +275,7 @@ fn run(mut s: Scheduler, mut exec: ModelExecutor, commands: Receiver<Command>) {
         };
         while let Some(cmd) = next.take() {
             match cmd {
-                Command::Submit(req, events) => submit(&mut s, &mut exec, &mut live, *req, events),
+                Command::Submit(sub) => submit(&mut s, &mut exec, &mut live, *sub),
                 Command::Flush(reply) => {
                     let r = if s.is_idle() {
                         s.flush_cache().map_err(|e| e.to_string())
@@ -228,6 +301,7 @@ fn run(mut s: Scheduler, mut exec: ModelExecutor, commands: Receiver<Command>) {
         if s.is_idle() {
             continue;
         }
+        metrics.publish(&s);
         if let Err(e) = step(&mut s, &mut exec) {
             // A failed step is a bug; fail every request rather than hang them.
             for (_, l) in live.drain() {
@@ -248,9 +322,13 @@ fn submit(
     s: &mut Scheduler,
     exec: &mut ModelExecutor,
     live: &mut HashMap<ReqId, Live>,
-    req: GenerateRequest,
-    events: Sender<Event>,
+    sub: Submission,
 ) {
+    let Submission {
+        request: req,
+        events,
+        cancel,
+    } = sub;
     let limits = SamplingLimits {
         max_new_tokens: req.max_new_tokens,
         ignore_eos: req.ignore_eos,
@@ -272,6 +350,7 @@ fn submit(
                 id,
                 Live {
                     events,
+                    cancel,
                     sent: 0,
                     start: Instant::now(),
                 },
@@ -284,10 +363,15 @@ fn submit(
 }
 
 /// Sends every live request its new tokens, finishes what finished, and aborts requests whose
-/// client went away.
+/// client went away or that were cancelled.
 fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId, Live>) {
     let mut gone = Vec::new();
+    let mut cancelled = Vec::new();
     for (&id, l) in live.iter_mut() {
+        if l.cancel.load(Ordering::Relaxed) {
+            cancelled.push(id);
+            continue;
+        }
         let Some(r) = s.request(id) else { continue };
         let out = r.output_ids();
         if out.len() > l.sent {
@@ -302,6 +386,9 @@ fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId
     }
     for id in gone {
         let _ = s.abort(id, "the client disconnected");
+    }
+    for id in cancelled {
+        let _ = s.abort(id, "cancelled");
     }
     for f in s.take_finished() {
         exec.release(f.id);
@@ -429,9 +516,30 @@ mod tests {
     }
 
     #[test]
+    fn a_cancelled_request_stops_and_its_stream_ends_with_finished() {
+        let e = engine();
+        let mut s = e.submit(greedy((0..40).collect(), 100_000));
+        assert!(matches!(s.recv(), Some(Event::Tokens(_))));
+        s.cancel();
+        let (tokens, fin, rej) = collect(s);
+        assert_eq!(rej, None);
+        let f = fin.unwrap();
+        assert!(matches!(f.reason, FinishReason::Abort { .. }), "{f:?}");
+        assert!(tokens.len() < 1000);
+        let info = e.info().unwrap();
+        assert_eq!((info.running, info.protected_tokens), (0, 0));
+        assert_eq!(info.ownership_ok, Some(true));
+        let m = e.metrics().snapshot();
+        assert_eq!((m.num_running_reqs, m.num_queue_reqs), (0, 0));
+        assert_eq!(m.prompt_tokens_total, 40);
+        assert!(m.generation_tokens_total >= 1);
+        e.shutdown();
+    }
+
+    #[test]
     fn shutdown_aborts_in_flight_requests() {
         let e = engine();
-        let s = e.submit(greedy((0..40).collect(), 100_000));
+        let mut s = e.submit(greedy((0..40).collect(), 100_000));
         // Wait for the first tokens, then shut down.
         let first = s.recv().unwrap();
         assert!(matches!(first, Event::Tokens(_)));

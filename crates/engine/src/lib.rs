@@ -57,6 +57,7 @@ pub mod cli;
 pub mod components;
 pub mod config_file;
 pub mod engine_loop;
+pub mod engine_metrics;
 pub mod error;
 pub mod memory;
 pub mod model_exec;

@@ -3,125 +3,10 @@
 //! disconnects mid-stream (its request aborted, its KV freed), greedy output equal with the
 //! cache cold, warm and disabled, and concurrent clients with shared prefixes.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
+mod common;
 
-use clap::Parser;
-use engine::cli::{build_server_state, Cli, Command};
+use common::{assert_kv_freed, disconnect_mid_stream, get, http, post, sse_data, start, wait_idle};
 use serde_json::{json, Value};
-
-struct Server {
-    port: u16,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn start(extra: &[&str]) -> Server {
-    let mut argv = vec!["kvserve", "serve", "--port", "0", "--threads", "1"];
-    argv.extend(extra);
-    let Command::Serve(args) = Cli::parse_from(argv).command else {
-        unreachable!()
-    };
-    let state = build_server_state(&args).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let (port_tx, port_rx) = std::sync::mpsc::channel();
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            port_tx.send(listener.local_addr().unwrap().port()).unwrap();
-            engine::server::serve(listener, state, async {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap();
-        });
-    });
-    Server {
-        port: port_rx.recv().unwrap(),
-        stop: Some(stop),
-        thread: Some(thread),
-    }
-}
-
-/// One HTTP/1.1 request; returns (status, body).
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let status: u16 = raw.split(' ').nth(1).unwrap().parse().unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    (status, body)
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-    out
-}
-
-fn post(port: u16, path: &str, body: Value) -> (u16, Value) {
-    let (status, text) = http(port, "POST", path, &body.to_string());
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-fn get(port: u16, path: &str) -> Value {
-    let (status, text) = http(port, "GET", path, "");
-    assert_eq!(status, 200, "{path}: {text}");
-    serde_json::from_str(&text).unwrap()
-}
-
-fn wait_idle(port: u16) -> Value {
-    for _ in 0..400 {
-        let info = get(port, "/get_server_info");
-        if info["engine"]["running"] == 0 && info["engine"]["waiting"] == 0 {
-            return info;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("the server did not go idle");
-}
 
 #[test]
 fn generate_plain_batch_and_streaming() {
@@ -154,10 +39,7 @@ fn generate_plain_batch_and_streaming() {
 
     let (status, text) = http(srv.port, "POST", "/generate", &json!({"text": "The capital of France is", "stream": true, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}}).to_string());
     assert_eq!(status, 200);
-    let chunks: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
+    let chunks = sse_data(&text);
     assert_eq!(*chunks.last().unwrap(), "[DONE]");
     let last: Value = serde_json::from_str(chunks[chunks.len() - 2]).unwrap();
     assert_eq!(
@@ -248,21 +130,9 @@ fn bad_input_is_a_4xx_json_error_and_disturbs_nothing() {
 #[test]
 fn a_client_that_disconnects_mid_stream_frees_its_kv() {
     let srv = start(&[]);
-    let mut s = TcpStream::connect(("127.0.0.1", srv.port)).unwrap();
     let body = json!({"input_ids": (0..64u32).collect::<Vec<_>>(), "stream": true, "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": true}}).to_string();
-    write!(s, "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-    let mut buf = [0u8; 512];
-    let n = s.read(&mut buf).unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
-    drop(s);
-    let info = wait_idle(srv.port);
-    assert_eq!(info["engine"]["ownership_ok"], true);
-    assert_eq!(info["engine"]["protected_tokens"], 0);
-    let e = &info["engine"];
-    assert_eq!(
-        e["available_tokens"].as_u64().unwrap() + e["evictable_tokens"].as_u64().unwrap(),
-        e["total_tokens"].as_u64().unwrap()
-    );
+    disconnect_mid_stream(srv.port, "/generate", &body);
+    assert_kv_freed(srv.port);
 }
 
 #[test]
