@@ -38,10 +38,12 @@ pub enum Command {
     /// TTFT and inter-token latency per schedule policy, eviction policy and pool size.
     Sim(SimArgs),
     /// Benchmark serving a workload in process: the real scheduler, prefix cache and a real
-    /// model (the built-in tiny preset, or a Hugging Face checkpoint) on the CPU backend.
+    /// model (the built-in tiny preset, or a Hugging Face checkpoint) on a compiled backend; or,
+    /// with --url, drive any OpenAI-compatible server with the same workload.
     Bench(BenchArgs),
-    /// Serve a model over HTTP (SGLang's native API: /generate, /health, /get_model_info,
-    /// /get_server_info, /flush_cache; /v1/models).
+    /// Serve a model over HTTP: SGLang's native API (/generate, /health, /get_model_info,
+    /// /get_server_info, /flush_cache), OpenAI's (/v1/completions, /v1/chat/completions,
+    /// /v1/models) and Prometheus /metrics.
     Serve(ServeArgs),
     /// List what this build has: features, backends, allocators, prefix caches, policies,
     /// KV dtypes and model architectures.
