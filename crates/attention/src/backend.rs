@@ -1,6 +1,6 @@
 //! The compute-backend traits every device implements, and the parameter types of their ops.
 
-use kv_pool::{KvLayout, KvStore};
+use kv_pool::{KvLayout, KvShape, KvStore};
 
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
@@ -265,6 +265,16 @@ pub trait Backend {
 
     /// Allocates a zeroed KV store for `layout` in the backend's memory.
     fn new_kv_store(&self, layout: KvLayout) -> Result<Self::KvStore>;
+
+    /// Whether this backend can hold a store of `shape` and attend over it: `Err(reason)` for a
+    /// dtype or attention kind the backend (or its device) lacks, such as f16 on an adapter
+    /// without f16 shaders. Callers (the conformance suite, an engine choosing a KV dtype)
+    /// ask before they build a store; the ops themselves still refuse with a typed
+    /// [`AttentionError::Unsupported`]. The default supports everything.
+    fn kv_support(&self, shape: &KvShape) -> std::result::Result<(), String> {
+        let _ = shape;
+        Ok(())
+    }
 
     /// Copies host data into a new tensor of `shape` (`data.len()` must match it).
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<Self::Tensor>;
