@@ -2,11 +2,11 @@
 
 use std::sync::Arc;
 
+use attention::check;
 use attention::{
     AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, Result, RopeConfig,
     RopeStyle,
 };
-use kv_pool::store::check;
 use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
 
 use crate::device::{DeviceReport, Gpu, WgpuConfig, WgpuError};
@@ -32,28 +32,6 @@ impl std::fmt::Debug for WgpuBackend {
             .field("config", &self.config)
             .finish()
     }
-}
-
-fn shape_err(what: &'static str, expected: &[usize], got: &[usize]) -> AttentionError {
-    AttentionError::ShapeMismatch {
-        what,
-        expected: expected.to_vec(),
-        got: got.to_vec(),
-    }
-}
-
-fn expect_shape(what: &'static str, t: &WgpuTensor, expected: &[usize]) -> Result<()> {
-    if t.shape != expected {
-        return Err(shape_err(what, expected, &t.shape));
-    }
-    Ok(())
-}
-
-fn expect_rank(what: &'static str, t: &WgpuTensor, rank: usize) -> Result<()> {
-    if t.shape.len() != rank {
-        return Err(shape_err(what, &vec![0; rank], &t.shape));
-    }
-    Ok(())
 }
 
 /// A dimension as the `u32` kernels index with.
@@ -125,24 +103,13 @@ impl WgpuBackend {
         tensor::zeros(&self.runner, shape)
     }
 
-    /// Checks that a store was made by this backend's device, and the plan against it.
-    fn check_store(&self, layer: usize, plan: &WgpuPlan, store: &WgpuKvStore) -> Result<()> {
+    /// Checks that a store was made by this backend's device.
+    fn check_device(&self, store: &WgpuKvStore) -> Result<()> {
         if !Arc::ptr_eq(&store.runner, &self.runner) {
             return Err(AttentionError::InvalidConfig {
                 field: "store",
                 reason: "the KV store belongs to another wgpu backend (device)".into(),
             });
-        }
-        let layout = store.layout();
-        check::layer(layout, layer)?;
-        if plan.meta.page_size() != layout.page_size {
-            return Err(AttentionError::PageSizeMismatch {
-                plan: plan.meta.page_size(),
-                store: layout.page_size,
-            });
-        }
-        if let Some(max) = plan.meta.max_slot() {
-            check::slots(layout, &[max])?;
         }
         Ok(())
     }
@@ -301,9 +268,7 @@ impl Backend for WgpuBackend {
     }
 
     fn reshape(&self, t: WgpuTensor, shape: &[usize]) -> Result<WgpuTensor> {
-        if shape.iter().product::<usize>() != t.numel() {
-            return Err(shape_err("reshape", shape, &t.shape));
-        }
+        check::reshape(&t.shape, shape)?;
         Ok(WgpuTensor {
             buf: t.buf,
             shape: shape.to_vec(),
@@ -311,10 +276,7 @@ impl Backend for WgpuBackend {
     }
 
     fn matmul(&self, x: &WgpuTensor, w: &WgpuTensor) -> Result<WgpuTensor> {
-        expect_rank("x", x, 2)?;
-        expect_rank("w", w, 2)?;
-        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
-        expect_shape("w", w, &[n, k])?;
+        let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
         let out = self.zeros(&[m, n])?;
         if m == 0 || n == 0 || k == 0 {
             return Ok(out);
@@ -334,9 +296,7 @@ impl Backend for WgpuBackend {
     }
 
     fn rms_norm(&self, x: &WgpuTensor, weight: &WgpuTensor, eps: f32) -> Result<WgpuTensor> {
-        expect_rank("x", x, 2)?;
-        expect_shape("weight", weight, &[x.shape[1]])?;
-        let (rows, d) = (x.shape[0], x.shape[1]);
+        let (rows, d) = check::rms_norm(&x.shape, &weight.shape)?;
         let out = self.zeros(&x.shape)?;
         if rows == 0 || d == 0 {
             return Ok(out);
@@ -357,17 +317,8 @@ impl Backend for WgpuBackend {
     }
 
     fn rotary(&self, x: &mut WgpuTensor, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
-        let inv = cfg.inv_freqs()?;
-        expect_rank("x", x, 3)?;
+        let inv = check::rotary(&x.shape, positions.len(), cfg)?;
         let (n, heads) = (x.shape[0], x.shape[1]);
-        expect_shape("x", x, &[n, heads, cfg.head_dim])?;
-        if positions.len() != n {
-            return Err(AttentionError::LengthMismatch {
-                what: "positions",
-                expected: n,
-                got: positions.len(),
-            });
-        }
         if n == 0 || heads == 0 {
             return Ok(());
         }
@@ -394,16 +345,7 @@ impl Backend for WgpuBackend {
     }
 
     fn silu_mul(&self, x: &WgpuTensor) -> Result<WgpuTensor> {
-        expect_rank("x", x, 2)?;
-        let (m, two_d) = (x.shape[0], x.shape[1]);
-        if two_d % 2 != 0 {
-            return Err(shape_err(
-                "x (last dim must be even)",
-                &[m, two_d + 1],
-                &x.shape,
-            ));
-        }
-        let d = two_d / 2;
+        let (m, d) = check::silu_mul(&x.shape)?;
         let out = self.zeros(&[m, d])?;
         let kernel = kernels::dense::silu_mul();
         let params = self.params(&[dim("m", m)?, dim("d", d)?])?;
@@ -416,7 +358,7 @@ impl Backend for WgpuBackend {
     }
 
     fn add_assign(&self, x: &mut WgpuTensor, y: &WgpuTensor) -> Result<()> {
-        expect_shape("y", y, &x.shape.clone())?;
+        check::add_assign(&x.shape, &y.shape)?;
         let kernel = kernels::dense::add_assign();
         let params = self.params(&[dim("len", x.numel())?])?;
         self.run(&[Dispatch {
@@ -427,14 +369,7 @@ impl Backend for WgpuBackend {
     }
 
     fn embedding(&self, table: &WgpuTensor, ids: &[u32]) -> Result<WgpuTensor> {
-        expect_rank("table", table, 2)?;
-        let (vocab, d) = (table.shape[0], table.shape[1]);
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(AttentionError::InvalidConfig {
-                field: "ids",
-                reason: format!("id {bad} out of range for a table of {vocab} rows"),
-            });
-        }
+        let (_, d) = check::embedding(&table.shape, ids)?;
         let out = self.zeros(&[ids.len(), d])?;
         if ids.is_empty() || d == 0 {
             return Ok(out);
@@ -451,16 +386,9 @@ impl Backend for WgpuBackend {
     }
 
     fn concat_last(&self, a: &WgpuTensor, b: &WgpuTensor) -> Result<WgpuTensor> {
-        let (sa, sb) = (&a.shape, &b.shape);
-        let lead_ok =
-            !sa.is_empty() && sa.len() == sb.len() && sa[..sa.len() - 1] == sb[..sb.len() - 1];
-        if !lead_ok {
-            return Err(shape_err("concat_last b (leading dims of a)", sa, sb));
-        }
-        let (da, db) = (sa[sa.len() - 1], sb[sb.len() - 1]);
-        let rows: usize = sa[..sa.len() - 1].iter().product();
-        let mut shape = sa.clone();
-        shape[sa.len() - 1] = da + db;
+        let (rows, da, db) = check::concat_last(&a.shape, &b.shape)?;
+        let mut shape = a.shape.clone();
+        *shape.last_mut().expect("rank checked") = da + db;
         let out = self.zeros(&shape)?;
         let kernel = kernels::dense::concat_last();
         let params = self.params(&[dim("rows", rows)?, dim("da", da)?, dim("db", db)?])?;
@@ -487,38 +415,20 @@ impl Backend for WgpuBackend {
         v: &WgpuTensor,
         params: &AttentionParams,
     ) -> Result<WgpuTensor> {
-        self.check_store(layer, plan, store)?;
-        let (kv_heads, d, dv) = match store.layout().shape.kind {
-            KvKind::Mha {
-                kv_heads,
-                head_dim,
-                v_head_dim,
-            } => (kv_heads as usize, head_dim as usize, v_head_dim as usize),
-            KvKind::DoubleSparse { .. } => {
-                return Err(AttentionError::Unsupported(
-                    "DoubleSparse attention is not implemented on the wgpu backend".into(),
-                ))
-            }
-            KvKind::Mla { .. } => {
-                return Err(AttentionError::Unsupported(
-                    "an MLA store needs attention_mla".into(),
-                ))
-            }
-        };
-        if params.double_sparse.is_some() {
+        self.check_device(store)?;
+        let g = check::attention(
+            layer,
+            &plan.meta,
+            store.layout(),
+            (&q.shape, &k.shape, &v.shape),
+            params,
+        )?;
+        if g.heavy_channels.is_some() {
             return Err(AttentionError::Unsupported(
-                "double_sparse parameters given for a store without labels".into(),
+                "DoubleSparse attention is not implemented on the wgpu backend".into(),
             ));
         }
-        let n = plan.meta.num_tokens();
-        expect_rank("q", q, 3)?;
-        let q_heads = q.shape[1];
-        if q_heads == 0 || q_heads % kv_heads != 0 {
-            return Err(AttentionError::HeadsNotMultiple { q_heads, kv_heads });
-        }
-        expect_shape("q", q, &[n, q_heads, d])?;
-        expect_shape("k", k, &[n, kv_heads, d])?;
-        expect_shape("v", v, &[n, kv_heads, dv])?;
+        let (kv_heads, d, dv) = (g.kv_heads, g.head_dim, g.v_head_dim);
         self.attend(
             layer,
             plan,
@@ -539,36 +449,15 @@ impl Backend for WgpuBackend {
         latent: &WgpuTensor,
         params: &AttentionParams,
     ) -> Result<WgpuTensor> {
-        self.check_store(layer, plan, store)?;
-        let KvKind::Mla {
-            kv_lora_rank,
-            qk_rope_head_dim,
-        } = store.layout().shape.kind
-        else {
-            return Err(AttentionError::Unsupported(
-                "attention_mla needs an MLA store".into(),
-            ));
-        };
-        if params.double_sparse.is_some() {
-            return Err(AttentionError::Unsupported(
-                "double_sparse parameters given for an MLA store".into(),
-            ));
-        }
-        let (dv, d) = (
-            kv_lora_rank as usize,
-            kv_lora_rank as usize + qk_rope_head_dim as usize,
-        );
-        let n = plan.meta.num_tokens();
-        expect_rank("q", q, 3)?;
-        let heads = q.shape[1];
-        if heads == 0 {
-            return Err(AttentionError::HeadsNotMultiple {
-                q_heads: 0,
-                kv_heads: 1,
-            });
-        }
-        expect_shape("q", q, &[n, heads, d])?;
-        expect_shape("latent", latent, &[n, d])?;
+        self.check_device(store)?;
+        let (_, d, dv) = check::attention_mla(
+            layer,
+            &plan.meta,
+            store.layout(),
+            &q.shape,
+            &latent.shape,
+            params,
+        )?;
         self.attend(
             layer,
             plan,

@@ -48,3 +48,16 @@ pub use device::{DeviceReport, WgpuConfig, WgpuError};
 pub use plan::WgpuPlan;
 pub use store::WgpuKvStore;
 pub use tensor::WgpuTensor;
+
+// The engine runs a model on its own thread: the backend, its tensors, stores and plans must
+// move there.
+const _: () = {
+    fn send_sync<T: Send + Sync>() {}
+    #[allow(dead_code)]
+    fn check() {
+        send_sync::<WgpuBackend>();
+        send_sync::<WgpuTensor>();
+        send_sync::<WgpuKvStore>();
+        send_sync::<WgpuPlan>();
+    }
+};

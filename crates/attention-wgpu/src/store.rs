@@ -240,6 +240,23 @@ impl WgpuKvStore {
         Ok(())
     }
 
+    /// The parts of one page in the canonical packed format, in order: `(layer, buffer,
+    /// offset within the page, bytes)`.
+    fn page_parts(&self) -> Vec<(usize, KvBuffer, usize, usize)> {
+        let shape = self.layout.shape;
+        let p = self.layout.page_size as usize;
+        let mut parts = Vec::new();
+        let mut off = 0;
+        for layer in 0..shape.layers as usize {
+            for &b in shape.buffers() {
+                let n = p * shape.row_bytes(b);
+                parts.push((layer, b, off, n));
+                off += n;
+            }
+        }
+        parts
+    }
+
     /// The slots of `pages`, each page's `P` rows in order.
     fn page_slots(&self, pages: &[Page]) -> Vec<Slot> {
         let p = self.layout.page_size;
@@ -342,20 +359,13 @@ impl KvStore for WgpuKvStore {
 
     fn read_pages(&self, pages: &[Page], out: &mut [u8]) -> Result<()> {
         check::page_data(&self.layout, pages, "out", out.len())?;
-        let shape = self.layout.shape;
-        let p = self.layout.page_size as usize;
         let page_bytes = self.layout.page_bytes();
         let slots = self.page_slots(pages);
-        let mut off = 0;
-        for layer in 0..shape.layers as usize {
-            for &b in shape.buffers() {
-                let n = p * shape.row_bytes(b);
-                let mut rows = vec![0u8; pages.len() * n];
-                self.read_raw_unchecked(layer, b, &slots, &mut rows)?;
-                for (i, chunk) in rows.chunks_exact(n.max(1)).enumerate() {
-                    out[i * page_bytes + off..][..n].copy_from_slice(chunk);
-                }
-                off += n;
+        for (layer, b, off, n) in self.page_parts() {
+            let mut rows = vec![0u8; pages.len() * n];
+            self.read_raw_unchecked(layer, b, &slots, &mut rows)?;
+            for (i, chunk) in rows.chunks_exact(n.max(1)).enumerate() {
+                out[i * page_bytes + off..][..n].copy_from_slice(chunk);
             }
         }
         Ok(())
@@ -366,22 +376,15 @@ impl KvStore for WgpuKvStore {
         if pages.is_empty() {
             return Ok(());
         }
-        let shape = self.layout.shape;
-        let p = self.layout.page_size as usize;
         let page_bytes = self.layout.page_bytes();
         let slots = self.page_slots(pages);
-        let mut off = 0;
-        for layer in 0..shape.layers as usize {
-            for &b in shape.buffers() {
-                let n = p * shape.row_bytes(b);
-                let mut rows = Vec::with_capacity(pages.len() * n);
-                for i in 0..pages.len() {
-                    rows.extend_from_slice(&data[i * page_bytes + off..][..n]);
-                }
-                let src = self.runner.upload_bytes("kv pages", &rows)?;
-                self.scatter(layer, b, &slots, &src)?;
-                off += n;
+        for (layer, b, off, n) in self.page_parts() {
+            let mut rows = Vec::with_capacity(pages.len() * n);
+            for i in 0..pages.len() {
+                rows.extend_from_slice(&data[i * page_bytes + off..][..n]);
             }
+            let src = self.runner.upload_bytes("kv pages", &rows)?;
+            self.scatter(layer, b, &slots, &src)?;
         }
         Ok(())
     }

@@ -1,7 +1,10 @@
 //! Typed errors: no adapter, bad configuration, unsupported dtypes and kinds, and bad op
 //! input, which must be refused exactly as the CPU backend refuses it.
 
-use attention::{AttentionError, AttentionParams, Backend, BatchMetadata, CpuBackend, RequestKv};
+use attention::{
+    AttentionError, AttentionParams, Backend, BatchMetadata, CpuBackend, DoubleSparseConfig,
+    RequestKv,
+};
 use attention_wgpu::test_support::backend_or_skip;
 use attention_wgpu::{WgpuBackend, WgpuConfig, WgpuError};
 use kv_pool::{KvDtype, KvLayout, KvPoolError, KvShape, Slot};
@@ -87,16 +90,15 @@ fn unsupported_dtypes_and_kinds_are_typed() {
     .unwrap();
     let plan = b.plan(&meta).unwrap();
     let t = b.upload(&[0.5; 8], &[1, 1, 8]).unwrap();
+    let params = AttentionParams {
+        scale: 1.0,
+        double_sparse: Some(DoubleSparseConfig {
+            top_k: 1,
+            channels: vec![0, 5],
+        }),
+    };
     let err = b
-        .attention(
-            0,
-            &plan,
-            &mut store,
-            &t,
-            &t,
-            &t,
-            &AttentionParams::dense(1.0),
-        )
+        .attention(0, &plan, &mut store, &t, &t, &t, &params)
         .unwrap_err();
     assert!(matches!(err, AttentionError::Unsupported(_)), "{err}");
 }

@@ -317,25 +317,14 @@ pub trait Backend {
     /// [`upload`](Backend::upload)), so every backend has it; a device may override it with a
     /// kernel. It is exact (a copy), so the result is the same on every backend.
     fn concat_last(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor> {
-        let (sa, sb) = (a.shape(), b.shape());
-        let lead_ok =
-            !sa.is_empty() && sa.len() == sb.len() && sa[..sa.len() - 1] == sb[..sb.len() - 1];
-        if !lead_ok {
-            return Err(AttentionError::ShapeMismatch {
-                what: "concat_last b (leading dims of a)",
-                expected: sa.to_vec(),
-                got: sb.to_vec(),
-            });
-        }
-        let (da, db) = (sa[sa.len() - 1], sb[sb.len() - 1]);
-        let rows: usize = sa[..sa.len() - 1].iter().product();
+        let (rows, da, db) = crate::check::concat_last(a.shape(), b.shape())?;
         let (ha, hb) = (self.download(a)?, self.download(b)?);
         let mut out = Vec::with_capacity(rows * (da + db));
         for r in 0..rows {
             out.extend_from_slice(&ha[r * da..(r + 1) * da]);
             out.extend_from_slice(&hb[r * db..(r + 1) * db]);
         }
-        let mut shape = sa.to_vec();
+        let mut shape = a.shape().to_vec();
         *shape.last_mut().expect("rank checked above") = da + db;
         self.upload(&out, &shape)
     }
