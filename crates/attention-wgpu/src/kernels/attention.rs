@@ -5,9 +5,10 @@
 //! A workgroup of [`ATTN_WG`] threads handles one query token, one KV head, a block of `HB`
 //! of its query heads (the GQA group, or part of it), and one split of the token's causal KV
 //! range `0..=pos`. It walks its range in blocks of [`ATTN_WG`] keys: each thread scores one key
-//! against the `HB` query heads (the key row is read once for the whole group), one thread per
-//! head folds the block into the running max and sum (online softmax), and then every thread
-//! accumulates its share of the `HB × DV` output dims over the block's values. With one split
+//! against the `HB` query heads (each key element is read once for all of them), one thread
+//! per head folds the block into the running max and sum (online softmax), and then each
+//! thread accumulates its value columns (`c = tid + 64·i`) for all `HB` heads, reading each
+//! value element once. With one split
 //! the workgroup writes the normalised output; otherwise it writes `(acc, max, sum)` and
 //! [`merge`] combines the splits.
 //!
@@ -55,9 +56,15 @@ pub struct AttnSpec {
 }
 
 impl AttnSpec {
-    /// Output dims each thread accumulates.
+    /// Value columns each thread owns (`⌈DV / 64⌉`); it accumulates them for every head of
+    /// its block.
+    pub fn cols_per_thread(&self) -> u32 {
+        self.dv.div_ceil(ATTN_WG)
+    }
+
+    /// Output dims each thread accumulates (`HB × cols_per_thread`).
     pub fn acc_per_thread(&self) -> u32 {
-        (self.heads_per_wg * self.dv).div_ceil(ATTN_WG)
+        self.heads_per_wg * self.cols_per_thread()
     }
 }
 
@@ -67,7 +74,7 @@ impl AttnSpec {
 pub fn heads_per_wg(group: u32, d: u32, dv: u32) -> u32 {
     (1..=group)
         .rev()
-        .find(|&h| group % h == 0 && h * d <= 2048 && (h * dv).div_ceil(ATTN_WG) <= 16)
+        .find(|&h| group % h == 0 && h * d <= 2048 && h * dv.div_ceil(ATTN_WG) <= 16)
         .unwrap_or(1)
 }
 
@@ -116,6 +123,7 @@ pub fn attention(spec: AttnSpec) -> Kernel {
     w.const_u32("P", spec.page_size);
     w.const_u32("B", ATTN_WG);
     w.const_u32("ACC", acc);
+    w.const_u32("CPT", spec.cols_per_thread());
     w.push(&format!(
         "const NEG: f32 = -3.0e38;
 
@@ -157,12 +165,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if j < range.y {{
             let row = plan[pages + j / P] * P + j % P;
             rows[tid] = row;
-            for (var h = 0u; h < HB; h++) {{
-                var dot = 0.0;
-                for (var e = 0u; e < D; e++) {{
-                    dot += qs[h * D + e] * k_load(row, kvh * D + e);
+            var dots: array<f32, HB>;
+            for (var e = 0u; e < D; e++) {{
+                let kx = k_load(row, kvh * D + e);
+                for (var h = 0u; h < HB; h++) {{
+                    dots[h] += qs[h * D + e] * kx;
                 }}
-                sc[h * B + tid] = dot * scale;
+            }}
+            for (var h = 0u; h < HB; h++) {{
+                sc[h * B + tid] = dots[h] * scale;
             }}
         }} else {{
             for (var h = 0u; h < HB; h++) {{
@@ -191,16 +202,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }}
         workgroupBarrier();
         let nk = min(B, range.y - start);
-        for (var a = 0u; a < ACC; a++) {{
-            let o = tid + a * B;
-            if o < HB * DV {{
-                let h = o / DV;
-                let c = o - h * DV;
-                var v = acc[a] * a_sh[h];
-                for (var i = 0u; i < nk; i++) {{
-                    v += sc[h * B + i] * {v_fn}(rows[i], {v_off} + c);
+        for (var cc = 0u; cc < CPT; cc++) {{
+            let c = tid + cc * B;
+            if c < DV {{
+                var vs: array<f32, HB>;
+                for (var h = 0u; h < HB; h++) {{
+                    vs[h] = acc[h * CPT + cc] * a_sh[h];
                 }}
-                acc[a] = v;
+                for (var i = 0u; i < nk; i++) {{
+                    let vx = {v_fn}(rows[i], {v_off} + c);
+                    for (var h = 0u; h < HB; h++) {{
+                        vs[h] += sc[h * B + i] * vx;
+                    }}
+                }}
+                for (var h = 0u; h < HB; h++) {{
+                    acc[h * CPT + cc] = vs[h];
+                }}
             }}
         }}
         workgroupBarrier();
@@ -216,19 +233,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         kv_indptr = PLAN_KV_INDPTR,
         kv_indices = PLAN_KV_INDICES,
         tail = if spec.direct {
-            "    for (var a = 0u; a < ACC; a++) {
-        let o = tid + a * B;
-        if o < HB * DV {
-            out[(t * QH + h0) * DV + o] = acc[a] / l_sh[o / DV];
+            "    for (var cc = 0u; cc < CPT; cc++) {
+        let c = tid + cc * B;
+        if c < DV {
+            for (var h = 0u; h < HB; h++) {
+                out[(t * QH + h0 + h) * DV + c] = acc[h * CPT + cc] / l_sh[h];
+            }
         }
     }
 "
         } else {
-            "    for (var a = 0u; a < ACC; a++) {
-        let o = tid + a * B;
-        if o < HB * DV {
-            let h = o / DV;
-            out[((t * QH + h0 + h) * n_splits + s) * (DV + 2u) + o - h * DV] = acc[a];
+            "    for (var cc = 0u; cc < CPT; cc++) {
+        let c = tid + cc * B;
+        if c < DV {
+            for (var h = 0u; h < HB; h++) {
+                out[((t * QH + h0 + h) * n_splits + s) * (DV + 2u) + c] = acc[h * CPT + cc];
+            }
         }
     }
     if tid < HB {
