@@ -1,6 +1,6 @@
 //! The compute-backend traits every device implements, and the parameter types of their ops.
 
-use kv_pool::{KvLayout, KvStore};
+use kv_pool::{KvLayout, KvShape, KvStore};
 
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
@@ -266,6 +266,16 @@ pub trait Backend {
     /// Allocates a zeroed KV store for `layout` in the backend's memory.
     fn new_kv_store(&self, layout: KvLayout) -> Result<Self::KvStore>;
 
+    /// Whether this backend can hold a store of `shape` and attend over it: `Err(reason)` for a
+    /// dtype or attention kind the backend (or its device) lacks, such as f16 on an adapter
+    /// without f16 shaders. Callers (the conformance suite, an engine choosing a KV dtype)
+    /// ask before they build a store; the ops themselves still refuse with a typed
+    /// [`AttentionError::Unsupported`]. The default supports everything.
+    fn kv_support(&self, shape: &KvShape) -> std::result::Result<(), String> {
+        let _ = shape;
+        Ok(())
+    }
+
     /// Copies host data into a new tensor of `shape` (`data.len()` must match it).
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<Self::Tensor>;
 
@@ -307,25 +317,14 @@ pub trait Backend {
     /// [`upload`](Backend::upload)), so every backend has it; a device may override it with a
     /// kernel. It is exact (a copy), so the result is the same on every backend.
     fn concat_last(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor> {
-        let (sa, sb) = (a.shape(), b.shape());
-        let lead_ok =
-            !sa.is_empty() && sa.len() == sb.len() && sa[..sa.len() - 1] == sb[..sb.len() - 1];
-        if !lead_ok {
-            return Err(AttentionError::ShapeMismatch {
-                what: "concat_last b (leading dims of a)",
-                expected: sa.to_vec(),
-                got: sb.to_vec(),
-            });
-        }
-        let (da, db) = (sa[sa.len() - 1], sb[sb.len() - 1]);
-        let rows: usize = sa[..sa.len() - 1].iter().product();
+        let (rows, da, db) = crate::check::concat_last(a.shape(), b.shape())?;
         let (ha, hb) = (self.download(a)?, self.download(b)?);
         let mut out = Vec::with_capacity(rows * (da + db));
         for r in 0..rows {
             out.extend_from_slice(&ha[r * da..(r + 1) * da]);
             out.extend_from_slice(&hb[r * db..(r + 1) * db]);
         }
-        let mut shape = sa.to_vec();
+        let mut shape = a.shape().to_vec();
         *shape.last_mut().expect("rank checked above") = da + db;
         self.upload(&out, &shape)
     }

@@ -133,17 +133,33 @@ pub struct Outcome {
     pub error: f64,
     /// The bound it must meet.
     pub bound: f64,
+    /// `Some(reason)` when the backend does not support the case
+    /// ([`Backend::kv_support`]): it was not run, and counts as passed.
+    pub skipped: Option<String>,
 }
 
 impl Outcome {
-    /// Whether the error is within the bound (NaN fails).
+    /// A measured check.
+    pub fn measured(name: String, error: f64, bound: f64) -> Self {
+        Outcome {
+            name,
+            error,
+            bound,
+            skipped: None,
+        }
+    }
+
+    /// Whether the error is within the bound (NaN fails), or the case was skipped.
     pub fn passed(&self) -> bool {
-        self.error <= self.bound
+        self.skipped.is_some() || self.error <= self.bound
     }
 }
 
 impl fmt::Display for Outcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(reason) = &self.skipped {
+            return write!(f, "skip {:<60} {reason}", self.name);
+        }
         write!(
             f,
             "{} {:<60} err {:.3e} bound {:.1e}",
@@ -239,7 +255,9 @@ fn pool_size(page_size: u32, requests: &[(usize, usize)]) -> usize {
 /// The layer the cases attend in (layer 0 holds unrelated data at the same slots).
 const LAYER: usize = 1;
 
-/// Runs one attention case through `backend` and measures it against the f64 reference.
+/// Runs one attention case through `backend` and measures it against the f64 reference. A
+/// case whose store the backend does not support ([`Backend::kv_support`]) is not run: its
+/// outcome is skipped, with the backend's reason.
 pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Result<Outcome> {
     let mut rng = SplitMix(case.seed);
     let p = case.page_size;
@@ -293,6 +311,14 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
             head_dim,
         ),
     };
+    if let Err(reason) = backend.kv_support(&shape) {
+        return Ok(Outcome {
+            name: format!("{} {case}", backend.name()),
+            error: 0.0,
+            bound: attention_bound(case.dtype),
+            skipped: Some(reason),
+        });
+    }
     let mla = matches!(case.kind, CaseKind::Mla { .. });
     let (k_row, v_row) = (
         shape.row_elems(KvBuffer::Key),
@@ -424,11 +450,11 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
         };
         want.extend(part);
     }
-    Ok(Outcome {
-        name: format!("{} {case}", backend.name()),
-        error: relative_error(&got, &want),
-        bound: attention_bound(case.dtype),
-    })
+    Ok(Outcome::measured(
+        format!("{} {case}", backend.name()),
+        relative_error(&got, &want),
+        attention_bound(case.dtype),
+    ))
 }
 
 /// How much of the suite to run.
@@ -537,17 +563,23 @@ pub fn run_attention_suite<B: Backend>(backend: &B, size: SuiteSize) -> Vec<Outc
     attention_cases(size)
         .iter()
         .map(|case| {
-            run_attention_case(backend, case).unwrap_or_else(|e| Outcome {
-                name: format!("{} {case}: {e}", backend.name()),
-                error: f64::INFINITY,
-                bound: attention_bound(case.dtype),
+            run_attention_case(backend, case).unwrap_or_else(|e| {
+                Outcome::measured(
+                    format!("{} {case}: {e}", backend.name()),
+                    f64::INFINITY,
+                    attention_bound(case.dtype),
+                )
             })
         })
         .collect()
 }
 
-/// Panics with the full report if any outcome failed (for tests).
+/// Panics with the full report if any outcome failed (for tests). Skipped outcomes pass; each
+/// is printed with its reason, so a skip is never silent.
 pub fn assert_all_passed(outcomes: &[Outcome]) {
+    for o in outcomes.iter().filter(|o| o.skipped.is_some()) {
+        println!("{o}");
+    }
     let report: String = outcomes.iter().map(|o| format!("{o}\n")).collect();
     assert!(
         outcomes.iter().all(Outcome::passed),
@@ -564,11 +596,11 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
     let mut rng = SplitMix(0xD15E);
     let mut out = Vec::new();
     let mut push = |name: String, error: f64, bound: f64| {
-        out.push(Outcome {
-            name: format!("{} {name}", backend.name()),
+        out.push(Outcome::measured(
+            format!("{} {name}", backend.name()),
             error,
             bound,
-        })
+        ))
     };
     for &(m, k, n) in &[(1, 64, 48), (7, 67, 33), (33, 128, 96), (64, 256, 17)] {
         let x = rng.nonzero_vec(m * k);

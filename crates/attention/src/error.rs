@@ -81,6 +81,10 @@ pub enum AttentionError {
         /// Page size of the store.
         store: u32,
     },
+    /// The device failed: no adapter, a lost device, a buffer that could not be allocated or
+    /// mapped, a driver error (device backends only; the CPU backend never returns it).
+    #[error("device: {0}")]
+    Device(String),
     /// Host memory could not be reserved.
     #[error("host out of memory reserving {bytes} bytes")]
     HostOutOfMemory {

@@ -14,7 +14,8 @@
 //!   position was written in this batch or an earlier one.
 //! - Batch metadata obeys kv-pool's page rule (`slot(p) mod P == p mod P`, one physical page
 //!   per page index), checked when it is built.
-//! - Bad input is a typed [`AttentionError`], never a panic.
+//! - Bad input is a typed [`AttentionError`], never a panic; every backend validates through
+//!   [`check`], so all refuse the same inputs with the same errors.
 //! - The CPU backend is deterministic and batch-invariant by default: a request's output is
 //!   bitwise the same alone or in any batch, chunked or not, with its prefix cached or not, on
 //!   any slots.
@@ -24,6 +25,7 @@
 //! the CUDA and wgpu backends implement it and call [`conformance`] in their tests.
 
 pub mod backend;
+pub mod check;
 pub mod conformance;
 pub mod cpu;
 pub mod error;

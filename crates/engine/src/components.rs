@@ -47,12 +47,12 @@ impl BackendKind {
         }
     }
 
-    /// The Cargo feature that compiles it (`None`: always there).
+    /// The engine's Cargo feature that compiles it (`None`: always there, or, for a backend
+    /// that is never compiled, not written yet).
     pub fn feature(self) -> Option<&'static str> {
         match self {
-            BackendKind::Cpu => None,
+            BackendKind::Cpu | BackendKind::Cuda => None,
             BackendKind::Wgpu => Some("wgpu"),
-            BackendKind::Cuda => Some("cuda"),
         }
     }
 
@@ -105,14 +105,17 @@ impl fmt::Display for BackendKind {
 
 /// A component that this build does not have: which one and the feature that would bring it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{what} {name:?} is not compiled into this build (rebuild with `--features {feature}`)")]
+#[error("{what} {name:?} is not compiled into this build ({})", match feature {
+    Some(f) => format!("rebuild with `--features {f}`"),
+    None => "no feature of this version provides it yet".to_string(),
+})]
 pub struct NotCompiled {
     /// The component kind (e.g. "backend").
     pub what: &'static str,
     /// Its name (e.g. "wgpu").
     pub name: &'static str,
-    /// The Cargo feature of the engine crate that compiles it.
-    pub feature: &'static str,
+    /// The Cargo feature of the engine crate that compiles it (`None`: not written yet).
+    pub feature: Option<&'static str>,
 }
 
 impl NotCompiled {
@@ -120,7 +123,7 @@ impl NotCompiled {
         NotCompiled {
             what: "backend",
             name: kind.name(),
-            feature: kind.feature().unwrap_or(kind.name()),
+            feature: kind.feature(),
         }
     }
 }
@@ -268,8 +271,24 @@ macro_rules! not_compiled_backend {
     };
 }
 
-// Until attention-wgpu lands, wgpu is a stand-in like CUDA.
+/// The model on the wgpu backend.
+#[cfg(feature = "wgpu")]
+pub type WgpuRunner = ModelRunner<attention_wgpu::WgpuBackend>;
+
+#[cfg(feature = "wgpu")]
+impl BuildRunner for WgpuRunner {
+    const COMPILED: bool = true;
+
+    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+        let backend = attention_wgpu::WgpuBackend::new(attention_wgpu::WgpuConfig::default())
+            .map_err(|e| EngineError::arg("--backend", format!("wgpu: {e}")))?;
+        runner_on(backend, setup, capacity)
+    }
+}
+
+#[cfg(not(feature = "wgpu"))]
 not_compiled_backend!(WgpuRunner, BackendKind::Wgpu);
+// The CUDA backend is not written yet: a stand-in in every build.
 not_compiled_backend!(CudaRunner, BackendKind::Cuda);
 
 /// Everything a component choice can name in this build, for `kvserve info` and for error
@@ -360,7 +379,7 @@ impl fmt::Display for Inventory {
             .map(|b| match (b.compiled, b.feature) {
                 (true, _) => b.name.to_string(),
                 (false, Some(feat)) => format!("{} (not compiled; feature `{feat}`)", b.name),
-                (false, None) => format!("{} (not compiled)", b.name),
+                (false, None) => format!("{} (not written yet)", b.name),
             })
             .collect();
         writeln!(f, "backends:           {}", backends.join(", "))?;

@@ -150,6 +150,11 @@ pub enum KvPoolError {
     #[error("{0}")]
     PoolEmpty(String),
 
+    /// A device store's backend failed (device lost, a buffer that could not be allocated or
+    /// mapped, a driver error). Host stores never return it.
+    #[error("device: {0}")]
+    Device(String),
+
     /// Host memory for a store could not be reserved.
     #[error("could not allocate {bytes} bytes of host memory for the KV store")]
     HostOutOfMemory {

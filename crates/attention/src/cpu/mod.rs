@@ -8,10 +8,10 @@ mod dense;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
-use kv_pool::store::check;
-use kv_pool::{HostKvStore, KvBuffer, KvKind, KvLayout, KvStore};
+use kv_pool::{HostKvStore, KvBuffer, KvLayout, KvStore};
 
 use crate::backend::{AttentionParams, Backend, DeviceTensor, RopeConfig, RopeStyle, TensorDtype};
+use crate::check;
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
 
@@ -104,32 +104,6 @@ impl CpuPlan {
     }
 }
 
-fn shape_err(what: &'static str, expected: &[usize], got: &[usize]) -> AttentionError {
-    AttentionError::ShapeMismatch {
-        what,
-        expected: expected.to_vec(),
-        got: got.to_vec(),
-    }
-}
-
-fn expect_shape(what: &'static str, t: &CpuTensor, expected: &[usize]) -> Result<()> {
-    if t.shape != expected {
-        return Err(shape_err(what, expected, &t.shape));
-    }
-    Ok(())
-}
-
-fn expect_rank(what: &'static str, t: &CpuTensor, rank: usize) -> Result<()> {
-    if t.shape.len() != rank {
-        return Err(AttentionError::ShapeMismatch {
-            what,
-            expected: vec![0; rank],
-            got: t.shape.clone(),
-        });
-    }
-    Ok(())
-}
-
 impl CpuBackend {
     /// A backend with `config`. `threads` must be at least 1.
     pub fn new(config: CpuConfig) -> Result<Self> {
@@ -145,21 +119,6 @@ impl CpuBackend {
     /// The backend's settings.
     pub fn config(&self) -> &CpuConfig {
         &self.config
-    }
-
-    /// Checks the plan against the store and the layer.
-    fn check_plan(&self, layer: usize, plan: &CpuPlan, layout: &KvLayout) -> Result<()> {
-        check::layer(layout, layer)?;
-        if plan.meta.page_size() != layout.page_size {
-            return Err(AttentionError::PageSizeMismatch {
-                plan: plan.meta.page_size(),
-                store: layout.page_size,
-            });
-        }
-        if let Some(max) = plan.meta.max_slot() {
-            check::slots(layout, &[max])?;
-        }
-        Ok(())
     }
 
     /// Runs `f(request, q_rows, out_rows, scratch)` for every request, splitting requests over
@@ -241,9 +200,7 @@ impl Backend for CpuBackend {
     }
 
     fn reshape(&self, t: CpuTensor, shape: &[usize]) -> Result<CpuTensor> {
-        if shape.iter().product::<usize>() != t.data.len() {
-            return Err(shape_err("reshape", shape, &t.shape));
-        }
+        check::reshape(&t.shape, shape)?;
         Ok(CpuTensor {
             shape: shape.to_vec(),
             data: t.data,
@@ -251,18 +208,14 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
-        expect_rank("x", x, 2)?;
-        expect_rank("w", w, 2)?;
-        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
-        expect_shape("w", w, &[n, k])?;
+        let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
         let mut out = vec![0.0; m * n];
         dense::matmul(&x.data, &w.data, m, k, n, &mut out);
         CpuTensor::new(out, &[m, n])
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
-        expect_rank("x", x, 2)?;
-        expect_shape("weight", weight, &[x.shape[1]])?;
+        check::rms_norm(&x.shape, &weight.shape)?;
         let mut out = vec![0.0; x.data.len()];
         if !out.is_empty() {
             dense::rms_norm(&x.data, &weight.data, eps, &mut out);
@@ -271,17 +224,8 @@ impl Backend for CpuBackend {
     }
 
     fn rotary(&self, x: &mut CpuTensor, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
-        let inv = cfg.inv_freqs()?;
-        expect_rank("x", x, 3)?;
-        let (n, heads) = (x.shape[0], x.shape[1]);
-        expect_shape("x", x, &[n, heads, cfg.head_dim])?;
-        if positions.len() != n {
-            return Err(AttentionError::LengthMismatch {
-                what: "positions",
-                expected: n,
-                got: positions.len(),
-            });
-        }
+        let inv = check::rotary(&x.shape, positions.len(), cfg)?;
+        let heads = x.shape[1];
         let half = cfg.rotary_dim / 2;
         let mut cs = vec![(0.0f32, 0.0f32); half];
         for (tok, &pos) in x.data.chunks_exact_mut(heads * cfg.head_dim).zip(positions) {
@@ -305,16 +249,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, x: &CpuTensor) -> Result<CpuTensor> {
-        expect_rank("x", x, 2)?;
-        let (m, two_d) = (x.shape[0], x.shape[1]);
-        if two_d % 2 != 0 {
-            return Err(shape_err(
-                "x (last dim must be even)",
-                &[m, two_d + 1],
-                &x.shape,
-            ));
-        }
-        let d = two_d / 2;
+        let (m, d) = check::silu_mul(&x.shape)?;
         let mut out = vec![0.0; m * d];
         if d > 0 {
             dense::silu_mul(&x.data, d, &mut out);
@@ -323,20 +258,13 @@ impl Backend for CpuBackend {
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
-        expect_shape("y", y, &x.shape.clone())?;
+        check::add_assign(&x.shape, &y.shape)?;
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
         Ok(())
     }
 
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
-        expect_rank("table", table, 2)?;
-        let (vocab, d) = (table.shape[0], table.shape[1]);
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(AttentionError::InvalidConfig {
-                field: "ids",
-                reason: format!("id {bad} out of range for a table of {vocab} rows"),
-            });
-        }
+        let (_, d) = check::embedding(&table.shape, ids)?;
         let mut out = Vec::with_capacity(ids.len() * d);
         for &i in ids {
             out.extend_from_slice(&table.data[i as usize * d..(i as usize + 1) * d]);
@@ -360,74 +288,12 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
     ) -> Result<CpuTensor> {
         let layout = *store.layout();
-        self.check_plan(layer, plan, &layout)?;
-        let (kv_heads, d, dv, heavy) = match layout.shape.kind {
-            KvKind::Mha {
-                kv_heads,
-                head_dim,
-                v_head_dim,
-            } => (kv_heads, head_dim, v_head_dim, None),
-            KvKind::DoubleSparse {
-                kv_heads,
-                head_dim,
-                v_head_dim,
-                heavy_channels,
-            } => (
-                kv_heads,
-                head_dim,
-                v_head_dim,
-                Some(heavy_channels as usize),
-            ),
-            KvKind::Mla { .. } => {
-                return Err(AttentionError::Unsupported(
-                    "an MLA store needs attention_mla".into(),
-                ))
-            }
-        };
-        let (kv_heads, d, dv) = (kv_heads as usize, d as usize, dv as usize);
         let meta = &plan.meta;
+        let g = check::attention(layer, meta, &layout, (&q.shape, &k.shape, &v.shape), params)?;
+        let (q_heads, kv_heads, d, dv) = (g.q_heads, g.kv_heads, g.head_dim, g.v_head_dim);
         let n = meta.num_tokens();
-        expect_rank("q", q, 3)?;
-        let q_heads = q.shape[1];
-        if q_heads == 0 || q_heads % kv_heads != 0 {
-            return Err(AttentionError::HeadsNotMultiple { q_heads, kv_heads });
-        }
-        expect_shape("q", q, &[n, q_heads, d])?;
-        expect_shape("k", k, &[n, kv_heads, d])?;
-        expect_shape("v", v, &[n, kv_heads, dv])?;
-        let labels = match (heavy, &params.double_sparse) {
-            (None, None) => None,
-            (None, Some(_)) => {
-                return Err(AttentionError::Unsupported(
-                    "double_sparse parameters given for a store without labels".into(),
-                ))
-            }
-            (Some(_), None) => {
-                return Err(AttentionError::InvalidConfig {
-                    field: "double_sparse",
-                    reason: "a DoubleSparse store needs its channels and top_k".into(),
-                })
-            }
+        let labels = match (g.heavy_channels, &params.double_sparse) {
             (Some(hc), Some(ds)) => {
-                if ds.top_k == 0 {
-                    return Err(AttentionError::InvalidConfig {
-                        field: "top_k",
-                        reason: "must be at least 1".into(),
-                    });
-                }
-                if ds.channels.len() != kv_heads * hc {
-                    return Err(AttentionError::LengthMismatch {
-                        what: "channels",
-                        expected: kv_heads * hc,
-                        got: ds.channels.len(),
-                    });
-                }
-                if let Some(&c) = ds.channels.iter().find(|&&c| c as usize >= d) {
-                    return Err(AttentionError::InvalidConfig {
-                        field: "channels",
-                        reason: format!("channel {c} out of range for head_dim {d}"),
-                    });
-                }
                 let mut lab = vec![0.0f32; n * kv_heads * hc];
                 for (t, row) in lab.chunks_exact_mut(kv_heads * hc).enumerate() {
                     for (i, (l, &c)) in row.iter_mut().zip(&ds.channels).enumerate() {
@@ -436,6 +302,7 @@ impl Backend for CpuBackend {
                 }
                 Some(lab)
             }
+            _ => None,
         };
         store.write_kv(layer, meta.out_cache_loc(), &k.data, &v.data)?;
         if let Some(lab) = &labels {
@@ -499,37 +366,10 @@ impl Backend for CpuBackend {
         params: &AttentionParams,
     ) -> Result<CpuTensor> {
         let layout = *store.layout();
-        self.check_plan(layer, plan, &layout)?;
-        let KvKind::Mla {
-            kv_lora_rank,
-            qk_rope_head_dim,
-        } = layout.shape.kind
-        else {
-            return Err(AttentionError::Unsupported(
-                "attention_mla needs an MLA store".into(),
-            ));
-        };
-        if params.double_sparse.is_some() {
-            return Err(AttentionError::Unsupported(
-                "double_sparse parameters given for an MLA store".into(),
-            ));
-        }
-        let (dv, d) = (
-            kv_lora_rank as usize,
-            kv_lora_rank as usize + qk_rope_head_dim as usize,
-        );
         let meta = &plan.meta;
+        let (heads, d, dv) =
+            check::attention_mla(layer, meta, &layout, &q.shape, &latent.shape, params)?;
         let n = meta.num_tokens();
-        expect_rank("q", q, 3)?;
-        let heads = q.shape[1];
-        if heads == 0 {
-            return Err(AttentionError::HeadsNotMultiple {
-                q_heads: 0,
-                kv_heads: 1,
-            });
-        }
-        expect_shape("q", q, &[n, heads, d])?;
-        expect_shape("latent", latent, &[n, d])?;
         store.write_kv(layer, meta.out_cache_loc(), &latent.data, &[])?;
         let store: &HostKvStore = store;
         let (k_scale, _) = store.scales(layer)?;

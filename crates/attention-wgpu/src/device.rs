@@ -1,0 +1,330 @@
+//! Device setup: adapter selection in a fixed backend order, the features and limits the
+//! kernels need, a report of what the adapter gave, and the crate's error type.
+//!
+//! wgpu reports validation and out-of-memory errors through a callback rather than through
+//! return values; [`Gpu`] installs one that records them (instead of wgpu's default, which
+//! panics), and every operation checks the record after it submits, so a driver error reaches
+//! the caller as a typed [`WgpuError::Device`] and never as a panic.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use attention::AttentionError;
+use kv_pool::KvPoolError;
+
+/// Everything the wgpu backend refuses or fails at, before it is mapped into the trait crates'
+/// errors ([`AttentionError::Device`], [`KvPoolError::Device`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WgpuError {
+    /// No adapter of the requested backends exists (no driver, no GPU, or a backend set that
+    /// this platform lacks).
+    #[error(
+        "no wgpu adapter among the requested backends ({requested}): {reason}; on Linux install \
+         a Vulkan driver (e.g. mesa-vulkan-drivers for the lavapipe software driver) or allow GL"
+    )]
+    NoAdapter {
+        /// The backends that were asked for.
+        requested: String,
+        /// What wgpu said.
+        reason: String,
+    },
+    /// The adapter refused to open a device with the features and limits asked for.
+    #[error("adapter {adapter} refused a device: {reason}")]
+    RequestDevice {
+        /// Adapter name.
+        adapter: String,
+        /// What wgpu said.
+        reason: String,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid {field}: {reason}")]
+    InvalidConfig {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A buffer larger than the adapter allows.
+    #[error("{what} needs {bytes} bytes, above the adapter's limit of {limit} ({limit_name})")]
+    TooLarge {
+        /// Which buffer.
+        what: &'static str,
+        /// Bytes needed.
+        bytes: u64,
+        /// The limit.
+        limit: u64,
+        /// Which limit.
+        limit_name: &'static str,
+    },
+    /// The device failed: out of memory, lost, a mapping that failed, a validation error.
+    #[error("{0}")]
+    Device(String),
+}
+
+impl From<WgpuError> for AttentionError {
+    fn from(e: WgpuError) -> Self {
+        match e {
+            WgpuError::InvalidConfig { field, reason } => {
+                AttentionError::InvalidConfig { field, reason }
+            }
+            e => AttentionError::Device(e.to_string()),
+        }
+    }
+}
+
+impl From<WgpuError> for KvPoolError {
+    fn from(e: WgpuError) -> Self {
+        match e {
+            WgpuError::InvalidConfig { field, reason } => {
+                KvPoolError::InvalidConfig { field, reason }
+            }
+            e => KvPoolError::Device(e.to_string()),
+        }
+    }
+}
+
+/// The crate's result type.
+pub type Result<T, E = WgpuError> = std::result::Result<T, E>;
+
+/// How [`WgpuBackend::new`](crate::WgpuBackend::new) picks and configures its device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WgpuConfig {
+    /// Backends to consider, tried in the order Vulkan, Metal, DX12, GL (default: all four).
+    pub backends: wgpu::Backends,
+    /// Ask for f16 shaders when the adapter has them (default `true`); without them f16 KV
+    /// stores are refused with a typed error.
+    pub allow_f16: bool,
+    /// Caps the bytes of one storage binding below the adapter's limit (default `None`: the
+    /// adapter's `max_storage_buffer_binding_size`). KV store layers larger than this are split
+    /// across several buffers; tests set a small cap to exercise the split.
+    pub max_binding_bytes: Option<u64>,
+    /// Decode and extend split a request's KV range across workgroups until the batch has at
+    /// least this many workgroups (or the splits would be shorter than one key block); `1`
+    /// disables split-KV. Default 256.
+    pub split_kv_target_workgroups: u32,
+}
+
+impl Default for WgpuConfig {
+    fn default() -> Self {
+        WgpuConfig {
+            backends: wgpu::Backends::VULKAN
+                | wgpu::Backends::METAL
+                | wgpu::Backends::DX12
+                | wgpu::Backends::GL,
+            allow_f16: true,
+            max_binding_bytes: None,
+            split_kv_target_workgroups: 256,
+        }
+    }
+}
+
+/// The order in which backends are tried.
+const BACKEND_ORDER: [wgpu::Backends; 4] = [
+    wgpu::Backends::VULKAN,
+    wgpu::Backends::METAL,
+    wgpu::Backends::DX12,
+    wgpu::Backends::GL,
+];
+
+/// What the device offers the kernels, as opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceReport {
+    /// Adapter name (e.g. `llvmpipe (LLVM 15.0.6, 256 bits)`).
+    pub name: String,
+    /// Graphics API (`Vulkan`, `Metal`, `Dx12`, `Gl`).
+    pub backend: String,
+    /// `DiscreteGpu`, `IntegratedGpu`, `Cpu`, …
+    pub device_type: String,
+    /// Driver name and version.
+    pub driver: String,
+    /// f16 shaders and storage are enabled (f16 KV stores are available).
+    pub f16: bool,
+    /// The adapter has subgroup operations (reported only; the kernels do not need them).
+    pub subgroups: bool,
+    /// Largest storage binding the kernels use (after [`WgpuConfig::max_binding_bytes`]).
+    pub max_binding_bytes: u64,
+    /// Largest buffer.
+    pub max_buffer_bytes: u64,
+    /// Storage buffers one kernel may bind.
+    pub max_storage_buffers: u32,
+    /// Workgroup shared memory.
+    pub max_workgroup_storage_bytes: u32,
+}
+
+impl fmt::Display for DeviceReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({}, {}, driver {}): f16 {}, subgroups {}, max binding {} MiB, max buffer {} MiB, \
+             {} storage buffers per kernel, {} KiB workgroup memory",
+            self.name,
+            self.backend,
+            self.device_type,
+            self.driver,
+            if self.f16 { "yes" } else { "no" },
+            if self.subgroups { "yes" } else { "no" },
+            self.max_binding_bytes >> 20,
+            self.max_buffer_bytes >> 20,
+            self.max_storage_buffers,
+            self.max_workgroup_storage_bytes >> 10,
+        )
+    }
+}
+
+/// Errors wgpu reported through its callbacks since the last check.
+type ErrorLog = Arc<Mutex<Vec<String>>>;
+
+/// An open device: queue, limits, features, and the record of asynchronous errors.
+pub(crate) struct Gpu {
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
+    pub(crate) info: wgpu::AdapterInfo,
+    pub(crate) limits: wgpu::Limits,
+    pub(crate) report: DeviceReport,
+    errors: ErrorLog,
+}
+
+impl fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Gpu")
+            .field("report", &self.report)
+            .finish_non_exhaustive()
+    }
+}
+
+fn backends_name(b: wgpu::Backends) -> String {
+    let names: Vec<&str> = [
+        (wgpu::Backends::VULKAN, "Vulkan"),
+        (wgpu::Backends::METAL, "Metal"),
+        (wgpu::Backends::DX12, "DX12"),
+        (wgpu::Backends::GL, "GL"),
+    ]
+    .iter()
+    .filter(|(x, _)| b.contains(*x))
+    .map(|&(_, n)| n)
+    .collect();
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Preference among adapters of one backend: real GPUs first.
+fn type_rank(t: wgpu::DeviceType) -> u8 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    }
+}
+
+impl Gpu {
+    /// Picks the first adapter in backend order (Vulkan, Metal, DX12, GL; within a backend a
+    /// discrete GPU before an integrated, virtual or CPU one) and opens a device with the
+    /// adapter's own limits and f16 when available and allowed.
+    pub(crate) fn open(config: &WgpuConfig) -> Result<Gpu> {
+        if config.split_kv_target_workgroups == 0 {
+            return Err(WgpuError::InvalidConfig {
+                field: "split_kv_target_workgroups",
+                reason: "must be at least 1".into(),
+            });
+        }
+        if config.max_binding_bytes.is_some_and(|b| b < 1024) {
+            return Err(WgpuError::InvalidConfig {
+                field: "max_binding_bytes",
+                reason: "must be at least 1024".into(),
+            });
+        }
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = config.backends;
+        let instance = wgpu::Instance::new(desc);
+        let mut adapter = None;
+        for b in BACKEND_ORDER
+            .iter()
+            .filter(|&&b| config.backends.contains(b))
+        {
+            let mut found = pollster::block_on(instance.enumerate_adapters(*b));
+            found.sort_by_key(|a| type_rank(a.get_info().device_type));
+            if let Some(a) = found.into_iter().next() {
+                adapter = Some(a);
+                break;
+            }
+        }
+        let requested = backends_name(config.backends);
+        let adapter = adapter.ok_or_else(|| WgpuError::NoAdapter {
+            requested: requested.clone(),
+            reason: "no adapter found".into(),
+        })?;
+        let info = adapter.get_info();
+        let features = adapter.features();
+        let f16 = config.allow_f16 && features.contains(wgpu::Features::SHADER_F16);
+        let mut required = wgpu::Features::empty();
+        if f16 {
+            required |= wgpu::Features::SHADER_F16;
+        }
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("kvserve attention-wgpu"),
+            required_features: required,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| WgpuError::RequestDevice {
+            adapter: info.name.clone(),
+            reason: e.to_string(),
+        })?;
+        let errors: ErrorLog = Arc::new(Mutex::new(Vec::new()));
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            sink.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(e.to_string());
+        }));
+        let sink = errors.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            sink.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(format!("device lost ({reason:?}): {msg}"));
+        });
+        let limits = device.limits();
+        let binding = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
+        let binding = config.max_binding_bytes.map_or(binding, |c| c.min(binding)) & !3;
+        let report = DeviceReport {
+            name: info.name.clone(),
+            backend: format!("{:?}", info.backend),
+            device_type: format!("{:?}", info.device_type),
+            driver: format!("{} {}", info.driver, info.driver_info)
+                .trim()
+                .to_string(),
+            f16,
+            subgroups: features.contains(wgpu::Features::SUBGROUP),
+            max_binding_bytes: binding,
+            max_buffer_bytes: limits.max_buffer_size,
+            max_storage_buffers: limits.max_storage_buffers_per_shader_stage,
+            max_workgroup_storage_bytes: limits.max_compute_workgroup_storage_size,
+        };
+        Ok(Gpu {
+            device,
+            queue,
+            info,
+            limits,
+            report,
+            errors,
+        })
+    }
+
+    /// Returns the first error wgpu reported since the last call, clearing the record.
+    pub(crate) fn take_error(&self) -> Result<()> {
+        let mut log = self.errors.lock().unwrap_or_else(PoisonError::into_inner);
+        if log.is_empty() {
+            return Ok(());
+        }
+        let all = std::mem::take(&mut *log);
+        Err(WgpuError::Device(all.join("; ")))
+    }
+}

@@ -1,0 +1,129 @@
+//! The shared conformance suite from `attention` on the wgpu backend, against the f64
+//! reference. Cases the adapter cannot run (bf16 and fp8 stores, f16 without f16 shaders,
+//! DoubleSparse) are skipped with a printed reason through `Backend::kv_support`.
+
+use attention::conformance::{self, AttentionCase, CaseKind, SuiteSize};
+use attention_wgpu::test_support::{backend_or_skip, backend_or_skip_with};
+use attention_wgpu::WgpuConfig;
+use kv_pool::KvDtype;
+
+#[test]
+fn wgpu_dense_conformance() {
+    let Some(backend) = backend_or_skip("wgpu_dense_conformance") else {
+        return;
+    };
+    let outcomes = conformance::run_dense_suite(&backend).unwrap();
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
+
+#[test]
+fn wgpu_attention_conformance_quick() {
+    let Some(backend) = backend_or_skip("wgpu_attention_conformance_quick") else {
+        return;
+    };
+    let outcomes = conformance::run_attention_suite(&backend, SuiteSize::Quick);
+    for o in &outcomes {
+        println!("{o}");
+    }
+    let run = outcomes.iter().filter(|o| o.skipped.is_none()).count();
+    assert!(run >= 20, "only {run} cases ran");
+    conformance::assert_all_passed(&outcomes);
+}
+
+/// The quick suite gives each shape and page size two dtypes in rotation, most of them ones
+/// this backend skips; here every MHA and MLA case runs over both f32 and f16 stores, so every
+/// shape × page size × batch meets the reference on wgpu.
+#[test]
+fn wgpu_attention_conformance_every_shape_f32_f16() {
+    let Some(backend) = backend_or_skip("wgpu_attention_conformance_every_shape") else {
+        return;
+    };
+    let mut cases = conformance::attention_cases(SuiteSize::Quick);
+    cases.retain(|c| !matches!(c.kind, CaseKind::DoubleSparse { .. }));
+    let mut seen = std::collections::HashSet::new();
+    let mut outcomes = Vec::new();
+    for case in cases {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let case = AttentionCase {
+                dtype,
+                ..case.clone()
+            };
+            if seen.insert(format!("{case}")) {
+                outcomes.push(conformance::run_attention_case(&backend, &case).unwrap());
+            }
+        }
+    }
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
+
+/// Every case without split-KV (one workgroup per query over its whole range, normalised in
+/// place) and with every split (as many workgroups as key blocks), so both paths of the
+/// kernel meet the reference whatever the batch.
+#[test]
+fn wgpu_attention_conformance_split_extremes() {
+    for (name, target) in [("no split", 1), ("max split", 1 << 20)] {
+        let config = WgpuConfig {
+            split_kv_target_workgroups: target,
+            ..WgpuConfig::default()
+        };
+        let Some(backend) = backend_or_skip_with("wgpu_attention_split_extremes", config) else {
+            return;
+        };
+        let cases = conformance::attention_cases(SuiteSize::Quick);
+        let outcomes: Vec<_> = cases
+            .iter()
+            .step_by(3)
+            .map(|c| conformance::run_attention_case(&backend, c).unwrap())
+            .collect();
+        println!("{name}:");
+        for o in &outcomes {
+            println!("{o}");
+        }
+        conformance::assert_all_passed(&outcomes);
+    }
+}
+
+/// With a 512 KiB binding limit most per-layer KV buffers of the suite (up to 6 MiB) are
+/// split across several wgpu buffers (13 for the largest), so the chunked addressing runs
+/// against the reference.
+#[test]
+fn wgpu_attention_conformance_chunked_store() {
+    let config = WgpuConfig {
+        max_binding_bytes: Some(512 << 10),
+        ..WgpuConfig::default()
+    };
+    let Some(backend) = backend_or_skip_with("wgpu_attention_conformance_chunked", config) else {
+        return;
+    };
+    let cases = conformance::attention_cases(SuiteSize::Quick);
+    let outcomes: Vec<_> = cases
+        .iter()
+        .step_by(2)
+        .map(|c| conformance::run_attention_case(&backend, c).unwrap())
+        .collect();
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
+
+/// The full suite (longer sequences, every dtype for every shape): `cargo test --release -p
+/// attention-wgpu -- --ignored`.
+#[test]
+#[ignore]
+fn wgpu_attention_conformance_full() {
+    let Some(backend) = backend_or_skip("wgpu_attention_conformance_full") else {
+        return;
+    };
+    let outcomes = conformance::run_attention_suite(&backend, SuiteSize::Full);
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
