@@ -45,8 +45,8 @@ pub enum Command {
     /// /get_server_info, /flush_cache), OpenAI's (/v1/completions, /v1/chat/completions,
     /// /v1/models) and Prometheus /metrics.
     Serve(ServeArgs),
-    /// List what this build has: features, backends, allocators, prefix caches, policies,
-    /// KV dtypes and model architectures.
+    /// List what this build has: features, backends (and the device each finds), allocators,
+    /// prefix caches, policies, KV dtypes and model architectures.
     Info(InfoArgs),
 }
 
@@ -60,7 +60,7 @@ pub struct InfoArgs {
 
 /// `kvserve info`.
 pub fn info(args: &InfoArgs, out: &mut dyn Write) -> Result<()> {
-    let inventory = crate::components::Inventory::of_this_build();
+    let inventory = crate::components::Inventory::of_this_build().probe();
     let text = if args.json {
         serde_json::to_string_pretty(&inventory)
             .map_err(|e| EngineError::arg("--json", e.to_string()))?

@@ -221,6 +221,11 @@ pub trait BuildRunner: Sized {
     const COMPILED: bool;
     /// Builds the model of `setup` on this backend with a KV store of `capacity` slots.
     fn build(setup: &EngineSetup, capacity: usize) -> Result<Self>;
+    /// Opens the backend's device and describes it, or says why it cannot (`None` for a
+    /// backend with nothing to open).
+    fn probe() -> Option<String> {
+        None
+    }
 }
 
 /// Loads `setup`'s model onto `backend` and sizes its KV store: the one path every backend's
@@ -284,6 +289,15 @@ impl BuildRunner for WgpuRunner {
             .map_err(|e| EngineError::arg("--backend", format!("wgpu: {e}")))?;
         runner_on(backend, setup, capacity)
     }
+
+    fn probe() -> Option<String> {
+        Some(
+            match attention_wgpu::WgpuBackend::new(attention_wgpu::WgpuConfig::default()) {
+                Ok(b) => b.report().to_string(),
+                Err(e) => format!("none: {e}"),
+            },
+        )
+    }
 }
 
 #[cfg(not(feature = "wgpu"))]
@@ -313,6 +327,8 @@ pub struct Inventory {
     pub kv_cache_dtypes: Vec<&'static str>,
     /// Model architectures (`architectures` in config.json) the model crate loads.
     pub architectures: Vec<&'static str>,
+    /// The device each compiled device backend opens (filled by [`Inventory::probe`]).
+    pub devices: Vec<(BackendKind, String)>,
 }
 
 /// One backend in an [`Inventory`].
@@ -360,7 +376,21 @@ impl Inventory {
                 .chain(kv_pool::KvDtype::ALL.iter().map(|d| d.name()))
                 .collect(),
             architectures: model::Architecture::ALL.iter().map(|(_, n)| *n).collect(),
+            devices: Vec::new(),
         }
+    }
+
+    /// Opens each compiled device backend's device and records what it found.
+    pub fn probe(mut self) -> Self {
+        let probes = [
+            (BackendKind::Wgpu, <WgpuRunner as BuildRunner>::probe()),
+            (BackendKind::Cuda, <CudaRunner as BuildRunner>::probe()),
+        ];
+        self.devices = probes
+            .into_iter()
+            .filter_map(|(kind, found)| Some((kind, found?)))
+            .collect();
+        self
     }
 }
 
@@ -396,6 +426,10 @@ impl fmt::Display for Inventory {
             self.schedule_policies.join(", ")
         )?;
         writeln!(f, "kv cache dtypes:    {}", self.kv_cache_dtypes.join(", "))?;
-        write!(f, "architectures:      {}", self.architectures.join(", "))
+        write!(f, "architectures:      {}", self.architectures.join(", "))?;
+        for (kind, device) in &self.devices {
+            write!(f, "\n{:<20}{device}", format!("{kind} device:"))?;
+        }
+        Ok(())
     }
 }
