@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use attention::CpuBackend;
+use attention::{Backend, CpuBackend};
 use common::{temp_dir, write_checkpoint, TestModel, Variant};
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::{
@@ -16,7 +16,11 @@ use model::{
 /// Loads the directory, runs greedy generation (prefill then decode steps, page size 4) and
 /// compares with the f64 reference token for token, and the last logits within tolerance.
 fn check_greedy(m: &TestModel, dir: &Path) {
-    let backend = CpuBackend::default();
+    check_greedy_on(CpuBackend::default(), m, dir);
+}
+
+/// [`check_greedy`] on any backend.
+fn check_greedy_on<B: Backend>(backend: B, m: &TestModel, dir: &Path) {
     let model = load_model_dir(&backend, dir).unwrap();
     let layout = KvLayout::new(model.config().kv_shape(KvDtype::F32).unwrap(), 4, 64).unwrap();
     let mut runner = ModelRunner::new(backend, model, layout).unwrap();
@@ -111,6 +115,29 @@ fn qwen3_qk_norm_greedy_matches_f64_reference() {
     assert!(cfg.qk_norm && cfg.head_dim == 16);
     assert_eq!(cfg.eos_token_ids, vec![2, 3]);
     check_greedy(&m, &dir);
+}
+
+/// The same checkpoints loaded onto the wgpu backend (Mesa's lavapipe in CI) match the same f64
+/// reference: a loaded checkpoint runs on the second backend unchanged. Skips without an
+/// adapter unless `KVSERVE_REQUIRE_WGPU=1`.
+#[test]
+fn checkpoints_on_wgpu_match_the_f64_reference() {
+    let variants = [
+        (Variant::Llama, 1, false, false),
+        (Variant::Llama, 2, true, true),
+        (Variant::Qwen2, 3, false, false),
+        (Variant::Qwen3, 4, false, false),
+    ];
+    for (variant, seed, bf16, sharded) in variants {
+        let Some(backend) = attention_wgpu::test_support::backend_or_skip("checkpoint on wgpu")
+        else {
+            return;
+        };
+        let m = TestModel::new(variant, seed, bf16);
+        let dir = temp_dir(&format!("wgpu-{seed}"));
+        write_checkpoint(&m, &dir, bf16, sharded);
+        check_greedy_on(backend, &m, &dir);
+    }
 }
 
 #[test]
