@@ -163,7 +163,12 @@ impl WgpuBackend {
         let max_kv = plan.max_kv_len as u64;
         let max_splits = max_kv.div_ceil(b).max(1);
         let part_row = (dv as u64 + 2) * 4;
-        let part_limit = (self.runner.gpu.limits.max_storage_buffer_binding_size
+        let part_limit = (self
+            .runner
+            .gpu
+            .limits
+            .max_storage_buffer_binding_size
+            .min(u64::from(u32::MAX))
             / (n as u64 * q_heads as u64 * part_row).max(1))
         .max(1);
         let want = (self.config.split_kv_target_workgroups as u64)

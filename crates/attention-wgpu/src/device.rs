@@ -293,7 +293,13 @@ impl Gpu {
         let binding = limits
             .max_storage_buffer_binding_size
             .min(limits.max_buffer_size);
-        let binding = config.max_binding_bytes.map_or(binding, |c| c.min(binding)) & !3;
+        // Kernels index bindings with u32: keep every binding under 4 GiB whatever the adapter
+        // allows (Metal's limit is its buffer length, many GiB on Apple silicon).
+        let binding = config
+            .max_binding_bytes
+            .map_or(binding, |c| c.min(binding))
+            .min(u64::from(u32::MAX))
+            & !3;
         let report = DeviceReport {
             name: info.name.clone(),
             backend: format!("{:?}", info.backend),

@@ -57,7 +57,13 @@ fn tensor_bytes(runner: &Runner, shape: &[usize]) -> Result<u64> {
             field: "shape",
             reason: format!("{shape:?} overflows"),
         })?;
-    let limit = runner.gpu.limits.max_storage_buffer_binding_size;
+    // The adapter's limit (not the KV store's configurable split size), kept under the 4 GiB
+    // the kernels' u32 indices reach.
+    let limit = runner
+        .gpu
+        .limits
+        .max_storage_buffer_binding_size
+        .min(u64::from(u32::MAX));
     if bytes > limit {
         return Err(WgpuError::TooLarge {
             what: "tensor",

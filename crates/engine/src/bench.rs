@@ -154,6 +154,16 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
     let p = setup.scheduler.page_size;
     let tokens = match setup.mem_fraction_static {
         None => setup.capacity_tokens,
+        Some(_) if setup.backend != BackendKind::Cpu => {
+            return Err(EngineError::arg(
+                "--mem-fraction-static",
+                format!(
+                    "sizes the pool from host memory, which only the cpu backend computes in; \
+                     give --max-total-tokens for --backend {}",
+                    setup.backend
+                ),
+            ))
+        }
         Some(f) => {
             let shape = setup
                 .model

@@ -71,7 +71,11 @@ async fn drive(
             "expected an http:// URL (this build's client speaks plain HTTP only)",
         ));
     }
+    // A server that accepts but never answers must not hang the bench: bound the connect and
+    // every wait for the next bytes (a long generation streams, so it keeps reading).
     let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .read_timeout(Duration::from_secs(300))
         .build()
         .map_err(|e| url_err(&base, e))?;
     let auth = target.api_key.as_ref().map(|k| format!("Bearer {k}"));

@@ -464,8 +464,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             source,
         })?;
         eprintln!("kvserve: serving {} on http://{local}", state.model_name);
-        let shutdown = async {
+        // On Ctrl-C, stop taking connections and end every in-flight request (aborted, its
+        // stream closed) so the graceful shutdown does not wait on long generations.
+        let engine = state.clone();
+        let shutdown = async move {
             let _ = tokio::signal::ctrl_c().await;
+            eprintln!("kvserve: shutting down; in-flight requests are aborted");
+            engine.engine.begin_shutdown();
         };
         crate::server::serve(listener, state, shutdown)
             .await

@@ -41,7 +41,8 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Tokens to generate at most.
     pub max_new_tokens: usize,
-    /// Keep generating past EOS and stop tokens.
+    /// Keep generating past EOS (whose ids the caller then leaves out of the stop ids; the
+    /// request's own stop ids still stop it).
     pub ignore_eos: bool,
     /// Request priority.
     pub priority: i64,
@@ -219,6 +220,17 @@ impl EngineHandle {
         rx.recv().ok()
     }
 
+    /// Whether the loop still runs (it stops on shutdown, or after a failed step).
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Asks the loop to stop without waiting for it: in-flight requests are aborted and their
+    /// streams closed, so a server's graceful shutdown does not wait on long generations.
+    pub fn begin_shutdown(&self) {
+        let _ = self.inbox.send(Command::Shutdown);
+    }
+
     /// Stops the loop: in-flight requests are aborted and their streams closed.
     pub fn shutdown(mut self) {
         self.stop();
@@ -329,9 +341,11 @@ fn submit(
         events,
         cancel,
     } = sub;
+    // `ignore_eos` (SGLang's meaning) ignores only EOS: the server leaves EOS out of the stop
+    // ids of such a request, so the scheduler stops on exactly the ids it is given.
     let limits = SamplingLimits {
         max_new_tokens: req.max_new_tokens,
-        ignore_eos: req.ignore_eos,
+        ignore_eos: false,
         stop_token_ids: req.sampling.stop_token_ids.clone(),
     };
     if let Err(e) = req.sampling.validate() {
@@ -370,6 +384,12 @@ fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId
     for (&id, l) in live.iter_mut() {
         if l.cancel.load(Ordering::Relaxed) {
             cancelled.push(id);
+            continue;
+        }
+        // A client that went away while its request waits or prefills is noticed here, not
+        // only when its next token fails to send.
+        if l.events.is_closed() {
+            gone.push(id);
             continue;
         }
         let Some(r) = s.request(id) else { continue };
@@ -481,6 +501,30 @@ mod tests {
         e.flush_cache().unwrap();
         assert_eq!(e.info().unwrap().available_tokens, info.total_tokens);
         e.shutdown();
+    }
+
+    /// `begin_shutdown` (what `serve` does on Ctrl-C) ends a long generation at once: its
+    /// stream closes without running to its length, and the loop stops.
+    #[test]
+    fn begin_shutdown_ends_in_flight_streams() {
+        let e = engine();
+        assert!(e.is_running());
+        let mut stream = e.submit(greedy((0..50).collect(), 900));
+        // Wait for the first tokens, so the request is running.
+        assert!(matches!(stream.recv(), Some(Event::Tokens(_))));
+        e.begin_shutdown();
+        let (tokens, fin, _) = collect(stream);
+        assert!(tokens.len() < 899, "stopped early: {}", tokens.len());
+        assert!(fin.is_none_or(|f| matches!(f.reason, FinishReason::Abort { .. })));
+        for _ in 0..200 {
+            if !e.is_running() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!e.is_running());
+        let (_, _, rej) = collect(e.submit(greedy(vec![1, 2, 3], 2)));
+        assert!(rej.is_some(), "a stopped engine rejects new requests");
     }
 
     #[test]

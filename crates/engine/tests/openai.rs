@@ -253,6 +253,8 @@ fn bad_input_is_a_4xx_openai_error_naming_the_field() {
         (c, json!({"prompt": [1], "top_p": 0}).to_string(), 400, "top_p", Some("top_p")),
         (c, json!({"prompt": [1], "frequency_penalty": 3}).to_string(), 400, "frequency_penalty", Some("frequency_penalty")),
         (c, json!({"prompt": [1], "stop": [""]}).to_string(), 400, "empty", Some("stop")),
+        (c, json!({"prompt": [1], "stop": vec!["x"; 65]}).to_string(), 400, "at most 64 stop strings", Some("stop")),
+        (c, json!({"prompt": [1], "stop": ["y".repeat(1025)]}).to_string(), 400, "at most 1024 bytes", Some("stop")),
         (c, json!({"prompt": [1], "n": 2}).to_string(), 400, "n > 1", Some("n")),
         (c, json!({"prompt": [1], "logprobs": 1}).to_string(), 400, "logprobs are not supported", Some("logprobs")),
         (chat, json!({"messages": user, "logprobs": true}).to_string(), 400, "logprobs are not supported", Some("logprobs")),

@@ -207,3 +207,43 @@ fn a_full_queue_is_a_503() {
         "with one running and one queued, the rest are refused: {statuses:?}"
     );
 }
+
+/// `ignore_eos` ignores only EOS (SGLang): the request's own `stop_token_ids` still stop it,
+/// and the text is the decoded output up to the stop token.
+#[test]
+fn ignore_eos_keeps_the_requests_own_stop_tokens() {
+    let srv = start(&[]);
+    let prompt: Vec<u32> = (0..24).map(|i| 300 + 11 * i).collect();
+    let (status, free) = post(
+        srv.port,
+        "/generate",
+        json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}}),
+    );
+    assert_eq!(status, 200, "{free}");
+    let ids: Vec<u64> = free["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    // Stop on the first generated token (the tiny preset often repeats it, so it is the one
+    // token sure to come).
+    let k = 0;
+    let (status, stopped) = post(
+        srv.port,
+        "/generate",
+        json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true, "stop_token_ids": [ids[k]]}}),
+    );
+    assert_eq!(status, 200, "{stopped}");
+    let got: Vec<u64> = stopped["output_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(got, ids[..=k], "{stopped}");
+    assert_eq!(
+        stopped["meta_info"]["finish_reason"]["type"], "stop",
+        "{stopped}"
+    );
+}

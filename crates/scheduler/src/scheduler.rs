@@ -521,7 +521,9 @@ impl Scheduler {
                 } => {
                     let r = self.reqs.get_mut(&id).expect("waiting request");
                     r.extend_end = r.committed_len + extend;
-                    r.cached_tokens = r.committed_len;
+                    // After a retraction the committed prefix can include the request's own
+                    // outputs; only prompt tokens count as cached.
+                    r.cached_tokens = r.committed_len.min(r.input_len);
                     self.stats.prompt_tokens += r.tokens.len();
                     self.stats.cached_tokens += r.committed_len;
                     report.cached_tokens += r.committed_len;

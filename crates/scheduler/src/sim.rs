@@ -424,7 +424,9 @@ pub fn replay(
         } else {
             0
         };
-        if stalled > 2 && next == order.len() {
+        // Stalled with nothing left to admit (all arrived, or the concurrency limit holds the
+        // rest back): no step will ever change anything.
+        if stalled > 2 && (next == order.len() || timing.len() >= limit) {
             return Err(SchedulerError::Invariant {
                 step: scheduler.steps(),
                 message: format!(

@@ -63,7 +63,7 @@ pub struct AppState {
 /// The router with every endpoint.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health", get(health))
         .route("/get_model_info", get(model_info))
         .route("/get_server_info", get(server_info))
         .route("/flush_cache", post(flush_cache))
@@ -117,10 +117,26 @@ async fn server_info(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiE
     ))
 }
 
+/// `GET /health`: 200 while the engine loop runs, 503 once it has stopped.
+async fn health(State(s): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
+    if s.engine.is_running() {
+        Ok(StatusCode::OK)
+    } else {
+        Err(ApiError::unavailable(
+            "engine_stopped",
+            "the engine is stopped",
+        ))
+    }
+}
+
 async fn flush_cache(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let st = s.clone();
     match tokio::task::spawn_blocking(move || st.engine.flush_cache()).await {
         Ok(Ok(())) => Ok(Json(json!({"success": true}))),
+        Ok(Err(_)) if !s.engine.is_running() => Err(ApiError::unavailable(
+            "engine_stopped",
+            "the engine is stopped",
+        )),
         Ok(Err(e)) => Err(ApiError {
             status: StatusCode::CONFLICT,
             ..ApiError::bad_request("busy", e)

@@ -14,6 +14,11 @@ use super::error::{field_error, ApiError};
 use super::AppState;
 use crate::engine_loop::GenerateRequest;
 
+/// The most stop strings a request may give.
+pub const MAX_STOP_STRINGS: usize = 64;
+/// The longest stop string, in bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
+
 /// One value or several (`stop`, `text`, `input_ids`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged, expecting = "expected one value or an array of them")]
@@ -168,6 +173,29 @@ pub fn prepare(
         }
     };
     let stop_strings = p.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();
+    // Every generated token is matched against every stop string on the server's async
+    // workers: bound the work (OpenAI itself allows 4 strings).
+    if stop_strings.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                stop_strings.len()
+            ),
+        ));
+    }
+    if let Some(long) = stop_strings
+        .iter()
+        .find(|s| s.len() > MAX_STOP_STRING_BYTES)
+    {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}",
+                long.len()
+            ),
+        ));
+    }
     let d = SamplingParams::default();
     let sampling = SamplingParams {
         temperature: p.temperature.unwrap_or(d.temperature),
