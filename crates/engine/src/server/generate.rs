@@ -85,10 +85,7 @@ pub async fn generate(
         let run = RequestRun::start(&s, p).await?;
         return Ok(sse(run, Cumulative { rid, sent: None }));
     }
-    let mut runs = Vec::with_capacity(prepared.len());
-    for p in prepared {
-        runs.push(RequestRun::start(&s, p).await?);
-    }
+    let runs = RequestRun::start_all(&s, prepared).await?;
     let mut outputs = Vec::with_capacity(runs.len());
     for run in runs {
         outputs.push(response(&run.collect().await, &rid));

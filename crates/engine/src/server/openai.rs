@@ -136,14 +136,15 @@ async fn respond(s: Arc<AppState>, body: OpenAiBody, ep: Endpoint) -> Result<Res
             },
         ));
     }
-    let mut runs = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        let echo = job.echo.clone();
-        runs.push((RequestRun::start(&s, job.prepared).await?, echo));
-    }
+    let (prepared, echoes): (Vec<_>, Vec<_>) =
+        jobs.into_iter().map(|j| (j.prepared, j.echo)).unzip();
+    let runs = RequestRun::start_all(&s, prepared)
+        .await?
+        .into_iter()
+        .zip(echoes);
     let mut choices = Vec::with_capacity(runs.len());
     let mut usage = Usage::default();
-    for (i, (run, echo)) in runs.into_iter().enumerate() {
+    for (i, (run, echo)) in runs.enumerate() {
         let g = run.collect().await;
         usage.add(&g);
         let text = echo.unwrap_or_default() + &g.text;

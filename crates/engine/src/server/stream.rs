@@ -243,32 +243,56 @@ impl RequestRun {
     /// Submits `p` and waits for its first event, so that a refusal is an error (4xx, or 503
     /// for a full queue) rather than a stream that fails.
     pub async fn start(s: &std::sync::Arc<AppState>, p: Prepared) -> Result<Self, ApiError> {
+        Self::submit(s, p).first_event().await
+    }
+
+    /// Starts a batch of prompts: all are submitted before any first event is awaited, so the
+    /// engine can prefill them together. If one is refused, the error is returned and the
+    /// others' streams are dropped, which aborts them.
+    pub async fn start_all(
+        s: &std::sync::Arc<AppState>,
+        prepared: Vec<Prepared>,
+    ) -> Result<Vec<Self>, ApiError> {
+        let submitted: Vec<Self> = prepared.into_iter().map(|p| Self::submit(s, p)).collect();
+        let mut runs = Vec::with_capacity(submitted.len());
+        for run in submitted {
+            runs.push(run.first_event().await?);
+        }
+        Ok(runs)
+    }
+
+    /// Hands `p` to the engine without waiting.
+    fn submit(s: &std::sync::Arc<AppState>, p: Prepared) -> Self {
         let gen = Generation::new(&p);
-        let mut timer = s.metrics.start();
-        let mut stream = s.engine.submit(p.request);
-        let first = match stream.next().await {
+        let timer = s.metrics.start();
+        let stream = s.engine.submit(p.request);
+        RequestRun {
+            stream,
+            gen,
+            timer,
+            state: s.clone(),
+        }
+    }
+
+    /// Waits for the first event: a refusal becomes the error.
+    async fn first_event(mut self) -> Result<Self, ApiError> {
+        let first = match self.stream.next().await {
             Some(Event::Rejected(m)) => {
                 let e = ApiError::rejected(m);
-                timer.rejected(e.code == "queue_full");
+                self.timer.rejected(e.code == "queue_full");
                 return Err(e);
             }
             Some(ev) => ev,
             None => {
-                timer.rejected(false);
+                self.timer.rejected(false);
                 return Err(ApiError::unavailable(
                     "engine_stopped",
                     "the engine is stopped",
                 ));
             }
         };
-        let mut run = RequestRun {
-            stream,
-            gen,
-            timer,
-            state: s.clone(),
-        };
-        run.apply(first);
-        Ok(run)
+        self.apply(first);
+        Ok(self)
     }
 
     /// Waits for the next event and applies it (nothing once done).
