@@ -1,7 +1,7 @@
 //! The engine's component kinds, each one value with static dispatch over the implementations
 //! compiled into this build (DESIGN.md §3): the KV allocator ([`kv_pool::AnyAllocator`]), the
-//! prefix cache ([`radix_cache::AnyPrefixCache`]), the eviction policy (a name resolved by
-//! [`radix_cache::policy::policy_from_name`]) and the compute backend ([`AnyRunner`], here).
+//! prefix cache ([`radix_cache::AnyPrefixCache`]), the eviction policy
+//! ([`radix_cache::AnyEvictionPolicy`]) and the compute backend ([`AnyRunner`], here).
 //!
 //! A backend whose Cargo feature is off still has its variant: a zero-sized stand-in whose
 //! constructor and methods answer [`EngineError::NotCompiled`], so choosing it gives a typed
@@ -14,8 +14,7 @@ use attention::{Backend, CpuBackend, CpuConfig};
 use enum_dispatch::enum_dispatch;
 use kv_pool::{AnyAllocator, KvLayout};
 use model::{ForwardInput, ForwardOutput, Model, ModelRunner};
-use radix_cache::policy::policy_from_name;
-use radix_cache::{AnyPrefixCache, ChunkCache, RadixCache};
+use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, RadixCache};
 use scheduler::{Scheduler, SchedulerConfig};
 use serde::Serialize;
 
@@ -201,7 +200,8 @@ pub fn build_scheduler(
 ) -> Result<Scheduler> {
     let p = config.page_size;
     let cache = if radix {
-        AnyPrefixCache::Radix(RadixCache::new(p, policy_from_name(eviction_policy)?))
+        let policy = AnyEvictionPolicy::from_name(eviction_policy)?;
+        AnyPrefixCache::Radix(RadixCache::new(p, Box::new(policy)))
     } else {
         AnyPrefixCache::Chunk(ChunkCache::new(p))
     };

@@ -46,7 +46,7 @@ pub use any::AnyPrefixCache;
 pub use chunk::ChunkCache;
 pub use error::{RadixCacheError, Result};
 pub use events::KvEvent;
-pub use policy::{BuiltinPolicy, EvictionKey, EvictionPolicy, NodeStats};
+pub use policy::{AnyEvictionPolicy, BuiltinPolicy, EvictionKey, EvictionPolicy, NodeStats};
 pub use radix::RadixCache;
 pub use request::{PrefixState, ReqView};
 

@@ -88,6 +88,10 @@ pub struct NodeStats {
 
 /// An eviction policy. `key` is called when a node becomes an evictable leaf and whenever its
 /// statistics change while it is one; `on_evict` after each eviction, with the victim's key.
+///
+/// [`AnyEvictionPolicy`] is the closed set of this crate's policies, dispatched statically; a
+/// policy of your own goes in a `Box<dyn EvictionPolicy>`.
+#[enum_dispatch::enum_dispatch]
 pub trait EvictionPolicy: fmt::Debug + Send {
     /// The policy's name (as `--radix-eviction-policy` spells it).
     fn name(&self) -> &str;
@@ -194,19 +198,40 @@ pub fn policy_names() -> Vec<&'static str> {
 /// Builds a policy from its name (case-insensitive): SGLang's seven and `cost-aware`. `belady`
 /// needs the future and is built with [`Belady::new`].
 pub fn policy_from_name(name: &str) -> Result<Box<dyn EvictionPolicy>> {
-    if name.eq_ignore_ascii_case(CostAware::NAME) {
-        return Ok(Box::new(CostAware::default()));
+    Ok(Box::new(AnyEvictionPolicy::from_name(name)?))
+}
+
+/// Every policy this crate implements, as one value with static dispatch (the engine's
+/// eviction-policy component).
+#[enum_dispatch::enum_dispatch(EvictionPolicy)]
+#[derive(Debug)]
+pub enum AnyEvictionPolicy {
+    /// One of SGLang's seven orderings.
+    Builtin(BuiltinPolicy),
+    /// GreedyDual-Size-Frequency over recompute cost ([`CostAware`]).
+    CostAware(CostAware),
+    /// The offline oracle ([`Belady`]).
+    Belady(Belady),
+}
+
+impl AnyEvictionPolicy {
+    /// The policy `name` names (case-insensitive): SGLang's seven and `cost-aware`. `belady`
+    /// needs the future: build it with [`Belady::new`] and convert with `From`.
+    pub fn from_name(name: &str) -> Result<Self> {
+        if name.eq_ignore_ascii_case(CostAware::NAME) {
+            return Ok(CostAware::default().into());
+        }
+        if name.eq_ignore_ascii_case(Belady::NAME) {
+            return Err(RadixCacheError::UnknownPolicy {
+                name: name.to_string(),
+                known: format!(
+                    "{} (belady needs the future: build it with Belady::new over the workload)",
+                    policy_names().join(", ")
+                ),
+            });
+        }
+        Ok(name.parse::<BuiltinPolicy>()?.into())
     }
-    if name.eq_ignore_ascii_case(Belady::NAME) {
-        return Err(RadixCacheError::UnknownPolicy {
-            name: name.to_string(),
-            known: format!(
-                "{} (belady needs the future: build it with Belady::new over the workload)",
-                policy_names().join(", ")
-            ),
-        });
-    }
-    Ok(Box::new(name.parse::<BuiltinPolicy>()?))
 }
 
 /// Cost-aware eviction: GreedyDual-Size-Frequency (Cao & Irani 1997; Cherkasova 1998) with the
