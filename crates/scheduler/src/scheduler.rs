@@ -361,16 +361,26 @@ impl Scheduler {
         let evicted_before = self.stats.evicted_tokens;
         let batch = self.get_next_batch_to_run(&mut report)?;
         if let Some(batch) = batch {
-            let out = exec
-                .forward(&batch, &self.rows)
-                .map_err(SchedulerError::Executor)?;
-            if out.next_tokens.len() != batch.len() {
-                return Err(SchedulerError::Executor(format!(
-                    "{} tokens for a batch of {}",
-                    out.next_tokens.len(),
-                    batch.len()
-                )));
-            }
+            let out = exec.forward(&batch, &self.rows).and_then(|out| {
+                if out.next_tokens.len() == batch.len() {
+                    Ok(out)
+                } else {
+                    Err(format!(
+                        "{} tokens for a batch of {}",
+                        out.next_tokens.len(),
+                        batch.len()
+                    ))
+                }
+            });
+            let out = match out {
+                Ok(out) => out,
+                Err(e) => {
+                    // The pass failed (a device error, a batch too large for the device): its
+                    // requests end, the others go on.
+                    self.fail_batch(&batch, &e, &mut report)?;
+                    return Ok(report);
+                }
+            };
             report.mode = Some(batch.mode);
             report.tokens = batch.num_tokens();
             report.elapsed_s = out.elapsed_s;
@@ -1020,6 +1030,36 @@ impl Scheduler {
     }
 
     // ----- results ------------------------------------------------------------------------------
+
+    /// Ends every request of `batch` after its forward pass failed: each is aborted with the
+    /// executor's message and its KV released as after any abort. Only the tokens committed
+    /// before this pass (whose KV was written by earlier passes) can enter the prefix cache;
+    /// the slots allocated for this pass are freed.
+    fn fail_batch(
+        &mut self,
+        batch: &ForwardBatch,
+        error: &str,
+        report: &mut StepReport,
+    ) -> Result<()> {
+        let message = format!("the forward pass failed: {error}");
+        for &id in &batch.reqs {
+            if !self.reqs.contains_key(&id) {
+                continue;
+            }
+            self.running.retain(|&x| x != id);
+            if self.chunked == Some(id) {
+                self.chunked = None;
+            }
+            self.release_kv(id, true)?;
+            let reason = FinishReason::Abort {
+                message: message.clone(),
+            };
+            report.finished.push((id, reason.clone()));
+            self.finish(id, reason);
+        }
+        self.batch_is_full = false;
+        Ok(())
+    }
 
     fn process_batch_result(
         &mut self,

@@ -565,3 +565,78 @@ proptest! {
         }
     }
 }
+
+/// A forward pass that fails (a device error) ends only its batch's requests, with the
+/// executor's message; their KV is released, the pool partition holds, and later requests
+/// are served as if nothing happened.
+#[test]
+fn a_failed_forward_pass_aborts_its_batch_and_the_scheduler_goes_on() {
+    /// Fails its `fail_at`-th call (0-based), otherwise the fake model.
+    struct Flaky {
+        inner: FakeExecutor,
+        calls: usize,
+        fail_at: usize,
+    }
+    impl scheduler::Executor for Flaky {
+        fn forward(
+            &mut self,
+            batch: &scheduler::ForwardBatch,
+            rows: &kv_pool::ReqToTokenPool,
+        ) -> Result<scheduler::ForwardOutput, String> {
+            self.calls += 1;
+            if self.calls - 1 == self.fail_at {
+                return Err("device lost".into());
+            }
+            self.inner.forward(batch, rows)
+        }
+    }
+    for fail_at in 0..6 {
+        let mut s = sched(
+            SchedulerConfig {
+                page_size: 4,
+                chunked_prefill_size: Some(16),
+                ..cfg()
+            },
+            512,
+            true,
+        );
+        let limits = SamplingLimits {
+            max_new_tokens: 4,
+            ignore_eos: true,
+            stop_token_ids: vec![],
+        };
+        for i in 0..3 {
+            s.add_request(prompt(1, 24 + i), limits.clone(), 0, None)
+                .unwrap();
+        }
+        let mut e = Flaky {
+            inner: exec(),
+            calls: 0,
+            fail_at,
+        };
+        s.run_to_idle(&mut e, 100).unwrap();
+        s.check_invariants().unwrap();
+        let done = s.take_finished();
+        assert_eq!(done.len(), 3);
+        let aborted: Vec<_> = done
+            .iter()
+            .filter(|f| matches!(&f.reason, FinishReason::Abort { message } if message.contains("device lost")))
+            .collect();
+        assert!(
+            !aborted.is_empty(),
+            "fail_at {fail_at}: the failed batch is aborted"
+        );
+        // The scheduler goes on: a new request runs to its length with the right tokens.
+        let p = prompt(1, 30);
+        let id = s.add_request(p.clone(), limits.clone(), 0, None).unwrap();
+        s.run_to_idle(&mut e, 100).unwrap();
+        s.check_invariants().unwrap();
+        let f = s.take_finished();
+        assert_eq!(f[0].id, id);
+        assert_eq!(
+            (f[0].output_ids.clone(), f[0].reason.clone()),
+            expected_output(&p, &limits),
+            "fail_at {fail_at}"
+        );
+    }
+}
