@@ -500,8 +500,29 @@ pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::serv
     let mut setup = args.engine.setup(config.max_position_embeddings)?;
     setup.scheduler.max_queued_requests = args.max_queued_requests;
     let context_len = setup.scheduler.context_len;
-    let (sched, exec) = crate::bench::build(&setup, !args.engine.disable_radix_cache)?;
+    let radix = !args.engine.disable_radix_cache;
+    let (sched, exec) = crate::bench::build(&setup, radix)?;
+    // The effective settings, under SGLang's server-argument names, for /get_server_info.
+    let cfg = sched.config();
+    let server_args = serde_json::json!({
+        "model_path": name,
+        "backend": setup.backend,
+        "kv_cache_dtype": setup.kv_dtype.name(),
+        "page_size": cfg.page_size,
+        "max_total_num_tokens": sched.allocator().size(),
+        "max_running_requests": cfg.max_running_requests,
+        "chunked_prefill_size": cfg.chunked_prefill_size,
+        "max_prefill_tokens": cfg.max_prefill_tokens,
+        "schedule_policy": cfg.schedule_policy.as_str(),
+        "schedule_conservativeness": cfg.schedule_conservativeness,
+        "enable_mixed_chunk": cfg.enable_mixed_chunk,
+        "disable_radix_cache": !radix,
+        "radix_eviction_policy": setup.eviction_policy,
+        "max_queued_requests": cfg.max_queued_requests,
+        "api_key_required": args.api_key.is_some(),
+    });
     Ok(std::sync::Arc::new(crate::server::AppState {
+        server_args,
         engine: crate::engine_loop::EngineHandle::start(sched, exec),
         vocab_size: config.vocab_size,
         eos_token_ids: config.eos_token_ids.clone(),

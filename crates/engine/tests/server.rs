@@ -247,3 +247,33 @@ fn ignore_eos_keeps_the_requests_own_stop_tokens() {
         "{stopped}"
     );
 }
+
+/// `--config` gives the server its flags (the command line wins), and `/get_server_info`
+/// reports the effective settings under SGLang's names.
+#[test]
+fn config_file_settings_show_in_server_info() {
+    let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve-info.toml");
+    std::fs::write(
+        &path,
+        "page-size = 8\nschedule-policy = \"lpm\"\nmax-total-tokens = 8192\nradix-eviction-policy = \"slru\"\nmax-running-requests = 7\n",
+    )
+    .unwrap();
+    let srv = start(&[
+        "--config",
+        path.to_str().unwrap(),
+        "--max-running-requests",
+        "9",
+    ]);
+    let info = get(srv.port, "/get_server_info");
+    assert_eq!(info["page_size"], 8, "{info}");
+    assert_eq!(info["schedule_policy"], "lpm", "{info}");
+    assert_eq!(info["radix_eviction_policy"], "slru", "{info}");
+    assert_eq!(info["max_total_num_tokens"], 8192, "{info}");
+    assert_eq!(
+        info["max_running_requests"], 9,
+        "the command line wins: {info}"
+    );
+    assert_eq!(info["backend"], "cpu", "{info}");
+    assert_eq!(info["disable_radix_cache"], false, "{info}");
+    assert_eq!(info["engine"]["total_tokens"], 8192, "{info}");
+}

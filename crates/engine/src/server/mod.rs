@@ -42,6 +42,9 @@ pub use error::ApiError;
 pub struct AppState {
     /// The engine.
     pub engine: EngineHandle,
+    /// The effective settings (SGLang's server-argument names), a JSON object that
+    /// `/get_server_info` answers with.
+    pub server_args: Value,
     /// The model's tokenizer.
     pub tokenizer: Tokenizer,
     /// The chat template (the model's, or the ChatML fallback).
@@ -112,9 +115,12 @@ async fn server_info(State(s): State<Arc<AppState>>) -> Result<Json<Value>, ApiE
         .ok()
         .flatten()
         .ok_or_else(|| ApiError::unavailable("engine_stopped", "the engine is stopped"))?;
-    Ok(Json(
-        json!({"engine": info, "context_length": s.context_len}),
-    ))
+    let mut out = s.server_args.clone();
+    if let Some(map) = out.as_object_mut() {
+        map.insert("engine".into(), json!(info));
+        map.insert("context_length".into(), json!(s.context_len));
+    }
+    Ok(Json(out))
 }
 
 /// `GET /health`: 200 while the engine loop runs, 503 once it has stopped.

@@ -22,6 +22,9 @@ pub struct Server {
 pub fn start(extra: &[&str]) -> Server {
     let mut argv = vec!["kvserve", "serve", "--port", "0", "--threads", "1"];
     argv.extend(extra);
+    // As the binary does: a --config file's flags go in first.
+    let argv = engine::config_file::expand_config(argv.into_iter().map(Into::into).collect())
+        .expect("config file");
     let Command::Serve(args) = Cli::parse_from(argv).command else {
         unreachable!()
     };
