@@ -14,6 +14,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use scheduler::sim::percentile;
 use scheduler::{SimReport, SimRequest};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
@@ -298,15 +299,8 @@ fn summarize(results: &[RequestResult], duration_s: f64) -> SimReport {
     let prompt_tokens: usize = ok.iter().map(|r| r.prompt_tokens).sum();
     let cached_tokens: usize = ok.iter().map(|r| r.cached_tokens).sum();
     let output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
-    ttft.sort_by(f64::total_cmp);
-    itl.sort_by(f64::total_cmp);
-    let pct = |v: &[f64], q: f64| -> f64 {
-        if v.is_empty() {
-            return 0.0;
-        }
-        let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-        v[rank - 1]
-    };
+    let (ttft_p50_s, ttft_p99_s) = (percentile(&mut ttft, 0.5), percentile(&mut ttft, 0.99));
+    let (itl_p50_s, itl_p99_s) = (percentile(&mut itl, 0.5), percentile(&mut itl, 0.99));
     SimReport {
         requests: ok.len(),
         aborted: results.len() - ok.len(),
@@ -325,10 +319,11 @@ fn summarize(results: &[RequestResult], duration_s: f64) -> SimReport {
         } else {
             0.0
         },
-        ttft_p50_s: pct(&ttft, 0.5),
-        ttft_p99_s: pct(&ttft, 0.99),
-        itl_p50_s: pct(&itl, 0.5),
-        itl_p99_s: pct(&itl, 0.99),
+        ttft_p50_s,
+        ttft_p99_s,
+        itl_p50_s,
+        itl_p99_s,
+        // Sorted by `percentile`.
         ttft_s: ttft,
         ..SimReport::default()
     }

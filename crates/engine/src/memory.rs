@@ -61,8 +61,8 @@ pub fn weight_bytes(model: &ModelSource) -> Result<u64> {
     }
 }
 
-/// The KV pool size in tokens that `mem_fraction_static` of host memory gives after the
-/// weights, capped by `max_total_tokens` when given.
+/// SGLang's memory plan for `mem_fraction_static` of host memory after the weights, capped by
+/// `max_total_tokens` when given; its `max_total_num_tokens` is the pool size.
 pub fn pool_tokens(
     mem_fraction_static: f64,
     model: &ModelSource,
