@@ -24,6 +24,10 @@
 //! attention depends on kv-pool only. The model crate builds decoder layers on [`Backend`];
 //! the CUDA and wgpu backends implement it and call [`conformance`] in their tests.
 
+// The embeddable crates document every public item; the engine, model and backends document
+// where a name does not already say it.
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod check;
 pub mod conformance;

@@ -240,7 +240,7 @@ fn decode_fp8(src: &[u8], scale: f32, dst: &mut [f32], table: &[f32; 256]) {
 mod tests {
     use super::*;
 
-    use crate::test_util::{splitmix, unit};
+    use crate::rng::SplitMix64;
 
     /// log2 of the smallest normal and (a bit under) the largest finite stored magnitude.
     fn normal_exponents(dtype: KvDtype) -> (f32, f32) {
@@ -257,11 +257,11 @@ mod tests {
     /// `scale`.
     fn values(dtype: KvDtype, n: usize, scale: f32, seed: u64) -> Vec<f32> {
         let (lo, hi) = normal_exponents(dtype);
-        let mut s = seed;
+        let mut s = SplitMix64::new(seed);
         (0..n)
             .map(|_| {
-                let mag = (lo + (hi - lo) * unit(&mut s)).exp2() * scale;
-                if splitmix(&mut s) & 1 == 0 {
+                let mag = (lo + (hi - lo) * s.next_f32()).exp2() * scale;
+                if s.next_u64() & 1 == 0 {
                     mag
                 } else {
                     -mag

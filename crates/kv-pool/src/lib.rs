@@ -28,6 +28,10 @@
 //! the scheduler, attention backends and the transfer engine all build on it; device memory is
 //! reached only through the [`KvStore`] trait that backends implement.
 
+// The embeddable crates document every public item; the engine, model and backends document
+// where a name does not already say it.
+#![warn(missing_docs)]
+
 pub mod allocator;
 pub mod dtype;
 pub mod error;
@@ -36,9 +40,8 @@ pub mod layout;
 pub mod memory_plan;
 pub mod ownership;
 pub mod req_to_token;
+pub mod rng;
 pub mod store;
-#[cfg(test)]
-pub(crate) mod test_util;
 
 pub use allocator::{
     Allocator, AllocatorState, AnyAllocator, DecodeRequest, ExtendRequest, PagedAllocator,
@@ -50,4 +53,5 @@ pub use layout::{KvBuffer, KvDtype, KvKind, KvLayout, KvShape};
 pub use memory_plan::{MemoryPlan, MemoryPlanInput, RequestLimitRule};
 pub use ownership::{Owner, OwnershipCheck, OwnershipViolation};
 pub use req_to_token::ReqToTokenPool;
+pub use rng::SplitMix64;
 pub use store::{HostKvStore, KvStore, MemoryRegion};

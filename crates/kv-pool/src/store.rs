@@ -642,11 +642,11 @@ mod tests {
     use crate::dtype::max_relative_error;
     use crate::layout::{KvDtype, KvShape};
 
-    use crate::test_util::{splitmix, unit};
+    use crate::rng::SplitMix64;
 
     /// Random non-zero values of random sign, magnitudes spread over the dtype's normal range
     /// (stored magnitude, i.e. before multiplying by `scale`).
-    fn values(dtype: KvDtype, n: usize, scale: f32, seed: &mut u64) -> Vec<f32> {
+    fn values(dtype: KvDtype, n: usize, scale: f32, seed: &mut SplitMix64) -> Vec<f32> {
         let (lo, hi) = match dtype {
             KvDtype::F32 | KvDtype::Bf16 => (-20.0, 20.0),
             KvDtype::F16 => (-14.0, 15.9),
@@ -655,8 +655,8 @@ mod tests {
         };
         (0..n)
             .map(|_| {
-                let mag = (lo + (hi - lo) * unit(seed)).exp2() * scale;
-                if splitmix(seed) & 1 == 0 {
+                let mag = (lo + (hi - lo) * seed.next_f32()).exp2() * scale;
+                if seed.next_u64() & 1 == 0 {
                     mag
                 } else {
                     -mag
@@ -665,17 +665,14 @@ mod tests {
             .collect()
     }
 
-    fn random_bytes(n: usize, seed: &mut u64) -> Vec<u8> {
-        (0..n).map(|_| splitmix(seed) as u8).collect()
+    fn random_bytes(n: usize, seed: &mut SplitMix64) -> Vec<u8> {
+        (0..n).map(|_| seed.next_u64() as u8).collect()
     }
 
     /// A random permutation of `0..n`.
-    fn permutation(n: usize, seed: &mut u64) -> Vec<usize> {
+    fn permutation(n: usize, seed: &mut SplitMix64) -> Vec<usize> {
         let mut v: Vec<usize> = (0..n).collect();
-        for i in (1..n).rev() {
-            let j = (splitmix(seed) % (i as u64 + 1)) as usize;
-            v.swap(i, j);
-        }
+        seed.shuffle(&mut v);
         v
     }
 
@@ -732,7 +729,7 @@ mod tests {
     }
 
     /// A store whose every byte (padding included) is random.
-    fn random_store(layout: KvLayout, seed: &mut u64) -> HostKvStore {
+    fn random_store(layout: KvLayout, seed: &mut SplitMix64) -> HostKvStore {
         let mut store = HostKvStore::new(layout).unwrap();
         let all = slots(0..layout.rows());
         for layer in 0..layout.shape.layers as usize {
@@ -788,7 +785,7 @@ mod tests {
 
     #[test]
     fn write_kv_read_f32_round_trip_every_dtype_and_kind() {
-        let mut seed = 1;
+        let mut seed = SplitMix64::new(1);
         for dtype in KvDtype::ALL {
             for shape in shapes(dtype) {
                 for page_size in [1u32, 4] {
@@ -898,7 +895,7 @@ mod tests {
             let layout = KvLayout::new(shape, 4, 16).unwrap();
             let mut store = HostKvStore::new(layout).unwrap();
             let ss = slots([13, 2, 7, 19, 4]);
-            let mut seed = 99;
+            let mut seed = SplitMix64::new(99);
             let (k0s, v0s, k1s, v1s) = (64.0, 256.0, 0.5, 2.0);
             store.set_scales(0, k0s, v0s).unwrap();
             store.set_scales(1, k1s, v1s).unwrap();
@@ -953,7 +950,7 @@ mod tests {
 
     #[test]
     fn raw_round_trip_every_kind() {
-        let mut seed = 5;
+        let mut seed = SplitMix64::new(5);
         for dtype in [KvDtype::Bf16, KvDtype::Fp8E5m2] {
             for shape in shapes(dtype) {
                 let layout = KvLayout::new(shape, 4, 16).unwrap();
@@ -973,7 +970,7 @@ mod tests {
     }
 
     /// Checks `copy_slots(src, dst)` against a model that reads everything first.
-    fn check_copy(layout: KvLayout, src: &[usize], dst: &[usize], seed: &mut u64) {
+    fn check_copy(layout: KvLayout, src: &[usize], dst: &[usize], seed: &mut SplitMix64) {
         let mut store = random_store(layout, seed);
         let (mut want, _, _) = dump(&store);
         let shape = layout.shape;
@@ -993,7 +990,7 @@ mod tests {
 
     #[test]
     fn copy_slots_reads_everything_before_writing() {
-        let mut seed = 17;
+        let mut seed = SplitMix64::new(17);
         for dtype in [KvDtype::F32, KvDtype::Fp8E4m3] {
             for shape in shapes(dtype) {
                 for page_size in [1u32, 4] {
@@ -1013,7 +1010,7 @@ mod tests {
 
     #[test]
     fn pages_move_between_stores_at_other_ids() {
-        let mut seed = 23;
+        let mut seed = SplitMix64::new(23);
         for dtype in [KvDtype::F16, KvDtype::Fp8E4m3] {
             for shape in shapes(dtype) {
                 for page_size in [1u32, 4] {
@@ -1054,7 +1051,7 @@ mod tests {
 
     #[test]
     fn layer_buffer_borrows_the_rows_read_raw_returns() {
-        let mut seed = 77;
+        let mut seed = SplitMix64::new(77);
         for shape in shapes(KvDtype::F16) {
             let layout = KvLayout::new(shape, 4, 16).unwrap();
             let store = random_store(layout, &mut seed);
@@ -1136,7 +1133,7 @@ mod tests {
     #[test]
     fn bad_inputs_are_refused_and_change_nothing() {
         use KvBuffer::{Key, Label, Value};
-        let mut seed = 31;
+        let mut seed = SplitMix64::new(31);
         // MHA: 2 layers, K row 8 elems (16 bytes), V row 4 elems (8 bytes), P = 4, 20 rows.
         let mha = KvLayout::new(KvShape::mha(2, 4, 2, 2, KvDtype::F16).unwrap(), 4, 16).unwrap();
         let mut s = random_store(mha, &mut seed);

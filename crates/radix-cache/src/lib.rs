@@ -34,6 +34,10 @@
 //! Above kv-pool (allocators, request table, ownership checker); below the scheduler, which
 //! calls it through [`PrefixCache`] with a [`ReqView`] of its requests.
 
+// The embeddable crates document every public item; the engine, model and backends document
+// where a name does not already say it.
+#![warn(missing_docs)]
+
 pub mod any;
 pub mod chunk;
 pub mod error;

@@ -34,6 +34,10 @@
 //! ## Where it sits
 //! Above kv-pool and radix-cache; below the engine, which owns threads, I/O and the executor.
 
+// The embeddable crates document every public item; the engine, model and backends document
+// where a name does not already say it.
+#![warn(missing_docs)]
+
 pub mod adder;
 pub mod batch;
 pub mod config;
