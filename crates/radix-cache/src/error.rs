@@ -42,3 +42,15 @@ pub enum RadixCacheError {
 
 /// Result alias for this crate.
 pub type Result<T, E = RadixCacheError> = std::result::Result<T, E>;
+
+/// Refuses an insert whose slots are not one per key token.
+pub(crate) fn check_insert_lengths(key: &[u32], slots: &[kv_pool::Slot]) -> Result<()> {
+    if slots.len() != key.len() {
+        return Err(RadixCacheError::LengthMismatch {
+            what: "insert slots",
+            expected: key.len(),
+            got: slots.len(),
+        });
+    }
+    Ok(())
+}
