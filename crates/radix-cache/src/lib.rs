@@ -6,8 +6,9 @@
 //! - [`PrefixCache`]: SGLang's operations (`match_prefix`, `insert`, `cache_unfinished_req`,
 //!   `cache_finished_req`, `evict`, `inc_lock_ref` / `dec_lock_ref`, sizes, `reset`,
 //!   `take_events`), implemented by [`RadixCache`] and [`ChunkCache`].
-//! - [`RadixCache`]: a radix tree over token ids, generic over its eviction policy at page size 1 or `P`: keys floored to whole
-//!   pages, children found by their first page, nodes split on partial matches, lock counts
+//! - [`RadixCache`]: a radix tree over token ids at page size 1 or `P`, generic over its
+//!   eviction policy (called statically): keys floored to whole pages, children found by their
+//!   first page, nodes split on partial matches, lock counts
 //!   exactly as SGLang. Nodes live in an arena; token keys and slot values live in two parallel
 //!   arenas, so a split copies nothing. Beyond SGLang: evictable leaves are kept ordered by the
 //!   policy's key and updated incrementally (`evict` is O(log n) per freed node); a leaf can be
@@ -15,7 +16,8 @@
 //!   operation), so runs and snapshots are reproducible; a read-only match
 //!   ([`PrefixCache::peek_prefix_len`]) ranks requests without splitting nodes.
 //! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, Belady's oracle, and
-//!   the [`policy::EvictionPolicy`] trait for your own.
+//!   the [`policy::EvictionPolicy`] trait for your own; a capability a policy needs from the
+//!   tree (path hashes) is asked of the trait.
 //! - [`events`]: `BlockStored` / `BlockRemoved` / `AllBlocksCleared` with SGLang's chained
 //!   SHA-256 page hashes.
 //! - `testing` (feature `testing`): the suites that check a prefix cache or an eviction policy
@@ -105,7 +107,7 @@ pub struct InsertResult {
     pub last_node: NodeId,
 }
 
-/// Options of an insert.
+/// How an insert weighs the path it touches (for the eviction policy's statistics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct InsertOptions {
     /// Request priority, max-propagated along the path.

@@ -35,7 +35,7 @@
 //! assert_eq!(cache.policy_name(), "longest-first");
 //! ```
 //!
-//! [`crate::testing::check_eviction_policy`] (feature `testing`) checks such a policy against
+//! `radix_cache::testing::check_eviction_policy` (feature `testing`) checks such a policy against
 //! what the tree relies on.
 
 use std::fmt;
