@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use kv_pool::{Allocator, ExtendRequest, OwnershipCheck, PagedAllocator, Slot, TokenAllocator};
 use radix_cache::policy::{policy_from_name, Belady, BuiltinPolicy, CostAware, FutureIndex};
-use radix_cache::{EvictionPolicy, InsertOptions, PrefixCache, RadixCache};
+use radix_cache::{AnyEvictionPolicy, EvictionPolicy, InsertOptions, PrefixCache, RadixCache};
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
@@ -72,7 +72,7 @@ pub fn parse_policies(list: &str) -> Result<Vec<String>> {
 }
 
 /// Builds the policy `name` (one of [`known_policies`]); `belady` needs `future`.
-pub fn build_policy(name: &str, future: Option<&FutureIndex>) -> Result<Box<dyn EvictionPolicy>> {
+pub fn build_policy(name: &str, future: Option<&FutureIndex>) -> Result<AnyEvictionPolicy> {
     if name.eq_ignore_ascii_case(BELADY) {
         let future = future.ok_or_else(|| {
             EngineError::arg(
@@ -80,7 +80,7 @@ pub fn build_policy(name: &str, future: Option<&FutureIndex>) -> Result<Box<dyn 
                 "belady needs the workload's future (a FutureIndex)",
             )
         })?;
-        return Ok(Box::new(Belady::new(future.clone())));
+        return Ok(Belady::new(future.clone()).into());
     }
     policy_from_name(name).map_err(|e| EngineError::arg("--policy", e.to_string()))
 }
@@ -149,7 +149,7 @@ pub struct ReplayOptions {
 /// `progress` is called with the number of requests done since its last call.
 pub fn replay(
     requests: &[Request],
-    policy: Box<dyn EvictionPolicy>,
+    policy: AnyEvictionPolicy,
     capacity_tokens: usize,
     page_size: u32,
     opts: ReplayOptions,
@@ -185,7 +185,7 @@ struct Replay<A: Allocator> {
 }
 
 impl<A: Allocator> Replay<A> {
-    fn new(alloc: A, policy: Box<dyn EvictionPolicy>, page_size: u32, opts: ReplayOptions) -> Self {
+    fn new(alloc: A, policy: AnyEvictionPolicy, page_size: u32, opts: ReplayOptions) -> Self {
         Replay {
             capacity: alloc.size(),
             alloc,

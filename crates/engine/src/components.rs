@@ -201,7 +201,7 @@ pub fn build_scheduler(
     let p = config.page_size;
     let cache = if radix {
         let policy = AnyEvictionPolicy::from_name(eviction_policy)?;
-        AnyPrefixCache::Radix(RadixCache::new(p, Box::new(policy)))
+        AnyPrefixCache::Radix(RadixCache::new(p, policy))
     } else {
         AnyPrefixCache::Chunk(ChunkCache::new(p))
     };

@@ -180,7 +180,7 @@ mod tests {
                 strict: true,
                 ..SchedulerConfig::default()
             };
-            let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
+            let cache = RadixCache::new(16, BuiltinPolicy::Lru);
             let mut s = Scheduler::new(
                 cfg,
                 Box::new(cache),
@@ -223,7 +223,7 @@ mod tests {
         };
         let mut s = Scheduler::new(
             cfg,
-            Box::new(RadixCache::new(16, Box::new(BuiltinPolicy::Lru))),
+            Box::new(RadixCache::new(16, BuiltinPolicy::Lru)),
             true,
             Box::new(PagedAllocator::new(4096, 16).unwrap()),
         )

@@ -46,7 +46,7 @@ fn scheduler(policy: SchedulePolicy, fallback: usize) -> (Scheduler, Load) {
         ..SchedulerConfig::default()
     };
     let pool = 256 * 1024;
-    let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
+    let cache = RadixCache::new(16, BuiltinPolicy::Lru);
     let mut s = Scheduler::new(
         cfg,
         Box::new(cache),

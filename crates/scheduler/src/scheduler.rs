@@ -681,7 +681,7 @@ impl Scheduler {
     /// LPM keys: (deprioritized by in-batch prefix caching, cached prefix length). Matching is
     /// read-only: it never splits the tree.
     fn lpm_keys(&self, ids: &[ReqId]) -> Vec<(bool, usize)> {
-        let mut scratch = RadixCache::new(1, Box::new(radix_cache::BuiltinPolicy::Lru));
+        let mut scratch = RadixCache::new(1, radix_cache::BuiltinPolicy::Lru);
         let mut dummy = Vec::new();
         ids.iter()
             .map(|id| {

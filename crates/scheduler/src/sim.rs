@@ -574,7 +574,7 @@ mod tests {
             strict: true,
             ..SchedulerConfig::default()
         };
-        let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
+        let cache = RadixCache::new(16, BuiltinPolicy::Lru);
         let mut s = Scheduler::new(
             cfg,
             Box::new(cache),
