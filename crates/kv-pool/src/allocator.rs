@@ -85,12 +85,16 @@ pub trait Allocator: Send {
 
     /// Turns sorted-release mode (SGLang's `need_sort`, used in PD modes) on or off. While on,
     /// frees go to a release list that is merged into the free list and sorted ascending only
-    /// when an allocation would otherwise fail, so allocations come out in contiguous runs.
-    /// Turning it off merges the release list.
+    /// when an allocation runs short, so allocations come out in contiguous runs. "Short" is
+    /// SGLang's test: `alloc` merges when it wants more pages than the free list holds; the
+    /// paged allocator's `alloc_extend` when `extend_tokens / P + batch + 1` does and its
+    /// `alloc_decode` when the batch size does. A call that fails with `OutOfMemory` merges
+    /// nothing (SGLang merges first). Turning the mode off merges the release list.
     fn set_sorted_release(&mut self, on: bool);
     /// Whether sorted-release mode is on.
     fn sorted_release(&self) -> bool;
-    /// Merges the release list into the free list and sorts the free list ascending.
+    /// Merges the release list into the free list and sorts the free list ascending; with an
+    /// empty release list it does nothing (the free list keeps its order), as SGLang.
     fn merge_and_sort_free(&mut self);
 
     /// Snapshots the whole state (SGLang's `backup_state`).
@@ -116,6 +120,12 @@ pub trait ReuseOrder: fmt::Debug + Default + Clone + Send + Sync + 'static {
     const NAME: &'static str;
     /// Whether a free's pages are sorted ascending before they are returned.
     const SORT_FREED: bool;
+    /// Which SGLang allocator decides when sorted-release mode merges in a batch allocation.
+    /// `true`, the paged allocator: `alloc_extend` merges when `extend_tokens / P + batch + 1`
+    /// exceeds the free pages (the kernel's worst case, checked before it runs) and
+    /// `alloc_decode` when the batch size does. `false`, the token allocator, whose callers
+    /// allocate with plain `alloc`: both merge when the pages demanded exceed the free pages.
+    const PAGED_MERGE_RULE: bool;
     /// Returns a batch of freed pages; `pages[0]` is reused first among them.
     fn give(free: &mut VecDeque<u32>, pages: &[u32]);
     /// Moves `k ≤ free.len()` pages from the head into `out`, head first.
@@ -138,6 +148,7 @@ pub struct Lifo;
 impl ReuseOrder for Fifo {
     const NAME: &'static str = "fifo";
     const SORT_FREED: bool = false;
+    const PAGED_MERGE_RULE: bool = false;
     fn give(free: &mut VecDeque<u32>, pages: &[u32]) {
         free.extend(pages.iter().copied());
     }
@@ -156,6 +167,7 @@ impl ReuseOrder for Fifo {
 impl ReuseOrder for Lifo {
     const NAME: &'static str = "lifo";
     const SORT_FREED: bool = true;
+    const PAGED_MERGE_RULE: bool = true;
     fn give(free: &mut VecDeque<u32>, pages: &[u32]) {
         free.extend(pages.iter().rev().copied());
     }
@@ -304,15 +316,22 @@ impl<O: ReuseOrder> SlotAllocator<O> {
         Ok(page)
     }
 
-    /// Makes sure `pages` pages can be taken from the free list, merging the release list first
-    /// in sorted-release mode when that suffices; `Err(OutOfMemory)` (nothing changed) otherwise.
-    fn ensure_free_pages(&mut self, pages: usize) -> Result<()> {
-        if pages <= self.state.free.len() {
-            return Ok(());
-        }
-        // Merge only when it makes the allocation succeed, so an out-of-memory changes nothing.
-        if self.sorted_release && pages <= self.state.free.len() + self.state.release.len() {
+    /// Makes sure `pages` pages can be taken from the free list; `Err(OutOfMemory)` (nothing
+    /// changed) otherwise.
+    ///
+    /// In sorted-release mode the release list is merged first when SGLang would merge:
+    /// `merge_when` is SGLang's estimate of the pages the call needs (`≥ pages`), and the merge
+    /// happens when it exceeds the free list. One deliberate difference: SGLang merges before it
+    /// knows the call fails; here a call that fails with `OutOfMemory` merges nothing, so an
+    /// `Err` changes nothing (the crate's invariant).
+    fn ensure_free_pages(&mut self, pages: usize, merge_when: usize) -> Result<()> {
+        debug_assert!(merge_when >= pages);
+        let free = self.state.free.len();
+        let release = self.state.release.len();
+        if self.sorted_release && merge_when > free && pages <= free + release {
             self.merge_and_sort_free();
+        }
+        if pages <= self.state.free.len() {
             return Ok(());
         }
         Err(KvPoolError::OutOfMemory {
@@ -397,10 +416,12 @@ impl<O: ReuseOrder> SlotAllocator<O> {
         Ok(page)
     }
 
-    /// Validates an extend batch; returns the number of new pages it needs.
-    fn validate_extend(&mut self, batch: &[ExtendRequest]) -> Result<usize> {
+    /// Validates an extend batch; returns the number of new pages it needs and the page count
+    /// at which sorted-release mode merges (see [`ReuseOrder::PAGED_MERGE_RULE`]).
+    fn validate_extend(&mut self, batch: &[ExtendRequest]) -> Result<(usize, usize)> {
         let p = self.page_size as usize;
         let mut demand = 0usize;
+        let mut extend_tokens = 0usize;
         let mut partial_pages = Vec::new();
         let result = (|| {
             for (index, r) in batch.iter().enumerate() {
@@ -443,14 +464,23 @@ impl<O: ReuseOrder> SlotAllocator<O> {
                 demand = demand
                     .checked_add(new_pages)
                     .ok_or(KvPoolError::Overflow("alloc_extend page demand"))?;
+                extend_tokens = extend_tokens.saturating_add(r.seq_len - r.prefix_len);
             }
-            Ok(demand)
+            // SGLang's paged allocator: `extend_num_tokens // P + bs + 1 > len(free_pages)`;
+            // this bound is at least `demand + 1`, so it never merges less than the demand needs.
+            let merge_when = if O::PAGED_MERGE_RULE {
+                (extend_tokens / p).saturating_add(batch.len() + 1)
+            } else {
+                demand
+            };
+            Ok((demand, merge_when))
         })();
         self.clear_marks(partial_pages.into_iter());
         result
     }
 
-    /// Validates a decode batch; returns the number of new pages it needs.
+    /// Validates a decode batch; returns the number of new pages it needs (at most the batch
+    /// size, which is where SGLang's paged allocator merges in sorted-release mode).
     fn validate_decode(&mut self, batch: &[DecodeRequest]) -> Result<usize> {
         let p = self.page_size as usize;
         let mut demand = 0usize;
@@ -543,7 +573,7 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
             });
         }
         let pages = n / p;
-        self.ensure_free_pages(pages)?;
+        self.ensure_free_pages(pages, pages)?;
         self.take_pages(pages);
         out.reserve(n);
         for &page in &self.scratch {
@@ -553,8 +583,8 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
     }
 
     fn alloc_extend(&mut self, batch: &[ExtendRequest], out: &mut Vec<Slot>) -> Result<()> {
-        let demand = self.validate_extend(batch)?;
-        self.ensure_free_pages(demand)?;
+        let (demand, merge_when) = self.validate_extend(batch)?;
+        self.ensure_free_pages(demand, merge_when)?;
         self.take_pages(demand);
         let p = self.page_size;
         let total: usize = batch.iter().map(|r| r.seq_len - r.prefix_len).sum();
@@ -595,7 +625,12 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
 
     fn alloc_decode(&mut self, batch: &[DecodeRequest], out: &mut Vec<Slot>) -> Result<()> {
         let demand = self.validate_decode(batch)?;
-        self.ensure_free_pages(demand)?;
+        let merge_when = if O::PAGED_MERGE_RULE {
+            batch.len()
+        } else {
+            demand
+        };
+        self.ensure_free_pages(demand, merge_when)?;
         self.take_pages(demand);
         let p = self.page_size as usize;
         out.reserve(batch.len());
@@ -738,6 +773,11 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
     }
 
     fn merge_and_sort_free(&mut self) {
+        // As SGLang: with nothing released there is nothing to merge, and the free list keeps
+        // its order.
+        if self.state.release.is_empty() {
+            return;
+        }
         let release = std::mem::take(&mut self.state.release);
         let mut all: Vec<u32> = std::mem::take(&mut self.state.free).into();
         all.extend_from_slice(&release);

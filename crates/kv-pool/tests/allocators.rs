@@ -162,6 +162,61 @@ fn snapshot_sorted_release_mode() {
 }
 
 #[test]
+fn snapshot_sorted_release_merges_when_sglang_does() {
+    // SGLang's paged allocator merges the release list before a batch allocation whenever its
+    // worst-case bound exceeds the free list, even when the pages actually demanded would fit:
+    // `alloc_extend` at `extend_tokens / P + batch + 1 > free`, `alloc_decode` at
+    // `batch > free`. The merged list is sorted, so released low pages are reused first.
+    let mut s = Script::new(PagedAllocator::new(40, 4).unwrap());
+    s.alloc.set_sorted_release(true);
+    let a = s.alloc(16); // pages 1-4
+    let b = s.extend(&[ext(0, 3, None), ext(0, 3, None), ext(0, 3, None)]); // pages 5-7
+    s.free(&a[..8]); // pages 1-2 released
+                     // Bound 4/4 + 1 + 1 = 3, not above the 3 free pages: no merge, page 8.
+    let c = s.extend(&[ext(0, 4, None)]);
+    assert_eq!(c[0], Slot(32));
+    // Bound 3 > 2 free pages (demand 1 would fit): merge, and the sorted list hands out page 1.
+    let d = s.extend(&[ext(0, 4, None)]);
+    assert_eq!(d[0], Slot(4), "merged before the extend, as SGLang");
+    s.alloc(4); // page 2
+    s.free(&a[8..12]); // page 3 released
+                       // Four requests, one needing a page: batch 4 > 2 free pages, so merge; page 3 comes first.
+    let e = s.decode(&[
+        dec(4, Some(b[2].0)),
+        dec(4, Some(b[5].0)),
+        dec(4, Some(b[8].0)),
+        dec(5, Some(c[3].0)),
+    ]);
+    assert_eq!(e[3], Slot(12), "merged before the decode, as SGLang");
+    s.free(&a[12..]); // page 4 released
+                      // Deliberate difference: SGLang merges before it finds the pool too small; here an
+                      // out-of-memory changes nothing, so the release list stays as it was.
+    s.alloc(64);
+    insta::assert_snapshot!(s.log);
+}
+
+#[test]
+fn token_allocator_sorted_release_merges_at_the_demand() {
+    // SGLang's token allocator has no batch kernel: its callers `alloc(extend_tokens)` or
+    // `alloc(batch)`, which merge only when that many slots exceed the free list.
+    let mut a = TokenAllocator::new(8).unwrap();
+    a.set_sorted_release(true);
+    let mut held = Vec::new();
+    a.alloc(4, &mut held).unwrap(); // slots 1-4; free 5-8
+    a.free(&held[..2]).unwrap(); // slots 1-2 released
+    let mut out = Vec::new();
+    a.alloc_extend(&[ext(0, 4, None)], &mut out).unwrap();
+    assert_eq!(
+        out,
+        (5..9).map(Slot).collect::<Vec<_>>(),
+        "4 ≤ 4 free: no merge"
+    );
+    out.clear();
+    a.alloc_decode(&[dec(1, None)], &mut out).unwrap();
+    assert_eq!(out, [Slot(1)], "1 > 0 free: merge, sorted");
+}
+
+#[test]
 fn snapshot_free_groups() {
     let mut s = Script::new(PagedAllocator::new(32, 4).unwrap());
     let a = s.alloc(16);
