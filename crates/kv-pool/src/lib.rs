@@ -42,6 +42,8 @@ pub mod ownership;
 pub mod req_to_token;
 pub mod rng;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use allocator::{
     Allocator, AllocatorState, AnyAllocator, DecodeRequest, ExtendRequest, PagedAllocator,
