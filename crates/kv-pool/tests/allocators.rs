@@ -74,7 +74,7 @@ impl<A: Allocator + std::fmt::Display> Script<A> {
 
 #[test]
 fn snapshot_seed_page_size_4_example() {
-    // The seed walkthrough: page size 4, pages 1–4 (slots 4..20); allocate 8 tokens, free them.
+    // The basic paged example: page size 4, pages 1–4 (slots 4..20); allocate 8 tokens, free them.
     let mut s = Script::new(PagedAllocator::new(16, 4).unwrap());
     let got = s.alloc(8);
     assert_eq!(got, (4..12).map(Slot).collect::<Vec<_>>());

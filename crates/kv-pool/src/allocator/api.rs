@@ -66,7 +66,8 @@ pub trait Allocator: Send {
     fn free_group_begin(&mut self) -> Result<()>;
     /// Releases every buffered free as one `free` (SGLang's `free_group_end`).
     fn free_group_end(&mut self) -> Result<()>;
-    /// Whether a free group is open.
+    /// Whether a free group is open: frees are buffered, not yet available, until
+    /// `free_group_end`.
     fn free_group_open(&self) -> bool;
 
     /// Turns sorted-release mode (SGLang's `need_sort`, used in PD modes) on or off. While on,
@@ -77,7 +78,7 @@ pub trait Allocator: Send {
     /// `alloc_decode` when the batch size does. A call that fails with `OutOfMemory` merges
     /// nothing (SGLang merges first). Turning the mode off merges the release list.
     fn set_sorted_release(&mut self, on: bool);
-    /// Whether sorted-release mode is on.
+    /// Whether sorted-release mode (SGLang's `need_sort`) is on.
     fn sorted_release(&self) -> bool;
     /// Merges the release list into the free list and sorts the free list ascending; with an
     /// empty release list it does nothing (the free list keeps its order), as SGLang.
@@ -90,7 +91,8 @@ pub trait Allocator: Send {
     /// Frees everything: back to the initial state.
     fn clear(&mut self);
 
-    /// Whether `page` is currently allocated.
+    /// Whether `page` is currently handed out (false for the padding page 0 and for pages past
+    /// `num_pages`).
     fn is_allocated(&self, page: Page) -> bool;
     /// Every page that is not allocated: free list, release list and open-group pages, in that
     /// order (for the ownership checker).
