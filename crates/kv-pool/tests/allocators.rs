@@ -4,7 +4,7 @@
 //! naive reference.
 
 use kv_pool::allocator::{Fifo, Lifo, SlotAllocator};
-use kv_pool::testing::{self, dec, ext, Op};
+use kv_pool::testing::{self, dec, ext, FreePiece, Op};
 use kv_pool::{
     Allocator, AnyAllocator, DecodeRequest, ExtendRequest, KvPoolError, Page, PagedAllocator, Slot,
     TokenAllocator,
@@ -460,45 +460,9 @@ fn lifo_reuses_most_recently_freed_first() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// `free` against a naive slot-by-slot reference (the fast path skips runs and whole words).
+// `free` against kv_pool::testing's naive slot-by-slot reference, with proptest's shrinking
+// (the fast path skips runs and whole words).
 // ---------------------------------------------------------------------------------------------
-
-/// What `free(slots)` must do: slot by slot, the first out-of-range slot or the first slot of a
-/// page that is neither allocated nor freed earlier in the call is the error; else the set of
-/// pages freed.
-fn naive_free(
-    p: u32,
-    num_pages: u32,
-    allocated: &[bool],
-    slots: &[Slot],
-) -> Result<Vec<u32>, KvPoolError> {
-    let (first, end) = (p, (num_pages + 1) * p);
-    let mut freed = Vec::new();
-    for &slot in slots {
-        if slot.0 < first || slot.0 >= end {
-            return Err(KvPoolError::SlotOutOfRange { slot, first, end });
-        }
-        let page = slot.0 / p;
-        if freed.contains(&page) {
-            continue;
-        }
-        if !allocated[page as usize] {
-            return Err(KvPoolError::PageNotAllocated {
-                page: Page(page),
-                slot,
-            });
-        }
-        freed.push(page);
-    }
-    freed.sort_unstable();
-    Ok(freed)
-}
-
-#[derive(Debug, Clone)]
-enum Piece {
-    Run { start: u32, len: u32 },
-    Single(u32),
-}
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
@@ -511,41 +475,15 @@ proptest! {
         // so runs overlap (repeats within one call) and mostly hit allocated pages.
         pieces in prop::collection::vec(
             prop_oneof![
-                3 => (0u32..1000, 1u32..300).prop_map(|(start, len)| Piece::Run { start, len }),
-                1 => (0u32..1030).prop_map(Piece::Single),
+                3 => (0u32..1000, 1u32..300).prop_map(|(start, len)| FreePiece::Run { start, len }),
+                1 => (0u32..1030).prop_map(FreePiece::Single),
             ],
             0..6,
         ),
     ) {
-        let num_pages = 200u32;
-        let scale = |thousandths: u32| thousandths * (num_pages + 1) * p / 1000;
-        let mut a = SlotAllocator::<Lifo>::with_page_size((num_pages * p) as usize, p).unwrap();
-        let mut all = Vec::new();
-        a.alloc((num_pages * p) as usize, &mut all).unwrap();
-        // Free the pages not held, so `held` is the allocation bitmap.
-        let release: Vec<Slot> = (1..=num_pages).filter(|&pg| !held[pg as usize - 1]).map(|pg| Page(pg).first_slot(p)).collect();
-        a.free(&release).unwrap();
-        let allocated: Vec<bool> = (0..=num_pages).map(|pg| pg >= 1 && held[pg as usize - 1]).collect();
-        let slots: Vec<Slot> = pieces.iter().flat_map(|piece| match *piece {
-            Piece::Run { start, len } => (scale(start)..scale(start) + len).map(Slot).collect::<Vec<_>>(),
-            Piece::Single(s) => vec![Slot(scale(s))],
-        }).collect();
-        let before = a.backup_state();
-        let expected = naive_free(p, num_pages, &allocated, &slots);
-        let got = a.free(&slots);
-        match expected {
-            Err(e) => {
-                prop_assert_eq!(got, Err(e));
-                prop_assert_eq!(a.backup_state(), before);
-            }
-            Ok(freed) => {
-                prop_assert_eq!(got, Ok(()));
-                for pg in 1..=num_pages {
-                    let should = allocated[pg as usize] && freed.binary_search(&pg).is_err();
-                    prop_assert_eq!(a.is_allocated(Page(pg)), should, "page {}", pg);
-                }
-                prop_assert_eq!(a.available_size() as u32, (num_pages - allocated.iter().filter(|x| **x).count() as u32 + freed.len() as u32) * p);
-            }
+        let mut a = SlotAllocator::<Lifo>::with_page_size(200 * p as usize, p).unwrap();
+        if let Err(failure) = testing::check_free_against_reference(&mut a, &held, &pieces) {
+            panic!("{failure}");
         }
     }
 }

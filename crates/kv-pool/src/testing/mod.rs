@@ -32,7 +32,8 @@
 //! - `available_size()` accounting after every call (released pages count, pages in an open
 //!   free group do not);
 //! - frees by page (any slot frees its page); a double free and a free outside the pool are
-//!   refused and change nothing;
+//!   refused and change nothing; random `free` calls agree with a naive slot-by-slot
+//!   reference ([`naive_free`]) on the error or on the pages freed;
 //! - free groups, sorted release (a merged pool comes out sorted), backup/restore, `clear`;
 //! - malformed `alloc_extend` / `alloc_decode` batches are refused and change nothing;
 //! - the page rule `slot mod P == position mod P` on every slot `alloc_extend` and
@@ -46,11 +47,15 @@
 //! [`Op`] sequence, so a property-testing framework can generate and shrink its own.
 
 mod model;
+mod reference;
 mod scripted;
 mod trace;
 
 pub use model::{
     check_position_rule, decode_requests, extend_requests, random_ops, run_ops, Op, OwnershipModel,
+};
+pub use reference::{
+    check_free_against_reference, check_free_matches_reference, naive_free, FreePiece,
 };
 pub use scripted::{
     check_accounting, check_batch_errors_change_nothing, check_free_groups_and_sorted_release,
@@ -72,7 +77,9 @@ pub const MAX_RANDOM_OPS: usize = 60;
 pub const SEED: u64 = 0x6b76_2d70_6f6f_6c00;
 
 /// Runs the whole suite on allocators built by `make(size, page_size)` at each page size in
-/// `page_sizes`: the scripted checks, then [`RANDOM_RUNS`] random sequences per page size.
+/// `page_sizes`: the scripted checks, then [`RANDOM_RUNS`] random `free` calls against a naive
+/// reference ([`check_free_matches_reference`]) and [`RANDOM_RUNS`] random operation sequences
+/// ([`check_random_operations`]) per page size.
 /// `make` must return a fresh, empty allocator of exactly that page size and size (the suite
 /// checks the page size). `Ok(())` or the first failure.
 pub fn check_allocator<A: Allocator>(
@@ -87,6 +94,7 @@ pub fn check_allocator<A: Allocator>(
         check_free_groups_and_sorted_release(p, &mut make)?;
         check_batch_errors_change_nothing(p, &mut make)?;
         check_position_rule_on_growth(p, &mut make)?;
+        check_free_matches_reference(p, &mut make, SEED, RANDOM_RUNS)?;
         check_random_operations(p, &mut make, SEED, RANDOM_RUNS)?;
     }
     Ok(())
