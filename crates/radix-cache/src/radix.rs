@@ -867,6 +867,10 @@ impl PrefixCache for RadixCache {
         self.page_size
     }
 
+    fn reuses_prefixes(&self) -> bool {
+        true
+    }
+
     fn root(&mut self, extra_key: Option<&str>) -> NodeId {
         let r = self.root_index(extra_key);
         self.id(r)
@@ -895,6 +899,25 @@ impl PrefixCache for RadixCache {
             (_, pos, Some((c, common))) => (pos + common, Some(self.id(c))),
             (_, 0, None) => (0, None),
             (node, pos, None) => (pos, Some(self.id(node))),
+        }
+    }
+
+    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+        let Some(root) = self.find_root(extra_key) else {
+            return (0, None);
+        };
+        let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
+        self.tick();
+        let (node, pos, partial) = self.walk(root, key);
+        let mut i = partial.map_or(node, |(c, _)| c);
+        while self.nodes[i as usize].parent != NONE {
+            self.touch(i, false, None);
+            i = self.nodes[i as usize].parent;
+        }
+        match partial {
+            Some((c, common)) => (pos + common, Some(self.id(c))),
+            None if pos == 0 => (0, None),
+            None => (pos, Some(self.id(node))),
         }
     }
 
