@@ -1,4 +1,4 @@
-//! SGLang's `schedule_policy.py`: the order of the waiting queue ([`calc_priority`]) and the
+//! SGLang's `schedule_policy.py`: the order of the waiting queue (`calc_priority`) and the
 //! admission budgets of one prefill batch ([`PrefillAdder`]).
 //!
 //! ## Queue order
@@ -283,8 +283,8 @@ pub struct Candidate {
     pub last_node: NodeId,
 }
 
-/// The budgets of one prefill batch (SGLang's `PrefillAdder`; the rules are in the module
-/// docs). Token figures are pool slots.
+/// The budgets of one prefill batch (SGLang's `PrefillAdder`, same name; the rules are in the
+/// module docs). Token figures are pool slots.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrefillAdder {
     page_size: usize,

@@ -9,8 +9,8 @@
 //!
 //! This file holds the loop and admission (`get_next_batch_to_run`, `get_new_batch_prefill`,
 //! priority preemption); the child modules hold what SGLang keeps elsewhere:
-//! [`schedule_batch`] (preparing passes, the decode memory check, retraction, releasing KV),
-//! [`output_processor`] (results), [`checks`] (the invariant checker).
+//! `schedule_batch` (preparing passes, the decode memory check, retraction, releasing KV),
+//! `output_processor` (results), `checks` (the invariant checker).
 
 mod checks;
 mod output_processor;
@@ -30,9 +30,9 @@ use crate::report::{FinishedReq, SchedulerStats, StepReport};
 use crate::req::{FinishReason, Req, ReqId, SamplingLimits};
 use crate::schedule_policy::{calc_priority, AddResult, Admission, Candidate, PrefillAdder};
 
-/// The continuous-batching scheduler over one KV pool: a prefix cache `C` and an allocator
-/// `A` (the engine's defaults choose their implementation at run time; a fixed pair compiles
-/// to direct calls).
+/// The continuous-batching scheduler (SGLang's `Scheduler`) over one KV pool: a prefix cache
+/// `C` and an allocator `A` (the engine's defaults choose their implementation at run time; a
+/// fixed pair compiles to direct calls).
 ///
 /// Requests wait in a queue, are admitted into prefill batches under [`PrefillAdder`]'s
 /// budgets (at most one of them chunked at a time), then decode together until they finish.

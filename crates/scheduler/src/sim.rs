@@ -37,19 +37,19 @@ pub use crate::summary::percentile;
 /// The shape of a decoder model, as far as cost goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelShape {
-    /// Preset name.
+    /// Preset name, as `--model` spells it (matched case-insensitively).
     pub name: &'static str,
-    /// Parameters.
+    /// Parameter count (each costs 2 FLOPs per new token and is read once per pass).
     pub params: f64,
     /// Bytes per weight (2 for bf16).
     pub weight_bytes: f64,
-    /// Decoder layers.
+    /// Decoder layers (attention cost is per layer).
     pub layers: u32,
-    /// Query heads.
+    /// Query heads (attention FLOPs scale with them).
     pub q_heads: u32,
-    /// KV heads.
+    /// KV heads (with `head_dim` and `layers`, the KV bytes per token).
     pub kv_heads: u32,
-    /// Head dimension.
+    /// Dimension of one head.
     pub head_dim: u32,
     /// KV bytes per token over all layers (SGLang's `cell_size`).
     pub kv_bytes_per_token: usize,
@@ -81,7 +81,8 @@ impl ModelShape {
     /// Every preset.
     pub const PRESETS: [ModelShape; 2] = [Self::LLAMA3_8B, Self::LLAMA3_70B];
 
-    /// A preset by name.
+    /// A preset by name (case-insensitive); unknown names are an `InvalidConfig` error listing
+    /// the presets.
     pub fn preset(name: &str) -> Result<ModelShape> {
         Self::PRESETS
             .into_iter()
@@ -99,7 +100,7 @@ impl ModelShape {
 /// An accelerator, as far as cost goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Accelerator {
-    /// Preset name.
+    /// Preset name, as `--accelerator` spells it (matched case-insensitively).
     pub name: &'static str,
     /// Dense bf16 FLOP/s.
     pub peak_flops: f64,
@@ -127,7 +128,8 @@ impl Accelerator {
     /// Every preset.
     pub const PRESETS: [Accelerator; 2] = [Self::H100, Self::A100];
 
-    /// A preset by name.
+    /// A preset by name (case-insensitive); unknown names are an `InvalidConfig` error listing
+    /// the presets.
     pub fn preset(name: &str) -> Result<Accelerator> {
         Self::PRESETS
             .into_iter()
@@ -145,15 +147,15 @@ impl Accelerator {
 /// The roofline cost model (see the module documentation).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostModel {
-    /// The model.
+    /// The model whose passes are charged.
     pub model: ModelShape,
-    /// One accelerator.
+    /// One accelerator; `tp` of them share the work.
     pub accel: Accelerator,
     /// Tensor-parallel degree: work and memory are split over this many accelerators.
     pub tp: u32,
-    /// Fraction of peak FLOP/s reached.
+    /// Fraction of peak FLOP/s reached (default 0.6).
     pub flops_efficiency: f64,
-    /// Fraction of peak bandwidth reached.
+    /// Fraction of peak bandwidth reached (default 0.8).
     pub bw_efficiency: f64,
     /// Fixed time per pass (scheduling, launches).
     pub step_overhead_s: f64,
@@ -185,7 +187,8 @@ impl CostModel {
         }
     }
 
-    /// The time of one pass.
+    /// The time of one pass in seconds: the roofline maximum of compute and memory time, plus
+    /// the per-pass overhead.
     pub fn batch_time(&self, batch: &ForwardBatch) -> f64 {
         let m = &self.model;
         let attn_per_pair = 4.0 * m.layers as f64 * m.q_heads as f64 * m.head_dim as f64;
@@ -208,7 +211,7 @@ impl CostModel {
 /// (simulated requests stop by length).
 #[derive(Debug, Clone)]
 pub struct SimExecutor {
-    /// The cost model.
+    /// The cost model charging each pass.
     pub cost: CostModel,
 }
 
@@ -265,13 +268,13 @@ pub struct SimReport {
     pub itl_p50_s: f64,
     /// See `itl_p50_s`.
     pub itl_p99_s: f64,
-    /// Retractions.
+    /// Retractions and priority preemptions.
     pub retractions: usize,
     /// Highest KV pool use, in tokens.
     pub peak_used_tokens: usize,
     /// KV pool capacity, in tokens.
     pub capacity_tokens: usize,
-    /// Scheduler steps.
+    /// Scheduler steps run, idle ones included.
     pub steps: u64,
     /// Every request's time to first token, sorted ascending.
     pub ttft_s: Vec<f64>,
