@@ -44,7 +44,8 @@ pub struct StepEntry {
 pub struct StepReport {
     /// Step number, from 1.
     pub step: u64,
-    /// The pass's mode (`None`: no pass ran — idle, or nothing could be scheduled).
+    /// The pass's mode (`None`: no pass ran — idle, nothing could be scheduled — or the pass
+    /// failed and its requests are in `finished` as aborted).
     pub mode: Option<ForwardMode>,
     /// The requests of the pass, in batch order.
     pub entries: Vec<StepEntry>,
