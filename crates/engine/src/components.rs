@@ -206,7 +206,7 @@ pub fn build_scheduler(
         AnyPrefixCache::Chunk(ChunkCache::new(p))
     };
     let alloc = AnyAllocator::for_page_size(capacity, p)?;
-    Scheduler::new(config, Box::new(cache), radix, Box::new(alloc)).map_err(|e| match e {
+    Scheduler::new(config, cache, alloc).map_err(|e| match e {
         scheduler::SchedulerError::InvalidConfig { field, reason } => {
             EngineError::arg(field, reason)
         }

@@ -181,13 +181,7 @@ mod tests {
                 ..SchedulerConfig::default()
             };
             let cache = RadixCache::new(16, BuiltinPolicy::Lru);
-            let mut s = Scheduler::new(
-                cfg,
-                Box::new(cache),
-                true,
-                Box::new(PagedAllocator::new(4096, 16).unwrap()),
-            )
-            .unwrap();
+            let mut s = Scheduler::new(cfg, cache, PagedAllocator::new(4096, 16).unwrap()).unwrap();
             let mut e = executor();
             if warm {
                 s.add_request(prompt.clone(), SamplingLimits::max_new(1), 0, None)
@@ -223,9 +217,8 @@ mod tests {
         };
         let mut s = Scheduler::new(
             cfg,
-            Box::new(RadixCache::new(16, BuiltinPolicy::Lru)),
-            true,
-            Box::new(PagedAllocator::new(4096, 16).unwrap()),
+            RadixCache::new(16, BuiltinPolicy::Lru),
+            PagedAllocator::new(4096, 16).unwrap(),
         )
         .unwrap();
         let mut e = executor();

@@ -43,6 +43,10 @@ impl PrefixCache for ChunkCache {
         self.page_size
     }
 
+    fn reuses_prefixes(&self) -> bool {
+        false
+    }
+
     fn root(&mut self, _extra_key: Option<&str>) -> NodeId {
         ROOT
     }

@@ -126,6 +126,10 @@ pub struct InsertOptions {
 pub trait PrefixCache: Send {
     /// Page size `P` in tokens: the cache stores whole pages only.
     fn page_size(&self) -> u32;
+    /// Whether the cache shares KV between requests (a radix tree does; SGLang's `ChunkCache`,
+    /// its cache with `--disable-radix-cache`, does not). Cache-aware schedule policies fall
+    /// back to FCFS when it does not.
+    fn reuses_prefixes(&self) -> bool;
     /// The root of a namespace (`None`: the default one); created on demand.
     fn root(&mut self, extra_key: Option<&str>) -> NodeId;
 
@@ -144,6 +148,14 @@ pub trait PrefixCache: Send {
     /// The length of that prefix and the deepest node it reaches (a node matched part-way
     /// counts), without changing anything; `None` when nothing matched.
     fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>);
+    /// [`peek_prefix`](Self::peek_prefix), and the matched nodes' access times refreshed as
+    /// [`match_prefix`](Self::match_prefix) refreshes them, but without splitting a node matched
+    /// part-way (it is refreshed whole). For ranking a waiting queue: SGLang's cache-aware
+    /// policies match every waiting request, so the prefixes they will use stay recent under
+    /// LRU. The default refreshes nothing (right for a cache without access times).
+    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+        self.peek_prefix(key, extra_key)
+    }
     /// The parent of a node (`None` for a root or an unknown node), for policies that weigh
     /// subtrees (DFS-weight).
     fn parent(&self, _node: NodeId) -> Option<NodeId> {

@@ -55,6 +55,10 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         self.page_size
     }
 
+    fn reuses_prefixes(&self) -> bool {
+        true
+    }
+
     fn root(&mut self, extra_key: Option<&str>) -> NodeId {
         let r = self.root_index(extra_key);
         self.id(r)
@@ -86,6 +90,24 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
             None => (walk.matched > 0).then_some(walk.node),
         };
         (walk.len(), deepest.map(|i| self.id(i)))
+    }
+
+    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+        let Some(root) = self.find_root(extra_key) else {
+            return (0, None);
+        };
+        let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
+        self.tick();
+        let walk = self.walk(root, key);
+        // Refresh the whole path, a node matched part-way included (it is not split).
+        let deepest = walk.partial.map_or(walk.node, |partial| partial.child);
+        let mut i = deepest;
+        while self.nodes[i as usize].parent != NONE {
+            self.touch(i, false, None);
+            i = self.nodes[i as usize].parent;
+        }
+        let reached = (walk.len() > 0).then(|| self.id(deepest));
+        (walk.len(), reached)
     }
 
     fn parent(&self, node: NodeId) -> Option<NodeId> {
