@@ -213,19 +213,15 @@ fn seq(offset: u32, len: usize) -> Vec<u32> {
 /// at the cache's page size; see [`super::check_prefix_cache`].
 pub(super) fn check_request_flow<C: PrefixCache>(cache: C) {
     let p = cache.page_size() as usize;
+    // A cache that says it reuses prefixes matches exactly what was cached; one that does not
+    // matches nothing.
+    let reuses = cache.reuses_prefixes();
     let mut h = RequestHarness::new(cache, 64 * p);
-    // Whether the cache reuses prefixes: decided by the first shared match, then held to.
-    let mut reuses: Option<bool> = None;
-    let mut shared = |matched: usize, cached: usize, what: &str| {
-        let now = matched > 0;
-        assert!(
-            matched == 0 || matched == cached,
-            "{what}: matched {matched}, expected 0 (no reuse) or {cached}"
-        );
+    let shared = |matched: usize, cached: usize, what: &str| {
+        let expected = if reuses { cached } else { 0 };
         assert_eq!(
-            *reuses.get_or_insert(now),
-            now,
-            "{what}: a cache reuses prefixes always or never"
+            matched, expected,
+            "{what}: matched {matched}, expected {expected} (reuses_prefixes() is {reuses})"
         );
     };
     let a = seq(0, 4 * p + 1);

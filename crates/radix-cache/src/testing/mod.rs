@@ -69,8 +69,9 @@ use crate::PrefixCache;
 ///   one's prefix, two requests computing the same tokens at once, an abort, eviction, reset),
 ///   with the cache's invariants, the kv-pool ownership partition (free pages, the cache's
 ///   pages, each request's private slots) and the slot accounting checked after every step;
-///   a cache either reuses prefixes (matches what finished requests cached, page-aligned) or
-///   never does;
+///   a cache whose [`PrefixCache::reuses_prefixes`] is true matches exactly what earlier
+///   requests cached (page-aligned) and stores every insert whole; one whose flag is false
+///   matches and stores nothing;
 /// - 96 random workloads of inserts, matches, locks, unlocks and evictions against a reference
 ///   model of the cached prefixes rebuilt from the cache's KV events: every match returns the
 ///   model's longest prefix with its slots, sizes agree with the pool and the model, locks

@@ -167,9 +167,9 @@ pub(super) fn run_with<C: PrefixCache>(mut cache: C, ops: &[CacheOp], driver: &m
     let bases = base_sequences();
     let mut model = Model::default();
     let mut locks: Vec<NodeId> = Vec::new();
-    // Whether the cache stores what it is given: decided by the first insert that could store
-    // something, then held to (a cache reuses prefixes always or never).
-    let mut stores: Option<bool> = None;
+    // A cache that says it reuses prefixes stores every insert whole; one that does not stores
+    // nothing.
+    let reuses = cache.reuses_prefixes();
     for (i, op) in ops.iter().enumerate() {
         driver.before_op(&mut cache, i);
         // Stored run token ids → their slots, for the events of this op.
@@ -215,9 +215,9 @@ pub(super) fn run_with<C: PrefixCache>(mut cache: C, ops: &[CacheOp], driver: &m
                         "insert of {key:?} kept {owned} of {aligned} tokens: all or none"
                     );
                     assert_eq!(
-                        *stores.get_or_insert(now),
-                        now,
-                        "insert of {key:?}: a cache stores what it is given always or never"
+                        now, reuses,
+                        "insert of {key:?} kept {owned} of {aligned} tokens, but reuses_prefixes() \
+                         is {reuses}"
                     );
                 }
                 if owned < prefix.len() {
