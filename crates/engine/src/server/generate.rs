@@ -14,8 +14,8 @@ use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, JsonBody};
 use super::params::{encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields};
+use super::state::AppState;
 use super::stream::{sse, ChunkFormat, Generation, RequestRun};
-use super::AppState;
 
 /// `max_new_tokens` when the request does not say.
 const DEFAULT_MAX_NEW_TOKENS: usize = 128;

@@ -32,8 +32,8 @@ use serde_json::{json, Map, Value};
 use super::chat::Message;
 use super::error::{ApiError, JsonBody};
 use super::params::{encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields};
+use super::state::AppState;
 use super::stream::{sse, ChunkFormat, Generation, RequestRun};
-use super::AppState;
 
 /// `max_tokens` of `/v1/completions` when the request does not say (OpenAI's default).
 const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;

@@ -11,21 +11,18 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::error::{field_error, ApiError};
-use super::AppState;
+use super::state::AppState;
 use crate::engine_loop::GenerateRequest;
 
 /// The most stop strings a request may give.
 pub const MAX_STOP_STRINGS: usize = 64;
 /// The longest stop string, in bytes.
 pub const MAX_STOP_STRING_BYTES: usize = 1024;
-
 /// One value or several (`stop`, `text`, `input_ids`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged, expecting = "expected one value or an array of them")]
 pub enum OneOrMany<T> {
-    /// A single value.
     One(T),
-    /// A list.
     Many(Vec<T>),
 }
 
@@ -58,9 +55,7 @@ pub struct SamplingFields {
     pub frequency_penalty: Option<f32>,
     /// OpenAI presence penalty.
     pub presence_penalty: Option<f32>,
-    /// Sampling seed.
     pub seed: Option<u64>,
-    /// Stop strings.
     pub stop: Option<OneOrMany<String>>,
     /// Stop token ids (kept in the output).
     pub stop_token_ids: Option<Vec<u32>>,
