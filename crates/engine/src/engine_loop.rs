@@ -44,6 +44,9 @@ pub struct GenerateRequest {
     /// request's own stop ids still stop it).
     pub ignore_eos: bool,
     pub priority: i64,
+    /// The prefix-cache namespace (SGLang's `extra_key`): requests share cached prefixes only
+    /// with requests of the same key, and requests without one only with each other.
+    pub extra_key: Option<String>,
 }
 
 /// What a request's stream carries.
@@ -345,7 +348,12 @@ fn submit(
         let _ = events.send(Event::Rejected(e.to_string()));
         return;
     }
-    match s.add_request(req.input_ids.clone(), limits, req.priority, None) {
+    match s.add_request(
+        req.input_ids.clone(),
+        limits,
+        req.priority,
+        req.extra_key.clone(),
+    ) {
         Ok(id) => {
             if let Err(e) = exec.register(id, req.input_ids, req.sampling) {
                 let _ = s.abort(id, "invalid sampling parameters");
@@ -458,6 +466,7 @@ mod tests {
             max_new_tokens: n,
             ignore_eos: true,
             priority: 0,
+            extra_key: None,
         }
     }
 
