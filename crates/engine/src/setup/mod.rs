@@ -33,9 +33,10 @@ use crate::error::{EngineError, Result};
 /// bench run or a server uses.
 pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecutor)> {
     let p = setup.scheduler.page_size;
-    setup
-        .model
-        .config()?
+    // Before any weights load: a model whose sliding window this engine does not apply is
+    // served only within it.
+    let config = setup.model.config()?;
+    config
         .check_context_len(setup.scheduler.context_len)
         .map_err(|e| EngineError::arg("--context-length", e.to_string()))?;
     let tokens = match setup.mem_fraction_static {
@@ -51,9 +52,7 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
             ))
         }
         Some(f) => {
-            let shape = setup
-                .model
-                .config()?
+            let shape = config
                 .kv_shape(setup.kv_dtype)
                 .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
             let cap = (setup.capacity_tokens != usize::MAX).then_some(setup.capacity_tokens);
