@@ -18,7 +18,6 @@ use crate::workload::{load_mooncake, GspConfig, MultiTurnConfig, RandomConfig, W
 #[derive(Debug, Parser)]
 #[command(name = "kvserve", version, about, long_about = None)]
 pub struct Cli {
-    /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
@@ -176,7 +175,6 @@ pub struct WorkloadArgs {
 /// Flags of `kvserve cache-sim`.
 #[derive(Debug, Args)]
 pub struct CacheSimArgs {
-    /// The workload.
     #[command(flatten)]
     pub source: WorkloadArgs,
 
@@ -406,7 +404,6 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
-    /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Refuse new requests (503) while this many wait.
@@ -427,7 +424,6 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub arrivals: ArrivalArgs,
 
-    /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
 
@@ -517,7 +513,6 @@ impl ArrivalArgs {
 /// Flags of `kvserve sim`, named after SGLang's server arguments where they exist.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// The workload.
     #[command(flatten)]
     pub source: WorkloadArgs,
     /// When requests arrive (default for a generated workload: all at once).
