@@ -52,7 +52,7 @@ pub fn run_remote(
     max_concurrency: Option<usize>,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<SimReport> {
-    crate::async_runtime()?.block_on(drive(requests, target, max_concurrency, progress))
+    crate::runtime::async_runtime()?.block_on(drive(requests, target, max_concurrency, progress))
 }
 
 fn url_err(url: &str, e: impl std::fmt::Display) -> EngineError {

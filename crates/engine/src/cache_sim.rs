@@ -111,11 +111,9 @@ pub fn page_align_capacity(tokens: usize, page_size: u32) -> Result<usize> {
 /// The outcome of one replay (one policy at one capacity): a line of `--format json`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplayResult {
-    /// Eviction policy name.
     pub policy: String,
     /// Pool size in tokens (a multiple of the page size).
     pub capacity_tokens: usize,
-    /// Page size.
     pub page_size: u32,
     /// Requests replayed, including skipped ones.
     pub requests: usize,
@@ -334,7 +332,6 @@ pub struct SweepConfig {
     pub policies: Vec<String>,
     /// Capacities in tokens, each a positive multiple of the page size.
     pub capacities: Vec<usize>,
-    /// Page size.
     pub page_size: u32,
     /// Checks (see [`ReplayOptions`]).
     pub check: bool,

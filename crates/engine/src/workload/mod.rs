@@ -21,7 +21,7 @@ pub use random::RandomConfig;
 
 use std::collections::HashSet;
 
-use crate::rng::SplitMix64;
+use kv_pool::rng::SplitMix64;
 
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,7 +48,6 @@ pub struct Workload {
 pub struct WorkloadStats {
     /// Page size the figures are computed for.
     pub page_size: u32,
-    /// Number of requests.
     pub requests: usize,
     /// Prompt tokens over all requests.
     pub prompt_tokens: u64,
@@ -88,6 +87,16 @@ impl Workload {
     /// Prompt tokens over all requests.
     pub fn prompt_tokens(&self) -> u64 {
         self.requests.iter().map(|r| r.tokens.len() as u64).sum()
+    }
+
+    /// Prompt plus output tokens of the longest request (at least 1): the context a run of
+    /// this workload needs, less one.
+    pub fn longest_request(&self) -> usize {
+        self.requests
+            .iter()
+            .map(|r| r.tokens.len() + r.output_len.max(1))
+            .max()
+            .unwrap_or(1)
     }
 
     /// The workload's sizes at page size `page_size` (0 is taken as 1).
@@ -157,7 +166,7 @@ impl TokenSource {
     }
 
     fn token(&mut self) -> u32 {
-        self.rng.below(self.vocab_size as u64) as u32
+        self.rng.below(self.vocab_size as usize) as u32
     }
 
     /// Appends an independent sequence of `len` tokens to `out`.

@@ -16,7 +16,7 @@ use model::{
     ForwardInput, ForwardMode as ModelMode, ForwardRequest, LogitsMode, Sampler, SamplingParams,
 };
 
-use crate::components::{AnyRunner, ModelForward};
+use super::components::{AnyRunner, ModelForward};
 use scheduler::{Executor, ForwardBatch, ForwardMode, ForwardOutput, ReqId};
 
 struct ReqSampling {
@@ -76,7 +76,6 @@ impl ModelExecutor {
         self.sampling.remove(&id);
     }
 
-    /// The model runner.
     pub fn runner(&self) -> &AnyRunner {
         &self.runner
     }
