@@ -29,7 +29,9 @@ use radix_cache::{AnyEvictionPolicy, EvictionPolicy, InsertOptions, PrefixCache,
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
-use crate::workload::{ratio, Request};
+use scheduler::summary::ratio;
+
+use crate::workload::Request;
 
 /// Name of the oracle policy (needs the whole workload in advance).
 pub const BELADY: &str = Belady::NAME;
@@ -224,7 +226,7 @@ impl<A: Allocator> Replay<A> {
             skipped_requests: self.skipped,
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
-            hit_rate: ratio(self.cached_tokens, self.prompt_tokens),
+            hit_rate: ratio(self.cached_tokens as f64, self.prompt_tokens as f64),
             evicted_tokens: self.evicted_tokens,
             seconds,
             tokens_per_s: if seconds > 0.0 {

@@ -34,10 +34,10 @@ pub fn percentile(v: &mut [f64], q: f64) -> f64 {
     v[rank - 1]
 }
 
-/// `part / whole`, or 0 when `whole` is 0 (a hit rate with no prompt tokens).
-pub fn ratio(part: usize, whole: usize) -> f64 {
-    if whole > 0 {
-        part as f64 / whole as f64
+/// `part / whole`, or 0 when `whole` is not positive (a hit rate with no prompt tokens).
+pub fn ratio(part: f64, whole: f64) -> f64 {
+    if whole > 0.0 {
+        part / whole
     } else {
         0.0
     }
@@ -101,7 +101,7 @@ impl RunSummary {
     pub fn new(totals: RunTotals, mut ttft_s: Vec<f64>, mut itl_s: Vec<f64>) -> Self {
         let d = totals.duration_s;
         RunSummary {
-            hit_rate: ratio(totals.cached_tokens, totals.prompt_tokens),
+            hit_rate: ratio(totals.cached_tokens as f64, totals.prompt_tokens as f64),
             requests_per_s: per_second(totals.requests, d),
             input_tokens_per_s: per_second(totals.prompt_tokens, d),
             output_tokens_per_s: per_second(totals.output_tokens, d),
@@ -131,7 +131,7 @@ mod tests {
     fn empty_runs_report_zeros() {
         let s = RunSummary::new(RunTotals::default(), vec![], vec![]);
         assert_eq!(s, RunSummary::default());
-        assert_eq!(ratio(3, 0), 0.0);
+        assert_eq!(ratio(3.0, 0.0), 0.0);
         assert_eq!(per_second(3, 0.0), 0.0);
     }
 }

@@ -8,6 +8,7 @@
 use std::io::Write;
 use std::time::Instant;
 
+use scheduler::summary::per_second;
 use scheduler::{replay, Clock, ReplayConfig, SimReport, SimRequest};
 use serde::Serialize;
 
@@ -62,21 +63,14 @@ pub struct BenchOutcome {
 impl BenchOutcome {
     /// The figures of a run from its report; `cache` labels it (`radix`, `no-cache`, `remote`).
     pub fn new(cache: &str, r: SimReport, ideal_hit_rate: f64) -> Self {
-        let per_s = |n: f64| {
-            if r.duration_s > 0.0 {
-                n / r.duration_s
-            } else {
-                0.0
-            }
-        };
         BenchOutcome {
             cache: cache.into(),
             requests: r.requests,
             aborted: r.aborted,
             duration_s: r.duration_s,
-            requests_per_s: per_s(r.requests as f64),
-            input_tokens_per_s: per_s(r.prompt_tokens as f64),
-            output_tokens_per_s: per_s(r.output_tokens as f64),
+            requests_per_s: per_second(r.requests, r.duration_s),
+            input_tokens_per_s: per_second(r.prompt_tokens, r.duration_s),
+            output_tokens_per_s: per_second(r.output_tokens, r.duration_s),
             ttft_p50_s: r.ttft_p50_s,
             ttft_p99_s: r.ttft_p99_s,
             itl_p50_s: r.itl_p50_s,

@@ -19,6 +19,7 @@ pub use mooncake::{load_mooncake, parse_mooncake, MOONCAKE_BLOCK_TOKENS};
 pub use multiturn::MultiTurnConfig;
 pub use random::RandomConfig;
 
+use scheduler::summary::ratio;
 use std::collections::HashSet;
 
 use kv_pool::rng::SplitMix64;
@@ -63,7 +64,7 @@ pub struct WorkloadStats {
 impl WorkloadStats {
     /// `ideal_cached_tokens / prompt_tokens` (0 for an empty workload).
     pub fn ideal_hit_rate(&self) -> f64 {
-        ratio(self.ideal_cached_tokens, self.prompt_tokens)
+        ratio(self.ideal_cached_tokens as f64, self.prompt_tokens as f64)
     }
 
     /// A capacity (in tokens, a multiple of the page size) with which a replay never evicts:
@@ -71,15 +72,6 @@ impl WorkloadStats {
     pub fn never_evicting_capacity(&self) -> usize {
         let p = self.page_size as usize;
         (self.unique_tokens as usize + self.max_prompt_tokens.div_ceil(p) * p).max(p)
-    }
-}
-
-/// `num / den`, or 0 when `den` is 0.
-pub(crate) fn ratio(num: u64, den: u64) -> f64 {
-    if den == 0 {
-        0.0
-    } else {
-        num as f64 / den as f64
     }
 }
 
