@@ -78,3 +78,53 @@ fn policy_suite_catches_call_dependent_keys() {
     let message = panic_message(|| testing::check_eviction_policy(CallCounting::default()));
     assert!(message.contains("two keys for the same stats"), "{message}");
 }
+
+/// `check_prefix_cache` also accepts a cache that never reuses anything (as `ChunkCache`), so
+/// this shows the toy does: what is inserted is matched, per namespace, and eviction takes the
+/// least recently used leaf page first.
+#[test]
+fn toy_prefix_cache_reuses_prefixes() {
+    use kv_pool::Allocator;
+    use radix_cache::{InsertOptions, PrefixCache};
+
+    let mut alloc = LowestFirst::new(64, 4).expect("a valid toy pool");
+    let mut cache = HashedPages::new(4);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    alloc.alloc(12, &mut a).expect("room");
+    alloc.alloc(12, &mut b).expect("room");
+    let key_a: Vec<u32> = (1..=10).collect();
+    let mut key_b = key_a[..4].to_vec();
+    key_b.extend(100..108);
+    let opts = InsertOptions::default();
+    let ins = cache
+        .insert(&key_a, None, &a[..10], opts)
+        .expect("insert a");
+    assert_eq!((ins.prefix_len, ins.inserted), (0, 8), "whole pages only");
+    alloc
+        .free(&a[8..])
+        .expect("the unaligned tail stays the caller's");
+    let ins = cache.insert(&key_b, None, &b, opts).expect("insert b");
+    assert_eq!(
+        (ins.prefix_len, ins.inserted),
+        (4, 8),
+        "b shares a's first page"
+    );
+    alloc
+        .free(&b[..4])
+        .expect("b's duplicate of the shared page");
+
+    let mut out = Vec::new();
+    let m = cache.match_prefix(&key_a, None, &mut out);
+    assert_eq!((m.len, &out[..]), (8, &a[..8]));
+    assert_eq!(cache.peek_prefix_len(&key_a, Some("other namespace")), 0);
+    assert_eq!(cache.evictable_size(), 16);
+    // b's leaf page was used least recently: it goes first, then b's middle page.
+    assert_eq!(cache.evict(8, &mut alloc).expect("evict"), 8);
+    assert_eq!(cache.peek_prefix_len(&key_b, None), 4);
+    assert_eq!(cache.peek_prefix_len(&key_a, None), 8);
+    assert_eq!(
+        alloc.available_size(),
+        64 - 8,
+        "only a's two pages are held"
+    );
+}
