@@ -201,11 +201,13 @@ impl HashedPages {
             }
             at = parent;
         }
-        if delta > 0 {
-            (self.evictable, self.protected) = (self.evictable - changed, self.protected + changed);
+        let (from, to) = if delta > 0 {
+            (&mut self.evictable, &mut self.protected)
         } else {
-            (self.evictable, self.protected) = (self.evictable + changed, self.protected - changed);
-        }
+            (&mut self.protected, &mut self.evictable)
+        };
+        *from -= changed;
+        *to += changed;
         changed
     }
 
