@@ -84,7 +84,8 @@ pub trait Allocator: Send {
     /// empty release list it does nothing (the free list keeps its order), as SGLang.
     fn merge_and_sort_free(&mut self);
 
-    /// Snapshots the whole state (SGLang's `backup_state`).
+    /// Snapshots the whole state (SGLang's `backup_state`); an allocator outside this crate
+    /// builds its snapshot with [`AllocatorState::new`].
     fn backup_state(&self) -> AllocatorState;
     /// Restores a snapshot taken from an allocator of the same kind, page size and size.
     fn restore_state(&mut self, state: &AllocatorState) -> Result<()>;
