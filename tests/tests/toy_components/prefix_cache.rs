@@ -272,6 +272,10 @@ impl PrefixCache for HashedPages {
         self.page_size
     }
 
+    fn reuses_prefixes(&self) -> bool {
+        true
+    }
+
     fn root(&mut self, extra_key: Option<&str>) -> NodeId {
         let r = self.root_index(extra_key);
         self.id(r)
