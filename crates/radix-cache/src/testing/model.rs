@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use kv_pool::{Allocator, ExtendRequest, OwnershipCheck, PagedAllocator, Slot};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
 use crate::events::{digest_to_block_id, page_digest, KvEvent};
 use crate::{InsertOptions, NodeId, PrefixCache};
@@ -49,14 +49,16 @@ pub fn workload() -> impl Strategy<Value = (u32, Vec<CacheOp>)> {
 }
 
 /// Runs `check(page_size, ops)` on `cases` random [`workload`]s; panics with `what` and the
-/// smallest failing workload proptest finds.
+/// smallest failing workload proptest finds. The workloads come from a fixed seed, so a suite
+/// run is reproducible (the same cases on every machine, as kv-pool's allocator suite).
 pub(super) fn for_random_workloads(cases: u32, what: &str, check: impl Fn(u32, &[CacheOp])) {
     let config = Config {
         cases,
         failure_persistence: None,
         ..Config::default()
     };
-    let result = TestRunner::new(config).run(&workload(), |(page, ops)| {
+    let rng = TestRng::deterministic_rng(RngAlgorithm::ChaCha);
+    let result = TestRunner::new_with_rng(config, rng).run(&workload(), |(page, ops)| {
         check(page, &ops);
         Ok(())
     });
@@ -267,9 +269,12 @@ pub(super) fn run_with<C: PrefixCache>(mut cache: C, ops: &[CacheOp], driver: &m
         assert_eq!(
             model.pages.len() * p,
             cache.total_size(),
-            "after {op:?}: the KV events account for {} pages of {page}; is the cache built \
-             with events on?",
-            model.pages.len()
+            "after {op:?}: the KV events account for {} pages × {page} tokens = {} tokens, but \
+             the cache holds {} (is the cache built with events on, and does it report every \
+             stored and removed run?)",
+            model.pages.len(),
+            model.pages.len() * p,
+            cache.total_size()
         );
         driver.after_op(&cache, &locks);
     }
