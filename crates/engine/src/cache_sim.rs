@@ -146,8 +146,10 @@ pub struct ReplayOptions {
 
 /// Replays `requests` in order through a [`RadixCache`] with `policy` over an allocator of
 /// `capacity_tokens` slots (a positive multiple of `page_size`; see [`page_align_capacity`]).
-/// `progress` is called with the number of requests done since its last call.
-pub fn replay(
+/// `progress` is called with the number of requests done since its last call. The cache alone,
+/// no scheduler: for a replay through the whole scheduler with a cost model, see
+/// `scheduler::replay`.
+pub fn replay_through_cache(
     requests: &[Request],
     policy: AnyEvictionPolicy,
     capacity_tokens: usize,
@@ -374,7 +376,7 @@ pub fn run_sweep(
         let k = next.fetch_add(1, Ordering::Relaxed);
         let Some(job) = jobs.get(k) else { break };
         let (policy, capacity) = lock(job).take().expect("each job is taken once");
-        let r = replay(requests, policy, capacity, cfg.page_size, opts, progress);
+        let r = replay_through_cache(requests, policy, capacity, cfg.page_size, opts, progress);
         *lock(&results[k]) = Some(r);
     };
     let threads = cfg.jobs.clamp(1, jobs.len().max(1));
@@ -430,7 +432,7 @@ mod tests {
         assert_eq!(page_align_capacity(1024, 512).unwrap(), 1024);
         assert!(page_align_capacity(0, 16).is_err());
         assert!(page_align_capacity(usize::MAX / 2, 16).is_err());
-        let err = replay(
+        let err = replay_through_cache(
             &[],
             policy_from_name("lru").unwrap(),
             1000,

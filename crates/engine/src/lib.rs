@@ -72,6 +72,6 @@ pub mod setup;
 pub mod sim;
 pub mod workload;
 
-pub use cache_sim::{replay, run_sweep, ReplayOptions, ReplayResult, SweepConfig};
+pub use cache_sim::{replay_through_cache, run_sweep, ReplayOptions, ReplayResult, SweepConfig};
 pub use error::{EngineError, Result};
 pub use workload::{Request, Workload, WorkloadStats};

@@ -1,8 +1,8 @@
 //! Replays whose answers are known by hand, through the library API.
 
 use engine::cache_sim::{
-    build_policy, page_align_capacity, parse_policies, replay, run_sweep, ReplayOptions,
-    SweepConfig,
+    build_policy, page_align_capacity, parse_policies, replay_through_cache, run_sweep,
+    ReplayOptions, SweepConfig,
 };
 use engine::workload::{
     common_prefix, load_mooncake, parse_mooncake, GspConfig, MultiTurnConfig, Request,
@@ -397,7 +397,7 @@ fn bad_input_is_a_typed_error() {
     );
     let reqs = requests(&[&[1, 2, 3]]);
     let lru = build_policy("lru", None).unwrap();
-    assert!(replay(&reqs, lru, 0, 1, ReplayOptions::default(), &|_| {}).is_err());
+    assert!(replay_through_cache(&reqs, lru, 0, 1, ReplayOptions::default(), &|_| {}).is_err());
     let cfg = SweepConfig {
         policies: vec!["lru".into()],
         capacities: vec![0],

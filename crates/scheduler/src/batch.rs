@@ -107,9 +107,12 @@ impl ForwardBatch {
     }
 }
 
-/// What a forward pass produced.
+/// What an executor's forward pass gives back to the scheduler: the sampled tokens and the
+/// time the pass took. (The model's own output, logits, is `model::LogitsOutput`; the engine's
+/// executor samples from it.)
+#[doc(alias = "GenerationBatchResult")]
 #[derive(Debug, Clone, PartialEq)]
-pub struct ForwardOutput {
+pub struct BatchResult {
     /// One next token per request (ignored where the batch says not to sample).
     pub next_tokens: Vec<u32>,
     /// Time the pass took (measured, or charged by a cost model); 0 if unknown.
@@ -123,7 +126,7 @@ pub trait Executor {
         &mut self,
         batch: &ForwardBatch,
         rows: &ReqToTokenPool,
-    ) -> Result<ForwardOutput, String>;
+    ) -> Result<BatchResult, String>;
 }
 
 /// A deterministic fake model: the next token is a fixed function of the request's token at
@@ -151,7 +154,7 @@ impl Executor for FakeExecutor {
         &mut self,
         batch: &ForwardBatch,
         _rows: &ReqToTokenPool,
-    ) -> Result<ForwardOutput, String> {
+    ) -> Result<BatchResult, String> {
         let mut start = 0;
         let mut next_tokens = Vec::with_capacity(batch.len());
         for &n in &batch.extend_lens {
@@ -159,7 +162,7 @@ impl Executor for FakeExecutor {
             next_tokens.push(self.next_token(batch.input_ids[last], batch.positions[last]));
             start += n;
         }
-        Ok(ForwardOutput {
+        Ok(BatchResult {
             next_tokens,
             elapsed_s: 0.0,
         })

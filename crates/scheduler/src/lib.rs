@@ -52,7 +52,7 @@ pub mod scheduler;
 pub mod sim;
 pub mod summary;
 
-pub use batch::{Executor, FakeExecutor, ForwardBatch, ForwardMode, ForwardOutput};
+pub use batch::{BatchResult, Executor, FakeExecutor, ForwardBatch, ForwardMode};
 pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
 pub use error::{Result, SchedulerError};
 pub use report::{FinishedReq, SchedulerStats, StepEntry, StepReport};

@@ -25,7 +25,7 @@ use std::fmt;
 use kv_pool::{Allocator, ReqToTokenPool};
 use radix_cache::PrefixCache;
 
-use crate::batch::{Executor, ForwardBatch, ForwardOutput};
+use crate::batch::{BatchResult, Executor, ForwardBatch};
 use crate::error::{Result, SchedulerError};
 use crate::req::{FinishReason, ReqId, SamplingLimits};
 use crate::scheduler::Scheduler;
@@ -220,8 +220,8 @@ impl Executor for SimExecutor {
         &mut self,
         batch: &ForwardBatch,
         _rows: &ReqToTokenPool,
-    ) -> std::result::Result<ForwardOutput, String> {
-        Ok(ForwardOutput {
+    ) -> std::result::Result<BatchResult, String> {
+        Ok(BatchResult {
             next_tokens: vec![0; batch.len()],
             elapsed_s: self.cost.batch_time(batch),
         })
@@ -647,7 +647,7 @@ mod tests {
                     &mut self,
                     batch: &ForwardBatch,
                     rows: &kv_pool::ReqToTokenPool,
-                ) -> std::result::Result<crate::batch::ForwardOutput, String> {
+                ) -> std::result::Result<crate::batch::BatchResult, String> {
                     self.1 = self.1.max(batch.len());
                     self.0.forward(batch, rows)
                 }

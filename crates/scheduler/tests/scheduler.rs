@@ -571,7 +571,7 @@ fn a_failed_forward_pass_aborts_its_batch_and_the_scheduler_goes_on() {
             &mut self,
             batch: &scheduler::ForwardBatch,
             rows: &kv_pool::ReqToTokenPool,
-        ) -> Result<scheduler::ForwardOutput, String> {
+        ) -> Result<scheduler::BatchResult, String> {
             self.calls += 1;
             if self.calls - 1 == self.fail_at {
                 return Err("device lost".into());

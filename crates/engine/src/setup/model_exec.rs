@@ -17,7 +17,7 @@ use model::{
 };
 
 use super::components::{AnyRunner, ModelForward};
-use scheduler::{Executor, ForwardBatch, ForwardMode, ForwardOutput, ReqId};
+use scheduler::{BatchResult, Executor, ForwardBatch, ForwardMode, ReqId};
 
 struct ReqSampling {
     sampler: Sampler,
@@ -86,7 +86,7 @@ impl Executor for ModelExecutor {
         &mut self,
         batch: &ForwardBatch,
         rows: &ReqToTokenPool,
-    ) -> Result<ForwardOutput, String> {
+    ) -> Result<BatchResult, String> {
         let start = Instant::now();
         let mut requests = Vec::with_capacity(batch.len());
         let mut offset = 0;
@@ -136,7 +136,7 @@ impl Executor for ModelExecutor {
             };
             next_tokens.push(token);
         }
-        Ok(ForwardOutput {
+        Ok(BatchResult {
             next_tokens,
             elapsed_s: start.elapsed().as_secs_f64(),
         })
