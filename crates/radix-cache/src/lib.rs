@@ -13,8 +13,9 @@
 //!   arenas, so a split copies nothing. Beyond SGLang: evictable leaves are kept ordered by the
 //!   policy's key and updated incrementally (`evict` is O(log n) per freed node); a leaf can be
 //!   evicted partially (only the tail pages needed); time is a logical clock (one tick per
-//!   operation), so runs and snapshots are reproducible; a read-only match
-//!   ([`PrefixCache::peek_prefix_len`]) ranks requests without splitting nodes.
+//!   operation), so runs and snapshots are reproducible; the scheduler ranks its waiting queue
+//!   with [`PrefixCache::touch_prefix`], which refreshes access times as SGLang's
+//!   `match_prefix` does but splits no node.
 //! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, Belady's oracle, and
 //!   the [`policy::EvictionPolicy`] trait for your own; a capability a policy needs from the
 //!   tree (path hashes) is asked of the trait.
