@@ -6,9 +6,10 @@
 use kv_pool::store::check as store_check;
 use kv_pool::{KvKind, KvLayout};
 
-use crate::backend::{AttentionParams, RopeConfig};
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
+use crate::params::AttentionParams;
+use crate::rope::RopeConfig;
 
 fn shape_err(what: &'static str, expected: &[usize], got: &[usize]) -> AttentionError {
     AttentionError::ShapeMismatch {

@@ -4,7 +4,7 @@
 //! Shapes are row-major; the functions trust their callers (they are test oracles) and panic on
 //! inconsistent lengths.
 
-use crate::backend::{RopeConfig, RopeStyle};
+use crate::rope::{RopeConfig, RopeStyle};
 
 fn f(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
