@@ -23,37 +23,37 @@ pub enum WgpuError {
          a Vulkan driver (e.g. mesa-vulkan-drivers for the lavapipe software driver) or allow GL"
     )]
     NoAdapter {
-        /// The backends that were asked for.
+        /// The backends that were asked for, e.g. `Vulkan, GL`.
         requested: String,
-        /// What wgpu said.
+        /// wgpu's own message, or `no adapter found` when enumeration came back empty.
         reason: String,
     },
     /// The adapter refused to open a device with the features and limits asked for.
     #[error("adapter {adapter} refused a device: {reason}")]
     RequestDevice {
-        /// Adapter name.
+        /// The adapter's name as its driver reports it.
         adapter: String,
-        /// What wgpu said.
+        /// wgpu's message (usually a feature or limit the adapter refused).
         reason: String,
     },
     /// A configuration value is out of range.
     #[error("invalid {field}: {reason}")]
     InvalidConfig {
-        /// The field.
+        /// The [`WgpuConfig`] field.
         field: &'static str,
-        /// Why.
+        /// The value given and the range it must be in.
         reason: String,
     },
     /// A buffer larger than the adapter allows.
     #[error("{what} needs {bytes} bytes, above the adapter's limit of {limit} ({limit_name})")]
     TooLarge {
-        /// Which buffer.
+        /// The buffer's purpose (`"tensor"`, `"one KV row"`, …).
         what: &'static str,
-        /// Bytes needed.
+        /// Bytes it needs.
         bytes: u64,
-        /// The limit.
+        /// The adapter's limit, in bytes.
         limit: u64,
-        /// Which limit.
+        /// wgpu's name for that limit (`max_buffer_size`, `max_storage_buffer_binding_size`).
         limit_name: &'static str,
     },
     /// The device failed: out of memory, lost, a mapping that failed, a validation error.
@@ -83,7 +83,7 @@ impl From<WgpuError> for KvPoolError {
     }
 }
 
-/// The crate's result type.
+/// `Result` with [`WgpuError`] as the default error.
 pub type Result<T, E = WgpuError> = std::result::Result<T, E>;
 
 /// How [`WgpuBackend::new`](crate::WgpuBackend::new) picks and configures its device.
@@ -141,7 +141,7 @@ pub struct DeviceReport {
     pub backend: String,
     /// `DiscreteGpu`, `IntegratedGpu`, `Cpu`, …
     pub device_type: String,
-    /// Driver name and version.
+    /// Driver name and version, e.g. `llvmpipe Mesa 22.3.6 (LLVM 15.0.6)`.
     pub driver: String,
     /// f16 shaders and storage are enabled (f16 KV stores are available).
     pub f16: bool,
@@ -149,11 +149,11 @@ pub struct DeviceReport {
     pub subgroups: bool,
     /// Largest storage binding the kernels use (after [`WgpuConfig::max_binding_bytes`]).
     pub max_binding_bytes: u64,
-    /// Largest buffer.
+    /// Largest buffer the device allocates (`max_buffer_size`).
     pub max_buffer_bytes: u64,
-    /// Storage buffers one kernel may bind.
+    /// Storage buffers one kernel may bind (16 on GL): bounds the chunks of a KV layer.
     pub max_storage_buffers: u32,
-    /// Workgroup shared memory.
+    /// Workgroup shared memory in bytes (`max_compute_workgroup_storage_size`).
     pub max_workgroup_storage_bytes: u32,
 }
 

@@ -13,20 +13,20 @@ use crate::rope::RopeConfig;
 /// devices may keep weights in 16-bit types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TensorDtype {
-    /// IEEE binary32.
+    /// IEEE binary32: what every op computes in.
     F32,
-    /// IEEE binary16.
+    /// IEEE binary16: 10-bit mantissa, range ±65504.
     F16,
-    /// bfloat16.
+    /// bfloat16: f32's exponent range with a 7-bit mantissa.
     Bf16,
 }
 
 /// A tensor owned by a backend: a row-major array with a shape and an element type. Data moves
 /// in and out only through [`Backend::upload`] and [`Backend::download`].
 pub trait DeviceTensor {
-    /// Dimensions, outermost first.
+    /// Dimensions, outermost first (row-major: the last dimension is contiguous).
     fn shape(&self) -> &[usize];
-    /// Element type.
+    /// How the elements are stored on the device; [`Backend::download`] always returns f32.
     fn dtype(&self) -> TensorDtype;
     /// Number of elements (the product of the shape).
     fn numel(&self) -> usize {
@@ -43,14 +43,18 @@ pub trait DeviceTensor {
 /// `out_cache_loc` and then attends over every request's slots read through the page table.
 /// Backends never allocate or free slots.
 pub trait Backend {
-    /// The backend's tensor.
+    /// The backend's tensor: device memory the ops read and write, reached from the host only
+    /// through [`upload`](Backend::upload) and [`download`](Backend::download).
     type Tensor: DeviceTensor;
-    /// The KV store the backend attends over.
+    /// The KV store attention writes and reads, in the backend's memory (kv-pool's trait, so
+    /// its raw rows and packed pages are byte-compatible with [`kv_pool::HostKvStore`]).
     type KvStore: KvStore;
-    /// The per-batch plan built from [`BatchMetadata`].
+    /// What [`plan`](Backend::plan) derives once per batch from [`BatchMetadata`] (page tables
+    /// in the backend's memory) and every layer's attention call reuses.
     type Plan;
 
-    /// A short name for logs and test output.
+    /// A short name for logs and test output (`"cpu"`, `"wgpu"`); conformance outcomes start
+    /// with it.
     fn name(&self) -> &str;
 
     /// Allocates a zeroed KV store for `layout` in the backend's memory.

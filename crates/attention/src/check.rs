@@ -140,9 +140,9 @@ pub struct MhaGeometry {
     pub q_heads: usize,
     /// KV heads of the store.
     pub kv_heads: usize,
-    /// Query / key head dimension.
+    /// Elements per query and key head (`d`).
     pub head_dim: usize,
-    /// Value head dimension.
+    /// Elements per value head (`dv`; the output is `[n, q_heads, dv]`).
     pub v_head_dim: usize,
     /// DoubleSparse label channels per KV head (`None` for MHA stores); when `Some`, the
     /// params' DoubleSparse configuration has been checked against it.

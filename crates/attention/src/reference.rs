@@ -92,13 +92,13 @@ fn softmax_sum(s: &[f64], dv: usize, value: impl Fn(usize) -> Vec<f64>) -> Vec<f
 /// Head geometry of [`attention`].
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
-    /// Query heads.
+    /// Heads of `q` and of the output.
     pub q_heads: usize,
     /// KV heads (`q_heads` a multiple of it).
     pub kv_heads: usize,
-    /// Query / key head dimension.
+    /// Elements per query and key head (`d`, the dimension of `q·k`).
     pub head_dim: usize,
-    /// Value head dimension.
+    /// Elements per value head (`dv`, the dimension of each output head).
     pub v_head_dim: usize,
 }
 

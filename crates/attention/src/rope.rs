@@ -65,7 +65,7 @@ pub struct RopeConfig {
     pub theta: f64,
     /// Pairing of rotated elements.
     pub style: RopeStyle,
-    /// Frequency scaling.
+    /// How the inverse frequencies are rescaled for a context longer than pre-training.
     pub scaling: RopeScaling,
 }
 

@@ -20,31 +20,31 @@ use super::outcome::{attention_bound, relative_error, Outcome};
 pub enum CaseKind {
     /// MHA / GQA / MQA.
     Mha {
-        /// Query heads.
+        /// Heads of `q` (a multiple of `kv_heads`: GQA when above it, MQA when `kv_heads` is 1).
         q_heads: usize,
-        /// KV heads.
+        /// Heads the store keeps per token.
         kv_heads: usize,
-        /// Head dimension (keys and values).
+        /// Elements per head, the same for keys and values here.
         head_dim: usize,
     },
     /// MLA in absorbed form.
     Mla {
-        /// Query heads.
+        /// Heads of `q`; the store holds one latent row per token for all of them.
         heads: usize,
-        /// Latent dimension.
+        /// Elements of the compressed KV (DeepSeek's `kv_lora_rank`), also the value dimension.
         kv_lora_rank: usize,
-        /// Rotary key dimension.
+        /// Elements of the rotary key appended to each latent row (`qk_rope_head_dim`).
         rope_dim: usize,
     },
     /// DoubleSparse (dense extend, top-k decode).
     DoubleSparse {
-        /// Query heads.
+        /// Heads of `q` (a multiple of `kv_heads`).
         q_heads: usize,
-        /// KV heads.
+        /// Heads the store keeps per token.
         kv_heads: usize,
-        /// Head dimension.
+        /// Elements per head, keys and values.
         head_dim: usize,
-        /// Label channels per KV head.
+        /// Label channels per KV head (the "heavy" channels decode scores tokens with).
         heavy_channels: usize,
         /// Tokens kept per query head in decode.
         top_k: usize,
@@ -54,16 +54,17 @@ pub enum CaseKind {
 /// One attention conformance case.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionCase {
-    /// Geometry.
+    /// The attention kind and its head geometry.
     pub kind: CaseKind,
-    /// Store dtype.
+    /// The store's dtype; it sets the error bound ([`attention_bound`]).
     pub dtype: KvDtype,
-    /// Page size.
+    /// `P`, tokens per page of the store and the batch.
     pub page_size: u32,
     /// Per request `(prefix_len, extend_len)`; when every extend is 1 the case runs as a decode
     /// batch ([`BatchMetadata::new_decode`]).
     pub requests: Vec<(usize, usize)>,
-    /// Seed of every random input.
+    /// Seeds the generator of every input of the case (values and slot placement), so a
+    /// failing case reruns alone.
     pub seed: u64,
 }
 

@@ -24,11 +24,12 @@ pub fn attention_bound(dtype: KvDtype) -> f64 {
 /// The result of one check.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
-    /// What was checked.
+    /// The backend's name and the case (its `Display`), as printed in the report.
     pub name: String,
-    /// `‖out − ref‖ / ‖ref‖`.
+    /// `‖out − ref‖₂ / ‖ref‖₂` over the whole output ([`relative_error`]); infinite when the
+    /// backend returned an error.
     pub error: f64,
-    /// The bound it must meet.
+    /// The largest `error` that passes ([`attention_bound`] for attention cases).
     pub bound: f64,
     /// `Some(reason)` when the backend does not support the case
     /// ([`Backend::kv_support`]): it was not run, and counts as passed.
@@ -36,7 +37,7 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    /// A measured check.
+    /// The outcome of a case that ran: passed iff `error <= bound`.
     pub fn measured(name: String, error: f64, bound: f64) -> Self {
         Outcome {
             name,

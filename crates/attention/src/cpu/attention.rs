@@ -23,10 +23,12 @@ use super::primitives::{dot, dot_with, exp_nonpos, madd, Geom, BLOCK};
 /// One layer buffer of a host store, read as f32 rows.
 #[derive(Clone, Copy)]
 pub(crate) struct RowSource<'a> {
+    /// The layer buffer, row `s` for slot `s`.
     pub bytes: &'a [u8],
     pub dtype: KvDtype,
+    /// The fp8 per-layer scale the decoder multiplies by (1 for other dtypes).
     pub scale: f32,
-    /// Elements per row.
+    /// Elements per row (all heads of one token).
     pub elems: usize,
 }
 

@@ -53,7 +53,7 @@ impl CpuTensor {
         &self.data
     }
 
-    /// Unwraps the elements.
+    /// The elements, row-major, without a copy.
     pub fn into_data(self) -> Vec<f32> {
         self.data
     }

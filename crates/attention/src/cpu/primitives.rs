@@ -11,11 +11,11 @@ pub(crate) const BLOCK: usize = 32;
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Geom {
     pub q_heads: usize,
-    /// Query heads per KV head.
+    /// Query heads per KV head (1 for MHA, `q_heads` for MQA and MLA).
     pub group: usize,
-    /// Query / key head dimension.
+    /// Elements per query and key head (the dimension of `q·k`).
     pub d: usize,
-    /// Value head dimension.
+    /// Elements per value head and per output head.
     pub dv: usize,
     /// Elements per K row in the store.
     pub k_row: usize,

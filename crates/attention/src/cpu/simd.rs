@@ -34,7 +34,7 @@ pub(crate) fn available() -> bool {
 
 /// An element type of store rows the kernels read directly.
 pub(crate) trait Elem {
-    /// Bytes per element.
+    /// Bytes per element in the store row (4 for f32, 2 for f16 and bf16).
     const BYTES: usize;
     /// Eight elements at `p`, as f32.
     ///
