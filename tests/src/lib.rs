@@ -1,9 +1,11 @@
 //! # kvserve-tests — cross-crate end-to-end tests
 //!
-//! The workspace's tests that need more than one component crate live here, in `tests/*.rs`,
-//! so that no component crate has to dev-depend on another one above or beside it (the model
-//! crate's checkpoint tests once dev-depended on attention-wgpu, which itself dev-depends on
-//! model: a cycle). This library holds only what several of those tests share.
+//! This crate holds the tests that span several kvserve crates, so no component crate needs a
+//! dev-dependency on a crate above it: the model on every compiled backend, the server
+//! scenarios, and components written outside the component crates (a toy allocator, prefix
+//! cache and eviction policy) checked by the suites those crates export (`kv_pool::testing`,
+//! `radix_cache::testing`). The tests live in `tests/`; this library holds only what several
+//! of them share.
 //!
 //! ## Backends
 //! [`on_every_backend!`] writes one test body once and runs it on every compiled

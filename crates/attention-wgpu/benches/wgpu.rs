@@ -131,6 +131,7 @@ fn decoder_layer(c: &mut Criterion, b: &WgpuBackend) {
         rope_theta: 10_000.0,
         rope_scaling: attention::RopeScaling::None,
         max_position_embeddings: 4096,
+        sliding_window: None,
         vocab_size: 256,
         tie_word_embeddings: true,
         qkv_bias: false,

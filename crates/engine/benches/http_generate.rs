@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use criterion::Criterion;
-use engine::cli::{build_server_state, Cli, Command};
+use engine::cli::{Cli, Command};
+use engine::commands::serve::build_server_state;
 
 /// Starts the server on a thread.
 fn serve() -> engine::server::BackgroundServer {

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use scheduler::sim::percentile;
+use scheduler::summary::{RunSummary, RunTotals};
 use scheduler::{SimReport, SimRequest};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
@@ -52,7 +52,7 @@ pub fn run_remote(
     max_concurrency: Option<usize>,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<SimReport> {
-    crate::async_runtime()?.block_on(drive(requests, target, max_concurrency, progress))
+    crate::runtime::async_runtime()?.block_on(drive(requests, target, max_concurrency, progress))
 }
 
 fn url_err(url: &str, e: impl std::fmt::Display) -> EngineError {
@@ -294,39 +294,22 @@ impl SseBuffer {
 /// The run's figures from every request's measurements.
 fn summarize(results: &[RequestResult], duration_s: f64) -> SimReport {
     let ok: Vec<&RequestResult> = results.iter().filter(|r| r.ok).collect();
-    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s).collect();
-    let mut itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_s.iter().copied()).collect();
-    let prompt_tokens: usize = ok.iter().map(|r| r.prompt_tokens).sum();
-    let cached_tokens: usize = ok.iter().map(|r| r.cached_tokens).sum();
-    let output_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
-    let (ttft_p50_s, ttft_p99_s) = (percentile(&mut ttft, 0.5), percentile(&mut ttft, 0.99));
-    let (itl_p50_s, itl_p99_s) = (percentile(&mut itl, 0.5), percentile(&mut itl, 0.99));
-    SimReport {
+    let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s).collect();
+    let itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_s.iter().copied()).collect();
+    let totals = RunTotals {
         requests: ok.len(),
         aborted: results.len() - ok.len(),
+        prompt_tokens: ok.iter().map(|r| r.prompt_tokens).sum(),
+        cached_tokens: ok.iter().map(|r| r.cached_tokens).sum(),
+        output_tokens: ok.iter().map(|r| r.output_tokens).sum(),
         duration_s,
-        prompt_tokens,
-        cached_tokens,
-        hit_rate: if prompt_tokens > 0 {
-            cached_tokens as f64 / prompt_tokens as f64
-        } else {
-            0.0
-        },
-        prefill_tokens: prompt_tokens - cached_tokens.min(prompt_tokens),
-        output_tokens,
-        output_tokens_per_s: if duration_s > 0.0 {
-            output_tokens as f64 / duration_s
-        } else {
-            0.0
-        },
-        ttft_p50_s,
-        ttft_p99_s,
-        itl_p50_s,
-        itl_p99_s,
-        // Sorted by `percentile`.
-        ttft_s: ttft,
+    };
+    let mut report = SimReport {
+        prefill_tokens: totals.prompt_tokens - totals.cached_tokens.min(totals.prompt_tokens),
         ..SimReport::default()
-    }
+    };
+    report.set_summary(RunSummary::new(totals, ttft, itl));
+    report
 }
 
 #[cfg(test)]

@@ -25,11 +25,13 @@ use std::time::Instant;
 
 use kv_pool::{Allocator, ExtendRequest, OwnershipCheck, PagedAllocator, Slot, TokenAllocator};
 use radix_cache::policy::{policy_from_name, Belady, BuiltinPolicy, CostAware, FutureIndex};
-use radix_cache::{EvictionPolicy, InsertOptions, PrefixCache, RadixCache};
+use radix_cache::{AnyEvictionPolicy, EvictionPolicy, InsertOptions, PrefixCache, RadixCache};
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
-use crate::workload::{ratio, Request};
+use scheduler::summary::ratio;
+
+use crate::workload::Request;
 
 /// Name of the oracle policy (needs the whole workload in advance).
 pub const BELADY: &str = Belady::NAME;
@@ -72,7 +74,7 @@ pub fn parse_policies(list: &str) -> Result<Vec<String>> {
 }
 
 /// Builds the policy `name` (one of [`known_policies`]); `belady` needs `future`.
-pub fn build_policy(name: &str, future: Option<&FutureIndex>) -> Result<Box<dyn EvictionPolicy>> {
+pub fn build_policy(name: &str, future: Option<&FutureIndex>) -> Result<AnyEvictionPolicy> {
     if name.eq_ignore_ascii_case(BELADY) {
         let future = future.ok_or_else(|| {
             EngineError::arg(
@@ -80,7 +82,7 @@ pub fn build_policy(name: &str, future: Option<&FutureIndex>) -> Result<Box<dyn 
                 "belady needs the workload's future (a FutureIndex)",
             )
         })?;
-        return Ok(Box::new(Belady::new(future.clone())));
+        return Ok(Belady::new(future.clone()).into());
     }
     policy_from_name(name).map_err(|e| EngineError::arg("--policy", e.to_string()))
 }
@@ -111,11 +113,9 @@ pub fn page_align_capacity(tokens: usize, page_size: u32) -> Result<usize> {
 /// The outcome of one replay (one policy at one capacity): a line of `--format json`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplayResult {
-    /// Eviction policy name.
     pub policy: String,
     /// Pool size in tokens (a multiple of the page size).
     pub capacity_tokens: usize,
-    /// Page size.
     pub page_size: u32,
     /// Requests replayed, including skipped ones.
     pub requests: usize,
@@ -149,7 +149,7 @@ pub struct ReplayOptions {
 /// `progress` is called with the number of requests done since its last call.
 pub fn replay(
     requests: &[Request],
-    policy: Box<dyn EvictionPolicy>,
+    policy: AnyEvictionPolicy,
     capacity_tokens: usize,
     page_size: u32,
     opts: ReplayOptions,
@@ -185,7 +185,7 @@ struct Replay<A: Allocator> {
 }
 
 impl<A: Allocator> Replay<A> {
-    fn new(alloc: A, policy: Box<dyn EvictionPolicy>, page_size: u32, opts: ReplayOptions) -> Self {
+    fn new(alloc: A, policy: AnyEvictionPolicy, page_size: u32, opts: ReplayOptions) -> Self {
         Replay {
             capacity: alloc.size(),
             alloc,
@@ -226,7 +226,7 @@ impl<A: Allocator> Replay<A> {
             skipped_requests: self.skipped,
             prompt_tokens: self.prompt_tokens,
             cached_tokens: self.cached_tokens,
-            hit_rate: ratio(self.cached_tokens, self.prompt_tokens),
+            hit_rate: ratio(self.cached_tokens as f64, self.prompt_tokens as f64),
             evicted_tokens: self.evicted_tokens,
             seconds,
             tokens_per_s: if seconds > 0.0 {
@@ -334,7 +334,6 @@ pub struct SweepConfig {
     pub policies: Vec<String>,
     /// Capacities in tokens, each a positive multiple of the page size.
     pub capacities: Vec<usize>,
-    /// Page size.
     pub page_size: u32,
     /// Checks (see [`ReplayOptions`]).
     pub check: bool,

@@ -1,28 +1,23 @@
-//! The `kvserve` command line (clap derive). Subcommands:
-//!
-//! - `cache-sim`: replay a workload through the prefix cache for every eviction policy and
-//!   capacity asked for; print a table or JSON lines, optionally plot hit rate against capacity.
+//! The `kvserve` command line (clap derive): the subcommands' flags (SGLang's names where SGLang
+//! has them), their per-command defaults, and their conversion into validated values — the
+//! workload, the arrival process, the [`EngineSetup`]. The bodies of the subcommands are in
+//! `src/commands/`.
 //!
 //! Errors in the values of flags are reported naming the flag; the binary exits with code 2.
 
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cache_sim::{page_align_capacity, parse_policies, run_sweep, SweepConfig};
 use crate::error::{EngineError, Result};
-use crate::plot::plot_hit_rates;
-use crate::report::{render_json_lines, render_table, TableOptions};
+use crate::setup::{default_setup, parse_policy, BackendKind, EngineSetup, ModelSource};
+use crate::sim::Arrivals;
 use crate::workload::{load_mooncake, GspConfig, MultiTurnConfig, RandomConfig, Workload};
 
 /// kvserve: a KV-cache-centric LLM serving stack.
 #[derive(Debug, Parser)]
 #[command(name = "kvserve", version, about, long_about = None)]
 pub struct Cli {
-    /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
@@ -56,21 +51,6 @@ pub struct InfoArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
-}
-
-/// `kvserve info`.
-pub fn info(args: &InfoArgs, out: &mut dyn Write) -> Result<()> {
-    let inventory = crate::components::Inventory::of_this_build().probe();
-    let text = if args.json {
-        serde_json::to_string_pretty(&inventory)
-            .map_err(|e| EngineError::arg("--json", e.to_string()))?
-    } else {
-        inventory.to_string()
-    };
-    writeln!(out, "{text}").map_err(|source| EngineError::Io {
-        path: "standard output".into(),
-        source,
-    })
 }
 
 /// Generated workloads.
@@ -195,7 +175,6 @@ pub struct WorkloadArgs {
 /// Flags of `kvserve cache-sim`.
 #[derive(Debug, Args)]
 pub struct CacheSimArgs {
-    /// The workload.
     #[command(flatten)]
     pub source: WorkloadArgs,
 
@@ -310,17 +289,6 @@ impl WorkloadArgs {
     }
 }
 
-/// Runs a parsed command line, writing results to `out` and notes and progress to stderr.
-pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
-    match cli.command {
-        Command::CacheSim(args) => cache_sim(&args, out),
-        Command::Sim(args) => sim(&args, out),
-        Command::Bench(args) => bench(&args, out),
-        Command::Serve(args) => serve(&args),
-        Command::Info(args) => info(&args, out),
-    }
-}
-
 /// Engine flags shared by `bench` and `serve`, named after SGLang's server arguments.
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
@@ -392,10 +360,9 @@ pub struct EngineArgs {
 impl EngineArgs {
     /// The engine set-up these flags describe, with `default_context_len` unless
     /// `--context-length` is given.
-    pub fn setup(&self, default_context_len: usize) -> Result<crate::bench::EngineSetup> {
-        use crate::bench::{default_setup, parse_policy, ModelSource};
+    pub fn setup(&self, default_context_len: usize) -> Result<EngineSetup> {
         let mut setup = default_setup(self.context_length.unwrap_or(default_context_len));
-        setup.backend = crate::components::BackendKind::parse(&self.backend)?;
+        setup.backend = BackendKind::parse(&self.backend)?;
         setup.kv_dtype = match self.kv_cache_dtype.as_str() {
             "auto" => kv_pool::KvDtype::F32,
             other => other.parse().map_err(|e: kv_pool::KvPoolError| {
@@ -437,7 +404,6 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
-    /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Refuse new requests (503) while this many wait.
@@ -446,93 +412,6 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
-}
-
-/// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
-pub fn serve(args: &ServeArgs) -> Result<()> {
-    let state = build_server_state(args)?;
-    crate::async_runtime()?.block_on(async move {
-        let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .map_err(|source| EngineError::Io {
-                path: addr.clone(),
-                source,
-            })?;
-        let local = listener.local_addr().map_err(|source| EngineError::Io {
-            path: addr.clone(),
-            source,
-        })?;
-        eprintln!("kvserve: serving {} on http://{local}", state.model_name);
-        // On Ctrl-C, stop taking connections and end every in-flight request (aborted, its
-        // stream closed) so the graceful shutdown does not wait on long generations.
-        let engine = state.clone();
-        let shutdown = async move {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("kvserve: shutting down; in-flight requests are aborted");
-            engine.engine.begin_shutdown();
-        };
-        crate::server::serve(listener, state, shutdown)
-            .await
-            .map_err(|source| EngineError::Io {
-                path: local.to_string(),
-                source,
-            })
-    })
-}
-
-/// The server's shared state for `args`: engine thread started, tokenizer loaded.
-pub fn build_server_state(args: &ServeArgs) -> Result<std::sync::Arc<crate::server::AppState>> {
-    let source = args.engine.model_path.clone().map_or(
-        crate::bench::ModelSource::Tiny,
-        crate::bench::ModelSource::Path,
-    );
-    let config = source.config()?;
-    let name = source.name();
-    let (tokenizer, chat_template) = match &source {
-        crate::bench::ModelSource::Tiny => (model::tiny::tiny_tokenizer(), None),
-        crate::bench::ModelSource::Path(dir) => {
-            model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))?
-        }
-    };
-    let chat = crate::server::chat::ChatPrompt::new(chat_template)
-        .map_err(|e| EngineError::Model(e.to_string()))?;
-    let mut setup = args.engine.setup(config.max_position_embeddings)?;
-    setup.scheduler.max_queued_requests = args.max_queued_requests;
-    let context_len = setup.scheduler.context_len;
-    let radix = !args.engine.disable_radix_cache;
-    let (sched, exec) = crate::bench::build(&setup, radix)?;
-    // The effective settings, under SGLang's server-argument names, for /get_server_info.
-    let cfg = sched.config();
-    let server_args = serde_json::json!({
-        "model_path": name,
-        "backend": setup.backend,
-        "kv_cache_dtype": setup.kv_dtype.name(),
-        "page_size": cfg.page_size,
-        "max_total_num_tokens": sched.allocator().size(),
-        "max_running_requests": cfg.max_running_requests,
-        "chunked_prefill_size": cfg.chunked_prefill_size,
-        "max_prefill_tokens": cfg.max_prefill_tokens,
-        "schedule_policy": cfg.schedule_policy.as_str(),
-        "schedule_conservativeness": cfg.schedule_conservativeness,
-        "enable_mixed_chunk": cfg.enable_mixed_chunk,
-        "disable_radix_cache": !radix,
-        "radix_eviction_policy": setup.eviction_policy,
-        "max_queued_requests": cfg.max_queued_requests,
-        "api_key_required": args.api_key.is_some(),
-    });
-    Ok(std::sync::Arc::new(crate::server::AppState {
-        server_args,
-        engine: crate::engine_loop::EngineHandle::start(sched, exec),
-        vocab_size: config.vocab_size,
-        eos_token_ids: config.eos_token_ids.clone(),
-        tokenizer,
-        chat,
-        model_name: name,
-        context_len,
-        api_key: args.api_key.clone(),
-        metrics: Default::default(),
-    }))
 }
 
 /// Flags of `kvserve bench`, named after SGLang's server and bench_serving arguments.
@@ -545,7 +424,6 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub arrivals: ArrivalArgs,
 
-    /// The engine.
     #[command(flatten)]
     pub engine: EngineArgs,
 
@@ -583,134 +461,6 @@ pub struct BenchArgs {
     pub quiet: bool,
 }
 
-/// `kvserve bench`.
-pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
-    use crate::bench::{plot, render, run_bench, timed, BenchOutcome};
-    use crate::sim::sim_requests;
-
-    let workload = args.source.load(WorkloadDefaults::BENCH)?;
-    let arrivals = args.arrivals.arrivals(&args.source, Some(16.0))?;
-    let requests = sim_requests(&workload, arrivals)?;
-    let stats = workload.stats(args.engine.page_size);
-    let longest = workload
-        .requests
-        .iter()
-        .map(|r| r.tokens.len() + r.output_len.max(1))
-        .max()
-        .unwrap_or(1);
-    let mut setup = args.engine.setup(longest + 1)?;
-    setup.seed = args.source.seed;
-    let max_concurrency = args.arrivals.max_concurrency.map(|n| n as usize);
-    // Each run: the in-process engine with the radix cache or without, or a remote server.
-    let runs: Vec<(&str, Option<bool>)> = match (
-        &args.url,
-        args.compare_no_cache,
-        args.engine.disable_radix_cache,
-    ) {
-        (Some(_), true, _) => {
-            return Err(EngineError::arg(
-                "--compare-no-cache",
-                "needs the in-process engine; run the remote server twice instead of --url",
-            ))
-        }
-        (None, true, true) => {
-            return Err(EngineError::arg(
-                "--compare-no-cache",
-                "runs with and without the radix cache; drop --disable-radix-cache",
-            ))
-        }
-        (Some(_), false, _) => vec![("remote", None)],
-        (None, true, false) => vec![("radix", Some(true)), ("no-cache", Some(false))],
-        (None, false, true) => vec![("no-cache", Some(false))],
-        (None, false, false) => vec![("radix", Some(true))],
-    };
-    if !args.quiet {
-        let target = match &args.url {
-            Some(url) => format!("server {url}"),
-            None => format!(
-                "model {} on {} with {} threads",
-                setup.model.name(),
-                setup.backend,
-                setup.threads
-            ),
-        };
-        eprintln!(
-            "note: {} ({} requests, {} prompt tokens, ideal hit rate {:.2}%), {target}",
-            workload.name,
-            requests.len(),
-            stats.prompt_tokens,
-            100.0 * stats.ideal_hit_rate(),
-        );
-    }
-    let (outcomes, wall) = timed(|| -> Result<Vec<_>> {
-        let mut outcomes = Vec::new();
-        for &(label, radix) in &runs {
-            let bar = if args.quiet || !std::io::stderr().is_terminal() {
-                ProgressBar::hidden()
-            } else {
-                let bar = ProgressBar::new(requests.len() as u64);
-                if let Ok(style) = ProgressStyle::with_template(&format!(
-                    "{label:<8} {{elapsed_precise}} [{{bar:40}}] {{human_pos}}/{{human_len}} requests"
-                )) {
-                    bar.set_style(style.progress_chars("=> "));
-                }
-                bar
-            };
-            let ideal = stats.ideal_hit_rate();
-            let r = match (radix, &args.url) {
-                (Some(radix), _) => run_bench(
-                    &requests,
-                    &setup,
-                    radix,
-                    ideal,
-                    max_concurrency,
-                    &mut |done, _| bar.set_position(done as u64),
-                ),
-                (None, url) => {
-                    let target = crate::bench_client::RemoteTarget {
-                        url: url.clone().unwrap_or_default(),
-                        model: args.model.clone(),
-                        api_key: args.api_key.clone(),
-                    };
-                    crate::bench_client::run_remote(
-                        &requests,
-                        &target,
-                        max_concurrency,
-                        &|done, _| bar.set_position(done as u64),
-                    )
-                    .map(|report| BenchOutcome::new(label, report, ideal))
-                }
-            };
-            bar.finish_and_clear();
-            outcomes.push(r?);
-        }
-        Ok(outcomes)
-    });
-    let outcomes = outcomes?;
-    let text = render(&outcomes, wall);
-    out.write_all(text.as_bytes())
-        .and_then(|()| out.flush())
-        .map_err(|source| EngineError::Io {
-            path: "standard output".into(),
-            source,
-        })?;
-    let json = serde_json::to_string_pretty(&outcomes)
-        .map_err(|e| EngineError::arg("--json", e.to_string()))?;
-    std::fs::write(&args.json, json + "\n").map_err(|source| EngineError::Io {
-        path: args.json.display().to_string(),
-        source,
-    })?;
-    plot(&outcomes, &workload.name, &args.plot)?;
-    if !args.quiet {
-        eprintln!(
-            "note: wrote {} and {}",
-            args.json.display(),
-            args.plot.display()
-        );
-    }
-    Ok(())
-}
-
 /// Arrival flags shared by `sim` and `bench`.
 #[derive(Debug, Clone, Args)]
 pub struct ArrivalArgs {
@@ -741,12 +491,7 @@ pub struct ArrivalArgs {
 impl ArrivalArgs {
     /// The arrival process: `--request-rate` if given, else a trace's timestamps, else
     /// Poisson at `default_rate` (`None`: everything at once).
-    pub fn arrivals(
-        &self,
-        source: &WorkloadArgs,
-        default_rate: Option<f64>,
-    ) -> Result<crate::sim::Arrivals> {
-        use crate::sim::Arrivals;
+    pub fn arrivals(&self, source: &WorkloadArgs, default_rate: Option<f64>) -> Result<Arrivals> {
         let poisson = |rate| Arrivals::Poisson {
             rate,
             seed: source.seed,
@@ -768,7 +513,6 @@ impl ArrivalArgs {
 /// Flags of `kvserve sim`, named after SGLang's server arguments where they exist.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// The workload.
     #[command(flatten)]
     pub source: WorkloadArgs,
     /// When requests arrive (default for a generated workload: all at once).
@@ -864,335 +608,4 @@ pub struct SimArgs {
     /// No progress bar and no notes on stderr.
     #[arg(long)]
     pub quiet: bool,
-}
-
-/// `kvserve sim`.
-pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
-    use crate::sim::{
-        default_max_running_requests, parse_schedule_policies, run_sweep, sim_requests, SimConfig,
-    };
-    use scheduler::{Accelerator, CostModel, ModelShape, SchedulerConfig};
-
-    let bad =
-        |flag: &'static str, e: scheduler::SchedulerError| EngineError::arg(flag, e.to_string());
-    let model = ModelShape::preset(&args.model).map_err(|e| bad("--model", e))?;
-    let accel = Accelerator::preset(&args.accelerator).map_err(|e| bad("--accelerator", e))?;
-    let cost = CostModel::new(model, accel, args.tp);
-    if !(args.mem_fraction_static > 0.0 && args.mem_fraction_static <= 1.0) {
-        return Err(EngineError::arg(
-            "--mem-fraction-static",
-            format!("{} is not in (0, 1]", args.mem_fraction_static),
-        ));
-    }
-    let schedule_policies = parse_schedule_policies(&args.schedule_policy)?;
-    let eviction_policies: Vec<String> = if args.disable_radix_cache {
-        vec!["disabled".into()]
-    } else {
-        parse_policies(&args.radix_eviction_policy)?
-            .into_iter()
-            .map(|p| p.to_string())
-            .collect()
-    };
-    let workload = args.source.load(WorkloadDefaults::SGLANG)?;
-    let arrivals = args.arrivals.arrivals(&args.source, None)?;
-    let requests = sim_requests(&workload, arrivals)?;
-    let longest = workload
-        .requests
-        .iter()
-        .map(|r| r.tokens.len() + r.output_len.max(1))
-        .max()
-        .unwrap_or(1);
-    let context_len = args.context_length.unwrap_or(longest + 1);
-    let capacities: Vec<usize> = if args.max_total_tokens.is_empty() {
-        let tokens = cost.kv_pool_tokens(args.mem_fraction_static);
-        if tokens < args.page_size as usize {
-            return Err(EngineError::arg(
-                "--mem-fraction-static",
-                format!(
-                    "{} of {} × {} leaves no room for the KV cache after {:.1} GB of weights; raise it, raise --tp, or give --max-total-tokens",
-                    args.mem_fraction_static,
-                    args.tp,
-                    cost.accel.name,
-                    cost.model.params * cost.model.weight_bytes / 1e9
-                ),
-            ));
-        }
-        vec![tokens]
-    } else {
-        args.max_total_tokens.clone()
-    };
-    let chunk = (args.chunked_prefill_size > 0).then_some(args.chunked_prefill_size as usize);
-    let mut configs = Vec::new();
-    for &policy in &schedule_policies {
-        for eviction in &eviction_policies {
-            for &capacity in &capacities {
-                let max_running = args
-                    .max_running_requests
-                    .unwrap_or_else(|| default_max_running_requests(capacity, context_len));
-                configs.push(SimConfig {
-                    scheduler: SchedulerConfig {
-                        page_size: args.page_size,
-                        context_len,
-                        max_running_requests: max_running,
-                        max_prefill_tokens: args.max_prefill_tokens,
-                        chunked_prefill_size: chunk,
-                        schedule_policy: policy,
-                        lpm_fallback_threshold: args.lpm_fallback_threshold,
-                        schedule_conservativeness: args.schedule_conservativeness,
-                        enable_mixed_chunk: args.enable_mixed_chunk,
-                        strict: args.check,
-                        seed: args.source.seed,
-                        ..SchedulerConfig::default()
-                    },
-                    eviction_policy: if args.disable_radix_cache {
-                        "lru".into()
-                    } else {
-                        eviction.clone()
-                    },
-                    radix: !args.disable_radix_cache,
-                    capacity_tokens: capacity,
-                    cost: cost.clone(),
-                    max_concurrency: args.arrivals.max_concurrency.map(|n| n as usize),
-                });
-            }
-        }
-    }
-    if !args.quiet {
-        eprintln!(
-            "note: {} requests ({}), {} configurations, {} on {} × {}, context {context_len}",
-            requests.len(),
-            workload.name,
-            configs.len(),
-            cost.model.name,
-            args.tp,
-            cost.accel.name
-        );
-    }
-    let jobs = args.jobs.map_or_else(
-        || std::thread::available_parallelism().map_or(1, |n| n.get()),
-        |j| j as usize,
-    );
-    let bar = if args.quiet || !std::io::stderr().is_terminal() {
-        ProgressBar::hidden()
-    } else {
-        let bar = ProgressBar::new((requests.len() * configs.len()) as u64);
-        if let Ok(style) = ProgressStyle::with_template(
-            "{elapsed_precise} [{bar:40}] {human_pos}/{human_len} requests, eta {eta}",
-        ) {
-            bar.set_style(style.progress_chars("=> "));
-        }
-        bar
-    };
-    let start = Instant::now();
-    let outcomes = run_sweep(&requests, &configs, jobs, &|n| bar.inc(n as u64));
-    bar.finish_and_clear();
-    let outcomes = outcomes?;
-    let wall = start.elapsed().as_secs_f64();
-    let text = match args.format {
-        OutputFormat::Table => {
-            let mut t = format!(
-                "workload: {}\n{} requests, {} on {} × {} (tp {}), page size {}\n",
-                workload.name,
-                requests.len(),
-                cost.model.name,
-                args.tp,
-                cost.accel.name,
-                args.tp,
-                args.page_size
-            );
-            t.push_str(&crate::sim::render_table(&outcomes, !args.no_timings));
-            if !args.no_timings {
-                t.push_str(&format!(
-                    "total wall time {wall:.2} s for {} configurations\n",
-                    outcomes.len()
-                ));
-            }
-            t
-        }
-        OutputFormat::Json => outcomes
-            .iter()
-            .map(|o| serde_json::to_string(o).map(|l| l + "\n"))
-            .collect::<std::result::Result<String, _>>()
-            .map_err(|e| EngineError::arg("--format", e.to_string()))?,
-    };
-    out.write_all(text.as_bytes())
-        .and_then(|()| out.flush())
-        .map_err(|source| EngineError::Io {
-            path: "standard output".into(),
-            source,
-        })?;
-    if let Some(path) = &args.plot {
-        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-        for o in &outcomes {
-            let label = format!("{} / {}", o.schedule_policy, o.eviction_policy);
-            let point = (o.capacity_tokens as f64, o.output_tokens_per_s);
-            match series.iter_mut().find(|(l, _)| *l == label) {
-                Some((_, points)) => points.push(point),
-                None => series.push((label, vec![point])),
-            }
-        }
-        crate::plot::plot_lines(
-            &crate::plot::LinePlot {
-                title: format!(
-                    "Simulated output throughput ({} on {} × {})",
-                    cost.model.name, args.tp, cost.accel.name
-                ),
-                subtitle: workload.name.clone(),
-                x_desc: format!("KV pool (tokens, page size {})", args.page_size),
-                y_desc: "output tokens/s".into(),
-                y_percent: false,
-                x_log: true,
-                series,
-            },
-            path,
-        )?;
-        if !args.quiet {
-            eprintln!("note: plot written to {}", path.display());
-        }
-    }
-    Ok(())
-}
-
-fn note(args: &CacheSimArgs, msg: &str) {
-    if !args.quiet {
-        eprintln!("note: {msg}");
-    }
-}
-
-/// `kvserve cache-sim`.
-pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
-    let policies = parse_policies(&args.policy)?;
-    let p = args.page_size;
-    let load_start = Instant::now();
-    let workload = args.source.load(WorkloadDefaults::SGLANG)?;
-    let stats = workload.stats(p);
-    note(
-        args,
-        &format!(
-            "{} requests, {} prompt tokens, {} unique tokens at page size {p} ({:.2} s to prepare)",
-            stats.requests,
-            stats.prompt_tokens,
-            stats.unique_tokens,
-            load_start.elapsed().as_secs_f64()
-        ),
-    );
-
-    // Capacities: as given (rounded up to pages, with a note), then fractions of the unique
-    // tokens, or by default a sweep relative to them (never below the longest prompt).
-    let p_tokens = p as usize;
-    let unique = stats.unique_tokens.max(1) as f64;
-    let longest = stats.max_prompt_tokens.div_ceil(p_tokens).max(1) * p_tokens;
-    let mut capacities = Vec::new();
-    let mut add = |tokens: usize| {
-        if !capacities.contains(&tokens) {
-            capacities.push(tokens);
-        }
-    };
-    for c in &args.capacity_tokens {
-        match *c {
-            Capacity::Tokens(n) => {
-                let aligned = page_align_capacity(n, p)?;
-                if aligned != n {
-                    note(
-                        args,
-                        &format!(
-                            "capacity {n} rounded up to {aligned} (whole pages of {p} tokens)"
-                        ),
-                    );
-                }
-                add(aligned);
-            }
-            Capacity::Infinite => add(page_align_capacity(stats.never_evicting_capacity(), p)?),
-        }
-    }
-    for f in &args.capacity_fraction {
-        add(page_align_capacity(
-            ((f * unique).ceil() as usize).max(1),
-            p,
-        )?);
-    }
-    if args.capacity_tokens.is_empty() && args.capacity_fraction.is_empty() {
-        for d in [16.0, 8.0, 4.0, 2.0] {
-            let tokens = ((unique / d).ceil() as usize).max(longest);
-            add(page_align_capacity(tokens, p)?);
-        }
-        add(page_align_capacity(stats.never_evicting_capacity(), p)?);
-    }
-
-    let jobs = args.jobs.map_or_else(
-        || std::thread::available_parallelism().map_or(1, |n| n.get()),
-        |j| j as usize,
-    );
-    let cfg = SweepConfig {
-        policies,
-        capacities,
-        page_size: p,
-        check: args.check,
-        jobs,
-    };
-    let total = (cfg.policies.len() * cfg.capacities.len() * workload.requests.len()) as u64;
-    let bar = if args.quiet || !std::io::stderr().is_terminal() {
-        ProgressBar::hidden()
-    } else {
-        let bar = ProgressBar::new(total);
-        if let Ok(style) = ProgressStyle::with_template(
-            "{elapsed_precise} [{bar:40}] {human_pos}/{human_len} requests, eta {eta}",
-        ) {
-            bar.set_style(style.progress_chars("=> "));
-        }
-        bar
-    };
-    let start = Instant::now();
-    let results = run_sweep(&workload.requests, &cfg, &|n| bar.inc(n));
-    bar.finish_and_clear();
-    let results = results?;
-    let wall = start.elapsed().as_secs_f64();
-    for r in results.iter().filter(|r| r.skipped_requests > 0) {
-        note(
-            args,
-            &format!(
-                "{} at capacity {}: skipped {} of {} requests whose prompt needs more pages \
-                 than the whole pool",
-                r.policy, r.capacity_tokens, r.skipped_requests, r.requests
-            ),
-        );
-    }
-
-    let text = match args.format {
-        OutputFormat::Table => {
-            let mut t = render_table(
-                &results,
-                TableOptions {
-                    workload: Some((&workload.name, &stats)),
-                    timings: !args.no_timings,
-                },
-            );
-            if !args.no_timings {
-                t.push_str(&format!(
-                    "total wall time {wall:.2} s for {} replays on {} threads\n",
-                    results.len(),
-                    cfg.jobs.min(results.len())
-                ));
-            }
-            t
-        }
-        OutputFormat::Json => render_json_lines(&results),
-    };
-    out.write_all(text.as_bytes())
-        .and_then(|()| out.flush())
-        .map_err(|source| EngineError::Io {
-            path: "standard output".into(),
-            source,
-        })?;
-    if args.format == OutputFormat::Json {
-        note(
-            args,
-            &format!("total wall time {wall:.2} s for {} replays", results.len()),
-        );
-    }
-    if let Some(path) = &args.plot {
-        plot_hit_rates(&results, &workload.name, path)?;
-        note(args, &format!("plot written to {}", path.display()));
-    }
-    Ok(())
 }

@@ -28,14 +28,13 @@ use model::SamplingParams;
 use scheduler::{Executor, FinishReason, ReqId, SamplingLimits, Scheduler};
 
 use crate::engine_metrics::EngineMetrics;
-use crate::model_exec::ModelExecutor;
+use crate::setup::ModelExecutor;
 
 type Sender<T> = tokio::sync::mpsc::UnboundedSender<T>;
 
 /// A request to the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateRequest {
-    /// Prompt token ids.
     pub input_ids: Vec<u32>,
     /// Sampling parameters (temperature, top-k/p, penalties, seed, stop ids).
     pub sampling: SamplingParams,
@@ -44,8 +43,10 @@ pub struct GenerateRequest {
     /// Keep generating past EOS (whose ids the caller then leaves out of the stop ids; the
     /// request's own stop ids still stop it).
     pub ignore_eos: bool,
-    /// Request priority.
     pub priority: i64,
+    /// The prefix-cache namespace (SGLang's `extra_key`): requests share cached prefixes only
+    /// with requests of the same key, and requests without one only with each other.
+    pub extra_key: Option<String>,
 }
 
 /// What a request's stream carries.
@@ -66,11 +67,9 @@ pub struct Finished {
     pub id: u64,
     /// Why it ended.
     pub reason: FinishReason,
-    /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
-    /// Tokens generated.
     pub completion_tokens: usize,
     /// Seconds from submission to the end.
     pub e2e_latency_s: f64,
@@ -125,9 +124,7 @@ enum Command {
 /// A snapshot of the engine's state (for `/get_server_info`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct EngineInfo {
-    /// Requests waiting.
     pub waiting: usize,
-    /// Requests running.
     pub running: usize,
     /// KV pool size in tokens.
     pub total_tokens: usize,
@@ -213,7 +210,6 @@ impl EngineHandle {
         rx.recv().map_err(|_| "the engine is stopped".to_string())?
     }
 
-    /// The engine's state.
     pub fn info(&self) -> Option<EngineInfo> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.inbox.send(Command::Info(tx)).ok()?;
@@ -352,7 +348,12 @@ fn submit(
         let _ = events.send(Event::Rejected(e.to_string()));
         return;
     }
-    match s.add_request(req.input_ids.clone(), limits, req.priority, None) {
+    match s.add_request(
+        req.input_ids.clone(),
+        limits,
+        req.priority,
+        req.extra_key.clone(),
+    ) {
         Ok(id) => {
             if let Err(e) = exec.register(id, req.input_ids, req.sampling) {
                 let _ = s.abort(id, "invalid sampling parameters");
@@ -434,15 +435,15 @@ fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::{default_setup, ModelSource};
+    use crate::setup::{build, default_setup, EngineSetup, ModelSource};
 
     fn engine() -> EngineHandle {
-        let setup = crate::bench::EngineSetup {
+        let setup = EngineSetup {
             model: ModelSource::Tiny,
             capacity_tokens: 4096,
             ..default_setup(1024)
         };
-        let (sched, exec) = crate::bench::build(&setup, true).unwrap();
+        let (sched, exec) = build(&setup, true).unwrap();
         EngineHandle::start(sched, exec)
     }
 
@@ -465,6 +466,7 @@ mod tests {
             max_new_tokens: n,
             ignore_eos: true,
             priority: 0,
+            extra_key: None,
         }
     }
 

@@ -5,6 +5,7 @@
 //! [`EngineMetricsSnapshot`] at any time without a round trip to the engine thread. The token
 //! counters are the scheduler's own (`SchedulerStats`), copied, so nothing is counted twice.
 
+use scheduler::summary::ratio;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
@@ -54,20 +55,18 @@ pub struct EngineMetricsSnapshot {
 impl EngineMetricsSnapshot {
     /// Used / total KV tokens, in `[0, 1]`.
     pub fn token_usage(&self) -> f64 {
-        ratio(self.num_used_tokens, self.max_total_num_tokens)
+        ratio(
+            self.num_used_tokens as f64,
+            self.max_total_num_tokens as f64,
+        )
     }
 
     /// Cached / prompt tokens since start, in `[0, 1]`.
     pub fn cache_hit_rate(&self) -> f64 {
-        ratio(self.cached_tokens_total, self.prompt_tokens_total)
-    }
-}
-
-fn ratio(a: u64, b: u64) -> f64 {
-    if b == 0 {
-        0.0
-    } else {
-        a as f64 / b as f64
+        ratio(
+            self.cached_tokens_total as f64,
+            self.prompt_tokens_total as f64,
+        )
     }
 }
 

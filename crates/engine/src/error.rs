@@ -12,7 +12,6 @@ pub enum EngineError {
     /// A file that could not be read or written.
     #[error("{path}: {source}")]
     Io {
-        /// The file.
         path: String,
         /// What the operating system said.
         source: std::io::Error,
@@ -37,10 +36,7 @@ pub enum EngineError {
     },
     /// A workload with no requests.
     #[error("the workload has no requests ({what})")]
-    EmptyWorkload {
-        /// Which workload.
-        what: String,
-    },
+    EmptyWorkload { what: String },
     /// The replay's accounting or ownership check failed: a bug in the cache or the replay.
     #[error("check failed after {after}: {message}")]
     CheckFailed {
@@ -52,7 +48,6 @@ pub enum EngineError {
     /// Drawing a plot failed.
     #[error("plot {path}: {message}")]
     Plot {
-        /// The output file.
         path: String,
         /// What went wrong.
         message: String,
@@ -71,7 +66,22 @@ pub enum EngineError {
     Pool(#[from] KvPoolError),
     /// A component (a backend) that this build does not have.
     #[error(transparent)]
-    NotCompiled(#[from] crate::components::NotCompiled),
+    NotCompiled(#[from] NotCompiled),
+}
+
+/// A component that this build does not have: which one and the feature that would bring it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} {name:?} is not compiled into this build ({})", match feature {
+    Some(f) => format!("rebuild with `--features {f}`"),
+    None => "no feature of this version provides it yet".to_string(),
+})]
+pub struct NotCompiled {
+    /// The component kind (e.g. "backend").
+    pub what: &'static str,
+    /// Its name (e.g. "wgpu").
+    pub name: &'static str,
+    /// The Cargo feature of the engine crate that compiles it (`None`: not written yet).
+    pub feature: Option<&'static str>,
 }
 
 impl EngineError {
@@ -84,5 +94,4 @@ impl EngineError {
     }
 }
 
-/// Result alias for this crate.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

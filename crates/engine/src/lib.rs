@@ -5,23 +5,29 @@
 //! command-line flags, files, threads, sockets and output formats: every crate below it is plain
 //! synchronous logic with no I/O.
 //!
-//! What it holds:
-//! - [`components`]: one value per component kind over the implementations compiled into this
-//!   build (allocator, prefix cache, backend); a backend whose feature is off answers a typed
-//!   `NotCompiled` error; `kvserve info` lists them.
-//! - [`cli`] and [`config_file`]: the clap command line (SGLang's flag names) and `--config
-//!   FILE.toml`; `src/main.rs` only parses, runs and maps errors to exit code 2.
-//! - [`engine_loop`], [`model_exec`], [`server`]: the scheduler and model on their own thread,
-//!   token streams through channels, and the HTTP API on top (`kvserve serve`).
-//! - [`bench`](mod@bench) and [`bench_client`]: `kvserve bench`, in process or against any
-//!   OpenAI-compatible server (`--url`).
+//! What it holds, in the one direction data flows (`cli` → `commands` → `setup` → the
+//! component crates; no module imports one that imports it back):
+//! - [`cli`] and [`config_file`]: the clap flags (SGLang's names), their per-command defaults
+//!   and validation, and `--config FILE.toml`. `src/main.rs` only parses, runs and maps errors
+//!   to exit code 2.
+//! - [`commands`]: one module per subcommand holding its body (`serve`, `bench`, `cache-sim`,
+//!   `sim`, `info`).
+//! - [`setup`]: building an engine — [`setup::EngineSetup`], the model source, the component
+//!   kinds as enums over the compiled implementations (a backend whose feature is off answers
+//!   a typed `NotCompiled` error), pool sizing through `kv_pool::MemoryPlan` only, and the
+//!   model executor.
+//! - [`engine_loop`] and [`server`]: the scheduler and model on their own thread, token streams
+//!   through channels, and the HTTP API on top (`kvserve serve`); [`engine_metrics`] for
+//!   `/metrics`.
+//! - [`bench_client`]: `kvserve bench --url` against any OpenAI-compatible server.
 //! - [`workload`]: request lists shared by the replayer, the simulator and the benchmarks —
 //!   Mooncake JSONL traces, generated shared prefix, multi-turn chat, random lengths; generated
-//!   workloads are deterministic functions of a seed ([`rng`]).
-//! - [`cache_sim`] (`kvserve cache-sim`: trace replay through the radix cache for every eviction
-//!   policy and capacity of a sweep) and [`sim`] (`kvserve sim`: the real scheduler over a cost
-//!   model).
-//! - [`report`] (aligned table, JSON lines) and [`plot`] (PNG, fonts embedded).
+//!   workloads are deterministic functions of a seed (`kv_pool::rng::SplitMix64`).
+//! - [`cache_sim`] (trace replay through the radix cache for every eviction policy and capacity
+//!   of a sweep) and [`sim`] (the real scheduler over a cost model): the libraries of
+//!   `kvserve cache-sim` and `kvserve sim`.
+//! - [`report`] (aligned table, JSON lines) and [`plot`] (PNG, fonts embedded); [`runtime`]
+//!   (the tokio runtime of `serve` and `bench --url`).
 //!
 //! ## Where it sits
 //! ```text
@@ -50,35 +56,22 @@
 //! # Ok::<(), engine::EngineError>(())
 //! ```
 
-pub mod bench;
 pub mod bench_client;
 pub mod cache_sim;
 pub mod cli;
-pub mod components;
+pub mod commands;
 pub mod config_file;
 pub mod engine_loop;
 pub mod engine_metrics;
 pub mod error;
-pub mod memory;
-pub mod model_exec;
 pub mod plot;
 pub mod report;
-pub mod rng;
+pub mod runtime;
 pub mod server;
+pub mod setup;
 pub mod sim;
 pub mod workload;
 
 pub use cache_sim::{replay, run_sweep, ReplayOptions, ReplayResult, SweepConfig};
 pub use error::{EngineError, Result};
 pub use workload::{Request, Workload, WorkloadStats};
-
-/// The multi-threaded tokio runtime `serve` and `bench --url` run on.
-pub(crate) fn async_runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|source| EngineError::Io {
-            path: "the async runtime".into(),
-            source,
-        })
-}

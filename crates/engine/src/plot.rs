@@ -28,13 +28,10 @@ fn register_font() {
 /// A line chart: one line per series, x = capacity in tokens.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LinePlot {
-    /// Caption.
     pub title: String,
     /// Line under the caption (the workload).
     pub subtitle: String,
-    /// X axis description.
     pub x_desc: String,
-    /// Y axis description.
     pub y_desc: String,
     /// Whether y values are percentages (axis from 0 to 100 at most, labels with `%`).
     pub y_percent: bool,

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use kv_pool::floor_to_page;
+use kv_pool::rng::SplitMix64;
 use scheduler::{
     replay, Clock, CostModel, ReplayConfig, SchedulePolicy, SchedulerConfig, SimExecutor,
     SimReport, SimRequest,
@@ -12,7 +12,8 @@ use scheduler::{
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
-use crate::rng::SplitMix64;
+use crate::setup::build_scheduler;
+use crate::setup::pool::whole_pages;
 use crate::workload::Workload;
 
 /// How requests arrive.
@@ -63,8 +64,8 @@ pub fn sim_requests(workload: &Workload, arrivals: Arrivals) -> Result<Vec<SimRe
                 Arrivals::Trace { speed } => r.arrival_s / speed,
                 Arrivals::Poisson { rate, .. } => {
                     let rng = rng.as_mut().expect("seeded");
-                    // Exponential inter-arrival: −ln(U) / rate with U in (0, 1].
-                    let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                    // Exponential inter-arrival: −ln(1 − U) / rate with U in [0, 1).
+                    let u = rng.next_f64();
                     t += -(1.0 - u).ln() / rate;
                     t
                 }
@@ -90,7 +91,6 @@ pub struct SimConfig {
     pub radix: bool,
     /// KV pool size in tokens.
     pub capacity_tokens: usize,
-    /// The cost model.
     pub cost: CostModel,
     /// `--max-concurrency`: requests in flight at most (`None`: no limit).
     pub max_concurrency: Option<usize>,
@@ -105,11 +105,9 @@ pub struct SimOutcome {
     pub eviction_policy: String,
     /// KV pool size in tokens.
     pub capacity_tokens: usize,
-    /// Page size.
     pub page_size: u32,
     /// Requests that finished.
     pub requests: usize,
-    /// Requests aborted.
     pub aborted: usize,
     /// Cached prompt tokens / prompt tokens.
     pub hit_rate: f64,
@@ -119,7 +117,6 @@ pub struct SimOutcome {
     pub cached_tokens: usize,
     /// Tokens computed by prefill passes.
     pub prefill_tokens: usize,
-    /// Tokens generated.
     pub output_tokens: usize,
     /// Generated tokens per simulated second.
     pub output_tokens_per_s: f64,
@@ -131,13 +128,10 @@ pub struct SimOutcome {
     pub itl_p50_s: f64,
     /// Inter-token latency, 99th percentile.
     pub itl_p99_s: f64,
-    /// Retractions.
     pub retractions: usize,
     /// Highest pool use in tokens.
     pub peak_used_tokens: usize,
-    /// Simulated duration.
     pub simulated_s: f64,
-    /// Scheduler steps.
     pub steps: u64,
     /// Wall time of the simulation.
     pub seconds: f64,
@@ -175,34 +169,14 @@ impl SimOutcome {
     }
 }
 
-/// SGLang's default request limit for a pool: `min(clamp(capacity / context × 512, 2048, 4096),
-/// capacity / 2)`.
-pub fn default_max_running_requests(capacity_tokens: usize, context_len: usize) -> usize {
-    let proportional = (capacity_tokens as f64 / context_len.max(1) as f64 * 512.0) as usize;
-    proportional
-        .clamp(2048, 4096)
-        .min(capacity_tokens / 2)
-        .max(1)
-}
-
 /// Runs one configuration.
 pub fn run_one(
     requests: &[SimRequest],
     cfg: &SimConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimOutcome> {
-    let p = cfg.scheduler.page_size;
-    let capacity = floor_to_page(cfg.capacity_tokens, p as usize);
-    if capacity == 0 {
-        return Err(EngineError::arg(
-            "--max-total-tokens",
-            format!(
-                "{} tokens is less than one page of {p}",
-                cfg.capacity_tokens
-            ),
-        ));
-    }
-    let mut sched = crate::components::build_scheduler(
+    let capacity = whole_pages(cfg.capacity_tokens, cfg.scheduler.page_size)?;
+    let mut sched = build_scheduler(
         cfg.scheduler.clone(),
         cfg.radix,
         &cfg.eviction_policy,
@@ -467,12 +441,5 @@ mod tests {
         ));
         let o = run_one(&reqs, &config(SchedulePolicy::Fcfs, 128), &mut |_, _| {}).unwrap();
         assert_eq!((o.requests, o.aborted), (0, 1));
-    }
-
-    #[test]
-    fn default_request_limit_as_sglang() {
-        assert_eq!(default_max_running_requests(441_536, 8192), 4096);
-        assert_eq!(default_max_running_requests(100_000, 131_072), 2048);
-        assert_eq!(default_max_running_requests(1000, 8192), 500);
     }
 }

@@ -223,12 +223,12 @@ fn lru_and_mru_differ_on_crafted_sequences() {
 
 /// A random workload with shared prefixes: prompts are paths in a random tree of segments.
 fn random_tree_workload(seed: u64, n: usize) -> Vec<Request> {
-    let mut rng = engine::rng::SplitMix64::new(seed);
+    let mut rng = kv_pool::rng::SplitMix64::new(seed);
     let mut prefixes: Vec<Vec<u32>> = vec![Vec::new()];
     let mut next_token = 0u32;
     let mut out = Vec::new();
     for _ in 0..n {
-        let base = prefixes[rng.below(prefixes.len() as u64) as usize].clone();
+        let base = prefixes[rng.below(prefixes.len())].clone();
         let mut tokens = base;
         let extra = 1 + rng.below(24) as u32;
         tokens.extend(next_token..next_token + extra);

@@ -555,3 +555,119 @@ fn engine_flags_are_validated_naming_the_flag() {
     );
     assert_fails(&["bench", "--model", "x"], &["--url"]);
 }
+
+/// Without `XDG_RUNTIME_DIR`, Mesa's drivers (probed by `info`) would print an error of their
+/// own; kvserve points the variable at a private directory first, so stderr stays clean.
+#[test]
+fn no_alarming_output_without_xdg_runtime_dir() {
+    for args in [&["info"][..], &["info", "--json"][..]] {
+        let o = Command::new(env!("CARGO_BIN_EXE_kvserve"))
+            .args(args)
+            .env_remove("XDG_RUNTIME_DIR")
+            .output()
+            .expect("run kvserve");
+        let err = stderr(&o);
+        assert!(o.status.success(), "{args:?}: {err}");
+        assert!(!err.contains("XDG_RUNTIME_DIR"), "{args:?}: {err}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_kvserve"))
+        .args(["info"])
+        .env("XDG_RUNTIME_DIR", "/nonexistent/runtime")
+        .output()
+        .expect("run kvserve");
+    assert!(!stderr(&o).contains("XDG_RUNTIME_DIR"), "{}", stderr(&o));
+}
+
+/// A small `MistralForCausalLM` checkpoint with a sliding window of `window` tokens: its
+/// config.json and random f32 weights in `dir`.
+fn write_mistral(dir: &std::path::Path, window: usize) {
+    use safetensors::tensor::{Dtype, TensorView};
+    std::fs::create_dir_all(dir).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["MistralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 2048, "vocab_size": 512, "sliding_window": window,
+    })
+    .to_string();
+    std::fs::write(dir.join("config.json"), &config).unwrap();
+    let parsed = model::ModelConfig::from_json_str(&config).unwrap();
+    let weights = model::tiny::random_weights(&parsed, 1);
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = weights
+        .iter()
+        .map(|(name, t)| {
+            let b = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (name.clone(), t.shape.clone(), b)
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// Mistral's sliding window is not applied, so a context longer than the window is refused
+/// naming `sliding_window` (the default context of `bench` is the workload's longest request);
+/// within the window the model runs.
+#[test]
+fn mistral_is_served_only_within_its_sliding_window() {
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let dir = tmp.join("mistral-window-64");
+    write_mistral(&dir, 64);
+    let bench = |system_len: &str, extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--model-path",
+            dir.to_str().unwrap(),
+            "--vocab-size",
+            "512",
+            "--gsp-num-groups",
+            "1",
+            "--gsp-prompts-per-group",
+            "2",
+            "--gsp-system-prompt-len",
+            system_len,
+            "--gsp-question-len",
+            "8",
+            "--gsp-output-len",
+            "4",
+            "--request-rate",
+            "inf",
+            "--quiet",
+            "--json",
+        ];
+        let json = tmp.join("mistral-bench.json");
+        let png = tmp.join("mistral-bench.png");
+        args.push(json.to_str().unwrap());
+        args.extend(["--plot", png.to_str().unwrap()]);
+        args.extend(extra);
+        kvserve(&args)
+    };
+    // 32 + 8 + 4 tokens: inside the window.
+    let o = bench("32", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("[radix] 2 requests (0 aborted)"),
+        "{}",
+        stdout(&o)
+    );
+    // 96 + 8 + 4 tokens: beyond it, by default and when asked for.
+    for (system, extra) in [("96", &[][..]), ("32", &["--context-length", "65"][..])] {
+        let o = bench(system, extra);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        for needle in [
+            "sliding_window",
+            "--context-length 64",
+            "MistralForCausalLM",
+        ] {
+            assert!(err.contains(needle), "{needle:?} in {err}");
+        }
+    }
+}

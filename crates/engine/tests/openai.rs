@@ -412,3 +412,77 @@ fn the_official_openai_python_client_works() {
     );
     assert!(stdout.contains("openai client: ok"), "{stdout}\n{stderr}");
 }
+
+/// vLLM's `cache_salt` on both endpoints: two salts never share a cached prefix, no salt is its
+/// own namespace, the same salt does share, and the greedy output does not depend on the salt.
+/// The salt is the same namespace as `/generate`'s `extra_key`.
+#[test]
+fn cache_salt_namespaces_the_prefix_cache() {
+    let srv = start(&[]);
+    let ids: Vec<u32> = (0..40u32).map(|i| 900 + i * 11).collect();
+    let content = "Summarise the plot of a long novel about a lighthouse keeper who counts ships, \
+                   storms and letters over forty years, in exactly three sentences please.";
+    let run = |path: &str, salt: Option<&str>| {
+        let mut body = match path {
+            "/v1/completions" => json!({"prompt": ids, "max_tokens": 6}),
+            _ => json!({"messages": [{"role": "user", "content": content}], "max_tokens": 6}),
+        };
+        body["temperature"] = json!(0);
+        body["ignore_eos"] = json!(true);
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        let (status, r) = post(srv.port, path, body);
+        assert_eq!(status, 200, "{r}");
+        let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let choice = &r["choices"][0];
+        let text = match path {
+            "/v1/completions" => choice["text"].clone(),
+            _ => choice["message"]["content"].clone(),
+        };
+        (cached, text)
+    };
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let (cached, first) = run(path, Some("salt-a"));
+        assert_eq!(cached, 0, "{path}");
+        let (cached, text) = run(path, Some("salt-b"));
+        assert_eq!(cached, 0, "{path}: another salt shares nothing");
+        assert_eq!(
+            text, first,
+            "{path}: the same greedy output under every salt"
+        );
+        let (cached, text) = run(path, None);
+        assert_eq!(cached, 0, "{path}: no salt is a namespace of its own");
+        assert_eq!(text, first);
+        let (cached, text) = run(path, Some("salt-a"));
+        assert!(
+            cached >= 16,
+            "{path}: the same salt shares the cached prefix"
+        );
+        assert_eq!(text, first);
+    }
+    // `cache_salt` and `extra_key` name the same namespaces.
+    let (status, g) = post(
+        srv.port,
+        "/generate",
+        json!({"input_ids": ids, "extra_key": "salt-b", "sampling_params": {"max_new_tokens": 1}}),
+    );
+    assert_eq!(status, 200, "{g}");
+    assert_eq!(g["meta_info"]["cached_tokens"], 32, "{g}");
+    for bad in [json!(7), json!(null), json!(""), json!({"k": 1})] {
+        let (status, r) = post(
+            srv.port,
+            "/v1/completions",
+            json!({"prompt": [1, 2, 3], "max_tokens": 1, "cache_salt": bad}),
+        );
+        if bad.is_null() {
+            assert_eq!(status, 200, "a null salt is no salt: {r}");
+            continue;
+        }
+        assert_eq!(status, 400, "{bad}: {r}");
+        assert_eq!(r["error"]["param"], "cache_salt", "{r}");
+    }
+    assert_kv_freed(srv.port);
+}

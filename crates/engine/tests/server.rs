@@ -277,3 +277,45 @@ fn config_file_settings_show_in_server_info() {
     assert_eq!(info["disable_radix_cache"], false, "{info}");
     assert_eq!(info["engine"]["total_tokens"], 8192, "{info}");
 }
+
+/// SGLang's `extra_key`: a prompt cached under one key is not found under another, nor without
+/// a key (its own namespace); the output does not depend on the namespace; a repeat under the
+/// same key hits. A key that is not a non-empty string of at most 256 bytes is a 400 naming it.
+#[test]
+fn extra_key_namespaces_the_prefix_cache() {
+    let srv = start(&[]);
+    let ids: Vec<u32> = (0..40u32).map(|i| 700 + i * 7).collect();
+    let run = |key: Option<&str>| {
+        let mut body = json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": true}});
+        if let Some(k) = key {
+            body["extra_key"] = json!(k);
+        }
+        let (status, r) = post(srv.port, "/generate", body);
+        assert_eq!(status, 200, "{r}");
+        let cached = r["meta_info"]["cached_tokens"].as_u64().unwrap();
+        (cached, r["output_ids"].clone())
+    };
+    let (cached, first) = run(Some("tenant-a"));
+    assert_eq!(cached, 0);
+    let (cached, out) = run(Some("tenant-b"));
+    assert_eq!(cached, 0, "another key shares nothing");
+    assert_eq!(out, first, "the same greedy output in every namespace");
+    let (cached, out) = run(None);
+    assert_eq!(cached, 0, "no key is a namespace of its own");
+    assert_eq!(out, first);
+    for key in [Some("tenant-a"), Some("tenant-b"), None] {
+        let (cached, out) = run(key);
+        assert_eq!(cached, 32, "{key:?}: a repeat hits its two whole pages");
+        assert_eq!(out, first);
+    }
+    for bad in [json!(7), json!(["a"]), json!(""), json!("k".repeat(257))] {
+        let (status, r) = post(
+            srv.port,
+            "/generate",
+            json!({"input_ids": [1, 2, 3], "extra_key": bad}),
+        );
+        assert_eq!(status, 400, "{bad}: {r}");
+        assert_eq!(r["error"]["param"], "extra_key", "{r}");
+    }
+    assert_kv_freed(srv.port);
+}

@@ -28,7 +28,7 @@ pub enum KvPoolError {
     /// A token count that must be a multiple of the page size is not.
     #[error("{n} tokens is not a multiple of the page size {page_size}")]
     NotPageAligned {
-        /// The offending count.
+        /// The token count given (to `alloc`, or a pool size).
         n: usize,
         /// The allocator's page size.
         page_size: u32,
@@ -37,7 +37,7 @@ pub enum KvPoolError {
     /// A slot lies outside the pool (or in the padding page, which is never allocated).
     #[error("{slot} is outside the allocatable range {first}..{end}")]
     SlotOutOfRange {
-        /// The offending slot.
+        /// The first slot of the call that lies outside `first..end`.
         slot: Slot,
         /// First allocatable slot.
         first: u32,
@@ -48,9 +48,9 @@ pub enum KvPoolError {
     /// A page lies outside the pool (or is the padding page 0).
     #[error("{page} is outside the allocatable range 1..={last}")]
     PageOutOfRange {
-        /// The offending page.
+        /// The page given: 0 (padding) or past `last`.
         page: Page,
-        /// The last allocatable page.
+        /// The last allocatable page (the pool's page count).
         last: u32,
     },
 
@@ -85,23 +85,23 @@ pub enum KvPoolError {
     /// A row index is outside the request-to-token table (or is the padding row 0).
     #[error("{row} is outside 1..={rows}")]
     RowOutOfRange {
-        /// The offending row.
+        /// The row given: 0 (padding) or past `rows`.
         row: ReqRow,
-        /// The last real row.
+        /// The last real row (the table's `max_running_requests`).
         rows: usize,
     },
 
     /// An operation on a row that is not allocated (includes a double free of a row).
     #[error("{row} is not allocated")]
     RowNotAllocated {
-        /// The row.
+        /// The row given, which is free.
         row: ReqRow,
     },
 
     /// A range of positions does not fit in a row.
     #[error("positions {start}..{end} do not fit in a row of {width} positions")]
     RowRangeOutOfBounds {
-        /// First position.
+        /// First position of the range (inclusive).
         start: usize,
         /// One past the last position (saturated on overflow).
         end: usize,
@@ -125,7 +125,7 @@ pub enum KvPoolError {
     /// A layer index is out of range.
     #[error("layer {layer} is out of range (the layout has {layers} layers)")]
     LayerOutOfRange {
-        /// The offending layer.
+        /// The layer index given (layers count from 0).
         layer: usize,
         /// Layers in the layout.
         layers: usize,
@@ -134,11 +134,11 @@ pub enum KvPoolError {
     /// A buffer passed to a store has the wrong length.
     #[error("{what}: expected {expected} elements, got {got}")]
     LengthMismatch {
-        /// What buffer.
+        /// The argument at fault, by its parameter name (`"k"`, `"v"`, `"dst"`, …).
         what: &'static str,
-        /// Length needed.
+        /// Elements the layout and the slot count call for.
         expected: usize,
-        /// Length given.
+        /// Elements passed.
         got: usize,
     },
 
@@ -158,10 +158,10 @@ pub enum KvPoolError {
     /// Host memory for a store could not be reserved.
     #[error("could not allocate {bytes} bytes of host memory for the KV store")]
     HostOutOfMemory {
-        /// Bytes requested.
+        /// Bytes the store needed for its whole layout.
         bytes: usize,
     },
 }
 
-/// Result alias for this crate.
+/// `Result` with [`KvPoolError`] as the default error: what every fallible kv-pool call returns.
 pub type Result<T, E = KvPoolError> = std::result::Result<T, E>;

@@ -162,7 +162,9 @@ pub struct KvShape {
 }
 
 impl KvShape {
-    /// An MHA/GQA shape.
+    /// A multi-head / grouped-query attention shape: per layer, a key row of
+    /// `kv_heads × head_dim` and a value row of `kv_heads × v_head_dim` per token. Zero
+    /// dimensions are [`KvPoolError::InvalidConfig`].
     pub fn mha(
         kv_heads: u32,
         head_dim: u32,
@@ -181,7 +183,9 @@ impl KvShape {
         )
     }
 
-    /// An MLA shape.
+    /// A multi-head latent attention shape (DeepSeek): per layer, one row of
+    /// `kv_lora_rank + qk_rope_head_dim` per token; the value is the latent's first
+    /// `kv_lora_rank` dims.
     pub fn mla(
         kv_lora_rank: u32,
         qk_rope_head_dim: u32,
@@ -198,7 +202,8 @@ impl KvShape {
         )
     }
 
-    /// A DoubleSparse shape.
+    /// A DoubleSparse shape: the MHA key and value rows plus a label row of
+    /// `kv_heads × heavy_channels` per token (the heavy channels used to pick tokens).
     pub fn double_sparse(
         kv_heads: u32,
         head_dim: u32,

@@ -12,7 +12,9 @@
 //!   with scales) and their byte math, the [`KvStore`] trait that host memory and every device
 //!   backend implement, and [`HostKvStore`].
 //! - Sizing: [`MemoryPlan`] computes the pool size and the default request limit as SGLang does.
-//! - Checking: [`OwnershipCheck`] proves that free pages and owned pages partition the pool.
+//! - Checking: [`OwnershipCheck`] proves that free pages and owned pages partition the pool;
+//!   with the `testing` feature, `kv_pool::testing::check_allocator` runs the allocator
+//!   conformance suite (the one this crate's tests run) on any [`Allocator`] implementation.
 //!
 //! ## Invariants
 //! - Slot 0 / page 0 and row 0 are padding targets and are never handed out.
@@ -42,6 +44,8 @@ pub mod ownership;
 pub mod req_to_token;
 pub mod rng;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use allocator::{
     Allocator, AllocatorState, AnyAllocator, DecodeRequest, ExtendRequest, PagedAllocator,

@@ -51,45 +51,45 @@ pub enum OwnershipViolation {
     /// Allocated, but nobody claims it: leaked.
     #[error("{page} is lost: allocated but owned by no one")]
     Lost {
-        /// The page.
+        /// The lowest-numbered leaked page.
         page: Page,
     },
     /// Claimed by two different owners.
     #[error("{page} is owned twice: by {first} and by {second}")]
     OwnedTwice {
-        /// The page.
+        /// The lowest-numbered page claimed twice.
         page: Page,
-        /// The first claimant.
+        /// The owner whose claim came first (in `claim` order).
         first: Owner,
-        /// The second claimant.
+        /// The owner whose claim collided with it.
         second: Owner,
     },
     /// Claimed by an owner while the allocator has it as free: a use after free.
     #[error("{page} is owned by {owner} but is free in the allocator")]
     OwnedButFree {
-        /// The page.
+        /// The claimed page, which the allocator lists as unallocated.
         page: Page,
-        /// The claimant.
+        /// Who claims it (the holder of a dangling slot).
         owner: Owner,
     },
     /// Listed twice among the allocator's unallocated pages: the free list is corrupt.
     #[error("{page} appears twice among the allocator's free pages")]
     FreeTwice {
-        /// The page.
+        /// The page listed twice across the free list, release list and open free group.
         page: Page,
     },
     /// Listed as free while the allocation bitmap says allocated.
     #[error("{page} is on a free list but marked allocated")]
     FreeButAllocated {
-        /// The page.
+        /// The page whose allocation bit is set although the allocator lists it as free.
         page: Page,
     },
     /// A claimed slot outside the pool (or in the padding page).
     #[error("{owner} claims {slot}, outside the pool's pages 1..={last_page}")]
     SlotOutOfRange {
-        /// The claimant.
+        /// Who made the claim.
         owner: Owner,
-        /// The slot.
+        /// The claimed slot, in the padding page 0 or past `last_page`.
         slot: Slot,
         /// The pool's last page.
         last_page: u32,

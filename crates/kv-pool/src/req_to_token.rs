@@ -77,7 +77,7 @@ impl ReqToTokenPool {
         self.width
     }
 
-    /// Free rows.
+    /// Rows that can still be allocated (the padding row 0 never counts).
     pub fn available_size(&self) -> usize {
         self.free_rows.len()
     }
@@ -109,7 +109,8 @@ impl ReqToTokenPool {
         Ok(rows)
     }
 
-    /// Allocates one row.
+    /// Allocates the row at the head of the free list ([`KvPoolError::OutOfRows`] when none
+    /// is free).
     pub fn alloc_one(&mut self) -> Result<ReqRow> {
         Ok(self.alloc(1)?[0])
     }

@@ -156,7 +156,7 @@ pub mod check {
         n.saturating_mul(per_row)
     }
 
-    /// The layer exists.
+    /// `Ok` when `layer < layout.shape.layers`, else [`KvPoolError::LayerOutOfRange`].
     pub fn layer(layout: &KvLayout, layer: usize) -> Result<()> {
         let layers = layout.shape.layers as usize;
         if layer >= layers {
@@ -165,7 +165,8 @@ pub mod check {
         Ok(())
     }
 
-    /// The layout has this buffer.
+    /// `Ok` when the layout's kind has `buffer`, else [`KvPoolError::Unsupported`] saying why
+    /// (MLA has no value buffer; only DoubleSparse has labels).
     pub fn buffer(layout: &KvLayout, buffer: KvBuffer) -> Result<()> {
         if layout.shape.has_buffer(buffer) {
             return Ok(());
@@ -211,7 +212,8 @@ pub mod check {
         }
     }
 
-    /// A buffer has the expected length.
+    /// `Ok` when `got == expected`, else [`KvPoolError::LengthMismatch`] naming the argument
+    /// `what`.
     pub fn len(what: &'static str, expected: usize, got: usize) -> Result<()> {
         if expected != got {
             return Err(KvPoolError::LengthMismatch {

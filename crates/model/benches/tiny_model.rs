@@ -129,6 +129,7 @@ fn tinyllama_layer() -> ModelConfig {
         rope_theta: 10_000.0,
         rope_scaling: RopeScaling::None,
         max_position_embeddings: 2048,
+        sliding_window: None,
         vocab_size: 256,
         tie_word_embeddings: true,
         qkv_bias: false,

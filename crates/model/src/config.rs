@@ -15,7 +15,8 @@ use crate::error::{ModelError, Result};
 pub enum Architecture {
     /// `LlamaForCausalLM` (Llama 2 / 3, SmolLM, TinyLlama, …).
     Llama,
-    /// `MistralForCausalLM` (the Llama layer; sliding windows are not applied).
+    /// `MistralForCausalLM`: the Llama layer. Its sliding window is not applied, so it is served
+    /// only within the window ([`ModelConfig::check_context_len`]).
     Mistral,
     /// `Qwen2ForCausalLM` (Qwen2 / 2.5: biases on the q, k, v projections).
     Qwen2,
@@ -148,6 +149,12 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     /// Longest context the model was trained for.
     pub max_position_embeddings: usize,
+    /// The attention window in tokens, when the model attends only to the last
+    /// `sliding_window` positions (`sliding_window` of Mistral's config, and of Qwen2's and
+    /// Qwen3's when `use_sliding_window` is true). The layers here attend to every position, so
+    /// they compute the model exactly only for sequences no longer than the window:
+    /// [`check_context_len`](Self::check_context_len) refuses a longer context.
+    pub sliding_window: Option<usize>,
     /// Vocabulary size (rows of the embedding and the LM head).
     pub vocab_size: usize,
     /// Whether the LM head reuses the embedding table.
@@ -493,6 +500,16 @@ impl ModelConfig {
                 ),
             ));
         }
+        // Qwen2 / Qwen3 configs carry a `sliding_window` that is off unless `use_sliding_window`.
+        let sliding_window = match architecture {
+            Architecture::Mistral => f.opt_usize("sliding_window")?,
+            Architecture::Qwen2 | Architecture::Qwen3
+                if f.bool_or("use_sliding_window", false)? =>
+            {
+                f.opt_usize("sliding_window")?
+            }
+            _ => None,
+        };
         let mla = if architecture == Architecture::DeepseekV2 {
             Some(parse_mla(&f)?)
         } else {
@@ -514,6 +531,7 @@ impl ModelConfig {
             rope_theta: f.f64_or("rope_theta", 10_000.0)?,
             rope_scaling,
             max_position_embeddings: f.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            sliding_window,
             vocab_size: f.usize("vocab_size")?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
             qkv_bias: architecture == Architecture::Qwen2 || (attention_bias && mla.is_none()),
@@ -553,6 +571,9 @@ impl ModelConfig {
                     self.num_key_value_heads, self.num_attention_heads
                 ),
             ));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(field_err("sliding_window", "must be positive"));
         }
         if self.head_dim % 2 != 0 {
             return Err(field_err(
@@ -600,6 +621,28 @@ impl ModelConfig {
             (None, _) => {}
         }
         Ok(())
+    }
+
+    /// Refuses to serve sequences of up to `context_len` tokens when the model has a sliding
+    /// window shorter than that: the layers attend to every position, so beyond the window they
+    /// would compute a different model. Within the window, full attention is exact (a position
+    /// `i` attends to `j` iff `i − j < window`, which holds for every pair of a shorter
+    /// sequence). The context a server offers is `max_position_embeddings` unless it is given a
+    /// smaller one, so this is checked where the context length is known, not at parse time.
+    ///
+    /// Errors: [`ModelError::ConfigField`] naming `sliding_window`, with the largest context
+    /// that can be served.
+    pub fn check_context_len(&self, context_len: usize) -> Result<()> {
+        match self.sliding_window {
+            Some(window) if context_len > window => Err(field_err(
+                "sliding_window",
+                format!(
+                    "{} attends within a sliding window of {window} tokens, which this crate                      does not apply; a context of {context_len} tokens would attend beyond it.                      Serve a context of at most {window} tokens (the engine's                      --context-length {window})",
+                    self.architecture.hf_name()
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The rotary configuration of MLA's rope part (`qk_rope_head_dim`, GPT-J pairing: HF's
@@ -730,6 +773,9 @@ impl fmt::Display for ModelConfig {
             "max_position_embeddings {}",
             self.max_position_embeddings
         )?;
+        if let Some(w) = self.sliding_window {
+            writeln!(f, "sliding_window          {w}")?;
+        }
         writeln!(f, "vocab_size              {}", self.vocab_size)?;
         writeln!(f, "tie_word_embeddings     {}", self.tie_word_embeddings)?;
         writeln!(
@@ -762,5 +808,65 @@ impl fmt::Display for ModelConfig {
             self.bos_token_id, self.eos_token_ids
         )?;
         write!(f, "parameters              {}", self.num_parameters())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(architecture: &str, extra: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json_str(&format!(
+            r#"{{"architectures": ["{architecture}"], "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 32768, "vocab_size": 100{extra}}}"#
+        ))
+    }
+
+    #[test]
+    fn a_sliding_window_limits_the_context_served() {
+        // Mistral-7B-v0.1: a 4096-token window, 32768 positions.
+        let c = config("MistralForCausalLM", r#", "sliding_window": 4096"#).unwrap();
+        assert_eq!(c.sliding_window, Some(4096));
+        let e = c.check_context_len(c.max_position_embeddings).unwrap_err();
+        let ModelError::ConfigField { field, reason } = &e else {
+            panic!("expected a ConfigField error, got {e:?}")
+        };
+        assert_eq!(field, "sliding_window");
+        assert!(
+            reason.contains("32768") && reason.contains("--context-length 4096"),
+            "{e}"
+        );
+        assert!(c.check_context_len(4097).is_err());
+        c.check_context_len(4096).unwrap();
+        c.check_context_len(100).unwrap();
+
+        // No window (null or absent, as Mistral-7B-v0.2+), or one as long as the context.
+        for extra in [
+            r#", "sliding_window": null"#,
+            "",
+            r#", "sliding_window": 32768"#,
+        ] {
+            let c = config("MistralForCausalLM", extra).unwrap();
+            c.check_context_len(32768).unwrap();
+        }
+        // Qwen2's window is off unless use_sliding_window.
+        let qwen = |extra| config("Qwen2ForCausalLM", extra).unwrap().sliding_window;
+        assert_eq!(qwen(r#", "sliding_window": 4096"#), None);
+        assert_eq!(
+            qwen(r#", "sliding_window": 4096, "use_sliding_window": true"#),
+            Some(4096)
+        );
+        // Llama has no window; a bad value names the field.
+        assert_eq!(
+            config("LlamaForCausalLM", r#", "sliding_window": 4096"#)
+                .unwrap()
+                .sliding_window,
+            None
+        );
+        for bad in [r#", "sliding_window": 0"#, r#", "sliding_window": "big""#] {
+            let e = config("MistralForCausalLM", bad).unwrap_err();
+            assert!(e.to_string().contains("sliding_window"), "{e}");
+        }
     }
 }

@@ -34,6 +34,7 @@ pub fn tiny_config() -> ModelConfig {
         rope_theta: 10_000.0,
         rope_scaling: RopeScaling::None,
         max_position_embeddings: 2048,
+        sliding_window: None,
         vocab_size: 50_257,
         tie_word_embeddings: true,
         qkv_bias: false,

@@ -33,6 +33,7 @@ fn config() -> ModelConfig {
             original_max_position_embeddings: 64.0,
         },
         max_position_embeddings: 1024,
+        sliding_window: None,
         vocab_size: 128,
         tie_word_embeddings: false,
         qkv_bias: true,

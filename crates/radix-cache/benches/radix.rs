@@ -13,22 +13,17 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kv_pool::rng::SplitMix64;
 use kv_pool::{Allocator, ExtendRequest, PagedAllocator, Slot};
 use radix_cache::{BuiltinPolicy, InsertOptions, PrefixCache, RadixCache};
-
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// SGLang's generated-shared-prefix prompts with its defaults, shuffled.
 fn gsp_prompts(seed: u64) -> Vec<Vec<u32>> {
     let (groups, per_group, system, question) = (64, 16, 2048, 128);
-    let mut s = seed;
-    let tok = |s: &mut u64| (splitmix(s) % 128_000) as u32;
+    // The same seed and `next_u64` sequence as the bench's former private SplitMix copy, so
+    // the prompts (and the numbers) stay comparable across that change.
+    let mut s = SplitMix64::new(seed);
+    let tok = |s: &mut SplitMix64| (s.next_u64() % 128_000) as u32;
     let mut prompts = Vec::new();
     for _ in 0..groups {
         let sys: Vec<u32> = (0..system).map(|_| tok(&mut s)).collect();
@@ -39,7 +34,7 @@ fn gsp_prompts(seed: u64) -> Vec<Vec<u32>> {
         }
     }
     for i in (1..prompts.len()).rev() {
-        let j = (splitmix(&mut s) % (i as u64 + 1)) as usize;
+        let j = (s.next_u64() % (i as u64 + 1)) as usize;
         prompts.swap(i, j);
     }
     prompts
@@ -55,7 +50,7 @@ fn gsp_match_insert(c: &mut Criterion) {
     let mut slots = Vec::with_capacity(4096);
     g.bench_function("P=1", |b| {
         b.iter(|| {
-            let mut cache = RadixCache::new(1, Box::new(BuiltinPolicy::Lru));
+            let mut cache = RadixCache::new(1, BuiltinPolicy::Lru);
             let mut next_slot = 1u32;
             for p in &prompts {
                 out.clear();
@@ -83,7 +78,7 @@ fn evict_one_page(c: &mut Criterion) {
     let mut g = c.benchmark_group("evict_one_page_40k_leaves");
     // A shared 64-token trunk and 40,000 two-page leaves under it.
     let mut alloc = PagedAllocator::new((LEAVES * 2 + 8) * P as usize, P).unwrap();
-    let mut cache = RadixCache::new(P, Box::new(BuiltinPolicy::Lru));
+    let mut cache = RadixCache::new(P, BuiltinPolicy::Lru);
     let trunk: Vec<u32> = (0..64).collect();
     let key = |i: usize| {
         let mut k = trunk.clone();

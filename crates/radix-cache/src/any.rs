@@ -3,7 +3,8 @@
 
 use crate::{ChunkCache, RadixCache};
 
-/// Every prefix cache this crate implements.
+/// Every prefix cache this crate implements, as one value (the engine's prefix-cache
+/// component): static dispatch, so no call goes through a vtable.
 // One per engine, so the size of the chunk-cache variant does not matter, and boxing the radix
 // variant would add an indirection to every call.
 #[allow(clippy::large_enum_variant)]

@@ -14,7 +14,8 @@ const ROOT: NodeId = NodeId {
     generation: 0,
 };
 
-/// A prefix cache that caches nothing.
+/// A prefix cache that caches nothing (SGLang's `ChunkCache`): a request's KV stays its own
+/// from its first prefill chunk to its finish.
 #[derive(Debug, Clone)]
 pub struct ChunkCache {
     page_size: u32,
@@ -40,6 +41,10 @@ impl ChunkCache {
 impl PrefixCache for ChunkCache {
     fn page_size(&self) -> u32 {
         self.page_size
+    }
+
+    fn reuses_prefixes(&self) -> bool {
+        false
     }
 
     fn root(&mut self, _extra_key: Option<&str>) -> NodeId {
@@ -69,13 +74,7 @@ impl PrefixCache for ChunkCache {
         slots: &[Slot],
         _opts: InsertOptions,
     ) -> Result<InsertResult> {
-        if slots.len() != key.len() {
-            return Err(RadixCacheError::LengthMismatch {
-                what: "insert slots",
-                expected: key.len(),
-                got: slots.len(),
-            });
-        }
+        crate::error::check_insert_lengths(key, slots)?;
         Ok(InsertResult {
             prefix_len: 0,
             inserted: 0,

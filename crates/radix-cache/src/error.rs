@@ -4,7 +4,8 @@ use kv_pool::KvPoolError;
 
 use crate::NodeId;
 
-/// Errors of prefix-cache operations.
+/// Why a prefix-cache operation was refused; the cache is unchanged (bad input is an error,
+/// never a panic).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RadixCacheError {
@@ -19,9 +20,9 @@ pub enum RadixCacheError {
     LengthMismatch {
         /// What was being checked.
         what: &'static str,
-        /// Expected length.
+        /// The length the other input implies.
         expected: usize,
-        /// Given length.
+        /// The length passed.
         got: usize,
     },
     /// An eviction policy name that is not known.
@@ -40,5 +41,17 @@ pub enum RadixCacheError {
     KvPool(#[from] KvPoolError),
 }
 
-/// Result alias for this crate.
+/// `Result` with [`RadixCacheError`] as the error, as every fallible call here returns.
 pub type Result<T, E = RadixCacheError> = std::result::Result<T, E>;
+
+/// Refuses an insert whose slots are not one per key token.
+pub(crate) fn check_insert_lengths(key: &[u32], slots: &[kv_pool::Slot]) -> Result<()> {
+    if slots.len() != key.len() {
+        return Err(RadixCacheError::LengthMismatch {
+            what: "insert slots",
+            expected: key.len(),
+            got: slots.len(),
+        });
+    }
+    Ok(())
+}

@@ -33,7 +33,8 @@ pub fn digest_hex(d: &PageDigest) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A change to the set of cached pages.
+/// A change to the set of cached pages, as SGLang publishes it to cache-aware routers
+/// (`--kv-events-config`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
     /// Pages entered the cache: one event per inserted run of pages.
@@ -52,7 +53,7 @@ pub enum KvEvent {
         /// Block ids of the removed pages.
         block_hashes: Vec<i64>,
     },
-    /// The cache was reset.
+    /// The cache was reset: every page left at once.
     AllBlocksCleared,
 }
 

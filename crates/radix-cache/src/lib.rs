@@ -6,8 +6,9 @@
 //! - [`PrefixCache`]: SGLang's operations (`match_prefix`, `insert`, `cache_unfinished_req`,
 //!   `cache_finished_req`, `evict`, `inc_lock_ref` / `dec_lock_ref`, sizes, `reset`,
 //!   `take_events`), implemented by [`RadixCache`] and [`ChunkCache`].
-//! - [`RadixCache`]: a radix tree over token ids at page size 1 or `P`: keys floored to whole
-//!   pages, children found by their first page, nodes split on partial matches, lock counts
+//! - [`RadixCache`]: a radix tree over token ids at page size 1 or `P`, generic over its
+//!   eviction policy (called statically): keys floored to whole pages, children found by their
+//!   first page, nodes split on partial matches, lock counts
 //!   exactly as SGLang. Nodes live in an arena; token keys and slot values live in two parallel
 //!   arenas, so a split copies nothing. Beyond SGLang: evictable leaves are kept ordered by the
 //!   policy's key and updated incrementally (`evict` is O(log n) per freed node); a leaf can be
@@ -15,9 +16,13 @@
 //!   operation), so runs and snapshots are reproducible; a read-only match
 //!   ([`PrefixCache::peek_prefix_len`]) ranks requests without splitting nodes.
 //! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, Belady's oracle, and
-//!   the [`policy::EvictionPolicy`] trait for your own.
+//!   the [`policy::EvictionPolicy`] trait for your own; a capability a policy needs from the
+//!   tree (path hashes) is asked of the trait.
 //! - [`events`]: `BlockStored` / `BlockRemoved` / `AllBlocksCleared` with SGLang's chained
 //!   SHA-256 page hashes.
+//! - `testing` (feature `testing`): the suites that check a prefix cache or an eviction policy
+//!   of your own with one call (`check_prefix_cache`, `check_eviction_policy`); this crate's
+//!   tests run them on its own caches and policies.
 //!
 //! ## Invariants
 //! - The tree stores slot indices, never KV bytes, and frees slots only through
@@ -45,6 +50,8 @@ pub mod events;
 pub mod policy;
 pub mod radix;
 pub mod request;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use any::AnyPrefixCache;
 pub use chunk::ChunkCache;
@@ -58,13 +65,15 @@ use std::fmt;
 
 use kv_pool::{Allocator, OwnershipCheck, ReqToTokenPool, Slot};
 
-/// A tree node handle: an arena index plus a generation, so a handle to an evicted node is
-/// detected rather than aliased to a reused one.
+/// A tree node handle (where SGLang holds a `TreeNode` reference): an arena index plus a
+/// generation, so a handle to an evicted node is detected rather than aliased to a reused one.
+#[doc(alias = "TreeNode")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeId {
-    /// Arena index.
+    /// Index of the node's entry in the cache's node arena (entries are reused).
     pub index: u32,
-    /// Generation of the arena entry when the handle was made.
+    /// How many times the entry had been reused when the handle was made; a handle whose
+    /// generation differs from the entry's is stale.
     pub generation: u32,
 }
 
@@ -74,7 +83,8 @@ impl fmt::Display for NodeId {
     }
 }
 
-/// What a match found.
+/// What a match found (SGLang's `MatchResult`, device part: the slots go to the caller's
+/// buffer instead of a returned tensor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatchResult {
     /// Tokens matched (a multiple of the page size); that many slots were appended to `out`.
@@ -97,7 +107,7 @@ pub struct InsertResult {
     pub last_node: NodeId,
 }
 
-/// Options of an insert.
+/// How an insert weighs the path it touches (for the eviction policy's statistics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct InsertOptions {
     /// Request priority, max-propagated along the path.
@@ -110,10 +120,16 @@ pub struct InsertOptions {
 /// cache on a scheduler thread.
 ///
 /// [`AnyPrefixCache`] is the closed set of this crate's implementations, dispatched statically.
+/// `testing::check_prefix_cache` (feature `testing`) checks an implementation of your own.
+#[doc(alias = "BasePrefixCache")]
 #[enum_dispatch::enum_dispatch]
 pub trait PrefixCache: Send {
-    /// Page size `P`.
+    /// Page size `P` in tokens: the cache stores whole pages only.
     fn page_size(&self) -> u32;
+    /// Whether the cache shares KV between requests (a radix tree does; SGLang's `ChunkCache`,
+    /// its cache with `--disable-radix-cache`, does not). Cache-aware schedule policies fall
+    /// back to FCFS when it does not.
+    fn reuses_prefixes(&self) -> bool;
     /// The root of a namespace (`None`: the default one); created on demand.
     fn root(&mut self, extra_key: Option<&str>) -> NodeId;
 
@@ -132,6 +148,14 @@ pub trait PrefixCache: Send {
     /// The length of that prefix and the deepest node it reaches (a node matched part-way
     /// counts), without changing anything; `None` when nothing matched.
     fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>);
+    /// [`peek_prefix`](Self::peek_prefix), and the matched nodes' access times refreshed as
+    /// [`match_prefix`](Self::match_prefix) refreshes them, but without splitting a node matched
+    /// part-way (it is refreshed whole). For ranking a waiting queue: SGLang's cache-aware
+    /// policies match every waiting request, so the prefixes they will use stay recent under
+    /// LRU. The default refreshes nothing (right for a cache without access times).
+    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+        self.peek_prefix(key, extra_key)
+    }
     /// The parent of a node (`None` for a root or an unknown node), for policies that weigh
     /// subtrees (DFS-weight).
     fn parent(&self, _node: NodeId) -> Option<NodeId> {
@@ -149,7 +173,7 @@ pub trait PrefixCache: Send {
     /// Caches a request's computed prefix mid-flight (after a prefill chunk, or after prefill
     /// for a request that goes on decoding): inserts the page-aligned committed prefix, frees
     /// the request's duplicate slots, re-points its row at the tree's slots, and moves its lock
-    /// to the new last node (SGLang §2.6).
+    /// to the new last node (as SGLang's `RadixCache.cache_unfinished_req`).
     fn cache_unfinished_req(
         &mut self,
         req: ReqView<'_>,
@@ -188,4 +212,9 @@ pub trait PrefixCache: Send {
     fn take_events(&mut self) -> Vec<KvEvent>;
     /// Claims every slot the cache holds, node by node, in an ownership check.
     fn claim_ownership(&self, check: &mut OwnershipCheck);
+    /// Checks the cache's internal invariants; returns a description of the first violation.
+    /// Default: nothing to check. The `testing` suites call it after every step.
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
 }

@@ -30,9 +30,13 @@
 //!     }
 //! }
 //!
-//! let cache = radix_cache::RadixCache::new(1, Box::new(LongestFirst));
+//! // A `RadixCache<LongestFirst>`: the policy is called statically, never through a box.
+//! let cache = radix_cache::RadixCache::with_policy(1, LongestFirst);
 //! assert_eq!(cache.policy_name(), "longest-first");
 //! ```
+//!
+//! `radix_cache::testing::check_eviction_policy` (feature `testing`) checks such a policy against
+//! what the tree relies on.
 
 use std::fmt;
 use std::str::FromStr;
@@ -86,11 +90,16 @@ pub struct NodeStats {
     pub path_hash: u64,
 }
 
-/// An eviction policy. `key` is called when a node becomes an evictable leaf and whenever its
-/// statistics change while it is one; `on_evict` after each eviction, with the victim's key.
+/// An eviction policy (SGLang's `EvictionStrategy`). `key` is called when a node becomes an
+/// evictable leaf and whenever its statistics change while it is one; `on_evict` after each
+/// eviction, with the victim's key. A key once given is kept until the node's next change, so
+/// `key` must be a deterministic function of the statistics and of the policy's state, and that
+/// state may change only in `on_evict` and `advance_to`.
 ///
 /// [`AnyEvictionPolicy`] is the closed set of this crate's policies, dispatched statically; a
-/// policy of your own goes in a `Box<dyn EvictionPolicy>`.
+/// policy of your own is the type parameter of [`crate::RadixCache`]
+/// (`RadixCache::with_policy(page_size, policy)`).
+#[doc(alias = "EvictionStrategy")]
 #[enum_dispatch::enum_dispatch]
 pub trait EvictionPolicy: fmt::Debug + Send {
     /// The policy's name (as `--radix-eviction-policy` spells it).
@@ -102,24 +111,45 @@ pub trait EvictionPolicy: fmt::Debug + Send {
     /// Called by a replay driver before it serves request number `request` (0-based, in replay
     /// order); policies that know the future ([`Belady`]) use it. Default: nothing.
     fn advance_to(&mut self, _request: u64) {}
+    /// Whether the policy reads [`NodeStats::path_hash`]. The cache computes path hashes only
+    /// for such a policy, and evicts page by page for it (a leaf's next page to go may be needed
+    /// sooner than another leaf's). Asked once, when the cache is built. Default: `false`.
+    fn needs_path_hashes(&self) -> bool {
+        false
+    }
 }
 
-/// SGLang's built-in orderings.
+/// SGLang's built-in orderings (`mem_cache/evict_policy.py`, one strategy class each).
+#[doc(alias = "LRUStrategy", alias = "LFUStrategy", alias = "FIFOStrategy")]
+#[doc(
+    alias = "MRUStrategy",
+    alias = "FILOStrategy",
+    alias = "PriorityStrategy"
+)]
+#[doc(alias = "SLRUStrategy")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BuiltinPolicy {
-    /// Least recently used (SGLang's default).
+    /// Least recently used (SGLang's default): key = last access.
+    #[doc(alias = "LRUStrategy")]
     Lru,
-    /// Least frequently used, then least recently used.
+    /// Least frequently used, then least recently used: key = (hit count, last access).
+    #[doc(alias = "LFUStrategy")]
     Lfu,
-    /// First inserted, first evicted.
+    /// First inserted, first evicted: key = creation.
+    #[doc(alias = "FIFOStrategy")]
     Fifo,
-    /// Most recently used first.
+    /// Most recently used first: key = −last access.
+    #[doc(alias = "MRUStrategy")]
     Mru,
-    /// Last inserted, first evicted.
+    /// Last inserted, first evicted: key = −creation.
+    #[doc(alias = "FILOStrategy")]
     Filo,
-    /// Lowest priority first, then least recently used.
+    /// Lowest priority first, then least recently used: key = (priority, last access).
+    #[doc(alias = "PriorityStrategy")]
     Priority,
-    /// Segmented LRU: the probationary segment (hit count < 2) before the protected one.
+    /// Segmented LRU: the probationary segment (hit count < 2) before the protected one, each
+    /// by last access.
+    #[doc(alias = "SLRUStrategy")]
     Slru,
 }
 
@@ -138,7 +168,7 @@ impl BuiltinPolicy {
     /// SLRU's protected-segment threshold (SGLang's default).
     pub const SLRU_PROTECTED_HITS: u32 = 2;
 
-    /// The policy's name.
+    /// The name `--radix-eviction-policy` accepts for it (lowercase).
     pub const fn as_str(self) -> &'static str {
         match self {
             BuiltinPolicy::Lru => "lru",
@@ -196,15 +226,16 @@ pub fn policy_names() -> Vec<&'static str> {
 }
 
 /// Builds a policy from its name (case-insensitive): SGLang's seven and `cost-aware`. `belady`
-/// needs the future and is built with [`Belady::new`].
-pub fn policy_from_name(name: &str) -> Result<Box<dyn EvictionPolicy>> {
-    Ok(Box::new(AnyEvictionPolicy::from_name(name)?))
+/// needs the future and is built with [`Belady::new`]. The same as
+/// [`AnyEvictionPolicy::from_name`].
+pub fn policy_from_name(name: &str) -> Result<AnyEvictionPolicy> {
+    AnyEvictionPolicy::from_name(name)
 }
 
 /// Every policy this crate implements, as one value with static dispatch (the engine's
 /// eviction-policy component).
 #[enum_dispatch::enum_dispatch(EvictionPolicy)]
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum AnyEvictionPolicy {
     /// One of SGLang's seven orderings.
     Builtin(BuiltinPolicy),
@@ -257,7 +288,7 @@ pub struct CostAware {
 }
 
 impl CostAware {
-    /// The policy's name.
+    /// The name `--radix-eviction-policy` accepts for it.
     pub const NAME: &'static str = "cost-aware";
 
     /// A cost-aware policy with the given relative costs (`linear`, `quadratic` ≥ 0).
@@ -350,9 +381,10 @@ impl FutureIndex {
 }
 
 /// Belady's optimal policy for a known future: evict the leaf page whose next use is farthest
-/// (never used again first). With it the cache evicts one page per decision. The replay driver advances [`Belady::set_now`] to the index of the request
-/// being served; a node's key is refreshed whenever it is used, so a stored key is exact until
-/// the node's next use.
+/// (never used again first). It [needs path hashes](EvictionPolicy::needs_path_hashes), so the
+/// cache evicts one page per decision. The replay driver advances [`Belady::set_now`] to the
+/// index of the request being served; a node's key is refreshed whenever it is used, so a
+/// stored key is exact until the node's next use.
 #[derive(Debug, Clone)]
 pub struct Belady {
     future: FutureIndex,
@@ -360,7 +392,8 @@ pub struct Belady {
 }
 
 impl Belady {
-    /// The policy's name.
+    /// The name replay listings use for it (not accepted by [`policy_from_name`]: it needs the
+    /// future).
     pub const NAME: &'static str = "belady";
 
     /// A Belady policy over the requests indexed by `future`.
@@ -381,6 +414,10 @@ impl EvictionPolicy for Belady {
 
     fn advance_to(&mut self, request: u64) {
         self.set_now(request.min(u32::MAX as u64) as u32);
+    }
+
+    fn needs_path_hashes(&self) -> bool {
+        true
     }
 
     fn key(&mut self, n: &NodeStats) -> EvictionKey {

@@ -35,7 +35,10 @@ impl Load {
     }
 }
 
-fn scheduler(policy: SchedulePolicy, fallback: usize) -> (Scheduler, Load) {
+fn scheduler(
+    policy: SchedulePolicy,
+    fallback: usize,
+) -> (Scheduler<RadixCache, PagedAllocator>, Load) {
     let cfg = SchedulerConfig {
         page_size: 16,
         context_len: 4096,
@@ -46,14 +49,8 @@ fn scheduler(policy: SchedulePolicy, fallback: usize) -> (Scheduler, Load) {
         ..SchedulerConfig::default()
     };
     let pool = 256 * 1024;
-    let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
-    let mut s = Scheduler::new(
-        cfg,
-        Box::new(cache),
-        true,
-        Box::new(PagedAllocator::new(pool, 16).unwrap()),
-    )
-    .unwrap();
+    let cache = RadixCache::new(16, BuiltinPolicy::Lru);
+    let mut s = Scheduler::new(cfg, cache, PagedAllocator::new(pool, 16).unwrap()).unwrap();
     let mut load = Load { next: 0 };
     let mut e = FakeExecutor {
         vocab: 32_000,

@@ -1,6 +1,7 @@
 //! What the scheduler hands an executor: one forward pass ([`ForwardBatch`]), and the
 //! [`Executor`] trait that runs it.
 
+use kv_pool::rng::{mix64, GOLDEN_GAMMA};
 use kv_pool::{ReqRow, ReqToTokenPool, Slot};
 
 use crate::ReqId;
@@ -16,37 +17,41 @@ pub enum ForwardMode {
     Mixed,
 }
 
-/// One forward pass. Requests are in order; per request `i` its new tokens are
+/// One forward pass (SGLang's `ForwardBatch`, built from its `ScheduleBatch` through a
+/// `ModelWorkerBatch`). Requests are in order; per request `i` its new tokens are
 /// `input_ids[start_i..start_i + extend_lens[i]]` at positions `prefix_lens[i]..seq_lens[i]`,
 /// and their KV goes to `out_cache_loc` at the same offsets. A request's earlier positions are
 /// read from its row of the request-to-token table (what attention backends turn into page
 /// tables).
+#[doc(alias = "ScheduleBatch")]
+#[doc(alias = "ModelWorkerBatch")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ForwardBatch {
-    /// Extend, decode or mixed.
+    /// Extend, decode or mixed (extend requests first, then one decode token per running
+    /// request).
     pub mode: ForwardMode,
-    /// The requests.
+    /// The requests, in pass order.
     pub reqs: Vec<ReqId>,
-    /// Their rows.
+    /// Each request's row of the request-to-token table (`req_pool_indices`).
     pub rows: Vec<ReqRow>,
-    /// New tokens, concatenated.
+    /// New tokens of all requests, concatenated in pass order.
     pub input_ids: Vec<u32>,
-    /// Position of each new token.
+    /// Position of each new token in its request (parallel to `input_ids`).
     pub positions: Vec<u32>,
-    /// Length after the pass.
+    /// Each request's length after the pass (`prefix_lens + extend_lens`).
     pub seq_lens: Vec<usize>,
-    /// Positions with KV before the pass.
+    /// Each request's positions with KV before the pass.
     pub prefix_lens: Vec<usize>,
-    /// New tokens per request.
+    /// Each request's new tokens in the pass (1 for decode).
     pub extend_lens: Vec<usize>,
-    /// Slot of each new token.
+    /// The pool slot each new token's KV is written to (parallel to `input_ids`).
     pub out_cache_loc: Vec<Slot>,
     /// Whether each request samples a token (false for a middle prefill chunk).
     pub sample: Vec<bool>,
 }
 
 impl ForwardBatch {
-    /// An empty batch of `mode`.
+    /// An empty batch of `mode`; the scheduler fills it request by request.
     pub fn new(mode: ForwardMode) -> Self {
         ForwardBatch {
             mode,
@@ -62,17 +67,17 @@ impl ForwardBatch {
         }
     }
 
-    /// Requests in the batch.
+    /// Number of requests in the batch (not tokens: see [`num_tokens`](Self::num_tokens)).
     pub fn len(&self) -> usize {
         self.reqs.len()
     }
 
-    /// Whether the batch is empty.
+    /// Whether the batch has no request.
     pub fn is_empty(&self) -> bool {
         self.reqs.is_empty()
     }
 
-    /// New tokens in the batch.
+    /// New tokens in the batch, all requests together.
     pub fn num_tokens(&self) -> usize {
         self.input_ids.len()
     }
@@ -133,13 +138,11 @@ pub struct FakeExecutor {
 }
 
 impl FakeExecutor {
-    /// The next token after `token` at `position`.
+    /// The next token after `token` at `position`: `mix64(seed ^ token << 32 ^ position +
+    /// GOLDEN_GAMMA) % vocab` (one SplitMix64 step keyed by the pair).
     pub fn next_token(&self, token: u32, position: u32) -> u32 {
-        let mut z = self.seed ^ ((token as u64) << 32) ^ position as u64;
-        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) % self.vocab as u64) as u32
+        let key = self.seed ^ ((token as u64) << 32) ^ position as u64;
+        (mix64(key.wrapping_add(GOLDEN_GAMMA)) % self.vocab as u64) as u32
     }
 }
 

@@ -6,6 +6,8 @@ use std::str::FromStr;
 use crate::error::{Result, SchedulerError};
 
 /// How the waiting queue is ordered (`--schedule-policy`).
+#[doc(alias = "CacheAwarePolicy")]
+#[doc(alias = "CacheAgnosticPolicy")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SchedulePolicy {
     /// First come, first served (SGLang's default).
@@ -21,7 +23,7 @@ pub enum SchedulePolicy {
 }
 
 impl SchedulePolicy {
-    /// Every policy, in a stable order.
+    /// Every policy, in a stable order (what `--schedule-policy` accepts).
     pub const ALL: [SchedulePolicy; 5] = [
         SchedulePolicy::Fcfs,
         SchedulePolicy::Lpm,
@@ -69,44 +71,47 @@ impl FromStr for SchedulePolicy {
     }
 }
 
-/// Everything the scheduler needs to know (SGLang defaults in brackets).
+/// Everything the scheduler needs to know, named after SGLang's server arguments (SGLang's
+/// `ServerArgs`), with SGLang's defaults.
+#[doc(alias = "ServerArgs")]
 #[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
-    /// `--page-size` [1].
+    /// `--page-size` (default 1).
     pub page_size: u32,
-    /// Longest request (prompt + output) [model's context length].
+    /// Longest request, prompt + output (SGLang: the model's context length).
     pub context_len: usize,
     /// `--max-running-requests`: also the number of request rows.
     pub max_running_requests: usize,
-    /// `--max-prefill-tokens` [16384]: token budget of one prefill batch.
+    /// `--max-prefill-tokens` (default 16384): token budget of one prefill batch.
     pub max_prefill_tokens: usize,
-    /// `--chunked-prefill-size` [by GPU memory; `None` disables chunking].
+    /// `--chunked-prefill-size` (SGLang picks it by GPU memory; `None` disables chunking).
     pub chunked_prefill_size: Option<usize>,
-    /// `--schedule-policy` [fcfs].
+    /// `--schedule-policy` (default fcfs).
     pub schedule_policy: SchedulePolicy,
-    /// LPM falls back to FCFS above this many waiting requests [128].
+    /// LPM falls back to FCFS above this many waiting requests (default 128).
     pub lpm_fallback_threshold: usize,
-    /// In-batch prefix caching: check requests whose cache hit is at most this [32].
+    /// In-batch prefix caching: check requests whose cache hit is at most this (default 32).
     pub in_batch_prefix_check_threshold: usize,
-    /// In-batch prefix caching: deprioritize when at least this many tokens are shared [32].
+    /// In-batch prefix caching: deprioritize when at least this many tokens are shared
+    /// (default 32).
     pub in_batch_prefix_deprioritize_threshold: usize,
-    /// `--enable-priority-scheduling` [false] (with fcfs or lof).
+    /// `--enable-priority-scheduling` (default false; with fcfs or lof only).
     pub enable_priority_scheduling: bool,
-    /// `--schedule-low-priority-values-first` [false].
+    /// `--schedule-low-priority-values-first` (default false).
     pub low_priority_values_first: bool,
-    /// `--priority-scheduling-preemption-threshold` [10].
+    /// `--priority-scheduling-preemption-threshold` (default 10).
     pub priority_preemption_threshold: i64,
-    /// `--schedule-conservativeness` [1.0]: scales the initial new-token ratio.
+    /// `--schedule-conservativeness` (default 1.0): scales the initial new-token ratio.
     pub schedule_conservativeness: f64,
-    /// `--enable-mixed-chunk` [false].
+    /// `--enable-mixed-chunk` (default false).
     pub enable_mixed_chunk: bool,
-    /// `--max-queued-requests` [unlimited].
+    /// `--max-queued-requests` (default unlimited).
     pub max_queued_requests: Option<usize>,
-    /// Clip of `max_new_tokens` in admission estimates [4096].
+    /// Clip of `max_new_tokens` in admission estimates (default 4096).
     pub clip_max_new_tokens: usize,
-    /// Decode steps over which the new-token ratio decays to its floor [600].
+    /// Decode steps over which the new-token ratio decays to its floor (default 600).
     pub new_token_ratio_decay_steps: usize,
-    /// Tokens per remaining request to free after a retraction [20].
+    /// Tokens per remaining request to free after a retraction (default 20).
     pub retract_decode_steps: usize,
     /// Check the pool partition after every step, failing the step on a violation.
     pub strict: bool,
@@ -197,18 +202,18 @@ impl SchedulerConfig {
 /// after a retraction, and resets when the scheduler goes idle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewTokenRatio {
-    /// Initial value.
+    /// Initial value, `min(0.7 × conservativeness, 1)`; restored when idle.
     pub initial: f64,
-    /// Floor.
+    /// Floor of the decay, `min(initial × 0.14, 1)`.
     pub min: f64,
-    /// Per-step decay.
+    /// Subtracted per decode step without retraction: `(initial − min) / decay_steps`.
     pub decay: f64,
-    /// Current value.
+    /// The ratio admission uses now, in `[min, 1]`.
     pub current: f64,
 }
 
 impl NewTokenRatio {
-    /// From the conservativeness and decay horizon.
+    /// From `--schedule-conservativeness` and the decay horizon in decode steps (SGLang: 600).
     pub fn new(conservativeness: f64, decay_steps: usize) -> Self {
         let initial = (0.7 * conservativeness).min(1.0);
         let min = (initial * 0.14).min(1.0);
@@ -221,7 +226,7 @@ impl NewTokenRatio {
         }
     }
 
-    /// One decode step without retraction.
+    /// One decode step without retraction: decays toward the floor.
     pub fn step(&mut self) {
         self.current = (self.current - self.decay).max(self.min);
     }

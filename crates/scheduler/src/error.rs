@@ -5,7 +5,8 @@ use radix_cache::RadixCacheError;
 
 use crate::ReqId;
 
-/// Errors of scheduler operations.
+/// Errors of scheduler operations. Bad input and configuration are refused with these before
+/// anything changes; `Cache` and `Pool` after a step started mean a bug.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SchedulerError {
@@ -15,7 +16,7 @@ pub enum SchedulerError {
     /// The waiting queue is at `max_queued_requests`.
     #[error("the waiting queue is full ({limit} requests)")]
     QueueFull {
-        /// The configured limit.
+        /// The configured limit (`--max-queued-requests`).
         limit: usize,
     },
     /// An id that is not (or no longer) known.
@@ -24,9 +25,9 @@ pub enum SchedulerError {
     /// A configuration value out of range.
     #[error("invalid configuration {field}: {reason}")]
     InvalidConfig {
-        /// The flag or field.
+        /// The flag (SGLang's name, e.g. `--page-size`) or field.
         field: &'static str,
-        /// Why.
+        /// What the value must be.
         reason: String,
     },
     /// The executor failed.
@@ -35,9 +36,9 @@ pub enum SchedulerError {
     /// A strict-mode check found the pool partition or accounting broken (a bug).
     #[error("invariant violated after step {step}: {message}")]
     Invariant {
-        /// Scheduler step.
+        /// The step after which the check failed (from 1).
         step: u64,
-        /// What failed.
+        /// The violated invariant, with the numbers.
         message: String,
     },
     /// The prefix cache refused an operation.
@@ -48,5 +49,5 @@ pub enum SchedulerError {
     Pool(#[from] KvPoolError),
 }
 
-/// Result alias for this crate.
+/// `Result` with [`SchedulerError`] as the default error.
 pub type Result<T, E = SchedulerError> = std::result::Result<T, E>;

@@ -1,26 +1,30 @@
 //! # scheduler — continuous batching as SGLang does it, deterministic and replayable
 //!
-//! Decides, step by step, which requests run: SGLang's scheduler semantics (reference §1.4,
-//! §2.7–2.11) over kv-pool's allocators and request table and radix-cache's prefix caches.
+//! Decides, step by step, which requests run: SGLang's scheduler semantics (its
+//! `managers/scheduler.py`, `schedule_policy.py` and `schedule_batch.py`; the map from SGLang's
+//! names to ours is in ARCHITECTURE.md) over kv-pool's allocators and request table and
+//! radix-cache's prefix caches.
 //!
 //! - [`Req`]: per-request state (tokens, limits, row, committed / allocated / protected lengths,
 //!   prefix, priority, arrival, finish reason).
 //! - [`SchedulerConfig`]: SGLang's server arguments (`--schedule-policy`, `--page-size`,
 //!   `--chunked-prefill-size`, `--max-prefill-tokens`, `--max-running-requests`, …).
-//! - Policies ([`SchedulePolicy`]): `fcfs`, `lpm` (read-only matching, FCFS fallback above a
-//!   threshold, in-batch prefix caching), `dfs-weight`, `lof`, `random` (seeded); priority
-//!   scheduling with preemption.
-//! - [`PrefillAdder`]: every budget rule of SGLang's admission.
-//! - [`Scheduler`]: chunked prefill (one chunked request, page-aligned chunk ends), mixed
-//!   chunks, `prepare_for_extend` / `prepare_for_decode` over the allocators (evicting the
-//!   shortfall from the prefix cache), result processing (`cache_unfinished_req` /
-//!   `cache_finished_req`), the decode memory check and `retract_decode`, the new-token ratio,
-//!   aborts, `max_queued_requests`, and a strict mode that runs the ownership checker after
-//!   every step.
+//! - [`schedule_policy`]: the waiting queue's order ([`SchedulePolicy`]: `fcfs`, `lpm` with
+//!   FCFS fallback above a threshold and in-batch prefix caching, `dfs-weight`, `lof`, seeded
+//!   `random`; matching refreshes the access times of the prefixes waiting requests will use,
+//!   without splitting nodes) and [`PrefillAdder`], every budget rule of SGLang's admission.
+//! - [`Scheduler`], generic over its [`PrefixCache`](radix_cache::PrefixCache) and
+//!   [`Allocator`](kv_pool::Allocator): admission with priority preemption, chunked prefill
+//!   (one chunked request, page-aligned chunk ends), mixed chunks, `prepare_for_extend` /
+//!   `prepare_for_decode` over the allocator (evicting the shortfall from the prefix cache),
+//!   result processing (`cache_unfinished_req` / `cache_finished_req`), the decode memory
+//!   check and `retract_decode`, the new-token ratio, aborts, `max_queued_requests`, and a
+//!   strict mode that runs the invariant checker after every step.
 //! - [`Executor`]: `forward(&ForwardBatch) → next token per request`, implemented by the model
 //!   runner, by [`FakeExecutor`] in tests, and by [`SimExecutor`], which charges a roofline
 //!   cost model's time instead of computing; [`simulate`] replays timed requests on a simulated
-//!   clock and reports hit rate, throughput, TTFT and inter-token latency.
+//!   clock and reports hit rate, throughput, TTFT and inter-token latency through
+//!   [`summary::RunSummary`], the one place those figures are computed.
 //!
 //! ## Invariants
 //! - Plain synchronous CPU logic: no async, no I/O, no device calls. Time is a logical clock,
@@ -38,20 +42,23 @@
 // where a name does not already say it.
 #![warn(missing_docs)]
 
-pub mod adder;
 pub mod batch;
 pub mod config;
 pub mod error;
+pub mod report;
 pub mod req;
+pub mod schedule_policy;
 pub mod scheduler;
 pub mod sim;
+pub mod summary;
 
-pub use adder::{AddResult, PrefillAdder};
 pub use batch::{Executor, FakeExecutor, ForwardBatch, ForwardMode, ForwardOutput};
 pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
 pub use error::{Result, SchedulerError};
+pub use report::{FinishedReq, SchedulerStats, StepEntry, StepReport};
 pub use req::{FinishReason, Req, ReqId, SamplingLimits};
-pub use scheduler::{FinishedReq, Scheduler, SchedulerStats, StepReport};
+pub use schedule_policy::{AddResult, Admission, Candidate, PrefillAdder};
+pub use scheduler::Scheduler;
 pub use sim::{
     replay, simulate, Accelerator, Clock, CostModel, ModelShape, ReplayConfig, SimExecutor,
     SimReport, SimRequest,

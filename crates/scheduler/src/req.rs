@@ -1,11 +1,11 @@
-//! Requests with SGLang's per-request state (`managers/schedule_batch.py`, `Req`).
+//! Requests with SGLang's per-request state (`Req` in SGLang's `managers/schedule_batch.py`).
 
 use std::fmt;
 
 use kv_pool::ReqRow;
 use radix_cache::{PrefixState, ReqView};
 
-/// A request id (assigned by the scheduler in arrival order).
+/// A request id, assigned by the scheduler from 0 in arrival order; displayed `r<n>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ReqId(pub u64);
 
@@ -42,17 +42,17 @@ impl SamplingLimits {
 pub enum FinishReason {
     /// Reached `max_new_tokens`.
     Length {
-        /// The limit.
+        /// The request's `max_new_tokens` (after clipping to the context).
         length: usize,
     },
     /// Generated a stop token.
     Stop {
-        /// The token.
+        /// The stop token generated (it is the last output token).
         token: u32,
     },
     /// Aborted (by the client, or because it cannot fit in memory).
     Abort {
-        /// Why.
+        /// Human-readable cause (the client's, or which limit made it unservable).
         message: String,
     },
 }
@@ -67,16 +67,16 @@ impl fmt::Display for FinishReason {
     }
 }
 
-/// A request and its scheduling state.
+/// A request and its scheduling state (SGLang's `Req`; SGLang's name, so no alias is needed).
 #[derive(Debug, Clone)]
 pub struct Req {
-    /// Its id.
+    /// Its id (the key of the scheduler's request table).
     pub id: ReqId,
     /// Prompt then generated tokens (SGLang's `origin_input_ids + output_ids`).
     pub tokens: Vec<u32>,
-    /// Prompt length.
+    /// Prompt length in tokens: `tokens[..input_len]` is the prompt.
     pub input_len: usize,
-    /// Limits.
+    /// What ends it: `max_new_tokens` (clipped to the context) and stop tokens.
     pub limits: SamplingLimits,
     /// Priority (larger runs first unless configured otherwise).
     pub priority: i64,
@@ -90,30 +90,30 @@ pub struct Req {
     pub committed_len: usize,
     /// Positions with slots (`kv_allocated_len`; equals committed between steps here).
     pub allocated_len: usize,
-    /// The prefix cache's state on it.
+    /// The prefix cache's state on it: protected length, locked node, matched slots.
     pub prefix: PrefixState,
     /// Positions of the current forward pass: `[committed_len, extend_end)`.
     pub extend_end: usize,
     /// Prompt tokens served from the cache at its (last) admission.
     pub cached_tokens: usize,
-    /// Times it was retracted.
+    /// Times it was retracted (or preempted) and re-queued.
     pub retractions: u32,
     /// Why it finished, once it has.
     pub finish: Option<FinishReason>,
 }
 
 impl Req {
-    /// Generated tokens.
+    /// Generated tokens (SGLang's `output_ids`): `tokens[input_len..]`.
     pub fn output_ids(&self) -> &[u32] {
         &self.tokens[self.input_len..]
     }
 
-    /// Generated token count.
+    /// Generated token count (`output_ids().len()`).
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.input_len
     }
 
-    /// Tokens still allowed.
+    /// Tokens it may still generate: `max_new_tokens − generated`, never negative.
     pub fn remaining_new_tokens(&self) -> usize {
         self.limits.max_new_tokens.saturating_sub(self.generated())
     }

@@ -1,4 +1,4 @@
-//! [`Scheduler`]: SGLang's event loop as a synchronous state machine (reference §2.9–2.11).
+//! [`Scheduler`]: SGLang's event loop (`managers/scheduler.py`) as a synchronous state machine.
 //!
 //! One [`Scheduler::step`]: build a prefill batch if the waiting queue (or the chunked request)
 //! allows one — prefill has priority — else a decode step of the running requests (after the
@@ -6,149 +6,66 @@
 //! (append tokens, finish checks, `cache_unfinished_req` / `cache_finished_req`). Time is a
 //! logical clock; randomness is seeded; the same inputs in the same order give the same
 //! decisions, so whole runs replay and snapshot.
+//!
+//! This file holds the loop and admission (`get_next_batch_to_run`, `get_new_batch_prefill`,
+//! priority preemption); the child modules hold what SGLang keeps elsewhere:
+//! `schedule_batch` (preparing passes, the decode memory check, retraction, releasing KV),
+//! `output_processor` (results), `checks` (the invariant checker).
+
+mod checks;
+mod output_processor;
+mod schedule_batch;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
-use kv_pool::{
-    Allocator, DecodeRequest, ExtendRequest, Owner, OwnershipCheck, ReqRow, ReqToTokenPool, Slot,
-};
-use radix_cache::{PrefixCache, PrefixState, RadixCache};
+use kv_pool::rng::SplitMix64;
+use kv_pool::{Allocator, AnyAllocator, ReqRow, ReqToTokenPool};
+use radix_cache::{AnyPrefixCache, PrefixCache, PrefixState};
 
-use crate::adder::{AddResult, Admission, Candidate, PrefillAdder};
 use crate::batch::{Executor, ForwardBatch, ForwardMode};
-use crate::config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
+use crate::config::{NewTokenRatio, SchedulerConfig};
 use crate::error::{Result, SchedulerError};
+use crate::report::{FinishedReq, SchedulerStats, StepReport};
 use crate::req::{FinishReason, Req, ReqId, SamplingLimits};
+use crate::schedule_policy::{calc_priority, AddResult, Admission, Candidate, PrefillAdder};
 
-/// A request that left the scheduler.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FinishedReq {
-    /// Its id.
-    pub id: ReqId,
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Prompt tokens served from the prefix cache (at its last admission).
-    pub cached_tokens: usize,
-    /// Generated tokens.
-    pub output_ids: Vec<u32>,
-    /// Why it finished.
-    pub reason: FinishReason,
-    /// Times it was retracted.
-    pub retractions: u32,
-}
-
-/// What one step did (its `Display` is one readable line, for traces and snapshots).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct StepReport {
-    /// Step number.
-    pub step: u64,
-    /// The pass's mode (`None`: idle).
-    pub mode: Option<ForwardMode>,
-    /// Per request in the pass: id, positions computed, whether it is a middle chunk.
-    pub entries: Vec<(ReqId, usize, usize, bool)>,
-    /// Tokens computed.
-    pub tokens: usize,
-    /// Prompt tokens served from the cache by this step's admissions.
-    pub cached_tokens: usize,
-    /// Tokens evicted from the prefix cache.
-    pub evicted: usize,
-    /// Requests retracted to the waiting queue.
-    pub retracted: Vec<ReqId>,
-    /// Requests that finished, with why.
-    pub finished: Vec<(ReqId, FinishReason)>,
-    /// The executor's time for the pass.
-    pub elapsed_s: f64,
-    /// Pool slots in use after the step.
-    pub used_tokens: usize,
-}
-
-impl fmt::Display for StepReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "step {:>3}: ", self.step)?;
-        match self.mode {
-            None => write!(f, "idle")?,
-            Some(mode) => {
-                let m = match mode {
-                    ForwardMode::Extend => "extend",
-                    ForwardMode::Decode => "decode",
-                    ForwardMode::Mixed => "mixed ",
-                };
-                write!(f, "{m}")?;
-                for (id, from, to, chunk) in &self.entries {
-                    if mode == ForwardMode::Decode {
-                        write!(f, " {id}")?;
-                    } else {
-                        write!(f, " {id}[{from}..{to}){}", if *chunk { "*" } else { "" })?;
-                    }
-                }
-                write!(f, " | tokens {}", self.tokens)?;
-            }
-        }
-        if self.cached_tokens > 0 {
-            write!(f, " | cached {}", self.cached_tokens)?;
-        }
-        if self.evicted > 0 {
-            write!(f, " | evicted {}", self.evicted)?;
-        }
-        if !self.retracted.is_empty() {
-            let r: Vec<String> = self.retracted.iter().map(|r| r.to_string()).collect();
-            write!(f, " | retracted {}", r.join(" "))?;
-        }
-        if !self.finished.is_empty() {
-            let r: Vec<String> = self
-                .finished
-                .iter()
-                .map(|(id, why)| format!("{id}:{why}"))
-                .collect();
-            write!(f, " | finished {}", r.join(" "))?;
-        }
-        write!(f, " | used {}", self.used_tokens)
-    }
-}
-
-/// The continuous-batching scheduler over one KV pool.
-pub struct Scheduler {
+/// The continuous-batching scheduler (SGLang's `Scheduler`) over one KV pool: a prefix cache
+/// `C` and an allocator `A` (the engine's defaults choose their implementation at run time; a
+/// fixed pair compiles to direct calls).
+///
+/// Requests wait in a queue, are admitted into prefill batches under [`PrefillAdder`]'s
+/// budgets (at most one of them chunked at a time), then decode together until they finish.
+/// Between steps every pool slot is free, in the cache, or private to one live request
+/// ([`Scheduler::check_invariants`]).
+pub struct Scheduler<C: PrefixCache = AnyPrefixCache, A: Allocator = AnyAllocator> {
     cfg: SchedulerConfig,
-    cache: Box<dyn PrefixCache>,
-    radix_enabled: bool,
-    alloc: Box<dyn Allocator>,
+    cache: C,
+    alloc: A,
     rows: ReqToTokenPool,
+    /// Every live request (waiting, running or chunked), by id.
     reqs: HashMap<ReqId, Req>,
     waiting: VecDeque<ReqId>,
+    /// Decoding requests, in batch order (SGLang's `running_batch`).
     running: Vec<ReqId>,
+    /// The request mid-chunked-prefill, if any (SGLang's `chunked_req`).
     chunked: Option<ReqId>,
     finished: Vec<FinishedReq>,
     ratio: NewTokenRatio,
+    /// The last admission ran out of tokens: skip prefill until something finishes or leaves.
     batch_is_full: bool,
     next_id: u64,
+    /// Logical clock: one tick per added request and per step (arrival order for priority
+    /// scheduling).
     clock: u64,
     steps: u64,
-    rng: u64,
+    /// The random policy's generator, seeded from the config.
+    rng: SplitMix64,
     /// Totals since start.
     pub stats: SchedulerStats,
 }
 
-/// Counters since the scheduler started.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct SchedulerStats {
-    /// Prompt tokens of admitted requests (counting re-admissions after retraction).
-    pub prompt_tokens: usize,
-    /// Of those, tokens served from the prefix cache.
-    pub cached_tokens: usize,
-    /// Tokens computed by prefill passes.
-    pub prefill_tokens: usize,
-    /// Tokens generated.
-    pub output_tokens: usize,
-    /// Retractions.
-    pub retractions: usize,
-    /// Tokens evicted from the prefix cache.
-    pub evicted_tokens: usize,
-    /// Highest pool use seen after a step.
-    pub peak_used_tokens: usize,
-}
-
-impl fmt::Debug for Scheduler {
+impl<C: PrefixCache, A: Allocator> fmt::Debug for Scheduler<C, A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Scheduler")
             .field("waiting", &self.waiting.len())
@@ -159,24 +76,11 @@ impl fmt::Debug for Scheduler {
     }
 }
 
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Scheduler {
-    /// A scheduler over `cache` and `alloc` (their page sizes must match the config's);
-    /// `radix_enabled` says whether `cache` reuses prefixes (cache-aware policies fall back to
-    /// FCFS otherwise).
-    pub fn new(
-        cfg: SchedulerConfig,
-        cache: Box<dyn PrefixCache>,
-        radix_enabled: bool,
-        alloc: Box<dyn Allocator>,
-    ) -> Result<Self> {
+impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
+    /// A scheduler over `cache` and `alloc`, whose page sizes must match the config's.
+    /// Cache-aware policies run as FCFS over a cache that does not reuse prefixes
+    /// ([`PrefixCache::reuses_prefixes`]), as SGLang's with `--disable-radix-cache`.
+    pub fn new(cfg: SchedulerConfig, cache: C, alloc: A) -> Result<Self> {
         cfg.validate()?;
         if cache.page_size() != cfg.page_size || alloc.page_size() != cfg.page_size {
             return Err(SchedulerError::InvalidConfig {
@@ -195,10 +99,9 @@ impl Scheduler {
                 cfg.schedule_conservativeness,
                 cfg.new_token_ratio_decay_steps,
             ),
-            rng: cfg.seed,
+            rng: SplitMix64::new(cfg.seed),
             cfg,
             cache,
-            radix_enabled,
             alloc,
             rows,
             reqs: HashMap::new(),
@@ -214,52 +117,52 @@ impl Scheduler {
         })
     }
 
-    /// The configuration.
+    /// The configuration it was built with.
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
     }
 
-    /// The prefix cache.
+    /// The prefix cache, read-only (sizes, rendering, peeks).
     pub fn cache(&self) -> &dyn PrefixCache {
-        &*self.cache
+        &self.cache
     }
 
-    /// The allocator.
+    /// The KV pool's allocator, read-only (`size`, `available_size`).
     pub fn allocator(&self) -> &dyn Allocator {
-        &*self.alloc
+        &self.alloc
     }
 
-    /// The request-to-token table.
+    /// The request-to-token table (each live request's row of slots).
     pub fn rows(&self) -> &ReqToTokenPool {
         &self.rows
     }
 
-    /// The current new-token ratio.
+    /// The current new-token ratio (admission's optimism about future decode growth).
     pub fn new_token_ratio(&self) -> f64 {
         self.ratio.current
     }
 
-    /// Waiting requests.
+    /// Requests in the waiting queue (retracted ones included).
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
 
-    /// Running (decoding) requests, plus the chunked one.
+    /// Decoding requests, plus the chunked one.
     pub fn num_running(&self) -> usize {
         self.running.len() + usize::from(self.chunked.is_some())
     }
 
-    /// Whether nothing is waiting or running.
+    /// Whether nothing is waiting or running (finished requests not yet taken do not count).
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty() && self.chunked.is_none()
     }
 
-    /// A live request.
+    /// A live request's state (`None` once it finished).
     pub fn request(&self, id: ReqId) -> Option<&Req> {
         self.reqs.get(&id)
     }
 
-    /// Takes the requests that finished since the last call.
+    /// Takes the requests that finished since the last call, in finishing order.
     pub fn take_finished(&mut self) -> Vec<FinishedReq> {
         std::mem::take(&mut self.finished)
     }
@@ -269,7 +172,10 @@ impl Scheduler {
         self.steps
     }
 
-    /// Adds a request to the waiting queue.
+    /// Adds a request to the waiting queue. Refused (a typed error, nothing changed) when the
+    /// prompt is empty or does not leave room for one token in the context, when
+    /// `max_new_tokens` is 0, or when the queue is at `max_queued_requests`. `max_new_tokens`
+    /// is clipped so prompt + output fit the context, as SGLang.
     pub fn add_request(
         &mut self,
         input_ids: Vec<u32>,
@@ -298,7 +204,6 @@ impl Scheduler {
             }
         }
         let mut limits = limits;
-        // Like SGLang, clip the output so prompt + output fits the context.
         limits.max_new_tokens = limits
             .max_new_tokens
             .min(self.cfg.context_len - input_ids.len());
@@ -328,8 +233,8 @@ impl Scheduler {
         Ok(id)
     }
 
-    /// Aborts a request wherever it is, freeing its KV; it shows up in
-    /// [`take_finished`](Self::take_finished) with [`FinishReason::Abort`].
+    /// Aborts a request wherever it is, freeing its KV (what it computed stays cached); it
+    /// shows up in [`take_finished`](Self::take_finished) with [`FinishReason::Abort`].
     pub fn abort(&mut self, id: ReqId, message: &str) -> Result<()> {
         if !self.reqs.contains_key(&id) {
             return Err(SchedulerError::UnknownRequest(id));
@@ -350,7 +255,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Runs one step; `Ok(None)` when idle.
+    /// Runs one step: chooses a batch, runs it on `exec`, processes the results. A report with
+    /// no mode when nothing could run. A failed forward pass aborts its batch's requests and
+    /// the step still succeeds; `Err` is a pool or cache error (a bug) or, in strict mode, a
+    /// broken invariant.
     pub fn step(&mut self, exec: &mut dyn Executor) -> Result<StepReport> {
         self.steps += 1;
         self.clock += 1;
@@ -392,13 +300,7 @@ impl Scheduler {
         report.evicted = self.stats.evicted_tokens - evicted_before;
         report.used_tokens = self.alloc.size() - self.alloc.available_size();
         self.stats.peak_used_tokens = self.stats.peak_used_tokens.max(report.used_tokens);
-        if self.cfg.strict {
-            self.check_invariants()
-                .map_err(|message| SchedulerError::Invariant {
-                    step: self.steps,
-                    message,
-                })?;
-        }
+        self.strict_check()?;
         Ok(report)
     }
 
@@ -418,12 +320,31 @@ impl Scheduler {
         Ok(reports)
     }
 
+    /// Empties the prefix cache (SGLang's `/flush_cache`); refused unless idle.
+    pub fn flush_cache(&mut self) -> Result<()> {
+        if !self.is_idle() {
+            return Err(SchedulerError::InvalidRequest(
+                "flush_cache needs an idle scheduler".into(),
+            ));
+        }
+        self.cache.reset(&mut self.alloc)?;
+        Ok(())
+    }
+
+    /// Rows held by live requests (for leak checks).
+    pub fn held_rows(&self) -> Vec<ReqRow> {
+        self.reqs.values().filter_map(|r| r.row).collect()
+    }
+
     // ----- batch selection --------------------------------------------------------------------
 
+    /// SGLang's `get_next_batch_to_run`: a prefill batch if one can be built, else one decode
+    /// step of the running requests (after the decode memory check), else nothing.
     fn get_next_batch_to_run(&mut self, report: &mut StepReport) -> Result<Option<ForwardBatch>> {
-        let prefill = self.get_new_batch_prefill(report)?;
-        if let Some((reqs, mixed)) = prefill {
-            return self.prepare_for_extend(&reqs, mixed, report).map(Some);
+        if let Some(prefill) = self.get_new_batch_prefill(report)? {
+            return self
+                .prepare_for_extend(&prefill.reqs, prefill.mixed, report)
+                .map(Some);
         }
         if self.running.is_empty() {
             return Ok(None);
@@ -441,12 +362,9 @@ impl Scheduler {
         Ok(Some(batch))
     }
 
-    /// Chooses the requests of a prefill pass. Returns them (the chunked one first) and
-    /// whether the running requests ride along (mixed chunk), or `None`.
-    fn get_new_batch_prefill(
-        &mut self,
-        report: &mut StepReport,
-    ) -> Result<Option<(Vec<ReqId>, bool)>> {
+    /// SGLang's `get_new_batch_prefill`: ranks the queue, then admits the chunked request and
+    /// waiting requests under one [`PrefillAdder`] until a budget says stop.
+    fn get_new_batch_prefill(&mut self, report: &mut StepReport) -> Result<Option<PrefillPlan>> {
         if self.waiting.is_empty() && self.chunked.is_none() {
             return Ok(None);
         }
@@ -466,7 +384,13 @@ impl Scheduler {
             self.batch_is_full = true;
             return Ok(None);
         }
-        self.order_waiting();
+        calc_priority(
+            &self.cfg,
+            &mut self.cache,
+            &self.reqs,
+            &mut self.waiting,
+            &mut self.rng,
+        );
         let mixed = self.cfg.enable_mixed_chunk && !self.running.is_empty();
         let mixed_tokens = if mixed { self.running.len() } else { 0 };
         let remaining: Vec<usize> = self
@@ -486,25 +410,24 @@ impl Scheduler {
         let mut chosen = Vec::new();
         let mut state = AddResult::Continue;
         if let Some(id) = self.chunked {
-            let r = &self.reqs[&id];
-            let c = Candidate {
-                extend_input_len: r.extend_input_len(),
-                remaining_new_tokens: r.remaining_new_tokens(),
-                last_node: r.prefix.last_node,
-            };
-            if let Admission::Admitted {
-                extend,
-                chunked,
-                next,
-            } = adder.add_chunked_req(c, &*self.cache, &*self.alloc)
-            {
-                let r = self.reqs.get_mut(&id).expect("chunked request");
-                r.extend_end = r.committed_len + extend;
-                if !chunked {
-                    self.chunked = None;
+            let c = self.candidate(id);
+            match adder.add_chunked_req(c, &self.cache, &self.alloc) {
+                Admission::Admitted {
+                    extend,
+                    chunked,
+                    next,
+                } => {
+                    let r = self.reqs.get_mut(&id).expect("chunked request");
+                    r.extend_end = r.committed_len + extend;
+                    if !chunked {
+                        self.chunked = None;
+                    }
+                    chosen.push(id);
+                    state = next;
                 }
-                chosen.push(id);
-                state = next;
+                // Less than a page of chunk budget (mixed decode tokens took it): the chunked
+                // request waits for the next pass, and no other request may start a chunk.
+                Admission::Rejected(why) => state = why,
             }
         }
         let mut new_chunked = None;
@@ -517,13 +440,8 @@ impl Scheduler {
                 break;
             };
             self.match_prefix(id);
-            let r = &self.reqs[&id];
-            let c = Candidate {
-                extend_input_len: r.extend_input_len(),
-                remaining_new_tokens: r.remaining_new_tokens(),
-                last_node: r.prefix.last_node,
-            };
-            match adder.add_one_req(c, &mut *self.cache, &*self.alloc) {
+            let c = self.candidate(id);
+            match adder.add_one_req(c, &mut self.cache, &self.alloc) {
                 Admission::Admitted {
                     extend,
                     chunked,
@@ -569,42 +487,60 @@ impl Scheduler {
         }
         if chosen.is_empty() {
             if self.running.is_empty() && self.chunked.is_none() {
-                // Admission on an empty pool fails iff extend + reserved output + one page does
-                // not fit in it: such a request can never run, so abort it rather than wait.
-                if let Some(&id) = self.waiting.front() {
-                    let r = &self.reqs[&id];
-                    let (extend, reserve) = (
-                        r.extend_input_len(),
-                        r.remaining_new_tokens().min(self.cfg.clip_max_new_tokens),
-                    );
-                    if extend + reserve + self.cfg.page_size as usize >= self.alloc.size() {
-                        self.waiting.pop_front();
-                        let message = format!(
-                            "the request needs {extend} prompt tokens plus {reserve} reserved output tokens, more than the KV pool's {} slots",
-                            self.alloc.size()
-                        );
-                        report.finished.push((
-                            id,
-                            FinishReason::Abort {
-                                message: message.clone(),
-                            },
-                        ));
-                        self.finish(id, FinishReason::Abort { message });
-                    }
-                }
+                self.abort_unfittable_head(report);
             }
             return Ok(None);
         }
-        Ok(Some((chosen, mixed)))
+        Ok(Some(PrefillPlan {
+            reqs: chosen,
+            mixed,
+        }))
     }
 
-    /// Matches a waiting request against the cache (splitting nodes, as SGLang's
-    /// `init_next_round_input`); records the prefix on the request without locking it.
+    /// A request as the [`PrefillAdder`] sees it, after its prefix match.
+    fn candidate(&self, id: ReqId) -> Candidate {
+        let r = &self.reqs[&id];
+        Candidate {
+            extend_input_len: r.extend_input_len(),
+            remaining_new_tokens: r.remaining_new_tokens(),
+            last_node: r.prefix.last_node,
+        }
+    }
+
+    /// Admission on an empty pool fails iff extend + reserved output + one page does not fit
+    /// in it: such a request can never run, so it is aborted rather than left waiting.
+    fn abort_unfittable_head(&mut self, report: &mut StepReport) {
+        let Some(&id) = self.waiting.front() else {
+            return;
+        };
+        let r = &self.reqs[&id];
+        let (extend, reserve) = (
+            r.extend_input_len(),
+            r.remaining_new_tokens().min(self.cfg.clip_max_new_tokens),
+        );
+        if extend + reserve + self.cfg.page_size as usize >= self.alloc.size() {
+            self.waiting.pop_front();
+            let message = format!(
+                "the request needs {extend} prompt tokens plus {reserve} reserved output tokens, more than the KV pool's {} slots",
+                self.alloc.size()
+            );
+            report.finished.push((
+                id,
+                FinishReason::Abort {
+                    message: message.clone(),
+                },
+            ));
+            self.finish(id, FinishReason::Abort { message });
+        }
+    }
+
+    /// Matches a waiting request against the cache (splitting a node matched part-way, as
+    /// SGLang's `init_next_round_input`); records the prefix on the request without locking
+    /// it. At least the last token is left to compute, so the pass produces logits.
     fn match_prefix(&mut self, id: ReqId) {
         let r = self.reqs.get_mut(&id).expect("request");
         let mut slots = std::mem::take(&mut r.prefix.prefix_slots);
         slots.clear();
-        // Leave at least one token to compute, so the pass produces logits.
         let key_len = r.tokens.len() - 1;
         let m = self
             .cache
@@ -617,6 +553,7 @@ impl Scheduler {
         r.committed_len = m.len;
     }
 
+    /// Forgets a rejected request's match (it was never locked).
     fn unmatch(&mut self, id: ReqId) {
         let root = self.cache.root(self.reqs[&id].extra_key.as_deref());
         let r = self.reqs.get_mut(&id).expect("request");
@@ -624,138 +561,9 @@ impl Scheduler {
         r.committed_len = 0;
     }
 
-    // ----- policies ----------------------------------------------------------------------------
-
-    fn order_waiting(&mut self) {
-        let mut policy = self.cfg.schedule_policy;
-        if policy.is_cache_aware() && !self.radix_enabled {
-            policy = SchedulePolicy::Fcfs;
-        }
-        if policy == SchedulePolicy::Lpm && self.waiting.len() > self.cfg.lpm_fallback_threshold {
-            policy = SchedulePolicy::Fcfs;
-        }
-        let mut ids: Vec<ReqId> = self.waiting.iter().copied().collect();
-        let prio = |r: &Req| {
-            if self.cfg.low_priority_values_first {
-                r.priority
-            } else {
-                -r.priority
-            }
-        };
-        match policy {
-            SchedulePolicy::Fcfs => {
-                if self.cfg.enable_priority_scheduling {
-                    ids.sort_by_key(|id| (prio(&self.reqs[id]), self.reqs[id].arrival));
-                }
-            }
-            SchedulePolicy::Lof => {
-                ids.sort_by_key(|id| {
-                    let r = &self.reqs[id];
-                    let p = if self.cfg.enable_priority_scheduling {
-                        prio(r)
-                    } else {
-                        0
-                    };
-                    (p, std::cmp::Reverse(r.limits.max_new_tokens))
-                });
-            }
-            SchedulePolicy::Random => {
-                for i in (1..ids.len()).rev() {
-                    let j = (splitmix(&mut self.rng) % (i as u64 + 1)) as usize;
-                    ids.swap(i, j);
-                }
-            }
-            SchedulePolicy::Lpm => {
-                let keys = self.lpm_keys(&ids);
-                let mut keyed: Vec<_> = ids.into_iter().zip(keys).collect();
-                keyed.sort_by_key(|&(_, (deprioritized, len))| {
-                    (deprioritized, std::cmp::Reverse(len))
-                });
-                ids = keyed.into_iter().map(|(id, _)| id).collect();
-            }
-            SchedulePolicy::DfsWeight => ids = self.dfs_weight_order(&ids),
-        }
-        self.waiting = ids.into();
-    }
-
-    /// LPM keys: (deprioritized by in-batch prefix caching, cached prefix length). Matching is
-    /// read-only: it never splits the tree.
-    fn lpm_keys(&self, ids: &[ReqId]) -> Vec<(bool, usize)> {
-        let mut scratch = RadixCache::new(1, Box::new(radix_cache::BuiltinPolicy::Lru));
-        let mut dummy = Vec::new();
-        ids.iter()
-            .map(|id| {
-                let r = &self.reqs[id];
-                let len = self
-                    .cache
-                    .peek_prefix_len(&r.tokens[..r.tokens.len() - 1], r.extra_key.as_deref());
-                let mut deprioritized = false;
-                if len <= self.cfg.in_batch_prefix_check_threshold {
-                    let shared = scratch.peek_prefix_len(&r.tokens, r.extra_key.as_deref());
-                    if shared >= self.cfg.in_batch_prefix_deprioritize_threshold {
-                        deprioritized = true;
-                    } else {
-                        dummy.resize(r.tokens.len(), Slot::PADDING);
-                        let _ = scratch.insert(
-                            &r.tokens,
-                            r.extra_key.as_deref(),
-                            &dummy,
-                            Default::default(),
-                        );
-                    }
-                }
-                (deprioritized, len)
-            })
-            .collect()
-    }
-
-    /// DFS-weight: weigh every tree node by the waiting requests whose match ends in its
-    /// subtree, then walk from the roots, heavier children first, emitting each node's requests
-    /// after its subtree.
-    fn dfs_weight_order(&self, ids: &[ReqId]) -> Vec<ReqId> {
-        use radix_cache::NodeId;
-        let mut weight: HashMap<NodeId, usize> = HashMap::new();
-        let mut children: HashMap<Option<NodeId>, Vec<NodeId>> = HashMap::new();
-        let mut at: HashMap<Option<NodeId>, Vec<ReqId>> = HashMap::new();
-        for &id in ids {
-            let r = &self.reqs[&id];
-            let (_, node) = self
-                .cache
-                .peek_prefix(&r.tokens[..r.tokens.len() - 1], r.extra_key.as_deref());
-            at.entry(node).or_default().push(id);
-            let mut n = node;
-            while let Some(cur) = n {
-                let w = weight.entry(cur).or_insert(0);
-                *w += 1;
-                let parent = self.cache.parent(cur);
-                if *w == 1 {
-                    children.entry(parent).or_default().push(cur);
-                }
-                n = parent;
-            }
-        }
-        let mut out = Vec::with_capacity(ids.len());
-        // Iterative post-order from the virtual root (None).
-        let mut stack: Vec<(Option<NodeId>, bool)> = vec![(None, false)];
-        while let Some((node, expanded)) = stack.pop() {
-            if expanded {
-                out.extend(at.get(&node).into_iter().flatten().copied());
-                continue;
-            }
-            stack.push((node, true));
-            let mut kids = children.get(&node).cloned().unwrap_or_default();
-            // Heavier first; ties by node for determinism. Pushed in reverse to pop in order.
-            kids.sort_by_key(|k| (std::cmp::Reverse(weight[k]), *k));
-            for k in kids.into_iter().rev() {
-                stack.push((Some(k), false));
-            }
-        }
-        out
-    }
-
-    /// Priority preemption: if `id` beats the lowest-priority running request by more than
-    /// the threshold, retract running requests worst-first until at least the tokens it needs
-    /// could be free; returns whether anything was preempted.
+    /// Priority preemption (SGLang's `preempt_to_schedule`): if `id` beats running requests by
+    /// more than the threshold, retract them worst-first until the tokens it needs could be
+    /// free; returns the reserved tokens credited back (0: nothing preempted).
     fn try_preempt_for(&mut self, id: ReqId, report: &mut StepReport) -> Result<f64> {
         if !self.cfg.enable_priority_scheduling {
             return Ok(0.0);
@@ -794,10 +602,7 @@ impl Scheduler {
             {
                 break;
             }
-            credited += self.reqs[&v]
-                .remaining_new_tokens()
-                .min(self.cfg.clip_max_new_tokens) as f64
-                * self.ratio.current;
+            credited += self.reserved_for(v);
             self.retract(v, report)?;
         }
         if credited > 0.0 {
@@ -806,351 +611,20 @@ impl Scheduler {
         Ok(credited)
     }
 
+    /// The future decode tokens admission reserves for a running request.
+    fn reserved_for(&self, id: ReqId) -> f64 {
+        self.reqs[&id]
+            .remaining_new_tokens()
+            .min(self.cfg.clip_max_new_tokens) as f64
+            * self.ratio.current
+    }
+
+    /// What admission reserves for all running requests.
     fn reserved_tokens(&self) -> f64 {
-        self.running
-            .iter()
-            .map(|r| {
-                self.reqs[r]
-                    .remaining_new_tokens()
-                    .min(self.cfg.clip_max_new_tokens) as f64
-                    * self.ratio.current
-            })
-            .sum()
+        self.running.iter().map(|&r| self.reserved_for(r)).sum()
     }
 
-    // ----- preparing passes --------------------------------------------------------------------
-
-    /// Evicts from the cache so that `need` slots are free, if it can (the shortfall only).
-    fn ensure_available(&mut self, need: usize) -> Result<()> {
-        let avail = self.alloc.available_size();
-        if avail < need {
-            let freed = self.cache.evict(need - avail, &mut *self.alloc)?;
-            self.stats.evicted_tokens += freed;
-        }
-        Ok(())
-    }
-
-    fn prepare_for_extend(
-        &mut self,
-        ids: &[ReqId],
-        mixed: bool,
-        report: &mut StepReport,
-    ) -> Result<ForwardBatch> {
-        let p = self.cfg.page_size as usize;
-        // Rows first (all or nothing), then the cached prefixes written into them.
-        let need_rows = ids.iter().filter(|id| self.reqs[id].row.is_none()).count();
-        let mut new_rows = self.rows.alloc(need_rows)?.into_iter();
-        let mut batch_reqs = Vec::with_capacity(ids.len());
-        let mut extend_tokens = 0;
-        for &id in ids {
-            let r = self.reqs.get_mut(&id).expect("request");
-            if r.row.is_none() {
-                let row = new_rows.next().expect("allocated rows");
-                r.row = Some(row);
-                self.rows.write(row, 0, &r.prefix.prefix_slots)?;
-            }
-            let row = r.row.expect("row");
-            let last_loc = if r.committed_len > 0 {
-                Some(self.rows.read(row, r.committed_len)?[r.committed_len - 1])
-            } else {
-                None
-            };
-            batch_reqs.push(ExtendRequest {
-                prefix_len: r.committed_len,
-                seq_len: r.extend_end,
-                last_loc,
-            });
-            extend_tokens += r.extend_end - r.committed_len;
-        }
-        let worst = extend_tokens + if p > 1 { ids.len() * p } else { 0 };
-        self.ensure_available(worst)?;
-        let mut slots = Vec::with_capacity(extend_tokens);
-        self.alloc.alloc_extend(&batch_reqs, &mut slots)?;
-        let mode = if mixed {
-            ForwardMode::Mixed
-        } else {
-            ForwardMode::Extend
-        };
-        let mut batch = ForwardBatch::new(mode);
-        let mut off = 0;
-        for &id in ids {
-            let r = self.reqs.get_mut(&id).expect("request");
-            let n = r.extend_end - r.committed_len;
-            let row = r.row.expect("row");
-            self.rows
-                .write(row, r.committed_len, &slots[off..off + n])?;
-            let middle = r.extend_end < r.tokens.len();
-            batch.push(
-                id,
-                row,
-                r.committed_len,
-                &r.tokens[r.committed_len..r.extend_end],
-                &slots[off..off + n],
-                !middle,
-            );
-            report
-                .entries
-                .push((id, r.committed_len, r.extend_end, middle));
-            r.allocated_len = r.extend_end;
-            off += n;
-        }
-        self.stats.prefill_tokens += extend_tokens;
-        if mixed {
-            if !self.check_decode_mem()? {
-                self.retract_decode(report)?;
-            }
-            self.prepare_for_decode(&mut batch, report)?;
-        }
-        Ok(batch)
-    }
-
-    /// Adds one decode token per running request to `batch`.
-    fn prepare_for_decode(
-        &mut self,
-        batch: &mut ForwardBatch,
-        report: &mut StepReport,
-    ) -> Result<()> {
-        if self.running.is_empty() {
-            return Ok(());
-        }
-        let mut reqs = Vec::with_capacity(self.running.len());
-        for id in &self.running {
-            let r = &self.reqs[id];
-            let row = r.row.expect("running request has a row");
-            let last_loc = self.rows.read(row, r.committed_len)?[r.committed_len - 1];
-            reqs.push(DecodeRequest {
-                seq_len: r.committed_len + 1,
-                last_loc: Some(last_loc),
-            });
-        }
-        let mut slots = Vec::with_capacity(reqs.len());
-        self.alloc.alloc_decode(&reqs, &mut slots)?;
-        for (k, id) in self.running.iter().enumerate() {
-            let r = self.reqs.get_mut(id).expect("request");
-            let row = r.row.expect("row");
-            let pos = r.committed_len;
-            self.rows.write(row, pos, &slots[k..k + 1])?;
-            batch.push(
-                *id,
-                row,
-                pos,
-                &r.tokens[pos..pos + 1],
-                &slots[k..k + 1],
-                true,
-            );
-            report.entries.push((*id, pos, pos + 1, false));
-            r.allocated_len = pos + 1;
-        }
-        Ok(())
-    }
-
-    // ----- decode memory and retraction -------------------------------------------------------
-
-    /// SGLang's decode memory check: every request whose committed length is a multiple of
-    /// `P` needs a fresh page; evict that much if short; pass iff it is available.
-    fn check_decode_mem(&mut self) -> Result<bool> {
-        let p = self.cfg.page_size as usize;
-        let pages = self
-            .running
-            .iter()
-            .filter(|id| self.reqs[id].committed_len % p == 0)
-            .count();
-        let need = pages * p;
-        self.ensure_available(need)?;
-        Ok(self.alloc.available_size() >= need)
-    }
-
-    /// Retracts running requests (fewest generated tokens first, then longest prompt) until the
-    /// decode check passes; never the last one, which is aborted if it alone cannot fit.
-    fn retract_decode(&mut self, report: &mut StepReport) -> Result<()> {
-        let mut order = self.running.clone();
-        order.sort_by_key(|id| {
-            let r = &self.reqs[id];
-            std::cmp::Reverse((r.generated(), std::cmp::Reverse(r.input_len)))
-        });
-        while !self.check_decode_mem()? {
-            if self.running.len() == 1 {
-                let id = self.running.remove(0);
-                let (need, pool) = (self.cfg.page_size as usize, self.alloc.size());
-                self.release_kv(id, true)?;
-                let message = format!(
-                    "out of memory even after retracting every other request: one more token needs {need} free slots and the pool has {pool}"
-                );
-                report.finished.push((
-                    id,
-                    FinishReason::Abort {
-                        message: message.clone(),
-                    },
-                ));
-                self.finish(id, FinishReason::Abort { message });
-                break;
-            }
-            let victim = order.pop().expect("a request to retract");
-            self.retract(victim, report)?;
-            // Free enough for the others to make progress for a while.
-            let keep = self.running.len() * self.cfg.retract_decode_steps;
-            self.ensure_available(keep)?;
-        }
-        let (generated, max_new): (usize, usize) = self
-            .running
-            .iter()
-            .map(|id| {
-                (
-                    self.reqs[id].generated(),
-                    self.reqs[id].limits.max_new_tokens,
-                )
-            })
-            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
-        self.ratio.after_retraction(
-            generated,
-            max_new,
-            self.running.len(),
-            self.cfg.retract_decode_steps,
-        );
-        Ok(())
-    }
-
-    /// Releases a running request's KV without inserting it (as SGLang) and re-queues it; it
-    /// will be prefilled again over prompt + outputs.
-    fn retract(&mut self, id: ReqId, report: &mut StepReport) -> Result<()> {
-        self.running.retain(|&r| r != id);
-        self.release_kv(id, false)?;
-        let root = self.cache.root(self.reqs[&id].extra_key.as_deref());
-        let r = self.reqs.get_mut(&id).expect("request");
-        r.committed_len = 0;
-        r.allocated_len = 0;
-        r.extend_end = 0;
-        r.prefix = PrefixState::new(root);
-        r.retractions += 1;
-        self.waiting.push_back(id);
-        self.stats.retractions += 1;
-        self.batch_is_full = false;
-        report.retracted.push(id);
-        Ok(())
-    }
-
-    // ----- results ------------------------------------------------------------------------------
-
-    /// Ends every request of `batch` after its forward pass failed: each is aborted with the
-    /// executor's message and its KV released as after any abort. Only the tokens committed
-    /// before this pass (whose KV was written by earlier passes) can enter the prefix cache;
-    /// the slots allocated for this pass are freed.
-    fn fail_batch(
-        &mut self,
-        batch: &ForwardBatch,
-        error: &str,
-        report: &mut StepReport,
-    ) -> Result<()> {
-        let message = format!("the forward pass failed: {error}");
-        for &id in &batch.reqs {
-            if !self.reqs.contains_key(&id) {
-                continue;
-            }
-            self.running.retain(|&x| x != id);
-            if self.chunked == Some(id) {
-                self.chunked = None;
-            }
-            self.release_kv(id, true)?;
-            let reason = FinishReason::Abort {
-                message: message.clone(),
-            };
-            report.finished.push((id, reason.clone()));
-            self.finish(id, reason);
-        }
-        self.batch_is_full = false;
-        Ok(())
-    }
-
-    fn process_batch_result(
-        &mut self,
-        batch: &ForwardBatch,
-        tokens: &[u32],
-        report: &mut StepReport,
-    ) -> Result<()> {
-        let decode_part = batch.mode != ForwardMode::Extend;
-        if decode_part {
-            self.alloc.free_group_begin()?;
-        }
-        for (k, &id) in batch.reqs.iter().enumerate() {
-            let is_decode = batch.extend_lens[k] == 1
-                && self.running.contains(&id)
-                && batch.mode != ForwardMode::Extend;
-            let r = self.reqs.get_mut(&id).expect("request in batch");
-            r.committed_len = batch.seq_lens[k];
-            if !batch.sample[k] {
-                // A middle chunk: stash its KV in the tree (locked), no token.
-                let r = self.reqs.get_mut(&id).expect("request");
-                let row = r.row.expect("row");
-                let view = r.cache_view(row);
-                self.cache
-                    .cache_unfinished_req(view, &mut self.rows, &mut *self.alloc, true)?;
-                continue;
-            }
-            r.tokens.push(tokens[k]);
-            self.stats.output_tokens += 1;
-            let finish = Self::check_finished(r, tokens[k]);
-            if let Some(reason) = finish {
-                if is_decode {
-                    self.running.retain(|&x| x != id);
-                }
-                self.release_kv(id, true)?;
-                report.finished.push((id, reason.clone()));
-                self.finish(id, reason);
-            } else if !is_decode {
-                // Prefill done: make the prompt shareable now, then decode.
-                let r = self.reqs.get_mut(&id).expect("request");
-                let row = r.row.expect("row");
-                let view = r.cache_view(row);
-                self.cache
-                    .cache_unfinished_req(view, &mut self.rows, &mut *self.alloc, false)?;
-                self.running.push(id);
-            }
-        }
-        if decode_part {
-            self.alloc.free_group_end()?;
-        }
-        if !report.finished.is_empty() {
-            self.batch_is_full = false;
-        }
-        Ok(())
-    }
-
-    fn check_finished(r: &Req, token: u32) -> Option<FinishReason> {
-        if !r.limits.ignore_eos && r.limits.stop_token_ids.contains(&token) {
-            return Some(FinishReason::Stop { token });
-        }
-        if r.generated() >= r.limits.max_new_tokens {
-            return Some(FinishReason::Length {
-                length: r.limits.max_new_tokens,
-            });
-        }
-        None
-    }
-
-    /// SGLang's `release_kv_cache`: cache (or not) and free the request's KV, then its row.
-    fn release_kv(&mut self, id: ReqId, insert: bool) -> Result<()> {
-        let r = self.reqs.get_mut(&id).expect("request");
-        let Some(row) = r.row else { return Ok(()) };
-        let view = r.cache_view(row);
-        self.cache
-            .cache_finished_req(view, &self.rows, &mut *self.alloc, insert)?;
-        // Over-allocation beyond the committed length's page (none between steps here).
-        let p = self.cfg.page_size as usize;
-        let kept = r.committed_len.div_ceil(p) * p;
-        if r.allocated_len > kept {
-            let extra = self
-                .rows
-                .read_range(row, kept, r.allocated_len - kept)?
-                .to_vec();
-            self.alloc.free(&extra)?;
-        }
-        self.rows.free(row)?;
-        let r = self.reqs.get_mut(&id).expect("request");
-        r.row = None;
-        r.allocated_len = 0;
-        Ok(())
-    }
-
+    /// Moves a request out with `reason` (its KV already released).
     fn finish(&mut self, id: ReqId, reason: FinishReason) {
         if let Some(r) = self.reqs.remove(&id) {
             self.finished.push(FinishedReq {
@@ -1163,68 +637,11 @@ impl Scheduler {
             });
         }
     }
+}
 
-    // ----- checks --------------------------------------------------------------------------------
-
-    /// Proves that free pages, tree pages and request-private pages partition the pool (the
-    /// kv-pool ownership checker), and, when idle, SGLang's identity `available + evictable +
-    /// protected = total` and that every row is free.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        let mut check = OwnershipCheck::new(&*self.alloc);
-        self.cache.claim_ownership(&mut check);
-        let live = self.running.iter().chain(self.chunked.iter());
-        for id in live {
-            let r = &self.reqs[id];
-            let row = r.row.ok_or_else(|| format!("{id} runs without a row"))?;
-            let slots = self
-                .rows
-                .read(row, r.allocated_len)
-                .map_err(|e| e.to_string())?;
-            check.claim(Owner::Request(row), &slots[r.prefix.cache_protected_len..]);
-        }
-        check.finish().map_err(|v| v.to_string())?;
-        if self.is_idle() {
-            let total = self.alloc.available_size()
-                + self.cache.evictable_size()
-                + self.cache.protected_size();
-            if total != self.alloc.size() {
-                return Err(format!(
-                    "idle identity: available {} + evictable {} + protected {} != {}",
-                    self.alloc.available_size(),
-                    self.cache.evictable_size(),
-                    self.cache.protected_size(),
-                    self.alloc.size()
-                ));
-            }
-            if self.cache.protected_size() != 0 {
-                return Err(format!(
-                    "idle with {} protected tokens",
-                    self.cache.protected_size()
-                ));
-            }
-            if self.rows.available_size() != self.rows.size() {
-                return Err(format!(
-                    "idle with {} rows held",
-                    self.rows.size() - self.rows.available_size()
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Empties the prefix cache (SGLang's `/flush_cache`); refused unless idle.
-    pub fn flush_cache(&mut self) -> Result<()> {
-        if !self.is_idle() {
-            return Err(SchedulerError::InvalidRequest(
-                "flush_cache needs an idle scheduler".into(),
-            ));
-        }
-        self.cache.reset(&mut *self.alloc)?;
-        Ok(())
-    }
-
-    /// Rows held by requests (for leak checks).
-    pub fn held_rows(&self) -> Vec<ReqRow> {
-        self.reqs.values().filter_map(|r| r.row).collect()
-    }
+/// The requests a prefill pass runs (the chunked one first) and whether the running requests
+/// ride along (mixed chunk).
+struct PrefillPlan {
+    reqs: Vec<ReqId>,
+    mixed: bool,
 }

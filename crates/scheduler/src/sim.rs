@@ -22,29 +22,34 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use kv_pool::ReqToTokenPool;
+use kv_pool::{Allocator, ReqToTokenPool};
+use radix_cache::PrefixCache;
 
 use crate::batch::{Executor, ForwardBatch, ForwardOutput};
 use crate::error::{Result, SchedulerError};
 use crate::req::{FinishReason, ReqId, SamplingLimits};
 use crate::scheduler::Scheduler;
+use crate::summary::{RunSummary, RunTotals};
+
+/// Kept here for callers of `scheduler::sim::percentile`; it lives in [`crate::summary`].
+pub use crate::summary::percentile;
 
 /// The shape of a decoder model, as far as cost goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelShape {
-    /// Preset name.
+    /// Preset name, as `--model` spells it (matched case-insensitively).
     pub name: &'static str,
-    /// Parameters.
+    /// Parameter count (each costs 2 FLOPs per new token and is read once per pass).
     pub params: f64,
     /// Bytes per weight (2 for bf16).
     pub weight_bytes: f64,
-    /// Decoder layers.
+    /// Decoder layers (attention cost is per layer).
     pub layers: u32,
-    /// Query heads.
+    /// Query heads (attention FLOPs scale with them).
     pub q_heads: u32,
-    /// KV heads.
+    /// KV heads (with `head_dim` and `layers`, the KV bytes per token).
     pub kv_heads: u32,
-    /// Head dimension.
+    /// Dimension of one head.
     pub head_dim: u32,
     /// KV bytes per token over all layers (SGLang's `cell_size`).
     pub kv_bytes_per_token: usize,
@@ -76,7 +81,8 @@ impl ModelShape {
     /// Every preset.
     pub const PRESETS: [ModelShape; 2] = [Self::LLAMA3_8B, Self::LLAMA3_70B];
 
-    /// A preset by name.
+    /// A preset by name (case-insensitive); unknown names are an `InvalidConfig` error listing
+    /// the presets.
     pub fn preset(name: &str) -> Result<ModelShape> {
         Self::PRESETS
             .into_iter()
@@ -94,7 +100,7 @@ impl ModelShape {
 /// An accelerator, as far as cost goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Accelerator {
-    /// Preset name.
+    /// Preset name, as `--accelerator` spells it (matched case-insensitively).
     pub name: &'static str,
     /// Dense bf16 FLOP/s.
     pub peak_flops: f64,
@@ -122,7 +128,8 @@ impl Accelerator {
     /// Every preset.
     pub const PRESETS: [Accelerator; 2] = [Self::H100, Self::A100];
 
-    /// A preset by name.
+    /// A preset by name (case-insensitive); unknown names are an `InvalidConfig` error listing
+    /// the presets.
     pub fn preset(name: &str) -> Result<Accelerator> {
         Self::PRESETS
             .into_iter()
@@ -140,15 +147,15 @@ impl Accelerator {
 /// The roofline cost model (see the module documentation).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostModel {
-    /// The model.
+    /// The model whose passes are charged.
     pub model: ModelShape,
-    /// One accelerator.
+    /// One accelerator; `tp` of them share the work.
     pub accel: Accelerator,
     /// Tensor-parallel degree: work and memory are split over this many accelerators.
     pub tp: u32,
-    /// Fraction of peak FLOP/s reached.
+    /// Fraction of peak FLOP/s reached (default 0.6).
     pub flops_efficiency: f64,
-    /// Fraction of peak bandwidth reached.
+    /// Fraction of peak bandwidth reached (default 0.8).
     pub bw_efficiency: f64,
     /// Fixed time per pass (scheduling, launches).
     pub step_overhead_s: f64,
@@ -180,7 +187,8 @@ impl CostModel {
         }
     }
 
-    /// The time of one pass.
+    /// The time of one pass in seconds: the roofline maximum of compute and memory time, plus
+    /// the per-pass overhead.
     pub fn batch_time(&self, batch: &ForwardBatch) -> f64 {
         let m = &self.model;
         let attn_per_pair = 4.0 * m.layers as f64 * m.q_heads as f64 * m.head_dim as f64;
@@ -203,7 +211,7 @@ impl CostModel {
 /// (simulated requests stop by length).
 #[derive(Debug, Clone)]
 pub struct SimExecutor {
-    /// The cost model.
+    /// The cost model charging each pass.
     pub cost: CostModel,
 }
 
@@ -260,16 +268,36 @@ pub struct SimReport {
     pub itl_p50_s: f64,
     /// See `itl_p50_s`.
     pub itl_p99_s: f64,
-    /// Retractions.
+    /// Retractions and priority preemptions.
     pub retractions: usize,
     /// Highest KV pool use, in tokens.
     pub peak_used_tokens: usize,
     /// KV pool capacity, in tokens.
     pub capacity_tokens: usize,
-    /// Scheduler steps.
+    /// Scheduler steps run, idle ones included.
     pub steps: u64,
     /// Every request's time to first token, sorted ascending.
     pub ttft_s: Vec<f64>,
+}
+
+impl SimReport {
+    /// Copies a [`RunSummary`]'s figures into the report (the fields both have).
+    pub fn set_summary(&mut self, s: RunSummary) {
+        let t = s.totals;
+        self.requests = t.requests;
+        self.aborted = t.aborted;
+        self.prompt_tokens = t.prompt_tokens;
+        self.cached_tokens = t.cached_tokens;
+        self.output_tokens = t.output_tokens;
+        self.duration_s = t.duration_s;
+        self.hit_rate = s.hit_rate;
+        self.output_tokens_per_s = s.output_tokens_per_s;
+        self.ttft_p50_s = s.ttft_p50_s;
+        self.ttft_p99_s = s.ttft_p99_s;
+        self.itl_p50_s = s.itl_p50_s;
+        self.itl_p99_s = s.itl_p99_s;
+        self.ttft_s = s.ttft_s;
+    }
 }
 
 impl fmt::Display for SimReport {
@@ -292,16 +320,6 @@ impl fmt::Display for SimReport {
             self.duration_s
         )
     }
-}
-
-/// The `q`-quantile (0..=1) of `v` (sorted in place), by nearest rank; 0 if empty.
-pub fn percentile(v: &mut [f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
 }
 
 /// How the replay's clock advances per step.
@@ -335,9 +353,9 @@ impl ReplayConfig {
 
 /// Replays `requests` (in arrival order) through `scheduler` on a simulated clock driven by
 /// `exec`'s pass times. `progress` is called with (requests done, total) after every step.
-pub fn simulate(
+pub fn simulate<C: PrefixCache, A: Allocator>(
     requests: &[SimRequest],
-    scheduler: &mut Scheduler,
+    scheduler: &mut Scheduler<C, A>,
     exec: &mut dyn Executor,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimReport> {
@@ -351,9 +369,9 @@ pub fn simulate(
 }
 
 /// [`simulate`] with a choice of [`Clock`] and a concurrency limit.
-pub fn replay(
+pub fn replay<C: PrefixCache, A: Allocator>(
     requests: &[SimRequest],
-    scheduler: &mut Scheduler,
+    scheduler: &mut Scheduler<C, A>,
     exec: &mut dyn Executor,
     config: ReplayConfig,
     progress: &mut dyn FnMut(usize, usize),
@@ -436,11 +454,11 @@ pub fn replay(
             });
         }
         if step.mode.is_some() {
-            for &(id, _, _, middle) in &step.entries {
-                if middle {
+            for e in &step.entries {
+                if e.middle_chunk {
                     continue;
                 }
-                if let Some((arrival, last)) = timing.get_mut(&id) {
+                if let Some((arrival, last)) = timing.get_mut(&e.id) {
                     match last {
                         None => ttft.push(now - *arrival),
                         Some(t) => itl.push(now - *t),
@@ -466,28 +484,18 @@ pub fn replay(
         }
     }
     let stats = &scheduler.stats;
-    report.prompt_tokens = stats.prompt_tokens;
-    report.cached_tokens = stats.cached_tokens;
-    report.hit_rate = if stats.prompt_tokens > 0 {
-        stats.cached_tokens as f64 / stats.prompt_tokens as f64
-    } else {
-        0.0
+    let totals = RunTotals {
+        requests: report.requests,
+        aborted: report.aborted,
+        prompt_tokens: stats.prompt_tokens,
+        cached_tokens: stats.cached_tokens,
+        output_tokens: stats.output_tokens,
+        duration_s: now - start,
     };
     report.prefill_tokens = stats.prefill_tokens;
-    report.output_tokens = stats.output_tokens;
     report.retractions = stats.retractions;
     report.peak_used_tokens = stats.peak_used_tokens;
-    report.duration_s = now - start;
-    report.output_tokens_per_s = if report.duration_s > 0.0 {
-        report.output_tokens as f64 / report.duration_s
-    } else {
-        0.0
-    };
-    report.ttft_p50_s = percentile(&mut ttft, 0.5);
-    report.ttft_s = ttft.clone();
-    report.ttft_p99_s = percentile(&mut ttft, 0.99);
-    report.itl_p50_s = percentile(&mut itl, 0.5);
-    report.itl_p99_s = percentile(&mut itl, 0.99);
+    report.set_summary(RunSummary::new(totals, ttft, itl));
     report.steps = scheduler.steps();
     Ok(report)
 }
@@ -574,14 +582,8 @@ mod tests {
             strict: true,
             ..SchedulerConfig::default()
         };
-        let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
-        let mut s = Scheduler::new(
-            cfg,
-            Box::new(cache),
-            true,
-            Box::new(PagedAllocator::new(1 << 16, 16).unwrap()),
-        )
-        .unwrap();
+        let cache = RadixCache::new(16, BuiltinPolicy::Lru);
+        let mut s = Scheduler::new(cfg, cache, PagedAllocator::new(1 << 16, 16).unwrap()).unwrap();
         // 8 requests, one every 100 ms, sharing a 1024-token prefix, 32 output tokens each.
         let reqs: Vec<SimRequest> = (0..8u32)
             .map(|i| {
@@ -627,9 +629,8 @@ mod tests {
             };
             let mut s = Scheduler::new(
                 cfg,
-                Box::new(ChunkCache::new(16)),
-                false,
-                Box::new(PagedAllocator::new(1 << 16, 16).unwrap()),
+                ChunkCache::new(16),
+                PagedAllocator::new(1 << 16, 16).unwrap(),
             )
             .unwrap();
             let reqs: Vec<SimRequest> = (0..6u32)
@@ -675,9 +676,8 @@ mod tests {
         assert!(one.ttft_p99_s < free.ttft_p99_s);
         let mut s = Scheduler::new(
             SchedulerConfig::default(),
-            Box::new(radix_cache::ChunkCache::new(1)),
-            false,
-            Box::new(PagedAllocator::new(64, 1).unwrap()),
+            radix_cache::ChunkCache::new(1),
+            PagedAllocator::new(64, 1).unwrap(),
         )
         .unwrap();
         let zero = ReplayConfig {
@@ -688,13 +688,5 @@ mod tests {
             cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
         };
         assert!(replay(&[], &mut s, &mut exec, zero, &mut |_, _| {}).is_err());
-    }
-
-    #[test]
-    fn percentiles_by_nearest_rank() {
-        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&mut v, 0.5), 50.0);
-        assert_eq!(percentile(&mut v, 0.99), 99.0);
-        assert_eq!(percentile(&mut [], 0.5), 0.0);
     }
 }

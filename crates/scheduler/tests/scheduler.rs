@@ -3,12 +3,12 @@
 //! (every request finishes or is aborted, no slot is lost, outputs do not depend on pool size,
 //! chunk size or policy).
 
-use kv_pool::PagedAllocator;
+use kv_pool::{AnyAllocator, PagedAllocator};
 use proptest::prelude::*;
-use radix_cache::{policy::policy_from_name, ChunkCache, PrefixCache, RadixCache};
+use radix_cache::{policy::policy_from_name, AnyPrefixCache, ChunkCache, PrefixCache, RadixCache};
 use scheduler::{
-    AddResult, FakeExecutor, FinishReason, PrefillAdder, SamplingLimits, SchedulePolicy, Scheduler,
-    SchedulerConfig, SchedulerError,
+    AddResult, Admission, Candidate, FakeExecutor, FinishReason, PrefillAdder, SamplingLimits,
+    SchedulePolicy, Scheduler, SchedulerConfig, SchedulerError,
 };
 
 const VOCAB: u32 = 1000;
@@ -21,20 +21,16 @@ fn exec() -> FakeExecutor {
     }
 }
 
+/// A scheduler composed as the engine composes it: the radix cache (LRU) or the chunk cache,
+/// and the allocator SGLang picks by page size (the token allocator at `P = 1`).
 fn sched(cfg: SchedulerConfig, pool: usize, radix: bool) -> Scheduler {
     let p = cfg.page_size;
-    let cache: Box<dyn PrefixCache> = if radix {
-        Box::new(RadixCache::new(p, policy_from_name("lru").unwrap()))
+    let cache = if radix {
+        AnyPrefixCache::Radix(RadixCache::new(p, policy_from_name("lru").unwrap()))
     } else {
-        Box::new(ChunkCache::new(p))
+        AnyPrefixCache::Chunk(ChunkCache::new(p))
     };
-    Scheduler::new(
-        cfg,
-        cache,
-        radix,
-        Box::new(PagedAllocator::new(pool, p).unwrap()),
-    )
-    .unwrap()
+    Scheduler::new(cfg, cache, AnyAllocator::for_page_size(pool, p).unwrap()).unwrap()
 }
 
 fn cfg() -> SchedulerConfig {
@@ -301,22 +297,15 @@ fn bad_requests_and_config_are_typed_errors() {
         schedule_policy: SchedulePolicy::Lpm,
         ..cfg()
     };
-    assert!(Scheduler::new(
-        bad,
-        Box::new(ChunkCache::new(1)),
-        false,
-        Box::new(PagedAllocator::new(8, 1).unwrap())
-    )
-    .is_err());
+    assert!(Scheduler::new(bad, ChunkCache::new(1), PagedAllocator::new(8, 1).unwrap()).is_err());
     let mismatch = SchedulerConfig {
         page_size: 4,
         ..cfg()
     };
     assert!(Scheduler::new(
         mismatch,
-        Box::new(ChunkCache::new(1)),
-        false,
-        Box::new(PagedAllocator::new(8, 1).unwrap())
+        ChunkCache::new(1),
+        PagedAllocator::new(8, 1).unwrap()
     )
     .is_err());
     assert!("lpm2".parse::<SchedulePolicy>().is_err());
@@ -392,7 +381,7 @@ fn adder_clips_and_charges_pages() {
     let mut a = PrefillAdder::new(16, 4096, 1000, None, 0.5, [10_000], 0);
     assert_eq!(a.rem_total_offset, 2048.0);
     let root = cache.root(None);
-    let c = scheduler::adder::Candidate {
+    let c = Candidate {
         extend_input_len: 100,
         remaining_new_tokens: 64,
         last_node: root,
@@ -400,7 +389,7 @@ fn adder_clips_and_charges_pages() {
     let r = a.add_one_req(c, &mut *cache, &alloc);
     assert!(matches!(
         r,
-        scheduler::adder::Admission::Admitted {
+        Admission::Admitted {
             extend: 100,
             chunked: false,
             next: AddResult::Continue
@@ -411,24 +400,24 @@ fn adder_clips_and_charges_pages() {
     assert_eq!(a.cur_rem_offset, 112 + 16);
     assert_eq!(a.rem_input_tokens, 1000 - 112);
     // A request that does not fit the total budget: NO_TOKEN.
-    let big = scheduler::adder::Candidate {
+    let big = Candidate {
         extend_input_len: 2000,
         remaining_new_tokens: 64,
         last_node: root,
     };
     assert_eq!(
         a.add_one_req(big, &mut *cache, &alloc),
-        scheduler::adder::Admission::Rejected(AddResult::NoToken)
+        Admission::Rejected(AddResult::NoToken)
     );
     // Without chunking, a second request larger than the input budget left: OTHER.
-    let wide = scheduler::adder::Candidate {
+    let wide = Candidate {
         extend_input_len: 900,
         remaining_new_tokens: 1,
         last_node: root,
     };
     assert_eq!(
         a.add_one_req(wide, &mut *cache, &alloc),
-        scheduler::adder::Admission::Rejected(AddResult::Other)
+        Admission::Rejected(AddResult::Other)
     );
 }
 
@@ -439,7 +428,7 @@ fn adder_chunks_at_page_boundaries() {
     let alloc = PagedAllocator::new(4096, 16).unwrap();
     let root = cache.root(None);
     let mut a = PrefillAdder::new(16, 4096, 16384, Some(100), 1.0, [], 0);
-    let c = scheduler::adder::Candidate {
+    let c = Candidate {
         extend_input_len: 300,
         remaining_new_tokens: 10,
         last_node: root,
@@ -447,7 +436,7 @@ fn adder_chunks_at_page_boundaries() {
     // 100 tokens of chunk budget → a 96-token (page-aligned) chunk, no decode reservation.
     assert_eq!(
         a.add_one_req(c, &mut *cache, &alloc),
-        scheduler::adder::Admission::Admitted {
+        Admission::Admitted {
             extend: 96,
             chunked: true,
             next: AddResult::Continue

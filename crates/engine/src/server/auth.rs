@@ -11,7 +11,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::error::ApiError;
-use super::AppState;
+use super::state::AppState;
 
 /// Paths open without a key.
 const OPEN_PATHS: &[&str] = &["/health"];

@@ -13,7 +13,6 @@ use serde_json::json;
 /// and a machine-readable code.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
-    /// HTTP status.
     pub status: StatusCode,
     /// What is wrong.
     pub message: String,

@@ -1,5 +1,6 @@
 //! SGLang's native `POST /generate`: `text` or `input_ids` (one, or a batch as a list),
-//! `sampling_params` (`max_new_tokens` and the [`SamplingFields`]), `stream`, `rid`. The
+//! `sampling_params` (`max_new_tokens` and the [`SamplingFields`]), `stream`, `rid`, and
+//! `extra_key` (a string: the prefix-cache namespace, see [`cache_namespace`]). The
 //! response has `text`, `output_ids` and `meta_info` (`id`, `prompt_tokens`,
 //! `completion_tokens`, `cached_tokens`, `finish_reason`, `e2e_latency`). Streaming sends
 //! server-sent events, each the response so far, then `data: [DONE]`.
@@ -13,9 +14,11 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, JsonBody};
-use super::params::{encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields};
+use super::params::{
+    cache_namespace, encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields,
+};
+use super::state::AppState;
 use super::stream::{sse, ChunkFormat, Generation, RequestRun};
-use super::AppState;
 
 /// `max_new_tokens` when the request does not say.
 const DEFAULT_MAX_NEW_TOKENS: usize = 128;
@@ -40,6 +43,8 @@ pub struct GenerateBody {
     stream: bool,
     #[serde(default)]
     rid: Option<Value>,
+    #[serde(default)]
+    extra_key: Option<String>,
 }
 
 /// `POST /generate`.
@@ -74,9 +79,10 @@ pub async fn generate(
         field: "max_new_tokens",
         default: Some(DEFAULT_MAX_NEW_TOKENS),
     };
+    let extra_key = cache_namespace(body.extra_key, "extra_key")?;
     let prepared: Vec<Prepared> = prompts
         .into_iter()
-        .map(|ids| prepare(&s, ids, &fields, max))
+        .map(|ids| prepare(&s, ids, &fields, max, extra_key.as_deref()))
         .collect::<Result<_, _>>()?;
     let rid = body.rid.unwrap_or(Value::Null);
     if body.stream {

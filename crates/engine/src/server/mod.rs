@@ -1,4 +1,5 @@
-//! `kvserve serve`: the HTTP API over an [`EngineHandle`] (axum on tokio).
+//! `kvserve serve`: the HTTP API over an [`EngineHandle`](crate::engine_loop::EngineHandle)
+//! (axum on tokio).
 //!
 //! Endpoints:
 //! - SGLang's native API: `POST /generate` ([`generate`]), `GET /health`,
@@ -22,6 +23,7 @@ pub mod generate;
 pub mod metrics;
 pub mod openai;
 pub mod params;
+pub mod state;
 pub mod stream;
 
 use std::sync::Arc;
@@ -31,37 +33,10 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::{middleware, Json, Router};
-use model::Tokenizer;
 use serde_json::{json, Value};
 
-use crate::engine_loop::EngineHandle;
 pub use error::ApiError;
-
-/// What the handlers share.
-#[derive(Debug)]
-pub struct AppState {
-    /// The engine.
-    pub engine: EngineHandle,
-    /// The effective settings (SGLang's server-argument names), a JSON object that
-    /// `/get_server_info` answers with.
-    pub server_args: Value,
-    /// The model's tokenizer.
-    pub tokenizer: Tokenizer,
-    /// The chat template (the model's, or the ChatML fallback).
-    pub chat: chat::ChatPrompt,
-    /// Model name for `/v1/models` and `/get_model_info`.
-    pub model_name: String,
-    /// Longest prompt + output.
-    pub context_len: usize,
-    /// Vocabulary size of the model (token ids must be below it).
-    pub vocab_size: usize,
-    /// EOS token ids (stop unless `ignore_eos`).
-    pub eos_token_ids: Vec<u32>,
-    /// `--api-key`: required on every endpoint but `/health` when set.
-    pub api_key: Option<String>,
-    /// Request counters and latency histograms.
-    pub metrics: Arc<metrics::ServerMetrics>,
-}
+pub use state::AppState;
 
 /// The router with every endpoint.
 pub fn router(state: Arc<AppState>) -> Router {

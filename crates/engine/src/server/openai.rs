@@ -4,10 +4,11 @@
 //! Both read one body type: `model` (echoed back), `prompt` (completions: a string, an array
 //! of strings, an array of token ids or an array of such arrays) or `messages` (chat),
 //! `max_tokens` (chat also `max_completion_tokens`), `n` (1 only), `stream`,
-//! `stream_options.include_usage`, `echo` (completions), `user`, and the sampling fields
-//! shared with `/generate` ([`SamplingFields`]: `temperature`, `top_p`, `top_k`, `min_p`,
-//! penalties, `seed`, `stop`, `stop_token_ids`, `ignore_eos`). `logprobs` and
-//! `top_logprobs` are refused (400) rather than ignored; unknown fields too.
+//! `stream_options.include_usage`, `echo` (completions), `user`, `cache_salt` (vLLM's: a
+//! string naming the request's prefix-cache namespace, see [`cache_namespace`]), and the
+//! sampling fields shared with `/generate` ([`SamplingFields`]: `temperature`, `top_p`,
+//! `top_k`, `min_p`, penalties, `seed`, `stop`, `stop_token_ids`, `ignore_eos`). `logprobs`
+//! and `top_logprobs` are refused (400) rather than ignored; unknown fields too.
 //!
 //! Defaults as OpenAI / SGLang: completions generate at most 16 tokens, chat up to the
 //! context length; temperature 1.
@@ -31,9 +32,11 @@ use serde_json::{json, Map, Value};
 
 use super::chat::Message;
 use super::error::{ApiError, JsonBody};
-use super::params::{encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields};
+use super::params::{
+    cache_namespace, encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields,
+};
+use super::state::AppState;
 use super::stream::{sse, ChunkFormat, Generation, RequestRun};
-use super::AppState;
 
 /// `max_tokens` of `/v1/completions` when the request does not say (OpenAI's default).
 const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
@@ -55,6 +58,8 @@ pub struct OpenAiBody {
     echo: Option<bool>,
     #[allow(dead_code)]
     user: Option<String>,
+    /// vLLM's prefix-cache namespace ([`cache_namespace`]).
+    cache_salt: Option<String>,
     #[serde(flatten)]
     rest: Map<String, Value>,
 }
@@ -243,6 +248,7 @@ fn jobs(
     if prompts.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
+    let salt = cache_namespace(body.cache_salt, "cache_salt")?;
     let jobs = prompts
         .into_iter()
         .map(|(ids, text)| {
@@ -252,7 +258,7 @@ fn jobs(
                 (true, None) => Some(s.tokenizer.decode(&ids, true).unwrap_or_default()),
             };
             Ok(Job {
-                prepared: prepare(s, ids, &fields, max)?,
+                prepared: prepare(s, ids, &fields, max, salt.as_deref())?,
                 echo,
             })
         })

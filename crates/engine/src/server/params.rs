@@ -11,21 +11,23 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::error::{field_error, ApiError};
-use super::AppState;
+use super::state::AppState;
 use crate::engine_loop::GenerateRequest;
 
 /// The most stop strings a request may give.
 pub const MAX_STOP_STRINGS: usize = 64;
 /// The longest stop string, in bytes.
 pub const MAX_STOP_STRING_BYTES: usize = 1024;
+/// The longest cache namespace (`extra_key`, `cache_salt`), in bytes. A salt is an opaque id (a
+/// tenant, a user, a hash of either); the prefix cache keeps one root per namespace and hashes
+/// the key on every lookup, so keys stay short.
+pub const MAX_CACHE_NAMESPACE_BYTES: usize = 256;
 
 /// One value or several (`stop`, `text`, `input_ids`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged, expecting = "expected one value or an array of them")]
 pub enum OneOrMany<T> {
-    /// A single value.
     One(T),
-    /// A list.
     Many(Vec<T>),
 }
 
@@ -58,9 +60,7 @@ pub struct SamplingFields {
     pub frequency_penalty: Option<f32>,
     /// OpenAI presence penalty.
     pub presence_penalty: Option<f32>,
-    /// Sampling seed.
     pub seed: Option<u64>,
-    /// Stop strings.
     pub stop: Option<OneOrMany<String>>,
     /// Stop token ids (kept in the output).
     pub stop_token_ids: Option<Vec<u32>>,
@@ -117,12 +117,37 @@ pub struct Prepared {
     pub skip_special_tokens: bool,
 }
 
-/// Checks a prompt and its sampling fields against the model and turns them into a request.
+/// Validates a request's prefix-cache namespace: SGLang's `extra_key` on `/generate`, vLLM's
+/// `cache_salt` on the OpenAI endpoints (`field` names it). Requests share cached prefixes only
+/// within one namespace, so tenants that must not learn each other's prompts through cache
+/// timing each send their own. `None` (absent or `null`) is the namespace of requests without
+/// one; a given key must be a non-empty string of at most [`MAX_CACHE_NAMESPACE_BYTES`] bytes
+/// (an empty one is refused, as vLLM does, rather than read as "no salt").
+pub fn cache_namespace(key: Option<String>, field: &str) -> Result<Option<String>, ApiError> {
+    match key {
+        Some(k) if k.is_empty() => Err(ApiError::invalid(
+            field,
+            format!("{field} must be a non-empty string when given"),
+        )),
+        Some(k) if k.len() > MAX_CACHE_NAMESPACE_BYTES => Err(ApiError::invalid(
+            field,
+            format!(
+                "{field} may be at most {MAX_CACHE_NAMESPACE_BYTES} bytes, got {}",
+                k.len()
+            ),
+        )),
+        k => Ok(k),
+    }
+}
+
+/// Checks a prompt and its sampling fields against the model and turns them into a request in
+/// the prefix-cache namespace `extra_key` (validated by [`cache_namespace`]).
 pub fn prepare(
     s: &AppState,
     ids: Vec<u32>,
     p: &SamplingFields,
     max: MaxTokens,
+    extra_key: Option<&str>,
 ) -> Result<Prepared, ApiError> {
     if ids.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
@@ -227,6 +252,7 @@ pub fn prepare(
             max_new_tokens: max_new,
             ignore_eos,
             priority: 0,
+            extra_key: extra_key.map(str::to_string),
         },
         stop_strings,
         skip_special_tokens: p.skip_special_tokens.unwrap_or(true),

@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use super::error::ApiError;
 use super::metrics::{Outcome, RequestTimer};
 use super::params::Prepared;
-use super::AppState;
+use super::state::AppState;
 use crate::engine_loop::{Event, Finished, RequestStream};
 
 /// Why a generation ended, as the client sees it.
@@ -32,12 +32,10 @@ use crate::engine_loop::{Event, Finished, RequestStream};
 pub enum Finish {
     /// The token limit.
     Length {
-        /// The limit.
         length: usize,
     },
     /// A stop token (EOS or one of `stop_token_ids`).
     StopToken(u32),
-    /// A stop string.
     StopString(String),
     /// Aborted (shutdown, out of memory, an engine error).
     Abort(String),

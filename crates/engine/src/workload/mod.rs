@@ -19,9 +19,10 @@ pub use mooncake::{load_mooncake, parse_mooncake, MOONCAKE_BLOCK_TOKENS};
 pub use multiturn::MultiTurnConfig;
 pub use random::RandomConfig;
 
+use scheduler::summary::ratio;
 use std::collections::HashSet;
 
-use crate::rng::SplitMix64;
+use kv_pool::rng::SplitMix64;
 
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,7 +49,6 @@ pub struct Workload {
 pub struct WorkloadStats {
     /// Page size the figures are computed for.
     pub page_size: u32,
-    /// Number of requests.
     pub requests: usize,
     /// Prompt tokens over all requests.
     pub prompt_tokens: u64,
@@ -64,7 +64,7 @@ pub struct WorkloadStats {
 impl WorkloadStats {
     /// `ideal_cached_tokens / prompt_tokens` (0 for an empty workload).
     pub fn ideal_hit_rate(&self) -> f64 {
-        ratio(self.ideal_cached_tokens, self.prompt_tokens)
+        ratio(self.ideal_cached_tokens as f64, self.prompt_tokens as f64)
     }
 
     /// A capacity (in tokens, a multiple of the page size) with which a replay never evicts:
@@ -75,19 +75,20 @@ impl WorkloadStats {
     }
 }
 
-/// `num / den`, or 0 when `den` is 0.
-pub(crate) fn ratio(num: u64, den: u64) -> f64 {
-    if den == 0 {
-        0.0
-    } else {
-        num as f64 / den as f64
-    }
-}
-
 impl Workload {
     /// Prompt tokens over all requests.
     pub fn prompt_tokens(&self) -> u64 {
         self.requests.iter().map(|r| r.tokens.len() as u64).sum()
+    }
+
+    /// Prompt plus output tokens of the longest request (at least 1): the context a run of
+    /// this workload needs, less one.
+    pub fn longest_request(&self) -> usize {
+        self.requests
+            .iter()
+            .map(|r| r.tokens.len() + r.output_len.max(1))
+            .max()
+            .unwrap_or(1)
     }
 
     /// The workload's sizes at page size `page_size` (0 is taken as 1).
@@ -157,7 +158,7 @@ impl TokenSource {
     }
 
     fn token(&mut self) -> u32 {
-        self.rng.below(self.vocab_size as u64) as u32
+        self.rng.below(self.vocab_size as usize) as u32
     }
 
     /// Appends an independent sequence of `len` tokens to `out`.

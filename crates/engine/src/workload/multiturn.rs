@@ -45,7 +45,6 @@ impl Default for MultiTurnConfig {
 }
 
 impl MultiTurnConfig {
-    /// Generates the workload.
     pub fn generate(&self) -> Result<Workload> {
         if self.vocab_size == 0 {
             return Err(EngineError::arg("--vocab-size", "must be at least 1"));

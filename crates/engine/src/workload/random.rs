@@ -26,7 +26,6 @@ pub struct RandomConfig {
 }
 
 impl RandomConfig {
-    /// Generates the workload.
     pub fn generate(&self) -> Result<Workload> {
         if self.vocab_size == 0 {
             return Err(EngineError::arg("--vocab-size", "must be at least 1"));
@@ -53,7 +52,7 @@ impl RandomConfig {
         let mut src = TokenSource::new(self.seed, self.vocab_size, self.num_prompts);
         let draw = |src: &mut TokenSource, max: usize| {
             let min = ((max as f64 * self.range_ratio) as usize).clamp(1, max);
-            min + src.rng().below((max - min + 1) as u64) as usize
+            min + src.rng().below(max - min + 1)
         };
         let mut requests = Vec::with_capacity(self.num_prompts);
         for _ in 0..self.num_prompts {

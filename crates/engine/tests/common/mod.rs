@@ -7,7 +7,8 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use clap::Parser;
-use engine::cli::{build_server_state, Cli, Command};
+use engine::cli::{Cli, Command};
+use engine::commands::serve::build_server_state;
 use engine::server::BackgroundServer;
 use serde_json::Value;
 

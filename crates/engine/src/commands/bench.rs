@@ -1,71 +1,23 @@
-//! `kvserve bench` in-process: a workload through the real scheduler, prefix cache and
-//! allocator and a real model ([`crate::model_exec::ModelExecutor`] on the chosen backend), timed
+//! `kvserve bench`. In process: a workload through the real scheduler, prefix cache and
+//! allocator and a real model ([`ModelExecutor`](crate::setup::ModelExecutor) on the chosen backend), timed
 //! by the wall clock of every step. Reports throughput (requests/s, input and output tokens/s),
 //! TTFT and inter-token latency percentiles, and the cache hit rate against the workload's
-//! ideal; `--compare-no-cache` runs the same workload with the radix cache disabled.
+//! ideal; `--compare-no-cache` runs the same workload with the radix cache disabled. With
+//! `--url`, the same workload against any OpenAI-compatible server (`crate::bench_client`).
 
+use std::io::Write;
 use std::time::Instant;
 
-use kv_pool::{floor_to_page, KvDtype};
-use scheduler::{
-    replay, Clock, ReplayConfig, SchedulePolicy, Scheduler, SchedulerConfig, SimReport, SimRequest,
-};
+use scheduler::summary::per_second;
+use scheduler::{replay, Clock, ReplayConfig, SimReport, SimRequest};
 use serde::Serialize;
 
-use crate::components::{build_scheduler, AnyRunner, BackendKind};
+use super::{progress_bar, write_out};
+use crate::bench_client::{run_remote, RemoteTarget};
+use crate::cli::{BenchArgs, WorkloadDefaults};
 use crate::error::{EngineError, Result};
-use crate::model_exec::ModelExecutor;
-
-/// Where the model comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelSource {
-    /// The built-in `tiny` preset (seeded random weights, `r50k_base` vocabulary).
-    Tiny,
-    /// A Hugging Face model directory.
-    Path(std::path::PathBuf),
-}
-
-impl ModelSource {
-    /// The model's configuration (`config.json` of a directory), without loading weights.
-    pub fn config(&self) -> Result<model::ModelConfig> {
-        match self {
-            ModelSource::Tiny => Ok(model::tiny::tiny_config()),
-            ModelSource::Path(dir) => model::ModelConfig::from_file(&dir.join("config.json"))
-                .map_err(|e| EngineError::Model(e.to_string())),
-        }
-    }
-
-    /// The name the server reports (`tiny`, or the directory).
-    pub fn name(&self) -> String {
-        match self {
-            ModelSource::Tiny => "tiny".into(),
-            ModelSource::Path(dir) => dir.display().to_string(),
-        }
-    }
-}
-
-/// The engine configuration of a bench run or a server.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EngineSetup {
-    /// The model.
-    pub model: ModelSource,
-    /// KV pool size in tokens; with `mem_fraction_static`, its cap (`usize::MAX`: none).
-    pub capacity_tokens: usize,
-    /// `--mem-fraction-static`: size the pool from host memory ([`crate::memory`]).
-    pub mem_fraction_static: Option<f64>,
-    /// KV cache dtype.
-    pub kv_dtype: KvDtype,
-    /// Scheduler settings.
-    pub scheduler: SchedulerConfig,
-    /// Eviction policy of the radix cache.
-    pub eviction_policy: String,
-    /// The compute backend.
-    pub backend: BackendKind,
-    /// CPU threads of the backend.
-    pub threads: usize,
-    /// Seed of sampling (greedy requests ignore it).
-    pub seed: u64,
-}
+use crate::setup::{build, EngineSetup};
+use crate::sim::sim_requests;
 
 /// The figures of one run (a JSON object of `--json`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -74,7 +26,6 @@ pub struct BenchOutcome {
     pub cache: String,
     /// Requests that finished.
     pub requests: usize,
-    /// Requests aborted.
     pub aborted: usize,
     /// Seconds from the first arrival to the last token (step wall times; idle gaps skipped).
     pub duration_s: f64,
@@ -96,17 +47,13 @@ pub struct BenchOutcome {
     pub hit_rate: f64,
     /// What a cache that never evicts would reach on this workload.
     pub ideal_hit_rate: f64,
-    /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Prompt tokens served from the cache.
     pub cached_tokens: usize,
     /// Tokens computed by prefill passes.
     pub prefill_tokens: usize,
-    /// Tokens generated.
     pub output_tokens: usize,
-    /// Retractions.
     pub retractions: usize,
-    /// Scheduler steps.
     pub steps: u64,
     /// Every request's TTFT, sorted.
     #[serde(skip)]
@@ -116,21 +63,14 @@ pub struct BenchOutcome {
 impl BenchOutcome {
     /// The figures of a run from its report; `cache` labels it (`radix`, `no-cache`, `remote`).
     pub fn new(cache: &str, r: SimReport, ideal_hit_rate: f64) -> Self {
-        let per_s = |n: f64| {
-            if r.duration_s > 0.0 {
-                n / r.duration_s
-            } else {
-                0.0
-            }
-        };
         BenchOutcome {
             cache: cache.into(),
             requests: r.requests,
             aborted: r.aborted,
             duration_s: r.duration_s,
-            requests_per_s: per_s(r.requests as f64),
-            input_tokens_per_s: per_s(r.prompt_tokens as f64),
-            output_tokens_per_s: per_s(r.output_tokens as f64),
+            requests_per_s: per_second(r.requests, r.duration_s),
+            input_tokens_per_s: per_second(r.prompt_tokens, r.duration_s),
+            output_tokens_per_s: per_second(r.output_tokens, r.duration_s),
             ttft_p50_s: r.ttft_p50_s,
             ttft_p99_s: r.ttft_p99_s,
             itl_p50_s: r.itl_p50_s,
@@ -146,53 +86,6 @@ impl BenchOutcome {
             ttft_s: r.ttft_s,
         }
     }
-}
-
-/// Builds the scheduler (radix or chunk cache, paged allocator) and the model executor that a
-/// bench run or a server uses.
-pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecutor)> {
-    let p = setup.scheduler.page_size;
-    let tokens = match setup.mem_fraction_static {
-        None => setup.capacity_tokens,
-        Some(_) if setup.backend != BackendKind::Cpu => {
-            return Err(EngineError::arg(
-                "--mem-fraction-static",
-                format!(
-                    "sizes the pool from host memory, which only the cpu backend computes in; \
-                     give --max-total-tokens for --backend {}",
-                    setup.backend
-                ),
-            ))
-        }
-        Some(f) => {
-            let shape = setup
-                .model
-                .config()?
-                .kv_shape(setup.kv_dtype)
-                .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
-            let cap = (setup.capacity_tokens != usize::MAX).then_some(setup.capacity_tokens);
-            crate::memory::pool_tokens(f, &setup.model, shape, p, setup.scheduler.context_len, cap)?
-                .max_total_num_tokens()
-        }
-    };
-    let capacity = floor_to_page(tokens, p as usize);
-    if capacity == 0 {
-        return Err(EngineError::arg(
-            "--max-total-tokens",
-            format!(
-                "{} tokens is less than one page of {p}",
-                setup.capacity_tokens
-            ),
-        ));
-    }
-    let exec = ModelExecutor::new(AnyRunner::build(setup, capacity)?, setup.seed);
-    let sched = build_scheduler(
-        setup.scheduler.clone(),
-        radix,
-        &setup.eviction_policy,
-        capacity,
-    )?;
-    Ok((sched, exec))
 }
 
 /// Runs the workload once, with the radix cache (`radix`) or without.
@@ -288,35 +181,6 @@ pub fn plot(outcomes: &[BenchOutcome], title: &str, path: &std::path::Path) -> R
     )
 }
 
-/// Parses `--schedule-policy` for the bench (one policy).
-pub fn parse_policy(s: &str) -> Result<SchedulePolicy> {
-    s.parse().map_err(|e: scheduler::SchedulerError| {
-        EngineError::arg("--schedule-policy", e.to_string())
-    })
-}
-
-/// The default bench setup: the tiny model, a 128k-token pool in pages of 16, SGLang's
-/// scheduler defaults with 8k-token chunks, LRU eviction.
-pub fn default_setup(context_len: usize) -> EngineSetup {
-    EngineSetup {
-        model: ModelSource::Tiny,
-        capacity_tokens: 1 << 17,
-        mem_fraction_static: None,
-        kv_dtype: KvDtype::F32,
-        scheduler: SchedulerConfig {
-            page_size: 16,
-            context_len,
-            max_running_requests: 256,
-            chunked_prefill_size: Some(8192),
-            ..SchedulerConfig::default()
-        },
-        eviction_policy: "lru".into(),
-        backend: BackendKind::Cpu,
-        threads: 1,
-        seed: 0,
-    }
-}
-
 /// Measures the wall time of `f`.
 pub fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     let start = Instant::now();
@@ -324,10 +188,119 @@ pub fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
     (t, start.elapsed().as_secs_f64())
 }
 
+/// `kvserve bench`.
+pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
+    let workload = args.source.load(WorkloadDefaults::BENCH)?;
+    let arrivals = args.arrivals.arrivals(&args.source, Some(16.0))?;
+    let requests = sim_requests(&workload, arrivals)?;
+    let stats = workload.stats(args.engine.page_size);
+    let longest = workload.longest_request();
+    let mut setup = args.engine.setup(longest + 1)?;
+    setup.seed = args.source.seed;
+    let max_concurrency = args.arrivals.max_concurrency.map(|n| n as usize);
+    // Each run: the in-process engine with the radix cache or without, or a remote server.
+    let runs: Vec<(&str, Option<bool>)> = match (
+        &args.url,
+        args.compare_no_cache,
+        args.engine.disable_radix_cache,
+    ) {
+        (Some(_), true, _) => {
+            return Err(EngineError::arg(
+                "--compare-no-cache",
+                "needs the in-process engine; run the remote server twice instead of --url",
+            ))
+        }
+        (None, true, true) => {
+            return Err(EngineError::arg(
+                "--compare-no-cache",
+                "runs with and without the radix cache; drop --disable-radix-cache",
+            ))
+        }
+        (Some(_), false, _) => vec![("remote", None)],
+        (None, true, false) => vec![("radix", Some(true)), ("no-cache", Some(false))],
+        (None, false, true) => vec![("no-cache", Some(false))],
+        (None, false, false) => vec![("radix", Some(true))],
+    };
+    if !args.quiet {
+        let target = match &args.url {
+            Some(url) => format!("server {url}"),
+            None => format!(
+                "model {} on {} with {} threads",
+                setup.model.name(),
+                setup.backend,
+                setup.threads
+            ),
+        };
+        eprintln!(
+            "note: {} ({} requests, {} prompt tokens, ideal hit rate {:.2}%), {target}",
+            workload.name,
+            requests.len(),
+            stats.prompt_tokens,
+            100.0 * stats.ideal_hit_rate(),
+        );
+    }
+    let (outcomes, wall) = timed(|| -> Result<Vec<_>> {
+        let mut outcomes = Vec::new();
+        for &(label, radix) in &runs {
+            let bar = progress_bar(
+                args.quiet,
+                requests.len() as u64,
+                &format!(
+                    "{label:<8} {{elapsed_precise}} [{{bar:40}}] {{human_pos}}/{{human_len}} requests"
+                ),
+            );
+            let ideal = stats.ideal_hit_rate();
+            let r = match (radix, &args.url) {
+                (Some(radix), _) => run_bench(
+                    &requests,
+                    &setup,
+                    radix,
+                    ideal,
+                    max_concurrency,
+                    &mut |done, _| bar.set_position(done as u64),
+                ),
+                (None, url) => {
+                    let target = RemoteTarget {
+                        url: url.clone().unwrap_or_default(),
+                        model: args.model.clone(),
+                        api_key: args.api_key.clone(),
+                    };
+                    run_remote(&requests, &target, max_concurrency, &|done, _| {
+                        bar.set_position(done as u64)
+                    })
+                    .map(|report| BenchOutcome::new(label, report, ideal))
+                }
+            };
+            bar.finish_and_clear();
+            outcomes.push(r?);
+        }
+        Ok(outcomes)
+    });
+    let outcomes = outcomes?;
+    let text = render(&outcomes, wall);
+    write_out(out, &text)?;
+    let json = serde_json::to_string_pretty(&outcomes)
+        .map_err(|e| EngineError::arg("--json", e.to_string()))?;
+    std::fs::write(&args.json, json + "\n").map_err(|source| EngineError::Io {
+        path: args.json.display().to_string(),
+        source,
+    })?;
+    plot(&outcomes, &workload.name, &args.plot)?;
+    if !args.quiet {
+        eprintln!(
+            "note: wrote {} and {}",
+            args.json.display(),
+            args.plot.display()
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::{sim_requests, Arrivals};
+    use crate::setup::default_setup;
+    use crate::sim::Arrivals;
     use crate::workload::GspConfig;
 
     #[test]

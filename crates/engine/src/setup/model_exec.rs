@@ -16,7 +16,7 @@ use model::{
     ForwardInput, ForwardMode as ModelMode, ForwardRequest, LogitsMode, Sampler, SamplingParams,
 };
 
-use crate::components::{AnyRunner, ModelForward};
+use super::components::{AnyRunner, ModelForward};
 use scheduler::{Executor, ForwardBatch, ForwardMode, ForwardOutput, ReqId};
 
 struct ReqSampling {
@@ -76,7 +76,6 @@ impl ModelExecutor {
         self.sampling.remove(&id);
     }
 
-    /// The model runner.
     pub fn runner(&self) -> &AnyRunner {
         &self.runner
     }
@@ -180,14 +179,8 @@ mod tests {
                 strict: true,
                 ..SchedulerConfig::default()
             };
-            let cache = RadixCache::new(16, Box::new(BuiltinPolicy::Lru));
-            let mut s = Scheduler::new(
-                cfg,
-                Box::new(cache),
-                true,
-                Box::new(PagedAllocator::new(4096, 16).unwrap()),
-            )
-            .unwrap();
+            let cache = RadixCache::new(16, BuiltinPolicy::Lru);
+            let mut s = Scheduler::new(cfg, cache, PagedAllocator::new(4096, 16).unwrap()).unwrap();
             let mut e = executor();
             if warm {
                 s.add_request(prompt.clone(), SamplingLimits::max_new(1), 0, None)
@@ -223,9 +216,8 @@ mod tests {
         };
         let mut s = Scheduler::new(
             cfg,
-            Box::new(RadixCache::new(16, Box::new(BuiltinPolicy::Lru))),
-            true,
-            Box::new(PagedAllocator::new(4096, 16).unwrap()),
+            RadixCache::new(16, BuiltinPolicy::Lru),
+            PagedAllocator::new(4096, 16).unwrap(),
         )
         .unwrap();
         let mut e = executor();

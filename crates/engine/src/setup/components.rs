@@ -1,7 +1,7 @@
 //! The engine's component kinds, each one value with static dispatch over the implementations
-//! compiled into this build (DESIGN.md §3): the KV allocator ([`kv_pool::AnyAllocator`]), the
-//! prefix cache ([`radix_cache::AnyPrefixCache`]), the eviction policy
-//! ([`radix_cache::AnyEvictionPolicy`]) and the compute backend ([`AnyRunner`], here).
+//! compiled into this build: the KV allocator ([`kv_pool::AnyAllocator`]), the prefix cache
+//! ([`radix_cache::AnyPrefixCache`]), the eviction policy ([`radix_cache::AnyEvictionPolicy`])
+//! and the compute backend ([`AnyRunner`], here).
 //!
 //! A backend whose Cargo feature is off still has its variant: a zero-sized stand-in whose
 //! constructor and methods answer [`EngineError::NotCompiled`], so choosing it gives a typed
@@ -18,114 +18,10 @@ use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, RadixCache};
 use scheduler::{Scheduler, SchedulerConfig};
 use serde::Serialize;
 
-use crate::bench::{EngineSetup, ModelSource};
+use super::backend::BackendKind;
+use super::engine_setup::EngineSetup;
+use super::source::ModelSource;
 use crate::error::{EngineError, Result};
-
-/// A compute backend the engine can run the model on (`--backend`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendKind {
-    /// The CPU backend of `crates/attention` (always compiled).
-    Cpu,
-    /// `crates/attention-wgpu`: Vulkan, Metal, DX12 or GL through wgpu (feature `wgpu`).
-    Wgpu,
-    /// CUDA (feature `cuda`; not written yet).
-    Cuda,
-}
-
-impl BackendKind {
-    /// Every backend kind, compiled or not, in `--backend` order.
-    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda];
-
-    /// The `--backend` value.
-    pub fn name(self) -> &'static str {
-        match self {
-            BackendKind::Cpu => "cpu",
-            BackendKind::Wgpu => "wgpu",
-            BackendKind::Cuda => "cuda",
-        }
-    }
-
-    /// The engine's Cargo feature that compiles it (`None`: always there, or, for a backend
-    /// that is never compiled, not written yet).
-    pub fn feature(self) -> Option<&'static str> {
-        match self {
-            BackendKind::Cpu | BackendKind::Cuda => None,
-            BackendKind::Wgpu => Some("wgpu"),
-        }
-    }
-
-    /// Whether this build has it.
-    pub fn compiled(self) -> bool {
-        match self {
-            BackendKind::Cpu => true,
-            BackendKind::Wgpu => <WgpuRunner as BuildRunner>::COMPILED,
-            BackendKind::Cuda => <CudaRunner as BuildRunner>::COMPILED,
-        }
-    }
-
-    /// The compiled backends' names, for error messages.
-    pub fn compiled_names() -> Vec<&'static str> {
-        Self::ALL
-            .iter()
-            .filter(|b| b.compiled())
-            .map(|b| b.name())
-            .collect()
-    }
-
-    /// Parses a `--backend` value. An unknown name and a backend this build lacks are both
-    /// errors naming the flag and the compiled choices.
-    pub fn parse(name: &str) -> Result<Self> {
-        let compiled = Self::compiled_names().join(", ");
-        let kind = Self::ALL
-            .into_iter()
-            .find(|b| b.name().eq_ignore_ascii_case(name.trim()))
-            .ok_or_else(|| {
-                EngineError::arg(
-                    "--backend",
-                    format!("unknown backend {name:?}; compiled backends: {compiled}"),
-                )
-            })?;
-        if !kind.compiled() {
-            return Err(EngineError::arg(
-                "--backend",
-                NotCompiled::of(kind).to_string() + &format!("; compiled backends: {compiled}"),
-            ));
-        }
-        Ok(kind)
-    }
-}
-
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A component that this build does not have: which one and the feature that would bring it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{what} {name:?} is not compiled into this build ({})", match feature {
-    Some(f) => format!("rebuild with `--features {f}`"),
-    None => "no feature of this version provides it yet".to_string(),
-})]
-pub struct NotCompiled {
-    /// The component kind (e.g. "backend").
-    pub what: &'static str,
-    /// Its name (e.g. "wgpu").
-    pub name: &'static str,
-    /// The Cargo feature of the engine crate that compiles it (`None`: not written yet).
-    pub feature: Option<&'static str>,
-}
-
-impl NotCompiled {
-    fn of(kind: BackendKind) -> Self {
-        NotCompiled {
-            what: "backend",
-            name: kind.name(),
-            feature: kind.feature(),
-        }
-    }
-}
 
 /// What the engine needs from a model runner on some backend, without the backend's associated
 /// types: one forward pass and the backend's name.
@@ -157,11 +53,10 @@ where
 #[allow(clippy::large_enum_variant)]
 #[enum_dispatch(ModelForward)]
 pub enum AnyRunner {
-    /// On the CPU backend.
     Cpu(ModelRunner<CpuBackend>),
-    /// On wgpu (a [`NotCompiled`] stand-in without feature `wgpu`).
+    /// On wgpu (a [`crate::error::NotCompiled`] stand-in without feature `wgpu`).
     Wgpu(WgpuRunner),
-    /// On CUDA (a [`NotCompiled`] stand-in without feature `cuda`).
+    /// On CUDA (a [`crate::error::NotCompiled`] stand-in without feature `cuda`).
     Cuda(CudaRunner),
 }
 
@@ -201,12 +96,12 @@ pub fn build_scheduler(
     let p = config.page_size;
     let cache = if radix {
         let policy = AnyEvictionPolicy::from_name(eviction_policy)?;
-        AnyPrefixCache::Radix(RadixCache::new(p, Box::new(policy)))
+        AnyPrefixCache::Radix(RadixCache::new(p, policy))
     } else {
         AnyPrefixCache::Chunk(ChunkCache::new(p))
     };
     let alloc = AnyAllocator::for_page_size(capacity, p)?;
-    Scheduler::new(config, Box::new(cache), radix, Box::new(alloc)).map_err(|e| match e {
+    Scheduler::new(config, cache, alloc).map_err(|e| match e {
         scheduler::SchedulerError::InvalidConfig { field, reason } => {
             EngineError::arg(field, reason)
         }
@@ -215,10 +110,8 @@ pub fn build_scheduler(
 }
 
 /// How each backend variant's runner is built. Implemented by the real runner of a compiled
-/// backend and by the [`NotCompiled`] stand-in of one whose feature is off.
+/// backend and by the [`crate::error::NotCompiled`] stand-in of one whose feature is off.
 pub trait BuildRunner: Sized {
-    /// Whether the backend is compiled into this build.
-    const COMPILED: bool;
     /// Builds the model of `setup` on this backend with a KV store of `capacity` slots.
     fn build(setup: &EngineSetup, capacity: usize) -> Result<Self>;
     /// Opens the backend's device and describes it, or says why it cannot (`None` for a
@@ -249,7 +142,7 @@ pub fn runner_on<B: Backend>(
 }
 
 /// Defines the stand-in of a backend whose feature is off: it cannot be built (its constructor
-/// answers [`NotCompiled`]) and, were one to exist, every method would answer the same.
+/// answers [`crate::error::NotCompiled`]) and, were one to exist, every method would answer the same.
 macro_rules! not_compiled_backend {
     ($name:ident, $kind:expr) => {
         /// The stand-in for a backend this build lacks.
@@ -257,16 +150,14 @@ macro_rules! not_compiled_backend {
         pub struct $name(());
 
         impl BuildRunner for $name {
-            const COMPILED: bool = false;
-
             fn build(_setup: &EngineSetup, _capacity: usize) -> Result<Self> {
-                Err(NotCompiled::of($kind).into())
+                Err($kind.not_compiled().into())
             }
         }
 
         impl ModelForward for $name {
             fn forward(&mut self, _input: &ForwardInput<'_>) -> Result<ForwardOutput> {
-                Err(NotCompiled::of($kind).into())
+                Err($kind.not_compiled().into())
             }
 
             fn backend_name(&self) -> String {
@@ -282,8 +173,6 @@ pub type WgpuRunner = ModelRunner<attention_wgpu::WgpuBackend>;
 
 #[cfg(feature = "wgpu")]
 impl BuildRunner for WgpuRunner {
-    const COMPILED: bool = true;
-
     fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
         let backend = attention_wgpu::WgpuBackend::new(attention_wgpu::WgpuConfig::default())
             .map_err(|e| EngineError::arg("--backend", format!("wgpu: {e}")))?;
@@ -309,7 +198,6 @@ not_compiled_backend!(CudaRunner, BackendKind::Cuda);
 /// messages.
 #[derive(Debug, Clone, Serialize)]
 pub struct Inventory {
-    /// The engine's version.
     pub version: &'static str,
     /// The engine crate's Cargo features that are on.
     pub features: Vec<&'static str>,

@@ -1,0 +1,62 @@
+//! One module per subcommand, each holding that command's body: it reads the parsed flags of
+//! `crate::cli`, builds what it needs through `crate::setup` or the library modules
+//! (`crate::cache_sim`, `crate::sim`, `crate::workload`), and writes results to `out`, notes and
+//! progress to stderr. [`run`] dispatches a parsed command line.
+
+pub mod bench;
+pub mod cache_sim;
+pub mod info;
+pub mod serve;
+pub mod sim;
+
+use std::io::{IsTerminal, Write};
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cli::{Cli, Command};
+use crate::error::{EngineError, Result};
+
+/// Runs a parsed command line, writing results to `out` and notes and progress to stderr.
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
+    match cli.command {
+        Command::CacheSim(args) => cache_sim::cache_sim(&args, out),
+        Command::Sim(args) => sim::sim(&args, out),
+        Command::Bench(args) => bench::bench(&args, out),
+        Command::Serve(args) => serve::serve(&args),
+        Command::Info(args) => info::info(&args, out),
+    }
+}
+
+/// The progress bar of `cache-sim` and `sim` (requests replayed over all configurations).
+const PROGRESS: &str = "{elapsed_precise} [{bar:40}] {human_pos}/{human_len} requests, eta {eta}";
+
+/// A progress bar of `len` steps on stderr in `template` (indicatif's syntax), hidden with
+/// `--quiet` or when stderr is not a terminal.
+fn progress_bar(quiet: bool, len: u64, template: &str) -> ProgressBar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Writes a command's result to `out` and flushes it.
+fn write_out(out: &mut dyn Write, text: &str) -> Result<()> {
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|source| EngineError::Io {
+            path: "standard output".into(),
+            source,
+        })
+}
+
+/// `--jobs`, or the available cores.
+fn jobs(flag: Option<u32>) -> usize {
+    flag.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        |j| j as usize,
+    )
+}

@@ -1,0 +1,99 @@
+//! `kvserve serve`: the engine on its own thread behind SGLang's and OpenAI's HTTP APIs
+//! (`crate::server`), until Ctrl-C.
+
+use std::sync::Arc;
+
+use crate::cli::ServeArgs;
+use crate::engine_loop::EngineHandle;
+use crate::error::{EngineError, Result};
+use crate::runtime::async_runtime;
+use crate::server::chat::ChatPrompt;
+use crate::server::AppState;
+use crate::setup::ModelSource;
+
+/// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
+pub fn serve(args: &ServeArgs) -> Result<()> {
+    let state = build_server_state(args)?;
+    async_runtime()?.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|source| EngineError::Io {
+                path: addr.clone(),
+                source,
+            })?;
+        let local = listener.local_addr().map_err(|source| EngineError::Io {
+            path: addr.clone(),
+            source,
+        })?;
+        eprintln!("kvserve: serving {} on http://{local}", state.model_name);
+        // On Ctrl-C, stop taking connections and end every in-flight request (aborted, its
+        // stream closed) so the graceful shutdown does not wait on long generations.
+        let engine = state.clone();
+        let shutdown = async move {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("kvserve: shutting down; in-flight requests are aborted");
+            engine.engine.begin_shutdown();
+        };
+        crate::server::serve(listener, state, shutdown)
+            .await
+            .map_err(|source| EngineError::Io {
+                path: local.to_string(),
+                source,
+            })
+    })
+}
+
+/// The server's shared state for `args`: engine thread started, tokenizer loaded.
+pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
+    let source = args
+        .engine
+        .model_path
+        .clone()
+        .map_or(ModelSource::Tiny, ModelSource::Path);
+    let config = source.config()?;
+    let name = source.name();
+    let (tokenizer, chat_template) = match &source {
+        ModelSource::Tiny => (model::tiny::tiny_tokenizer(), None),
+        ModelSource::Path(dir) => {
+            model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))?
+        }
+    };
+    let chat = ChatPrompt::new(chat_template).map_err(|e| EngineError::Model(e.to_string()))?;
+    let mut setup = args.engine.setup(config.max_position_embeddings)?;
+    setup.scheduler.max_queued_requests = args.max_queued_requests;
+    let context_len = setup.scheduler.context_len;
+    let radix = !args.engine.disable_radix_cache;
+    let (sched, exec) = crate::setup::build(&setup, radix)?;
+    // The effective settings, under SGLang's server-argument names, for /get_server_info.
+    let cfg = sched.config();
+    let server_args = serde_json::json!({
+        "model_path": name,
+        "backend": setup.backend,
+        "kv_cache_dtype": setup.kv_dtype.name(),
+        "page_size": cfg.page_size,
+        "max_total_num_tokens": sched.allocator().size(),
+        "max_running_requests": cfg.max_running_requests,
+        "chunked_prefill_size": cfg.chunked_prefill_size,
+        "max_prefill_tokens": cfg.max_prefill_tokens,
+        "schedule_policy": cfg.schedule_policy.as_str(),
+        "schedule_conservativeness": cfg.schedule_conservativeness,
+        "enable_mixed_chunk": cfg.enable_mixed_chunk,
+        "disable_radix_cache": !radix,
+        "radix_eviction_policy": setup.eviction_policy,
+        "max_queued_requests": cfg.max_queued_requests,
+        "api_key_required": args.api_key.is_some(),
+    });
+    Ok(Arc::new(AppState {
+        server_args,
+        engine: EngineHandle::start(sched, exec),
+        vocab_size: config.vocab_size,
+        eos_token_ids: config.eos_token_ids.clone(),
+        tokenizer,
+        chat,
+        model_name: name,
+        context_len,
+        api_key: args.api_key.clone(),
+        metrics: Default::default(),
+    }))
+}

@@ -1,0 +1,57 @@
+//! [`EngineSetup`]: everything `bench` and `serve` decide before building an engine.
+
+use kv_pool::KvDtype;
+use scheduler::{SchedulePolicy, SchedulerConfig};
+
+use super::backend::BackendKind;
+use super::source::ModelSource;
+use crate::error::{EngineError, Result};
+
+/// The engine configuration of a bench run or a server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineSetup {
+    pub model: ModelSource,
+    /// KV pool size in tokens; with `mem_fraction_static`, its cap (`usize::MAX`: none).
+    pub capacity_tokens: usize,
+    /// `--mem-fraction-static`: size the pool from host memory (`setup/pool.rs`).
+    pub mem_fraction_static: Option<f64>,
+    pub kv_dtype: KvDtype,
+    /// Scheduler settings; `scheduler.context_len` is the context the engine serves.
+    pub scheduler: SchedulerConfig,
+    /// Eviction policy of the radix cache (`--radix-eviction-policy`).
+    pub eviction_policy: String,
+    pub backend: BackendKind,
+    /// CPU threads of the backend.
+    pub threads: usize,
+    /// Seed of sampling (greedy requests ignore it).
+    pub seed: u64,
+}
+
+/// Parses `--schedule-policy` for the bench (one policy).
+pub fn parse_policy(s: &str) -> Result<SchedulePolicy> {
+    s.parse().map_err(|e: scheduler::SchedulerError| {
+        EngineError::arg("--schedule-policy", e.to_string())
+    })
+}
+
+/// The default bench setup: the tiny model, a 128k-token pool in pages of 16, SGLang's
+/// scheduler defaults with 8k-token chunks, LRU eviction.
+pub fn default_setup(context_len: usize) -> EngineSetup {
+    EngineSetup {
+        model: ModelSource::Tiny,
+        capacity_tokens: 1 << 17,
+        mem_fraction_static: None,
+        kv_dtype: KvDtype::F32,
+        scheduler: SchedulerConfig {
+            page_size: 16,
+            context_len,
+            max_running_requests: 256,
+            chunked_prefill_size: Some(8192),
+            ..SchedulerConfig::default()
+        },
+        eviction_policy: "lru".into(),
+        backend: BackendKind::Cpu,
+        threads: 1,
+        seed: 0,
+    }
+}

@@ -1,0 +1,72 @@
+//! Building an engine: the one place that turns an [`EngineSetup`] into a scheduler and a model
+//! executor.
+//!
+//! Data flows one way: `cli` (flags) → `commands` (one module per subcommand) → `setup` (this
+//! module) → the component crates. Inside it:
+//! - `engine_setup`: [`EngineSetup`], the decisions of `bench` and `serve`;
+//! - `source`: [`ModelSource`], the tiny preset or a Hugging Face directory;
+//! - `backend`: [`BackendKind`] (`--backend`) and whether this build has it;
+//! - `pool`: pool sizing, always through [`kv_pool::MemoryPlan`] (host memory for the CPU
+//!   backend; the simulated device for `kvserve sim`);
+//! - `components`: the component kinds as enums over the compiled implementations
+//!   ([`AnyRunner`], [`build_scheduler`]) and [`Inventory`] (`kvserve info`);
+//! - `model_exec`: [`ModelExecutor`], the scheduler's executor over an [`AnyRunner`].
+
+pub mod backend;
+pub mod components;
+pub mod engine_setup;
+pub mod model_exec;
+pub mod pool;
+pub mod source;
+
+use scheduler::Scheduler;
+
+pub use backend::BackendKind;
+pub use components::{build_scheduler, AnyRunner, Inventory};
+pub use engine_setup::{default_setup, parse_policy, EngineSetup};
+pub use model_exec::ModelExecutor;
+pub use source::ModelSource;
+
+use crate::error::{EngineError, Result};
+
+/// Builds the scheduler (radix or chunk cache, paged allocator) and the model executor that a
+/// bench run or a server uses.
+pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecutor)> {
+    let p = setup.scheduler.page_size;
+    // Before any weights load: a model whose sliding window this engine does not apply is
+    // served only within it.
+    let config = setup.model.config()?;
+    config
+        .check_context_len(setup.scheduler.context_len)
+        .map_err(|e| EngineError::arg("--context-length", e.to_string()))?;
+    let tokens = match setup.mem_fraction_static {
+        None => setup.capacity_tokens,
+        Some(_) if setup.backend != BackendKind::Cpu => {
+            return Err(EngineError::arg(
+                "--mem-fraction-static",
+                format!(
+                    "sizes the pool from host memory, which only the cpu backend computes in; \
+                     give --max-total-tokens for --backend {}",
+                    setup.backend
+                ),
+            ))
+        }
+        Some(f) => {
+            let shape = config
+                .kv_shape(setup.kv_dtype)
+                .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
+            let cap = (setup.capacity_tokens != usize::MAX).then_some(setup.capacity_tokens);
+            pool::pool_tokens(f, &setup.model, shape, p, setup.scheduler.context_len, cap)?
+                .max_total_num_tokens()
+        }
+    };
+    let capacity = pool::whole_pages(tokens, p)?;
+    let exec = ModelExecutor::new(AnyRunner::build(setup, capacity)?, setup.seed);
+    let sched = build_scheduler(
+        setup.scheduler.clone(),
+        radix,
+        &setup.eviction_policy,
+        capacity,
+    )?;
+    Ok((sched, exec))
+}

@@ -1,0 +1,43 @@
+//! Slot allocators: the [`Allocator`] trait and its two implementations, [`TokenAllocator`]
+//! (page size 1, FIFO reuse, SGLang's `TokenToKVPoolAllocator`) and [`PagedAllocator`] (page size
+//! `P`, LIFO reuse, SGLang's `PagedTokenToKVPoolAllocator`).
+//!
+//! Both are one generic [`SlotAllocator`] whose [`ReuseOrder`] decides where freed pages go:
+//! FIFO appends them in the order given, LIFO prepends them sorted ascending (SGLang's
+//! `torch.unique` + `cat`). Everything else, including the three-phase `alloc_extend`, is the
+//! same code; at `P = 1` it collapses to "take the next n free slots".
+//!
+//! State: a free list of pages (allocations take from its head), a release list used in
+//! sorted-release mode (SGLang's `need_sort` for PD), the pages buffered by an open free group,
+//! and a bitmap of allocated pages. The bitmap is what makes a double free an error instead of
+//! a corrupted free list (SGLang's free is not idempotent).
+//!
+//! Files, each one job (dependencies point down the list, never back):
+//! - `api`: the [`Allocator`] trait and its batch entries [`ExtendRequest`], [`DecodeRequest`].
+//! - `order`: [`ReuseOrder`] with [`Fifo`] and [`Lifo`].
+//! - `state`: the free/release lists and allocation bitmap, and its snapshot [`AllocatorState`].
+//! - `bitmap`: word-at-a-time bitmap access and run detection for the hot paths.
+//! - `render`: [`render_page_runs`], the compact page-list rendering.
+//! - `slot`: [`SlotAllocator`]: construction, page math, taking and returning pages, `Display`.
+//! - `validate`: batch validation for `alloc_extend` / `alloc_decode` (`last_loc`, page demand).
+//! - `ops`: `impl Allocator for SlotAllocator`.
+//! - `any`: [`AnyAllocator`], the enum over this crate's implementations.
+
+// `api` first: enum_dispatch must see the trait before `any`'s enum to expand the impl there.
+mod api;
+
+mod any;
+mod bitmap;
+mod ops;
+mod order;
+mod render;
+mod slot;
+mod state;
+mod validate;
+
+pub use any::AnyAllocator;
+pub use api::{Allocator, DecodeRequest, ExtendRequest};
+pub use order::{Fifo, Lifo, ReuseOrder};
+pub use render::render_page_runs;
+pub use slot::{PagedAllocator, SlotAllocator, TokenAllocator};
+pub use state::AllocatorState;

@@ -1,0 +1,79 @@
+//! Reuse orders: where a free puts its pages in the free list, and which end allocations take
+//! from. [`Fifo`] is SGLang's token allocator, [`Lifo`] its paged allocator.
+
+use std::collections::VecDeque;
+use std::fmt;
+
+/// Where freed pages go in the free list, and which end allocations take from.
+///
+/// The free list is a `VecDeque<u32>`; both orders push freed pages at its back in bulk, and
+/// LIFO keeps its head at the back (so "prepend" is a bulk push), FIFO at the front.
+pub trait ReuseOrder: fmt::Debug + Default + Clone + Send + Sync + 'static {
+    /// Name used in renderings and state checks.
+    const NAME: &'static str;
+    /// Whether a free's pages are sorted ascending before they are returned.
+    const SORT_FREED: bool;
+    /// Which SGLang allocator decides when sorted-release mode merges in a batch allocation.
+    /// `true`, the paged allocator: `alloc_extend` merges when `extend_tokens / P + batch + 1`
+    /// exceeds the free pages (the kernel's worst case, checked before it runs) and
+    /// `alloc_decode` when the batch size does. `false`, the token allocator, whose callers
+    /// allocate with plain `alloc`: both merge when the pages demanded exceed the free pages.
+    const PAGED_MERGE_RULE: bool;
+    /// Returns a batch of freed pages; `pages[0]` is reused first among them.
+    fn give(free: &mut VecDeque<u32>, pages: &[u32]);
+    /// Moves `k ≤ free.len()` pages from the head into `out`, head first.
+    fn take(free: &mut VecDeque<u32>, k: usize, out: &mut Vec<u32>);
+    /// The free list in reuse order, head first.
+    fn head_first(free: &VecDeque<u32>) -> Vec<u32>;
+    /// A free list that hands out `ascending` in ascending order.
+    fn from_ascending(ascending: Vec<u32>) -> VecDeque<u32>;
+}
+
+/// First in, first out: freed pages are appended in the order given (SGLang's token allocator).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Fifo;
+
+/// Last in, first out: freed pages are sorted and prepended, so the most recently freed pages
+/// are reused first (SGLang's paged allocator).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Lifo;
+
+impl ReuseOrder for Fifo {
+    const NAME: &'static str = "fifo";
+    const SORT_FREED: bool = false;
+    const PAGED_MERGE_RULE: bool = false;
+    fn give(free: &mut VecDeque<u32>, pages: &[u32]) {
+        free.extend(pages.iter().copied());
+    }
+    fn take(free: &mut VecDeque<u32>, k: usize, out: &mut Vec<u32>) {
+        out.extend(free.range(..k).copied());
+        free.drain(..k);
+    }
+    fn head_first(free: &VecDeque<u32>) -> Vec<u32> {
+        free.iter().copied().collect()
+    }
+    fn from_ascending(ascending: Vec<u32>) -> VecDeque<u32> {
+        ascending.into()
+    }
+}
+
+impl ReuseOrder for Lifo {
+    const NAME: &'static str = "lifo";
+    const SORT_FREED: bool = true;
+    const PAGED_MERGE_RULE: bool = true;
+    fn give(free: &mut VecDeque<u32>, pages: &[u32]) {
+        free.extend(pages.iter().rev().copied());
+    }
+    fn take(free: &mut VecDeque<u32>, k: usize, out: &mut Vec<u32>) {
+        let n = free.len();
+        out.extend(free.range(n - k..).rev().copied());
+        free.truncate(n - k);
+    }
+    fn head_first(free: &VecDeque<u32>) -> Vec<u32> {
+        free.iter().rev().copied().collect()
+    }
+    fn from_ascending(mut ascending: Vec<u32>) -> VecDeque<u32> {
+        ascending.reverse();
+        ascending.into()
+    }
+}

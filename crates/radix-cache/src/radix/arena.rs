@@ -1,0 +1,392 @@
+//! The tree's storage: the [`RadixCache`] struct, its nodes in an arena, and the parent/child
+//! links. Everything else in `radix/` builds on this module; it calls none of them.
+//!
+//! Nodes live in a `Vec<Node>` whose freed entries are reused; a [`NodeId`] carries the entry's
+//! generation, so a handle to an evicted node is detected rather than aliased to a reused one.
+//! Every node's key tokens and slot values are ranges of two parallel arenas (`tokens`,
+//! `slots`), so a split only divides a range and a partial eviction only shortens one. A node's
+//! children are a hash map from its first page (the token itself at `P = 1`, a hash of the page
+//! otherwise, verified on lookup; colliding pages go to a short overflow list). Each namespace
+//! (`extra_key`) has its own root, so namespaces never share nodes.
+
+use std::collections::BTreeSet;
+use std::hash::Hasher;
+
+use kv_pool::Slot;
+use rustc_hash::{FxHashMap, FxHasher};
+
+use crate::error::{RadixCacheError, Result};
+use crate::events::{KvEvent, PageDigest};
+use crate::policy::{AnyEvictionPolicy, EvictionKey, EvictionPolicy, PATH_HASH_SEED};
+use crate::NodeId;
+
+/// The parent index of a root (roots have no parent).
+pub(super) const NONE: u32 = u32::MAX;
+
+/// A node's children, found by their first page.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Children {
+    pub(super) by_first_page: FxHashMap<u64, u32>,
+    /// Children whose first-page hash collides with another child's (practically never).
+    pub(super) overflow: Vec<u32>,
+}
+
+impl Children {
+    pub(super) fn is_empty(&self) -> bool {
+        self.by_first_page.is_empty() && self.overflow.is_empty()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.by_first_page
+            .values()
+            .copied()
+            .chain(self.overflow.iter().copied())
+    }
+}
+
+/// One tree node (SGLang's `TreeNode`): a run of whole pages, its statistics and its links.
+#[derive(Debug, Clone)]
+pub(super) struct Node {
+    pub(super) generation: u32,
+    pub(super) live: bool,
+    /// [`NONE`] for a root.
+    pub(super) parent: u32,
+    /// Offset of the node's tokens and slots in the arenas.
+    pub(super) start: usize,
+    /// Tokens held (a positive multiple of `P`; 0 for a root).
+    pub(super) len: usize,
+    pub(super) children: Children,
+    /// Requests holding the path through this node (a root is permanently locked once).
+    pub(super) lock_ref: u32,
+    /// Logical-clock tick of the last match or insert through the node.
+    pub(super) last_access: u64,
+    /// Logical-clock tick of the node's first insert.
+    pub(super) creation: u64,
+    pub(super) hit_count: u32,
+    pub(super) priority: i64,
+    /// Tokens between the root and the node's first token.
+    pub(super) depth: usize,
+    /// Path hash of everything before the node, and through its last token (only when the
+    /// policy wants path hashes).
+    pub(super) start_hash: u64,
+    pub(super) end_hash: u64,
+    /// SGLang block digests of the node's pages (only when events are enabled).
+    pub(super) digests: Vec<PageDigest>,
+    /// The node's key in the evictable index, if it is in it.
+    pub(super) indexed: Option<EvictionKey>,
+}
+
+impl Node {
+    fn root(generation: u32) -> Node {
+        Node {
+            generation,
+            live: true,
+            parent: NONE,
+            start: 0,
+            len: 0,
+            children: Children::default(),
+            lock_ref: 1,
+            last_access: 0,
+            creation: 0,
+            hit_count: 0,
+            priority: 0,
+            depth: 0,
+            start_hash: PATH_HASH_SEED,
+            end_hash: PATH_HASH_SEED,
+            digests: Vec::new(),
+            indexed: None,
+        }
+    }
+}
+
+/// SGLang's radix prefix cache (`mem_cache/radix_cache.py`) at page size 1 or `P`, generic over
+/// its eviction policy `P` (statically dispatched; [`AnyEvictionPolicy`] by default), with an
+/// incremental eviction index and partial eviction.
+///
+/// Build it with [`RadixCache::new`] from any of this crate's policies, or with
+/// [`RadixCache::with_policy`] from a policy of your own:
+///
+/// ```
+/// use radix_cache::{BuiltinPolicy, PrefixCache, RadixCache};
+///
+/// let cache = RadixCache::new(16, BuiltinPolicy::Lru); // RadixCache<AnyEvictionPolicy>
+/// assert_eq!((cache.page_size(), cache.policy_name()), (16, "lru"));
+/// let own = RadixCache::with_policy(1, BuiltinPolicy::Lfu); // RadixCache<BuiltinPolicy>
+/// assert_eq!(own.policy_name(), "lfu");
+/// ```
+#[derive(Debug)]
+pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
+    pub(super) page_size: u32,
+    pub(super) policy: P,
+    /// Whether nodes carry path hashes (the policy's [`EvictionPolicy::needs_path_hashes`]).
+    pub(super) track_paths: bool,
+    pub(super) events_enabled: bool,
+    pub(super) partial_eviction: bool,
+    pub(super) nodes: Vec<Node>,
+    pub(super) free_nodes: Vec<u32>,
+    /// Namespace name → root node index; the default namespace is `None`.
+    pub(super) roots: FxHashMap<Option<String>, u32>,
+    pub(super) tokens: Vec<u32>,
+    pub(super) slots: Vec<Slot>,
+    /// Arena tokens no live node covers (reclaimed by compaction).
+    pub(super) dead_tokens: usize,
+    /// The evictable leaves ordered by (policy key, node index): first goes first.
+    pub(super) index: BTreeSet<(EvictionKey, u32)>,
+    pub(super) evictable: usize,
+    pub(super) protected: usize,
+    /// The logical clock: one tick per match, insert, lock change and eviction step.
+    pub(super) clock: u64,
+    pub(super) events: Vec<KvEvent>,
+}
+
+impl RadixCache {
+    /// An empty cache with page size `page_size` (0 is taken as 1) and one of this crate's
+    /// policies (a [`crate::BuiltinPolicy`], [`crate::policy::CostAware`],
+    /// [`crate::policy::Belady`] or an [`AnyEvictionPolicy`]). Partial eviction is on; events
+    /// are off.
+    pub fn new(page_size: u32, policy: impl Into<AnyEvictionPolicy>) -> Self {
+        Self::with_policy(page_size, policy.into())
+    }
+}
+
+impl<P: EvictionPolicy> RadixCache<P> {
+    /// An empty cache with page size `page_size` (0 is taken as 1) and eviction `policy` of any
+    /// type. Partial eviction is on; events are off; path hashes are kept iff the policy
+    /// [needs them](EvictionPolicy::needs_path_hashes).
+    pub fn with_policy(page_size: u32, policy: P) -> Self {
+        let track_paths = policy.needs_path_hashes();
+        let mut cache = RadixCache {
+            page_size: page_size.max(1),
+            policy,
+            track_paths,
+            events_enabled: false,
+            partial_eviction: true,
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            roots: FxHashMap::default(),
+            tokens: Vec::new(),
+            slots: Vec::new(),
+            dead_tokens: 0,
+            index: BTreeSet::new(),
+            evictable: 0,
+            protected: 0,
+            clock: 0,
+            events: Vec::new(),
+        };
+        cache.root_index(None);
+        cache
+    }
+
+    /// Turns KV events on or off (SGLang's `--kv-events-config`).
+    pub fn with_events(mut self, on: bool) -> Self {
+        self.events_enabled = on;
+        self
+    }
+
+    /// Whole-node eviction as SGLang (`false`) or partial eviction of a leaf's tail (`true`,
+    /// the default).
+    pub fn with_partial_eviction(mut self, on: bool) -> Self {
+        self.partial_eviction = on;
+        self
+    }
+
+    /// The eviction policy's name (as `--radix-eviction-policy` spells it).
+    pub fn policy_name(&self) -> &str {
+        self.policy.name()
+    }
+
+    /// The eviction policy.
+    pub fn policy(&self) -> &P {
+        &self.policy
+    }
+
+    /// The eviction policy, e.g. for a replay driver's [`EvictionPolicy::advance_to`]. Keys
+    /// already in the eviction index are not recomputed.
+    pub fn policy_mut(&mut self) -> &mut P {
+        &mut self.policy
+    }
+
+    /// The logical clock (ticks once per match, insert, lock change and eviction step).
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// Live nodes, roots excluded.
+    pub fn node_count(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| n.live && n.parent != NONE)
+            .count()
+    }
+
+    /// Whether `node` is in the tree (a root, or a live node the handle's generation matches).
+    pub fn contains(&self, node: NodeId) -> bool {
+        self.resolve(node).is_ok()
+    }
+
+    /// Evictable leaves currently indexed.
+    pub fn evictable_leaves(&self) -> usize {
+        self.index.len()
+    }
+
+    pub(super) fn id(&self, index: u32) -> NodeId {
+        NodeId {
+            index,
+            generation: self.nodes[index as usize].generation,
+        }
+    }
+
+    pub(super) fn resolve(&self, id: NodeId) -> Result<u32> {
+        match self.nodes.get(id.index as usize) {
+            Some(n) if n.live && n.generation == id.generation => Ok(id.index),
+            _ => Err(RadixCacheError::StaleNode(id)),
+        }
+    }
+
+    pub(super) fn root_index(&mut self, extra_key: Option<&str>) -> u32 {
+        if let Some(&r) = self.roots.get(&extra_key.map(str::to_string)) {
+            return r;
+        }
+        let r = self.alloc_node(Node::root(0));
+        self.roots.insert(extra_key.map(str::to_string), r);
+        r
+    }
+
+    pub(super) fn find_root(&self, extra_key: Option<&str>) -> Option<u32> {
+        match extra_key {
+            None => self.roots.get(&None).copied(),
+            Some(k) => self.roots.get(&Some(k.to_string())).copied(),
+        }
+    }
+
+    /// Empties the tree (nodes, roots, arenas, index, sizes); keeps the policy, the options, the
+    /// clock and pending events. The default namespace's root is recreated as node 0.
+    pub(super) fn clear_tree(&mut self) {
+        self.nodes.clear();
+        self.free_nodes.clear();
+        self.roots.clear();
+        self.tokens.clear();
+        self.slots.clear();
+        self.dead_tokens = 0;
+        self.index.clear();
+        self.evictable = 0;
+        self.protected = 0;
+        self.root_index(None);
+    }
+
+    pub(super) fn alloc_node(&mut self, mut node: Node) -> u32 {
+        if let Some(i) = self.free_nodes.pop() {
+            node.generation = self.nodes[i as usize].generation.wrapping_add(1);
+            self.nodes[i as usize] = node;
+            i
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        }
+    }
+
+    pub(super) fn node_tokens(&self, i: u32) -> &[u32] {
+        let n = &self.nodes[i as usize];
+        &self.tokens[n.start..n.start + n.len]
+    }
+
+    pub(super) fn node_slots(&self, i: u32) -> &[Slot] {
+        let n = &self.nodes[i as usize];
+        &self.slots[n.start..n.start + n.len]
+    }
+
+    fn page_key(&self, page: &[u32]) -> u64 {
+        if self.page_size == 1 {
+            return page[0] as u64;
+        }
+        let mut h = FxHasher::default();
+        for &t in page {
+            h.write_u32(t);
+        }
+        h.finish()
+    }
+
+    pub(super) fn find_child(&self, parent: u32, page: &[u32]) -> Option<u32> {
+        let p = self.page_size as usize;
+        let children = &self.nodes[parent as usize].children;
+        let matches = |c: u32| self.node_tokens(c)[..p] == *page;
+        if let Some(&c) = children.by_first_page.get(&self.page_key(page)) {
+            if matches(c) {
+                return Some(c);
+            }
+        }
+        children.overflow.iter().copied().find(|&c| matches(c))
+    }
+
+    pub(super) fn add_child(&mut self, parent: u32, child: u32) {
+        let p = self.page_size as usize;
+        let key = self.page_key(&self.node_tokens(child)[..p]);
+        let children = &mut self.nodes[parent as usize].children;
+        if let std::collections::hash_map::Entry::Vacant(e) = children.by_first_page.entry(key) {
+            e.insert(child);
+        } else {
+            children.overflow.push(child);
+        }
+    }
+
+    pub(super) fn remove_child(&mut self, parent: u32, child: u32) {
+        let p = self.page_size as usize;
+        let key = self.page_key(&self.node_tokens(child)[..p]);
+        let children = &mut self.nodes[parent as usize].children;
+        if children.by_first_page.get(&key) == Some(&child) {
+            children.by_first_page.remove(&key);
+            // Promote a colliding child into the map slot.
+            if let Some(pos) = children.overflow.iter().position(|_| true) {
+                let other = children.overflow.swap_remove(pos);
+                self.add_child(parent, other);
+            }
+        } else {
+            children.overflow.retain(|&c| c != child);
+        }
+    }
+
+    /// Replaces `old` by `new` among `parent`'s children (same first page).
+    pub(super) fn replace_child(&mut self, parent: u32, old: u32, new: u32) {
+        let children = &mut self.nodes[parent as usize].children;
+        for c in children
+            .by_first_page
+            .values_mut()
+            .chain(children.overflow.iter_mut())
+        {
+            if *c == old {
+                *c = new;
+                return;
+            }
+        }
+        debug_assert!(false, "node {old} is not a child of {parent}");
+    }
+
+    /// Rebuilds the token and slot arenas from the live nodes when dead ranges dominate.
+    pub(super) fn maybe_compact(&mut self) {
+        let live = self.tokens.len() - self.dead_tokens;
+        if self.dead_tokens < (1 << 16) || self.dead_tokens < live {
+            return;
+        }
+        // In place: live ranges never overlap, so packing them in start order only moves data
+        // down. The arenas keep their capacity, so no fresh memory is touched.
+        let mut order: Vec<(usize, u32)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.live && n.len > 0)
+            .map(|(i, n)| (n.start, i as u32))
+            .collect();
+        order.sort_unstable();
+        let mut w = 0;
+        for (start, i) in order {
+            let len = self.nodes[i as usize].len;
+            self.tokens.copy_within(start..start + len, w);
+            self.slots.copy_within(start..start + len, w);
+            self.nodes[i as usize].start = w;
+            w += len;
+        }
+        self.tokens.truncate(w);
+        self.slots.truncate(w);
+        self.dead_tokens = 0;
+    }
+}

@@ -1,0 +1,307 @@
+//! Matching, splitting and inserting (SGLang's `match_prefix`, `_split_node`, `insert`). Builds
+//! on `arena` (nodes, links) and `index` (access statistics, the evictable index).
+
+use kv_pool::{floor_to_page, Slot};
+
+use crate::events::{digest_to_block_id, page_digest, KvEvent, PageDigest};
+use crate::policy::{path_hash, EvictionPolicy};
+use crate::radix::arena::{Children, Node, RadixCache, NONE};
+use crate::{InsertOptions, InsertResult};
+
+/// Where a read-only walk of a key stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Walk {
+    /// The deepest node the key matched completely (the root if none).
+    pub(super) node: u32,
+    /// Tokens matched from the root through `node`.
+    pub(super) matched: usize,
+    /// A child of `node` the key matched part-way, if any.
+    pub(super) partial: Option<PartialMatch>,
+}
+
+/// A child matched part-way by a walk: splitting it after `len` tokens makes the match whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PartialMatch {
+    pub(super) child: u32,
+    /// Tokens of the child matched, page-floored (`0 < len < child's length`).
+    pub(super) len: usize,
+}
+
+impl Walk {
+    /// Tokens matched in all, the partial child included.
+    pub(super) fn len(&self) -> usize {
+        self.matched + self.partial.map_or(0, |p| p.len)
+    }
+}
+
+/// What a mutating match reached: after the split of a part-matched node, `last` holds the
+/// key's last matched token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Matched {
+    pub(super) last: u32,
+    /// Tokens matched (a multiple of `P`).
+    pub(super) len: usize,
+}
+
+/// Longest common prefix of two token slices, compared 32 tokens at a time.
+fn lcp(a: &[u32], b: &[u32]) -> usize {
+    const CHUNK: usize = 32;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + CHUNK <= n && a[i..i + CHUNK] == b[i..i + CHUNK] {
+        i += CHUNK;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+impl<P: EvictionPolicy> RadixCache<P> {
+    /// Splits `child` after its first `at` tokens (`0 < at < len`, a multiple of `P`); returns
+    /// the new upper node, which takes the child's place under its parent.
+    fn split(&mut self, child: u32, at: usize) -> u32 {
+        let p = self.page_size as usize;
+        debug_assert!(at > 0 && at < self.nodes[child as usize].len && at % p == 0);
+        let c = self.nodes[child as usize].clone();
+        let upper_end_hash = if self.track_paths {
+            self.node_tokens(child)[..at]
+                .chunks(p)
+                .fold(c.start_hash, path_hash)
+        } else {
+            0
+        };
+        let mut upper = Node {
+            generation: 0,
+            live: true,
+            parent: c.parent,
+            start: c.start,
+            len: at,
+            children: Children::default(),
+            lock_ref: c.lock_ref,
+            last_access: c.last_access,
+            creation: c.creation,
+            hit_count: c.hit_count,
+            priority: c.priority,
+            depth: c.depth,
+            start_hash: c.start_hash,
+            end_hash: upper_end_hash,
+            digests: Vec::new(),
+            indexed: None,
+        };
+        if !c.digests.is_empty() {
+            upper.digests = c.digests[..at / p].to_vec();
+        }
+        let u = self.alloc_node(upper);
+        self.replace_child(c.parent, child, u);
+        {
+            let lower = &mut self.nodes[child as usize];
+            lower.parent = u;
+            lower.start += at;
+            lower.len -= at;
+            lower.depth += at;
+            lower.start_hash = upper_end_hash;
+            if !lower.digests.is_empty() {
+                lower.digests.drain(..at / p);
+            }
+        }
+        self.add_child(u, child);
+        // The lower half keeps its place in the index, but its length and depth changed.
+        if self.nodes[child as usize].indexed.is_some() {
+            self.refresh(child);
+        }
+        u
+    }
+
+    /// Walks `key` (already page-floored) from `root` without changing anything.
+    pub(super) fn walk(&self, root: u32, key: &[u32]) -> Walk {
+        let p = self.page_size as usize;
+        let (mut node, mut pos) = (root, 0);
+        while pos < key.len() {
+            let Some(c) = self.find_child(node, &key[pos..pos + p]) else {
+                break;
+            };
+            let len = self.nodes[c as usize].len;
+            let common = floor_to_page(lcp(self.node_tokens(c), &key[pos..]), p);
+            if common < len {
+                let partial = (common > 0).then_some(PartialMatch {
+                    child: c,
+                    len: common,
+                });
+                return Walk {
+                    node,
+                    matched: pos,
+                    partial,
+                };
+            }
+            node = c;
+            pos += len;
+        }
+        Walk {
+            node,
+            matched: pos,
+            partial: None,
+        }
+    }
+
+    /// Walks `key` (floored to pages here) from `root`, splitting a node matched part-way.
+    fn walk_and_split(&mut self, root: u32, key: &[u32]) -> Matched {
+        let walk = self.walk(root, key);
+        match walk.partial {
+            Some(PartialMatch { child, len }) => Matched {
+                last: self.split(child, len),
+                len: walk.matched + len,
+            },
+            None => Matched {
+                last: walk.node,
+                len: walk.matched,
+            },
+        }
+    }
+
+    /// SGLang's `match_prefix` under `root`: appends the matched slots to `out` (if given) and
+    /// refreshes the access time of the matched path.
+    pub(super) fn match_impl(
+        &mut self,
+        root: u32,
+        key: &[u32],
+        out: Option<&mut Vec<Slot>>,
+    ) -> Matched {
+        let p = self.page_size as usize;
+        let key = &key[..floor_to_page(key.len(), p)];
+        self.tick();
+        let m = self.walk_and_split(root, key);
+        // Visit the matched path bottom-up: access times, and the slots (collected in reverse).
+        if let Some(out) = out {
+            let base = out.len();
+            out.resize(base + m.len, Slot::PADDING);
+            let mut end = base + m.len;
+            let mut i = m.last;
+            while self.nodes[i as usize].parent != NONE {
+                let n = self.nodes[i as usize].len;
+                out[end - n..end].copy_from_slice(self.node_slots(i));
+                end -= n;
+                i = self.nodes[i as usize].parent;
+            }
+        }
+        let mut i = m.last;
+        while self.nodes[i as usize].parent != NONE {
+            self.touch(i, false, None);
+            i = self.nodes[i as usize].parent;
+        }
+        m
+    }
+
+    /// SGLang's `insert` under `root` (`key` is floored to pages here; `slots` has one entry per
+    /// key token).
+    pub(super) fn insert_impl(
+        &mut self,
+        root: u32,
+        key: &[u32],
+        slots: &[Slot],
+        opts: InsertOptions,
+    ) -> InsertResult {
+        let p = self.page_size as usize;
+        let key = &key[..floor_to_page(key.len(), p)];
+        self.tick();
+        let Matched {
+            last: node,
+            len: pos,
+        } = self.walk_and_split(root, key);
+        // Matched path: hits (unless chunked), access, priority.
+        let mut i = node;
+        while self.nodes[i as usize].parent != NONE {
+            self.touch(i, !opts.chunked, Some(opts.priority));
+            i = self.nodes[i as usize].parent;
+        }
+        if pos == key.len() {
+            return InsertResult {
+                prefix_len: pos,
+                inserted: 0,
+                last_node: self.id(node),
+            };
+        }
+        let leaf = self.new_leaf(node, &key[pos..], &slots[pos..key.len()], opts);
+        InsertResult {
+            prefix_len: pos,
+            inserted: key.len() - pos,
+            last_node: self.id(leaf),
+        }
+    }
+
+    fn new_leaf(&mut self, parent: u32, key: &[u32], slots: &[Slot], opts: InsertOptions) -> u32 {
+        let p = self.page_size as usize;
+        let start = self.tokens.len();
+        self.tokens.extend_from_slice(key);
+        self.slots.extend_from_slice(slots);
+        let par = &self.nodes[parent as usize];
+        let start_hash = par.end_hash;
+        let depth = par.depth + par.len;
+        let end_hash = if self.track_paths {
+            key.chunks(p).fold(start_hash, path_hash)
+        } else {
+            0
+        };
+        let digests = if self.events_enabled {
+            let mut prev = par
+                .digests
+                .last()
+                .copied()
+                .or_else(|| self.last_digest_above(parent));
+            let parent_block = prev.as_ref().map(digest_to_block_id);
+            let mut d = Vec::with_capacity(key.len() / p);
+            for page in key.chunks(p) {
+                let digest = page_digest(prev.as_ref(), page);
+                d.push(digest);
+                prev = Some(digest);
+            }
+            self.events.push(KvEvent::BlockStored {
+                block_hashes: d.iter().map(digest_to_block_id).collect(),
+                parent_block_hash: parent_block,
+                token_ids: key.to_vec(),
+                block_size: self.page_size,
+            });
+            d
+        } else {
+            Vec::new()
+        };
+        let now = self.clock;
+        let leaf = self.alloc_node(Node {
+            generation: 0,
+            live: true,
+            parent,
+            start,
+            len: key.len(),
+            children: Children::default(),
+            lock_ref: 0,
+            last_access: now,
+            creation: now,
+            hit_count: u32::from(!opts.chunked),
+            priority: opts.priority,
+            depth,
+            start_hash,
+            end_hash,
+            digests,
+            indexed: None,
+        });
+        self.add_child(parent, leaf);
+        self.evictable += key.len();
+        // The parent may have been an evictable leaf.
+        if self.nodes[parent as usize].indexed.is_some() {
+            self.refresh(parent);
+        }
+        self.refresh(leaf);
+        leaf
+    }
+
+    /// The block digest of the nearest page above node `i` (inclusive), for chaining events.
+    fn last_digest_above(&self, mut i: u32) -> Option<PageDigest> {
+        while i != NONE {
+            if let Some(d) = self.nodes[i as usize].digests.last() {
+                return Some(*d);
+            }
+            i = self.nodes[i as usize].parent;
+        }
+        None
+    }
+}

@@ -1,0 +1,258 @@
+//! [`PrefixCache`] for [`RadixCache`]: SGLang's request-level operations
+//! (`cache_unfinished_req`, `cache_finished_req`, see SGLang's `mem_cache/radix_cache.py`)
+//! composed from matching, inserting, locking and eviction. The top of `radix/`: it uses every
+//! other module and none uses it.
+
+use kv_pool::{floor_to_page, Allocator, Owner, OwnershipCheck, ReqToTokenPool, Slot};
+
+use crate::error::{RadixCacheError, Result};
+use crate::events::KvEvent;
+use crate::policy::EvictionPolicy;
+use crate::radix::arena::{RadixCache, NONE};
+use crate::radix::lock::LockDelta;
+use crate::request::ReqView;
+use crate::{InsertOptions, InsertResult, MatchResult, NodeId, PrefixCache};
+
+impl<P: EvictionPolicy> RadixCache<P> {
+    /// Checks a request view against the tree: lengths, and a live, locked last node.
+    fn check_view(&self, req: &ReqView<'_>) -> Result<()> {
+        req.check_lengths(self.page_size)?;
+        let last = self.resolve(req.state.last_node)?;
+        if self.nodes[last as usize].parent != NONE && self.nodes[last as usize].lock_ref == 0 {
+            return Err(RadixCacheError::LockUnderflow(req.state.last_node));
+        }
+        Ok(())
+    }
+
+    /// Inserts the request's page-aligned committed prefix (`slots`: its row through
+    /// `committed_len`) and frees its duplicates of what was cached already: `[protected,
+    /// prefix_len)` are the request's to free, `[prefix_len, aligned)` now belong to the tree.
+    /// Returns the namespace's root.
+    fn insert_committed(
+        &mut self,
+        req: &ReqView<'_>,
+        slots: &[Slot],
+        chunked: bool,
+        alloc: &mut dyn Allocator,
+    ) -> Result<u32> {
+        let aligned = floor_to_page(req.committed_len, self.page_size as usize);
+        let protected = req.state.cache_protected_len;
+        let root = self.root_index(req.extra_key);
+        let opts = InsertOptions {
+            priority: req.priority,
+            chunked,
+        };
+        let ins = self.insert_impl(root, &req.tokens[..aligned], &slots[..aligned], opts);
+        if ins.prefix_len > protected {
+            alloc.free(&slots[protected..ins.prefix_len])?;
+        }
+        Ok(root)
+    }
+}
+
+impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
+    fn page_size(&self) -> u32 {
+        self.page_size
+    }
+
+    fn reuses_prefixes(&self) -> bool {
+        true
+    }
+
+    fn root(&mut self, extra_key: Option<&str>) -> NodeId {
+        let r = self.root_index(extra_key);
+        self.id(r)
+    }
+
+    fn match_prefix(
+        &mut self,
+        key: &[u32],
+        extra_key: Option<&str>,
+        out: &mut Vec<Slot>,
+    ) -> MatchResult {
+        let root = self.root_index(extra_key);
+        let m = self.match_impl(root, key, Some(out));
+        MatchResult {
+            len: m.len,
+            last_node: self.id(m.last),
+        }
+    }
+
+    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+        let Some(root) = self.find_root(extra_key) else {
+            return (0, None);
+        };
+        let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
+        let walk = self.walk(root, key);
+        // A node matched part-way counts as reached; nothing matched reaches no node.
+        let deepest = match walk.partial {
+            Some(partial) => Some(partial.child),
+            None => (walk.matched > 0).then_some(walk.node),
+        };
+        (walk.len(), deepest.map(|i| self.id(i)))
+    }
+
+    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+        let Some(root) = self.find_root(extra_key) else {
+            return (0, None);
+        };
+        let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
+        self.tick();
+        let walk = self.walk(root, key);
+        // Refresh the whole path, a node matched part-way included (it is not split).
+        let deepest = walk.partial.map_or(walk.node, |partial| partial.child);
+        let mut i = deepest;
+        while self.nodes[i as usize].parent != NONE {
+            self.touch(i, false, None);
+            i = self.nodes[i as usize].parent;
+        }
+        let reached = (walk.len() > 0).then(|| self.id(deepest));
+        (walk.len(), reached)
+    }
+
+    fn parent(&self, node: NodeId) -> Option<NodeId> {
+        let i = self.resolve(node).ok()?;
+        let parent = self.nodes[i as usize].parent;
+        (parent != NONE && self.nodes[parent as usize].parent != NONE).then(|| self.id(parent))
+    }
+
+    fn insert(
+        &mut self,
+        key: &[u32],
+        extra_key: Option<&str>,
+        slots: &[Slot],
+        opts: InsertOptions,
+    ) -> Result<InsertResult> {
+        crate::error::check_insert_lengths(key, slots)?;
+        let root = self.root_index(extra_key);
+        let r = self.insert_impl(root, key, slots, opts);
+        self.maybe_compact();
+        Ok(r)
+    }
+
+    fn cache_unfinished_req(
+        &mut self,
+        req: ReqView<'_>,
+        rows: &mut ReqToTokenPool,
+        alloc: &mut dyn Allocator,
+        chunked: bool,
+    ) -> Result<()> {
+        self.check_view(&req)?;
+        let p = self.page_size as usize;
+        let committed = req.committed_len;
+        let aligned = floor_to_page(committed, p);
+        let protected = req.state.cache_protected_len;
+        let slots = rows.read(req.row, committed)?.to_vec();
+        let root = self.insert_committed(&req, &slots, chunked, alloc)?;
+        // Re-match for the tree's canonical slots and the new last node.
+        let mut canonical = Vec::with_capacity(committed);
+        let m = self.match_impl(root, &req.tokens[..aligned], Some(&mut canonical));
+        debug_assert_eq!(m.len, aligned);
+        rows.write(req.row, protected, &canonical[protected..aligned])?;
+        self.lock_path(m.last, LockDelta::Inc);
+        let old = self.resolve(req.state.last_node)?;
+        self.lock_path(old, LockDelta::Dec);
+        canonical.extend_from_slice(&slots[aligned..committed]);
+        req.state.cache_protected_len = aligned;
+        req.state.last_node = self.id(m.last);
+        req.state.prefix_slots = canonical;
+        self.maybe_compact();
+        Ok(())
+    }
+
+    fn cache_finished_req(
+        &mut self,
+        req: ReqView<'_>,
+        rows: &ReqToTokenPool,
+        alloc: &mut dyn Allocator,
+        insert: bool,
+    ) -> Result<()> {
+        self.check_view(&req)?;
+        let p = self.page_size as usize;
+        let committed = req.committed_len;
+        let aligned = floor_to_page(committed, p);
+        let protected = req.state.cache_protected_len;
+        let slots = rows.read(req.row, committed)?;
+        let last = self.resolve(req.state.last_node)?;
+        let owned_from = if insert {
+            self.insert_committed(&req, slots, false, alloc)?;
+            aligned
+        } else {
+            protected
+        };
+        if committed > owned_from {
+            alloc.free(&slots[owned_from..committed])?;
+        }
+        self.lock_path(last, LockDelta::Dec);
+        let root = self.root_index(req.extra_key);
+        req.state.cache_protected_len = 0;
+        req.state.last_node = self.id(root);
+        req.state.prefix_slots.clear();
+        self.maybe_compact();
+        Ok(())
+    }
+
+    fn evict(&mut self, num_tokens: usize, alloc: &mut dyn Allocator) -> Result<usize> {
+        self.evict_tokens(num_tokens, alloc)
+    }
+
+    fn inc_lock_ref(&mut self, node: NodeId) -> Result<usize> {
+        let i = self.resolve(node)?;
+        self.tick();
+        Ok(self.lock_path(i, LockDelta::Inc))
+    }
+
+    fn dec_lock_ref(&mut self, node: NodeId) -> Result<usize> {
+        let i = self.resolve(node)?;
+        // Validate the whole path first, so an underflow changes nothing.
+        self.check_unlock(i)?;
+        self.tick();
+        Ok(self.lock_path(i, LockDelta::Dec))
+    }
+
+    fn evictable_size(&self) -> usize {
+        self.evictable
+    }
+
+    fn protected_size(&self) -> usize {
+        self.protected
+    }
+
+    fn reset(&mut self, alloc: &mut dyn Allocator) -> Result<()> {
+        if self.protected > 0 {
+            return Err(RadixCacheError::InvalidRequest(format!(
+                "reset while requests lock {} cached tokens",
+                self.protected
+            )));
+        }
+        let mut all = Vec::with_capacity(self.evictable);
+        for (i, n) in self.nodes.iter().enumerate() {
+            if n.live && n.parent != NONE {
+                all.extend_from_slice(self.node_slots(i as u32));
+            }
+        }
+        alloc.free(&all)?;
+        // The policy, the options, the clock and pending events survive a reset.
+        self.clear_tree();
+        if self.events_enabled {
+            self.events.push(KvEvent::AllBlocksCleared);
+        }
+        Ok(())
+    }
+
+    fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn claim_ownership(&self, check: &mut OwnershipCheck) {
+        for (i, n) in self.nodes.iter().enumerate() {
+            if n.live && n.parent != NONE {
+                check.claim(Owner::TreeNode(i as u64), self.node_slots(i as u32));
+            }
+        }
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        RadixCache::check_invariants(self)
+    }
+}

@@ -1,0 +1,112 @@
+//! Processing a pass's results (SGLang's `scheduler_output_processor_mixin.py`): append each
+//! sampled token, check finish conditions, cache or release KV, and the failure path that ends
+//! a batch whose forward pass failed.
+
+use kv_pool::Allocator;
+use radix_cache::PrefixCache;
+
+use super::Scheduler;
+use crate::batch::{ForwardBatch, ForwardMode};
+use crate::error::Result;
+use crate::report::StepReport;
+use crate::req::{FinishReason, Req};
+
+impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
+    /// Ends every request of `batch` after its forward pass failed: each is aborted with the
+    /// executor's message and its KV released as after any abort. Only the tokens committed
+    /// before this pass (whose KV was written by earlier passes) can enter the prefix cache;
+    /// the slots allocated for this pass are freed.
+    pub(super) fn fail_batch(
+        &mut self,
+        batch: &ForwardBatch,
+        error: &str,
+        report: &mut StepReport,
+    ) -> Result<()> {
+        let message = format!("the forward pass failed: {error}");
+        for &id in &batch.reqs {
+            if !self.reqs.contains_key(&id) {
+                continue;
+            }
+            self.running.retain(|&x| x != id);
+            if self.chunked == Some(id) {
+                self.chunked = None;
+            }
+            self.release_kv(id, true)?;
+            let reason = FinishReason::Abort {
+                message: message.clone(),
+            };
+            report.finished.push((id, reason.clone()));
+            self.finish(id, reason);
+        }
+        self.batch_is_full = false;
+        Ok(())
+    }
+
+    /// SGLang's `process_batch_result`: commits the pass's positions; a middle chunk is stashed
+    /// in the tree (`cache_unfinished_req`, chunked); a sampled token is appended, and the
+    /// request either finishes (KV released into the cache), or, after its prefill, has its
+    /// prompt cached (`cache_unfinished_req`) and joins the running requests. Decode frees go
+    /// through one free group.
+    pub(super) fn process_batch_result(
+        &mut self,
+        batch: &ForwardBatch,
+        tokens: &[u32],
+        report: &mut StepReport,
+    ) -> Result<()> {
+        let decode_part = batch.mode != ForwardMode::Extend;
+        if decode_part {
+            self.alloc.free_group_begin()?;
+        }
+        for (k, &id) in batch.reqs.iter().enumerate() {
+            let is_decode = batch.extend_lens[k] == 1
+                && self.running.contains(&id)
+                && batch.mode != ForwardMode::Extend;
+            let r = self.reqs.get_mut(&id).expect("request in batch");
+            r.committed_len = batch.seq_lens[k];
+            if !batch.sample[k] {
+                let row = r.row.expect("row");
+                let view = r.cache_view(row);
+                self.cache
+                    .cache_unfinished_req(view, &mut self.rows, &mut self.alloc, true)?;
+                continue;
+            }
+            r.tokens.push(tokens[k]);
+            self.stats.output_tokens += 1;
+            if let Some(reason) = check_finished(r, tokens[k]) {
+                if is_decode {
+                    self.running.retain(|&x| x != id);
+                }
+                self.release_kv(id, true)?;
+                report.finished.push((id, reason.clone()));
+                self.finish(id, reason);
+            } else if !is_decode {
+                let row = r.row.expect("row");
+                let view = r.cache_view(row);
+                self.cache
+                    .cache_unfinished_req(view, &mut self.rows, &mut self.alloc, false)?;
+                self.running.push(id);
+            }
+        }
+        if decode_part {
+            self.alloc.free_group_end()?;
+        }
+        if !report.finished.is_empty() {
+            self.batch_is_full = false;
+        }
+        Ok(())
+    }
+}
+
+/// SGLang's `Req.check_finished` after appending `token`: a stop token (unless `ignore_eos`),
+/// then the length limit.
+fn check_finished(r: &Req, token: u32) -> Option<FinishReason> {
+    if !r.limits.ignore_eos && r.limits.stop_token_ids.contains(&token) {
+        return Some(FinishReason::Stop { token });
+    }
+    if r.generated() >= r.limits.max_new_tokens {
+        return Some(FinishReason::Length {
+            length: r.limits.max_new_tokens,
+        });
+    }
+    None
+}
