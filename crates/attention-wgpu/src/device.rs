@@ -23,37 +23,37 @@ pub enum WgpuError {
          a Vulkan driver (e.g. mesa-vulkan-drivers for the lavapipe software driver) or allow GL"
     )]
     NoAdapter {
-        /// The backends that were asked for.
+        /// The backends that were asked for, e.g. `Vulkan, GL`.
         requested: String,
-        /// What wgpu said.
+        /// wgpu's own message, or `no adapter found` when enumeration came back empty.
         reason: String,
     },
     /// The adapter refused to open a device with the features and limits asked for.
     #[error("adapter {adapter} refused a device: {reason}")]
     RequestDevice {
-        /// Adapter name.
+        /// The adapter's name as its driver reports it.
         adapter: String,
-        /// What wgpu said.
+        /// wgpu's message (usually a feature or limit the adapter refused).
         reason: String,
     },
     /// A configuration value is out of range.
     #[error("invalid {field}: {reason}")]
     InvalidConfig {
-        /// The field.
+        /// The [`WgpuConfig`] field.
         field: &'static str,
-        /// Why.
+        /// The value given and the range it must be in.
         reason: String,
     },
     /// A buffer larger than the adapter allows.
     #[error("{what} needs {bytes} bytes, above the adapter's limit of {limit} ({limit_name})")]
     TooLarge {
-        /// Which buffer.
+        /// The buffer's purpose (`"tensor"`, `"one KV row"`, …).
         what: &'static str,
-        /// Bytes needed.
+        /// Bytes it needs.
         bytes: u64,
-        /// The limit.
+        /// The adapter's limit, in bytes.
         limit: u64,
-        /// Which limit.
+        /// wgpu's name for that limit (`max_buffer_size`, `max_storage_buffer_binding_size`).
         limit_name: &'static str,
     },
     /// The device failed: out of memory, lost, a mapping that failed, a validation error.
@@ -83,20 +83,24 @@ impl From<WgpuError> for KvPoolError {
     }
 }
 
-/// The crate's result type.
+/// `Result` with [`WgpuError`] as the default error.
 pub type Result<T, E = WgpuError> = std::result::Result<T, E>;
 
 /// How [`WgpuBackend::new`](crate::WgpuBackend::new) picks and configures its device.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WgpuConfig {
-    /// Backends to consider, tried in the order Vulkan, Metal, DX12, GL (default: all four).
+    /// Backends to consider, tried in the order Vulkan, Metal, DX12, GL. Default: the ones
+    /// wgpu's `WGPU_BACKEND` environment variable names (e.g. `WGPU_BACKEND=gl` forces the GL
+    /// adapter where a Vulkan one exists too), else all four.
     pub backends: wgpu::Backends,
     /// Ask for f16 shaders when the adapter has them (default `true`); without them f16 KV
     /// stores are refused with a typed error.
     pub allow_f16: bool,
     /// Caps the bytes of one storage binding below the adapter's limit (default `None`: the
     /// adapter's `max_storage_buffer_binding_size`). KV store layers larger than this are split
-    /// across several buffers; tests set a small cap to exercise the split.
+    /// across several buffers; tests set a small cap to exercise the split. Where chunks of this
+    /// size would need more storage bindings than one attention kernel may have (GL adapters
+    /// allow 16), the store's chunks grow, up to the adapter's own limit, until they fit.
     pub max_binding_bytes: Option<u64>,
     /// Decode and extend split a request's KV range across workgroups until the batch has at
     /// least this many workgroups (or the splits would be shorter than one key block); `1`
@@ -107,10 +111,12 @@ pub struct WgpuConfig {
 impl Default for WgpuConfig {
     fn default() -> Self {
         WgpuConfig {
-            backends: wgpu::Backends::VULKAN
-                | wgpu::Backends::METAL
-                | wgpu::Backends::DX12
-                | wgpu::Backends::GL,
+            backends: wgpu::Backends::from_env().unwrap_or(
+                wgpu::Backends::VULKAN
+                    | wgpu::Backends::METAL
+                    | wgpu::Backends::DX12
+                    | wgpu::Backends::GL,
+            ),
             allow_f16: true,
             max_binding_bytes: None,
             split_kv_target_workgroups: 256,
@@ -135,7 +141,7 @@ pub struct DeviceReport {
     pub backend: String,
     /// `DiscreteGpu`, `IntegratedGpu`, `Cpu`, …
     pub device_type: String,
-    /// Driver name and version.
+    /// Driver name and version, e.g. `llvmpipe Mesa 22.3.6 (LLVM 15.0.6)`.
     pub driver: String,
     /// f16 shaders and storage are enabled (f16 KV stores are available).
     pub f16: bool,
@@ -143,11 +149,11 @@ pub struct DeviceReport {
     pub subgroups: bool,
     /// Largest storage binding the kernels use (after [`WgpuConfig::max_binding_bytes`]).
     pub max_binding_bytes: u64,
-    /// Largest buffer.
+    /// Largest buffer the device allocates (`max_buffer_size`).
     pub max_buffer_bytes: u64,
-    /// Storage buffers one kernel may bind.
+    /// Storage buffers one kernel may bind (16 on GL): bounds the chunks of a KV layer.
     pub max_storage_buffers: u32,
-    /// Workgroup shared memory.
+    /// Workgroup shared memory in bytes (`max_compute_workgroup_storage_size`).
     pub max_workgroup_storage_bytes: u32,
 }
 
@@ -155,7 +161,7 @@ impl fmt::Display for DeviceReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} ({}, {}, driver {}): f16 {}, subgroups {}, max binding {} MiB, max buffer {} MiB, \
+            "{} ({}, {}, driver {}): f16 {}, subgroups {}, max binding {}, max buffer {}, \
              {} storage buffers per kernel, {} KiB workgroup memory",
             self.name,
             self.backend,
@@ -163,12 +169,41 @@ impl fmt::Display for DeviceReport {
             self.driver,
             if self.f16 { "yes" } else { "no" },
             if self.subgroups { "yes" } else { "no" },
-            self.max_binding_bytes >> 20,
-            self.max_buffer_bytes >> 20,
+            Bytes(self.max_binding_bytes),
+            Bytes(self.max_buffer_bytes),
             self.max_storage_buffers,
             self.max_workgroup_storage_bytes >> 10,
         )
     }
+}
+
+/// A byte count for the report: whole MiB, or KiB below one MiB (a 512 KiB test cap must not
+/// read as "0 MiB").
+struct Bytes(u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 >= 1 << 20 {
+            write!(f, "{} MiB", self.0 >> 20)
+        } else {
+            write!(f, "{} KiB", self.0 >> 10)
+        }
+    }
+}
+
+/// The device's limits with the ones a driver reports as 0 replaced by wgpu's downlevel
+/// defaults. A GL driver can leave a limit unreported (wgpu then reads 0); taken literally, a 0
+/// storage-binding or buffer size would refuse every buffer, although any adapter that runs
+/// compute shaders meets the downlevel values (128 MiB bindings, 256 MiB buffers).
+fn known_limits(mut limits: wgpu::Limits) -> wgpu::Limits {
+    let fallback = wgpu::Limits::downlevel_defaults();
+    if limits.max_storage_buffer_binding_size == 0 {
+        limits.max_storage_buffer_binding_size = fallback.max_storage_buffer_binding_size;
+    }
+    if limits.max_buffer_size == 0 {
+        limits.max_buffer_size = fallback.max_buffer_size;
+    }
+    limits
 }
 
 /// Errors wgpu reported through its callbacks since the last check.
@@ -179,7 +214,11 @@ pub(crate) struct Gpu {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     pub(crate) info: wgpu::AdapterInfo,
+    /// The device's limits, with unreported (0) ones at wgpu's downlevel defaults.
     pub(crate) limits: wgpu::Limits,
+    /// The adapter's largest storage binding the kernels can index (under 4 GiB), before
+    /// [`WgpuConfig::max_binding_bytes`] caps it.
+    pub(crate) binding_bytes: u64,
     pub(crate) report: DeviceReport,
     errors: ErrorLog,
 }
@@ -289,16 +328,17 @@ impl Gpu {
                 .unwrap_or_else(PoisonError::into_inner)
                 .push(format!("device lost ({reason:?}): {msg}"));
         });
-        let limits = device.limits();
-        let binding = limits
-            .max_storage_buffer_binding_size
-            .min(limits.max_buffer_size);
+        let limits = known_limits(device.limits());
         // Kernels index bindings with u32: keep every binding under 4 GiB whatever the adapter
         // allows (Metal's limit is its buffer length, many GiB on Apple silicon).
+        let binding_bytes = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size)
+            .min(u64::from(u32::MAX))
+            & !3;
         let binding = config
             .max_binding_bytes
-            .map_or(binding, |c| c.min(binding))
-            .min(u64::from(u32::MAX))
+            .map_or(binding_bytes, |c| c.min(binding_bytes))
             & !3;
         let report = DeviceReport {
             name: info.name.clone(),
@@ -319,6 +359,7 @@ impl Gpu {
             queue,
             info,
             limits,
+            binding_bytes,
             report,
             errors,
         })
@@ -332,5 +373,30 @@ impl Gpu {
         }
         let all = std::mem::take(&mut *log);
         Err(WgpuError::Device(all.join("; ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreported_limits_fall_back_to_the_downlevel_defaults() {
+        let reported = wgpu::Limits {
+            max_storage_buffer_binding_size: 0,
+            max_buffer_size: 0,
+            ..wgpu::Limits::downlevel_defaults()
+        };
+        let known = known_limits(reported);
+        assert_eq!(known.max_storage_buffer_binding_size, 128 << 20);
+        assert_eq!(known.max_buffer_size, 256 << 20);
+        let real = wgpu::Limits::default();
+        assert_eq!(known_limits(real.clone()), real);
+    }
+
+    #[test]
+    fn byte_counts_below_a_mebibyte_read_in_kibibytes() {
+        assert_eq!(Bytes(512 << 10).to_string(), "512 KiB");
+        assert_eq!(Bytes(128 << 20).to_string(), "128 MiB");
     }
 }

@@ -109,7 +109,7 @@ impl Runner {
         self.compiled(kernel).map(drop)
     }
 
-    /// Pipelines compiled so far.
+    /// Pipelines in the cache (one per distinct kernel source compiled).
     pub(crate) fn cached_pipelines(&self) -> usize {
         self.cache
             .lock()

@@ -1,17 +1,20 @@
 //! # attention-wgpu — the wgpu compute backend for kvserve
 //!
 //! [`WgpuBackend`] implements [`attention::Backend`] with WGSL compute shaders, so kvserve
-//! runs its decoders on any Vulkan, Metal, DX12 or GL device (and, in CI, on Mesa's Vulkan
-//! software driver, lavapipe). It is the second implementation of the backend traits after
+//! runs its decoders on any Vulkan, Metal, DX12 or GL device (and, in CI, on Mesa's software
+//! drivers: lavapipe through Vulkan, then llvmpipe through GL). It is the second implementation of the backend traits after
 //! the CPU backend, and it needs no special case anywhere else: the model crate runs on it
 //! unchanged, and it passes the same conformance suite against the f64 reference.
 //!
 //! - [`device`]: adapter selection (Vulkan, Metal, DX12, GL, in that order unless
-//!   configured), the features and limits asked for, a [`DeviceReport`] of what was granted,
-//!   and [`WgpuError`] (no adapter is a clear, typed error).
+//!   configured, or `WGPU_BACKEND` says), the features and limits asked for (a limit a driver
+//!   reports as 0 is taken as wgpu's downlevel default), a [`DeviceReport`] of what was
+//!   granted, and [`WgpuError`] (no adapter is a clear, typed error).
 //! - [`WgpuKvStore`]: kv-pool's [`KvStore`](kv_pool::KvStore) in device buffers (f32, and f16
 //!   where the adapter has f16 shaders), byte-compatible with the host store, per-layer
-//!   buffers split into chunks when they exceed the binding limit.
+//!   buffers split into chunks when they exceed the binding limit (the chunks grow, within
+//!   that limit, until an attention kernel's bindings fit the adapter's storage-buffer count:
+//!   16 on GL).
 //! - [`kernels`]: the WGSL generator. Every kernel is specialised by shape, dtype and chunking
 //!   with the constants baked in; pipelines are cached by source.
 //! - Paged attention: one kernel for extend and decode (causal over prefix plus new tokens,
@@ -25,8 +28,9 @@
 //!   methods use [`kv_pool::store::check`], so they refuse exactly what the host store
 //!   refuses. Device failures (validation, out of memory, a lost device) are recorded from
 //!   wgpu's callbacks and returned as `Device` errors, never panics.
-//! - Unsupported store dtypes (bf16, fp8) and DoubleSparse attention are typed `Unsupported`
-//!   errors, announced up front by [`Backend::kv_support`](attention::Backend::kv_support).
+//! - Unsupported store dtypes (bf16, fp8; f16 without f16 shaders, as on GL) and DoubleSparse
+//!   attention are typed `Unsupported` errors, announced up front by
+//!   [`Backend::kv_support`](attention::Backend::kv_support).
 //!
 //! ## Where it sits
 //! Depends on `attention` (the traits it implements) and `kv-pool` (the store trait and its

@@ -89,10 +89,26 @@ impl WgpuKvStore {
             store_elem(layout.shape.dtype, report.f16).map_err(AttentionError::Unsupported)?;
         let shape = layout.shape;
         let rows = layout.rows() as u64;
+        // The attention kernel binds every chunk of K and V (labels are not attended on this
+        // backend) beside OTHER_BINDINGS buffers: the chunks each buffer may have.
+        let attended = shape.buffers().len().min(2) as u32;
+        let chunk_budget =
+            u64::from(report.max_storage_buffers.saturating_sub(OTHER_BINDINGS) / attended);
+        let adapter_binding = runner.gpu.binding_bytes;
         let mut views = Vec::new();
         for &b in shape.buffers() {
             let row_bytes = shape.row_bytes(b) as u64;
-            let rows_per_chunk = (max_binding / row_bytes).min(rows).min(u32::MAX as u64);
+            let mut rows_per_chunk = (max_binding / row_bytes).min(rows).min(u32::MAX as u64);
+            if rows_per_chunk > 0
+                && chunk_budget > 0
+                && rows.div_ceil(rows_per_chunk) > chunk_budget
+            {
+                // Chunks of the configured size would need more bindings than a kernel has
+                // (16 storage buffers on GL): grow them, within the adapter's own limit.
+                let fitting = rows.div_ceil(chunk_budget);
+                let largest = (adapter_binding / row_bytes).min(u32::MAX as u64);
+                rows_per_chunk = rows_per_chunk.max(fitting.min(largest));
+            }
             if rows_per_chunk == 0 {
                 return Err(WgpuError::TooLarge {
                     what: "one KV row",

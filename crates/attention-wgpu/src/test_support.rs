@@ -1,5 +1,7 @@
 //! Opening a backend in tests: skip with a printed reason when no adapter exists, or fail when
-//! `KVSERVE_REQUIRE_WGPU=1` (CI, which installs the Vulkan software driver, sets it).
+//! `KVSERVE_REQUIRE_WGPU=1` (`.ci/run`, which installs Mesa's Vulkan and GL software drivers,
+//! sets it). A test whose adapter lacks a capability (f16 shaders, say) still runs what the
+//! adapter supports and prints each skipped case with its reason.
 
 use crate::{WgpuBackend, WgpuConfig};
 

@@ -5,28 +5,21 @@
 use attention::Backend;
 use attention_wgpu::test_support::backend_or_skip_with;
 use attention_wgpu::{WgpuBackend, WgpuConfig, WgpuKvStore};
+use kv_pool::rng::SplitMix64;
 use kv_pool::{
     HostKvStore, KvBuffer, KvDtype, KvLayout, KvPoolError, KvShape, KvStore, Page, Slot,
 };
 
-fn splitmix(seed: &mut u64) -> u64 {
-    *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *seed;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// Values exactly representable in f16 (multiples of 1/64 in ±8), so both stores hold the
 /// same bits whatever rounding the device uses.
-fn values(n: usize, seed: &mut u64) -> Vec<f32> {
+fn values(n: usize, rng: &mut SplitMix64) -> Vec<f32> {
     (0..n)
-        .map(|_| ((splitmix(seed) % 1025) as f32 - 512.0) / 64.0)
+        .map(|_| ((rng.next_u64() % 1025) as f32 - 512.0) / 64.0)
         .collect()
 }
 
-fn bytes(n: usize, seed: &mut u64) -> Vec<u8> {
-    (0..n).map(|_| splitmix(seed) as u8).collect()
+fn bytes(n: usize, rng: &mut SplitMix64) -> Vec<u8> {
+    (0..n).map(|_| rng.next_u64() as u8).collect()
 }
 
 fn slots(ids: &[u32]) -> Vec<Slot> {
@@ -62,7 +55,7 @@ fn dump(s: &dyn KvStore) -> Vec<u8> {
     out
 }
 
-fn same_ops(backend: &WgpuBackend, layout: KvLayout, seed: &mut u64) {
+fn same_ops(backend: &WgpuBackend, layout: KvLayout, rng: &mut SplitMix64) {
     let mut host = HostKvStore::new(layout).unwrap();
     let mut dev: WgpuKvStore = backend.new_kv_store(layout).unwrap();
     let shape = layout.shape;
@@ -77,20 +70,20 @@ fn same_ops(backend: &WgpuBackend, layout: KvLayout, seed: &mut u64) {
     for layer in 0..shape.layers as usize {
         // A repeated slot: the last occurrence wins.
         let s = slots(&[3, rows - 1, 7, 0, 3, 12]);
-        let k = values(s.len() * shape.row_elems(KvBuffer::Key), seed);
-        let v = values(s.len() * shape.row_elems(KvBuffer::Value), seed);
+        let k = values(s.len() * shape.row_elems(KvBuffer::Key), rng);
+        let v = values(s.len() * shape.row_elems(KvBuffer::Value), rng);
         host.write_kv(layer, &s, &k, &v).unwrap();
         dev.write_kv(layer, &s, &k, &v).unwrap();
         both(&mut host, &mut dev, "write_kv");
         if shape.has_buffer(KvBuffer::Label) {
-            let l = values(s.len() * shape.row_elems(KvBuffer::Label), seed);
+            let l = values(s.len() * shape.row_elems(KvBuffer::Label), rng);
             host.write_labels(layer, &s, &l).unwrap();
             dev.write_labels(layer, &s, &l).unwrap();
             both(&mut host, &mut dev, "write_labels");
         }
         for &b in shape.buffers() {
             let s = slots(&[5, 6, 9, 5, rows - 2]);
-            let raw = bytes(s.len() * shape.row_bytes(b), seed);
+            let raw = bytes(s.len() * shape.row_bytes(b), rng);
             host.write_raw(layer, b, &s, &raw).unwrap();
             dev.write_raw(layer, b, &s, &raw).unwrap();
             both(&mut host, &mut dev, "write_raw");
@@ -112,7 +105,7 @@ fn same_ops(backend: &WgpuBackend, layout: KvLayout, seed: &mut u64) {
     dev.copy_slots(&src, &dst).unwrap();
     both(&mut host, &mut dev, "copy_slots");
     let pages = [Page(2), Page(1), Page(layout.pages() as u32)];
-    let data = bytes(pages.len() * layout.page_bytes(), seed);
+    let data = bytes(pages.len() * layout.page_bytes(), rng);
     host.write_pages(&pages, &data).unwrap();
     dev.write_pages(&pages, &data).unwrap();
     both(&mut host, &mut dev, "write_pages");
@@ -128,7 +121,7 @@ fn check_store_matches_host(config: WgpuConfig, test: &str) {
     let Some(backend) = backend_or_skip_with(test, config) else {
         return;
     };
-    let mut seed = 11;
+    let mut seed = SplitMix64::new(11);
     for dtype in [KvDtype::F32, KvDtype::F16] {
         for shape in shapes(dtype) {
             let layout = KvLayout::new(shape, 4, 64).unwrap();
@@ -166,6 +159,37 @@ fn chunked_device_store_matches_host_store() {
     check_store_matches_host(config, "chunked_device_store_matches_host_store");
 }
 
+/// Chunks so small that K and V would need more storage bindings than one attention kernel
+/// may have (GL allows 16 storage buffers per kernel, lavapipe 32) grow until they fit, and
+/// the store still behaves like the host store.
+#[test]
+fn chunks_grow_to_fit_the_adapters_storage_buffers() {
+    let config = WgpuConfig {
+        max_binding_bytes: Some(1024),
+        ..WgpuConfig::default()
+    };
+    let test = "chunks_grow_to_fit";
+    let Some(backend) = backend_or_skip_with(test, config) else {
+        return;
+    };
+    // The attention kernel binds 4 buffers besides the chunks of K and V.
+    let budget = (backend.report().max_storage_buffers as usize).saturating_sub(4) / 2;
+    if !(2..=1024).contains(&budget) {
+        println!("SKIP {test}: {budget} chunks per buffer fit; no small layout exceeds that");
+        return;
+    }
+    // 64-byte rows, 16 per 1 KiB chunk: the configured size would need budget + 2 chunks.
+    let shape = KvShape::mha(2, 8, 8, 2, KvDtype::F32).unwrap();
+    let layout = KvLayout::new(shape, 4, 16 * (budget + 2)).unwrap();
+    let store = backend.new_kv_store(layout).unwrap();
+    let chunks = store.chunks_per_buffer();
+    assert!(
+        (2..=budget).contains(&chunks),
+        "{chunks} chunks for a budget of {budget}"
+    );
+    same_ops(&backend, layout, &mut SplitMix64::new(17));
+}
+
 /// Each bad call must fail on the device store exactly as on the host store (the same
 /// result, error for error) and leave the device store unchanged.
 #[test]
@@ -173,7 +197,7 @@ fn bad_inputs_get_the_host_stores_errors() {
     let Some(backend) = backend_or_skip_with("store_bad_inputs", WgpuConfig::default()) else {
         return;
     };
-    let mut seed = 5;
+    let mut seed = SplitMix64::new(5);
     for shape in shapes(KvDtype::F32) {
         let layout = KvLayout::new(shape, 4, 16).unwrap();
         let mut host = HostKvStore::new(layout).unwrap();

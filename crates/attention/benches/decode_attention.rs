@@ -7,11 +7,11 @@
 
 use std::hint::black_box;
 
-use attention::conformance::scattered_slots;
-use attention::rng::SplitMix;
+use attention::conformance::{nonzero_vec, scattered_slots};
 use attention::{AttentionParams, Backend, BatchMetadata, CpuBackend, CpuTensor, RequestKv};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kv_pool::dtype::encode_f32;
+use kv_pool::rng::SplitMix64;
 use kv_pool::{HostKvStore, KvBuffer, KvDtype, KvLayout, KvShape, KvStore, Slot};
 
 const Q_HEADS: usize = 32;
@@ -32,13 +32,18 @@ fn setup(dtype: KvDtype, page_size: u32, requests: &[(usize, usize)]) -> Setup {
     let shape = KvShape::mha(KV_HEADS as u32, HEAD_DIM as u32, HEAD_DIM as u32, 1, dtype).unwrap();
     let layout = KvLayout::new(shape, page_size, size).unwrap();
     let mut store = HostKvStore::new(layout).unwrap();
-    let mut rng = SplitMix(1);
+    let mut rng = SplitMix64::new(1);
     let slots = scattered_slots(page_size, size, requests, &mut rng).unwrap();
     // Fill every row with valid values: encode one random block, then copy it around.
     let row = KV_HEADS * HEAD_DIM;
     let block_rows = 1024;
     let mut block = vec![0u8; block_rows * row * dtype.bytes()];
-    encode_f32(dtype, &rng.nonzero_vec(block_rows * row), 1.0, &mut block);
+    encode_f32(
+        dtype,
+        &nonzero_vec(&mut rng, block_rows * row),
+        1.0,
+        &mut block,
+    );
     let all: Vec<Slot> = (0..layout.rows() as u32).map(Slot).collect();
     for chunk in all.chunks(block_rows) {
         let bytes = &block[..chunk.len() * row * dtype.bytes()];
@@ -53,22 +58,22 @@ fn setup(dtype: KvDtype, page_size: u32, requests: &[(usize, usize)]) -> Setup {
 }
 
 fn inputs(b: &CpuBackend, n: usize) -> (CpuTensor, CpuTensor, CpuTensor) {
-    let mut rng = SplitMix(2);
+    let mut rng = SplitMix64::new(2);
     let q = b
         .upload(
-            &rng.nonzero_vec(n * Q_HEADS * HEAD_DIM),
+            &nonzero_vec(&mut rng, n * Q_HEADS * HEAD_DIM),
             &[n, Q_HEADS, HEAD_DIM],
         )
         .unwrap();
     let k = b
         .upload(
-            &rng.nonzero_vec(n * KV_HEADS * HEAD_DIM),
+            &nonzero_vec(&mut rng, n * KV_HEADS * HEAD_DIM),
             &[n, KV_HEADS, HEAD_DIM],
         )
         .unwrap();
     let v = b
         .upload(
-            &rng.nonzero_vec(n * KV_HEADS * HEAD_DIM),
+            &nonzero_vec(&mut rng, n * KV_HEADS * HEAD_DIM),
             &[n, KV_HEADS, HEAD_DIM],
         )
         .unwrap();

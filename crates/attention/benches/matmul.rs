@@ -5,9 +5,10 @@
 
 use std::hint::black_box;
 
-use attention::rng::SplitMix;
+use attention::conformance::nonzero_vec;
 use attention::{Backend, CpuBackend};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kv_pool::rng::SplitMix64;
 
 fn gemm_ref(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
     assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n);
@@ -40,14 +41,14 @@ fn gemm_ref(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32])
 
 fn matmul(c: &mut Criterion) {
     let backend = CpuBackend::default();
-    let mut rng = SplitMix(7);
+    let mut rng = SplitMix64::new(7);
     for (m, k, n) in [
         (1usize, 4096usize, 4096usize),
         (16, 4096, 4096),
         (256, 4096, 1024),
     ] {
-        let x = rng.nonzero_vec(m * k);
-        let w = rng.nonzero_vec(n * k);
+        let x = nonzero_vec(&mut rng, m * k);
+        let w = nonzero_vec(&mut rng, n * k);
         let xt = backend.upload(&x, &[m, k]).unwrap();
         let wt = backend.upload(&w, &[n, k]).unwrap();
         let mut dst = vec![0.0; m * n];

@@ -1,246 +1,36 @@
-//! The compute-backend traits every device implements, and the parameter types of their ops.
+//! The compute-backend traits every device implements: [`DeviceTensor`] and [`Backend`]. The
+//! parameter types of their ops live in [`crate::params`] and [`crate::rope`]; the input
+//! validation every implementation runs in [`crate::check`].
 
 use kv_pool::{KvLayout, KvShape, KvStore};
 
-use crate::error::{AttentionError, Result};
+use crate::error::Result;
 use crate::metadata::BatchMetadata;
+use crate::params::AttentionParams;
+use crate::rope::RopeConfig;
 
 /// Element type of a device tensor. The CPU backend computes in [`TensorDtype::F32`] only;
 /// devices may keep weights in 16-bit types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TensorDtype {
-    /// IEEE binary32.
+    /// IEEE binary32: what every op computes in.
     F32,
-    /// IEEE binary16.
+    /// IEEE binary16: 10-bit mantissa, range ±65504.
     F16,
-    /// bfloat16.
+    /// bfloat16: f32's exponent range with a 7-bit mantissa.
     Bf16,
 }
 
 /// A tensor owned by a backend: a row-major array with a shape and an element type. Data moves
 /// in and out only through [`Backend::upload`] and [`Backend::download`].
 pub trait DeviceTensor {
-    /// Dimensions, outermost first.
+    /// Dimensions, outermost first (row-major: the last dimension is contiguous).
     fn shape(&self) -> &[usize];
-    /// Element type.
+    /// How the elements are stored on the device; [`Backend::download`] always returns f32.
     fn dtype(&self) -> TensorDtype;
     /// Number of elements (the product of the shape).
     fn numel(&self) -> usize {
         self.shape().iter().product()
-    }
-}
-
-/// Rotary layout: which elements form a rotated pair.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RopeStyle {
-    /// GPT-NeoX / Llama (HF `rotate_half`): element `i` pairs with `i + rotary_dim / 2`.
-    Neox,
-    /// GPT-J (interleaved): element `2i` pairs with `2i + 1`.
-    GptJ,
-}
-
-/// Frequency scaling applied to the rotary inverse frequencies.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RopeScaling {
-    /// Plain RoPE.
-    None,
-    /// Linear position interpolation: every inverse frequency divided by `factor`.
-    Linear {
-        /// Divisor (`≥ 1` in practice; must be finite and `> 0`).
-        factor: f64,
-    },
-    /// Llama 3 (`rope_type = "llama3"` in HF configs): long wavelengths are divided by `factor`,
-    /// short ones kept, and the band in between interpolated smoothly.
-    Llama3 {
-        /// Scale for low frequencies (e.g. 8.0).
-        factor: f64,
-        /// e.g. 1.0.
-        low_freq_factor: f64,
-        /// e.g. 4.0.
-        high_freq_factor: f64,
-        /// The pre-training context (e.g. 8192).
-        original_max_position_embeddings: f64,
-    },
-    /// YaRN (`rope_type` / `type = "yarn"`) inverse frequencies, as DeepSeek-V2 and HF
-    /// compute them: with `d = rotary_dim`, the correction dims
-    /// `c(r) = d · ln(original / (2π r)) / (2 ln θ)`, `low = max(⌊c(beta_fast)⌋, 0)` and
-    /// `high = min(⌈c(beta_slow)⌉, d − 1)`, the ramp `γ_i = clamp((i − low) / (high − low), 0,
-    /// 1)` (`high` nudged by 0.001 when equal to `low`), each frequency is
-    /// `f_i / factor · γ_i + f_i · (1 − γ_i)`. Only the frequencies: YaRN's magnitude scale
-    /// (`mscale` on cos/sin and on the softmax scale) is the model's to apply.
-    Yarn {
-        /// Context extension factor (e.g. 40).
-        factor: f64,
-        /// The pre-training context (e.g. 4096).
-        original_max_position_embeddings: f64,
-        /// Rotations above which dims are kept (extrapolated), e.g. 32.
-        beta_fast: f64,
-        /// Rotations below which dims are interpolated, e.g. 1.
-        beta_slow: f64,
-    },
-}
-
-/// Rotary position embedding of one tensor of heads.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RopeConfig {
-    /// Dimension of each head (the last dimension of the tensor).
-    pub head_dim: usize,
-    /// Leading dims of each head that are rotated (`≤ head_dim`, even); the rest pass through.
-    pub rotary_dim: usize,
-    /// Base of the frequencies (`rope_theta`).
-    pub theta: f64,
-    /// Pairing of rotated elements.
-    pub style: RopeStyle,
-    /// Frequency scaling.
-    pub scaling: RopeScaling,
-}
-
-impl RopeConfig {
-    /// Full-head NeoX rotary with no scaling.
-    pub fn neox(head_dim: usize, theta: f64) -> Self {
-        RopeConfig {
-            head_dim,
-            rotary_dim: head_dim,
-            theta,
-            style: RopeStyle::Neox,
-            scaling: RopeScaling::None,
-        }
-    }
-
-    /// Validates the configuration and returns the `rotary_dim / 2` inverse frequencies, in f64
-    /// (every backend derives its tables from these, so they agree on the scaling rules).
-    pub fn inv_freqs(&self) -> Result<Vec<f64>> {
-        let bad = |field, reason: String| Err(AttentionError::InvalidConfig { field, reason });
-        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
-            return bad(
-                "rotary_dim",
-                format!(
-                    "{} must be even, positive and at most head_dim {}",
-                    self.rotary_dim, self.head_dim
-                ),
-            );
-        }
-        if !(self.theta.is_finite() && self.theta > 1.0) {
-            return bad("theta", format!("{} must be finite and > 1", self.theta));
-        }
-        let half = self.rotary_dim / 2;
-        let base: Vec<f64> = (0..half)
-            .map(|i| self.theta.powf(-(2.0 * i as f64) / self.rotary_dim as f64))
-            .collect();
-        match self.scaling {
-            RopeScaling::None => Ok(base),
-            RopeScaling::Linear { factor } => {
-                if !(factor.is_finite() && factor > 0.0) {
-                    return bad("factor", format!("{factor} must be finite and > 0"));
-                }
-                Ok(base.into_iter().map(|f| f / factor).collect())
-            }
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings: old,
-            } => {
-                let ok = |x: f64| x.is_finite() && x > 0.0;
-                let valid = ok(factor)
-                    && ok(low_freq_factor)
-                    && ok(old)
-                    && high_freq_factor.is_finite()
-                    && high_freq_factor > low_freq_factor;
-                if !valid {
-                    return bad(
-                        "llama3 rope scaling",
-                        format!(
-                            "factor {factor}, low_freq_factor {low_freq_factor}, \
-                             high_freq_factor {high_freq_factor}, original {old}: all must be \
-                             finite and > 0 with high > low"
-                        ),
-                    );
-                }
-                let low_wavelen = old / low_freq_factor;
-                let high_wavelen = old / high_freq_factor;
-                Ok(base
-                    .into_iter()
-                    .map(|f| {
-                        let wavelen = 2.0 * std::f64::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
-                        } else {
-                            let smooth = (old / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect())
-            }
-            RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings: old,
-                beta_fast,
-                beta_slow,
-            } => {
-                let ok = |x: f64| x.is_finite() && x > 0.0;
-                if !(ok(factor) && ok(old) && ok(beta_fast) && ok(beta_slow)) {
-                    return bad(
-                        "yarn rope scaling",
-                        format!(
-                            "factor {factor}, original {old}, beta_fast {beta_fast}, \
-                             beta_slow {beta_slow}: all must be finite and > 0"
-                        ),
-                    );
-                }
-                let d = self.rotary_dim as f64;
-                let corr = |rot: f64| {
-                    d * (old / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * self.theta.ln())
-                };
-                let low = corr(beta_fast).floor().max(0.0);
-                let mut high = corr(beta_slow).ceil().min(d - 1.0);
-                if high == low {
-                    high += 0.001;
-                }
-                Ok(base
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, f)| {
-                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
-                        f / factor * ramp + f * (1.0 - ramp)
-                    })
-                    .collect())
-            }
-        }
-    }
-}
-
-/// DoubleSparse decode: which label channels to score with and how many tokens to keep.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DoubleSparseConfig {
-    /// Tokens kept per query head (`≥ 1`). A request with `kv_len ≤ top_k` attends to all.
-    pub top_k: usize,
-    /// Heavy channels per KV head, `[kv_heads × heavy_channels]` row-major: indices into
-    /// `head_dim`. The label row of a token is its key at these channels (written with K), and
-    /// a query head scores tokens with its own values at its KV head's channels.
-    pub channels: Vec<u32>,
-}
-
-/// Per-call attention parameters.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionParams {
-    /// Softmax scale applied to `q·k` (usually `1/√head_dim`).
-    pub scale: f32,
-    /// Required for DoubleSparse layouts (labels are written from K at these channels; decode
-    /// batches attend sparsely); must be `None` for plain MHA layouts.
-    pub double_sparse: Option<DoubleSparseConfig>,
-}
-
-impl AttentionParams {
-    /// Dense attention with the given scale.
-    pub fn dense(scale: f32) -> Self {
-        AttentionParams {
-            scale,
-            double_sparse: None,
-        }
     }
 }
 
@@ -253,14 +43,18 @@ impl AttentionParams {
 /// `out_cache_loc` and then attends over every request's slots read through the page table.
 /// Backends never allocate or free slots.
 pub trait Backend {
-    /// The backend's tensor.
+    /// The backend's tensor: device memory the ops read and write, reached from the host only
+    /// through [`upload`](Backend::upload) and [`download`](Backend::download).
     type Tensor: DeviceTensor;
-    /// The KV store the backend attends over.
+    /// The KV store attention writes and reads, in the backend's memory (kv-pool's trait, so
+    /// its raw rows and packed pages are byte-compatible with [`kv_pool::HostKvStore`]).
     type KvStore: KvStore;
-    /// The per-batch plan built from [`BatchMetadata`].
+    /// What [`plan`](Backend::plan) derives once per batch from [`BatchMetadata`] (page tables
+    /// in the backend's memory) and every layer's attention call reuses.
     type Plan;
 
-    /// A short name for logs and test output.
+    /// A short name for logs and test output (`"cpu"`, `"wgpu"`); conformance outcomes start
+    /// with it.
     fn name(&self) -> &str;
 
     /// Allocates a zeroed KV store for `layout` in the backend's memory.
@@ -270,7 +64,7 @@ pub trait Backend {
     /// dtype or attention kind the backend (or its device) lacks, such as f16 on an adapter
     /// without f16 shaders. Callers (the conformance suite, an engine choosing a KV dtype)
     /// ask before they build a store; the ops themselves still refuse with a typed
-    /// [`AttentionError::Unsupported`]. The default supports everything.
+    /// [`AttentionError::Unsupported`](crate::AttentionError::Unsupported). The default supports everything.
     fn kv_support(&self, shape: &KvShape) -> std::result::Result<(), String> {
         let _ = shape;
         Ok(())

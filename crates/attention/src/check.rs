@@ -6,9 +6,10 @@
 use kv_pool::store::check as store_check;
 use kv_pool::{KvKind, KvLayout};
 
-use crate::backend::{AttentionParams, RopeConfig};
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
+use crate::params::AttentionParams;
+use crate::rope::RopeConfig;
 
 fn shape_err(what: &'static str, expected: &[usize], got: &[usize]) -> AttentionError {
     AttentionError::ShapeMismatch {
@@ -139,9 +140,9 @@ pub struct MhaGeometry {
     pub q_heads: usize,
     /// KV heads of the store.
     pub kv_heads: usize,
-    /// Query / key head dimension.
+    /// Elements per query and key head (`d`).
     pub head_dim: usize,
-    /// Value head dimension.
+    /// Elements per value head (`dv`; the output is `[n, q_heads, dv]`).
     pub v_head_dim: usize,
     /// DoubleSparse label channels per KV head (`None` for MHA stores); when `Some`, the
     /// params' DoubleSparse configuration has been checked against it.

@@ -1,4 +1,5 @@
-//! The crate's one error type.
+//! [`AttentionError`], the one error every backend returns, so a caller handles the CPU and
+//! device backends alike (device failures are the [`AttentionError::Device`] variant).
 
 use kv_pool::{KvPoolError, Slot};
 
@@ -11,29 +12,29 @@ pub enum AttentionError {
     /// A tensor or slice does not have the shape the operation needs.
     #[error("{what}: expected shape {expected:?}, got {got:?}")]
     ShapeMismatch {
-        /// Which argument.
+        /// The argument's name in the op's signature (`"q"`, `"weight"`, …).
         what: &'static str,
-        /// The shape required.
+        /// The shape the op derived from its other arguments, outermost dimension first.
         expected: Vec<usize>,
-        /// The shape given.
+        /// The argument's actual shape.
         got: Vec<usize>,
     },
     /// A host slice has the wrong length.
     #[error("{what}: expected {expected} elements, got {got}")]
     LengthMismatch {
-        /// Which argument.
+        /// The argument's name in the op's signature (`"data"`, `"positions"`, …).
         what: &'static str,
-        /// Elements required.
+        /// Elements the shape implies.
         expected: usize,
-        /// Elements given.
+        /// Elements the slice has.
         got: usize,
     },
     /// Query heads must be a positive multiple of KV heads (GQA/MQA grouping).
     #[error("q_heads {q_heads} is not a positive multiple of kv_heads {kv_heads}")]
     HeadsNotMultiple {
-        /// Query heads.
+        /// Heads of the query tensor.
         q_heads: usize,
-        /// KV heads.
+        /// Heads of the K/V tensors or the store (`0` is refused too).
         kv_heads: usize,
     },
     /// A request's slot breaks the paging rule: position `p` must sit at offset `p mod P` of the
@@ -47,9 +48,9 @@ pub enum AttentionError {
         request: usize,
         /// Token position within the request.
         position: usize,
-        /// The offending slot.
+        /// The slot the batch gave for that position.
         slot: Slot,
-        /// Page size of the batch.
+        /// `P`, the batch's page size in tokens.
         page_size: u32,
         /// Which part of the rule fails.
         reason: &'static str,
@@ -59,15 +60,15 @@ pub enum AttentionError {
     InvalidRequest {
         /// Index of the request in the batch.
         request: usize,
-        /// What is wrong.
+        /// The inconsistency, with the numbers involved.
         reason: String,
     },
     /// A configuration value is out of range.
     #[error("invalid {field}: {reason}")]
     InvalidConfig {
-        /// The field.
+        /// The field's name as the configuration type spells it (`"rotary_dim"`, `"top_k"`).
         field: &'static str,
-        /// Why it is refused.
+        /// The value given and the range it must be in.
         reason: String,
     },
     /// The operation is not supported for this layout, dtype or backend.
@@ -76,9 +77,9 @@ pub enum AttentionError {
     /// The batch plan was built for a different page size than the store's.
     #[error("batch plan has page size {plan}, the KV store has {store}")]
     PageSizeMismatch {
-        /// Page size of the plan.
+        /// `P` of the [`BatchMetadata`](crate::BatchMetadata) the plan was built from.
         plan: u32,
-        /// Page size of the store.
+        /// `P` of the store's [`kv_pool::KvLayout`].
         store: u32,
     },
     /// The device failed: no adapter, a lost device, a buffer that could not be allocated or
@@ -88,10 +89,10 @@ pub enum AttentionError {
     /// Host memory could not be reserved.
     #[error("host out of memory reserving {bytes} bytes")]
     HostOutOfMemory {
-        /// Bytes asked for.
+        /// The size of the reservation that failed, in bytes.
         bytes: usize,
     },
 }
 
-/// The crate's result type.
+/// `Result` with [`AttentionError`] as the default error.
 pub type Result<T, E = AttentionError> = std::result::Result<T, E>;

@@ -34,13 +34,13 @@ pub mod conformance;
 pub mod cpu;
 pub mod error;
 pub mod metadata;
+pub mod params;
 pub mod reference;
-pub mod rng;
+pub mod rope;
 
-pub use backend::{
-    AttentionParams, Backend, DeviceTensor, DoubleSparseConfig, RopeConfig, RopeScaling, RopeStyle,
-    TensorDtype,
-};
+pub use backend::{Backend, DeviceTensor, TensorDtype};
 pub use cpu::{CpuBackend, CpuConfig, CpuPlan, CpuTensor};
 pub use error::{AttentionError, Result};
 pub use metadata::{BatchMetadata, RequestKv};
+pub use params::{AttentionParams, DoubleSparseConfig};
+pub use rope::{RopeConfig, RopeScaling, RopeStyle};

@@ -146,7 +146,7 @@ impl BatchMetadata {
         self.page_size
     }
 
-    /// Requests in the batch.
+    /// Requests in the batch: the length of [`RequestKv`] list it was built from.
     pub fn num_requests(&self) -> usize {
         self.kv_lens.len()
     }

@@ -4,7 +4,7 @@
 //! Shapes are row-major; the functions trust their callers (they are test oracles) and panic on
 //! inconsistent lengths.
 
-use crate::backend::{RopeConfig, RopeStyle};
+use crate::rope::{RopeConfig, RopeStyle};
 
 fn f(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64).collect()
@@ -92,13 +92,13 @@ fn softmax_sum(s: &[f64], dv: usize, value: impl Fn(usize) -> Vec<f64>) -> Vec<f
 /// Head geometry of [`attention`].
 #[derive(Debug, Clone, Copy)]
 pub struct Heads {
-    /// Query heads.
+    /// Heads of `q` and of the output.
     pub q_heads: usize,
     /// KV heads (`q_heads` a multiple of it).
     pub kv_heads: usize,
-    /// Query / key head dimension.
+    /// Elements per query and key head (`d`, the dimension of `q·k`).
     pub head_dim: usize,
-    /// Value head dimension.
+    /// Elements per value head (`dv`, the dimension of each output head).
     pub v_head_dim: usize,
 }
 

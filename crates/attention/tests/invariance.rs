@@ -2,11 +2,11 @@
 //! bitwise the same alone or batched, chunked or in one pass, with its prefix from the cache or
 //! recomputed, on scattered paged slots or contiguous ones, with one thread or several.
 
-use attention::conformance::scattered_slots;
-use attention::rng::SplitMix;
+use attention::conformance::{nonzero_vec, scattered_slots};
 use attention::{
     AttentionParams, Backend, BatchMetadata, CpuBackend, CpuConfig, DoubleSparseConfig, RequestKv,
 };
+use kv_pool::rng::SplitMix64;
 use kv_pool::{HostKvStore, KvDtype, KvLayout, KvShape, KvStore, Slot};
 
 const LAYER: usize = 0;
@@ -57,11 +57,11 @@ struct Req {
 
 fn request(kind: Kind, len: usize, seed: u64) -> Req {
     let (qh, d, kr, vr) = kind.dims();
-    let mut rng = SplitMix(seed);
+    let mut rng = SplitMix64::new(seed);
     Req {
-        q: rng.nonzero_vec(len * qh * d),
-        k: rng.nonzero_vec(len * kr),
-        v: rng.nonzero_vec(len * vr),
+        q: nonzero_vec(&mut rng, len * qh * d),
+        k: nonzero_vec(&mut rng, len * kr),
+        v: nonzero_vec(&mut rng, len * vr),
     }
 }
 
@@ -159,7 +159,7 @@ fn store(kind: Kind, dtype: KvDtype, page_size: u32) -> HostKvStore {
 /// Slots for requests of `lens` on a shuffled pool of page size `p`.
 fn slots(p: u32, lens: &[usize], seed: u64) -> Vec<Vec<Slot>> {
     let reqs: Vec<(usize, usize)> = lens.iter().map(|&l| (0, l)).collect();
-    scattered_slots(p, 4096, &reqs, &mut SplitMix(seed)).unwrap()
+    scattered_slots(p, 4096, &reqs, &mut SplitMix64::new(seed)).unwrap()
 }
 
 const LENS: [usize; 3] = [130, 37, 300];

@@ -1,15 +1,15 @@
 //! Snapshot of the page-table metadata built for a small batch.
 
 use attention::conformance::scattered_slots;
-use attention::rng::SplitMix;
 use attention::{BatchMetadata, RequestKv};
+use kv_pool::rng::SplitMix64;
 
 #[test]
 fn page_table_snapshot() {
     // P = 4: an empty prefix, a page-aligned prefix (8), an unaligned prefix (5), all on a
     // shuffled pool.
     let requests = [(0, 6), (8, 3), (5, 4)];
-    let slots = scattered_slots(4, 64, &requests, &mut SplitMix(3)).unwrap();
+    let slots = scattered_slots(4, 64, &requests, &mut SplitMix64::new(3)).unwrap();
     let reqs: Vec<RequestKv<'_>> = slots
         .iter()
         .zip(&requests)

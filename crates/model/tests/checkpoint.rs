@@ -1,144 +1,15 @@
-//! Loading Hugging Face checkpoints: greedy output equals an independent f64 forward; bad
-//! checkpoints give errors that name the tensor or field.
+//! Loading Hugging Face checkpoints: tokenizers and chat templates load from the directory; bad
+//! checkpoints give errors that name the tensor or field. That a loaded checkpoint's greedy
+//! output equals an independent f64 forward, on every backend, is tested in the workspace's
+//! `tests/tests/model_backends.rs` (it needs the wgpu backend, which model must not depend on).
 
 mod common;
 
 use std::path::Path;
 
-use attention::{Backend, CpuBackend};
+use attention::CpuBackend;
 use common::{temp_dir, write_checkpoint, TestModel, Variant};
-use kv_pool::{KvDtype, KvLayout, Slot};
-use model::{
-    load_model_dir, load_tokenizer_dir, ChatMessage, ForwardInput, ForwardMode, ForwardRequest,
-    LogitsMode, ModelConfig, ModelError, ModelRunner, SafetensorsCheckpoint, TensorSource,
-};
-
-/// Loads the directory, runs greedy generation (prefill then decode steps, page size 4) and
-/// compares with the f64 reference token for token, and the last logits within tolerance.
-fn check_greedy(m: &TestModel, dir: &Path) {
-    check_greedy_on(CpuBackend::default(), m, dir);
-}
-
-/// [`check_greedy`] on any backend.
-fn check_greedy_on<B: Backend>(backend: B, m: &TestModel, dir: &Path) {
-    let model = load_model_dir(&backend, dir).unwrap();
-    let layout = KvLayout::new(model.config().kv_shape(KvDtype::F32).unwrap(), 4, 64).unwrap();
-    let mut runner = ModelRunner::new(backend, model, layout).unwrap();
-    let prompt: Vec<u32> = vec![1, 17, 42, 5, 88, 23, 9];
-    let steps = 6;
-    let want = m.reference_greedy(&prompt, steps);
-    // Slots: position p at slot 4 + p (pages 1, 2, … in order).
-    let slots: Vec<Slot> = (0..prompt.len() + steps)
-        .map(|p| Slot(4 + p as u32))
-        .collect();
-    let mut seq = prompt.clone();
-    let mut got = Vec::new();
-    let mut last_logits = Vec::new();
-    for step in 0..steps {
-        let new = if step == 0 {
-            &seq[..]
-        } else {
-            &seq[seq.len() - 1..]
-        };
-        let input = ForwardInput {
-            mode: if step == 0 {
-                ForwardMode::Extend
-            } else {
-                ForwardMode::Decode
-            },
-            requests: vec![ForwardRequest {
-                input_ids: new,
-                slots: &slots[..seq.len()],
-            }],
-            logits: LogitsMode::LastToken,
-        };
-        let out = runner.forward(&input).unwrap();
-        last_logits = out.last(0).unwrap().to_vec();
-        let t = out.argmax()[0].unwrap();
-        got.push(t);
-        seq.push(t);
-    }
-    assert_eq!(got, want, "greedy tokens differ from the f64 reference");
-    let refl = m.reference_logits(&seq[..seq.len() - 1]);
-    let refl = refl.last().unwrap();
-    let num: f64 = refl
-        .iter()
-        .zip(&last_logits)
-        .map(|(a, &b)| (a - b as f64).powi(2))
-        .sum();
-    let den: f64 = refl.iter().map(|a| a * a).sum();
-    assert!(
-        (num / den).sqrt() < 1e-4,
-        "relative error {}",
-        (num / den).sqrt()
-    );
-}
-
-#[test]
-fn llama_checkpoint_greedy_matches_f64_reference() {
-    let m = TestModel::new(Variant::Llama, 1, false);
-    let dir = temp_dir("llama");
-    write_checkpoint(&m, &dir, false, false);
-    check_greedy(&m, &dir);
-}
-
-#[test]
-fn sharded_bf16_checkpoint_greedy_matches_f64_reference() {
-    let m = TestModel::new(Variant::Llama, 2, true);
-    let dir = temp_dir("sharded");
-    write_checkpoint(&m, &dir, true, true);
-    let ckpt = SafetensorsCheckpoint::open_dir(&dir).unwrap();
-    assert_eq!(ckpt.files().len(), 2);
-    assert_eq!(
-        ckpt.info("model.embed_tokens.weight").unwrap().1,
-        "BF16".to_string()
-    );
-    check_greedy(&m, &dir);
-}
-
-#[test]
-fn qwen2_biases_greedy_matches_f64_reference() {
-    let m = TestModel::new(Variant::Qwen2, 3, false);
-    let dir = temp_dir("qwen2");
-    write_checkpoint(&m, &dir, false, false);
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    assert!(cfg.qkv_bias && !cfg.o_bias && cfg.tie_word_embeddings);
-    check_greedy(&m, &dir);
-}
-
-#[test]
-fn qwen3_qk_norm_greedy_matches_f64_reference() {
-    let m = TestModel::new(Variant::Qwen3, 4, false);
-    let dir = temp_dir("qwen3");
-    write_checkpoint(&m, &dir, false, false);
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    assert!(cfg.qk_norm && cfg.head_dim == 16);
-    assert_eq!(cfg.eos_token_ids, vec![2, 3]);
-    check_greedy(&m, &dir);
-}
-
-/// The same checkpoints loaded onto the wgpu backend (Mesa's lavapipe in CI) match the same f64
-/// reference: a loaded checkpoint runs on the second backend unchanged. Skips without an
-/// adapter unless `KVSERVE_REQUIRE_WGPU=1`.
-#[test]
-fn checkpoints_on_wgpu_match_the_f64_reference() {
-    let variants = [
-        (Variant::Llama, 1, false, false),
-        (Variant::Llama, 2, true, true),
-        (Variant::Qwen2, 3, false, false),
-        (Variant::Qwen3, 4, false, false),
-    ];
-    for (variant, seed, bf16, sharded) in variants {
-        let Some(backend) = attention_wgpu::test_support::backend_or_skip("checkpoint on wgpu")
-        else {
-            return;
-        };
-        let m = TestModel::new(variant, seed, bf16);
-        let dir = temp_dir(&format!("wgpu-{seed}"));
-        write_checkpoint(&m, &dir, bf16, sharded);
-        check_greedy_on(backend, &m, &dir);
-    }
-}
+use model::{load_model_dir, load_tokenizer_dir, ChatMessage, ModelConfig, ModelError};
 
 #[test]
 fn tokenizer_and_chat_template_load_from_dir() {

@@ -21,15 +21,18 @@ use super::{store_accessor, Access, Kernel, StoreAccess, StoreView, Wgsl};
 /// Threads per attention workgroup, and keys per block.
 pub const ATTN_WG: u32 = 64;
 
-/// Plan header words (offsets into the plan buffer).
+// The plan buffer (`crate::plan`) starts with a header of four words; word `i` holds the
+// offset, in words from the buffer's start, of one array the kernels read.
+
+/// Header word holding where the token → request index array starts.
 pub const PLAN_TOK_REQ: usize = 0;
-/// Offset of the per-token positions.
+/// Header word holding where the token → position array starts.
 pub const PLAN_TOK_POS: usize = 1;
-/// Offset of `kv_indptr`.
+/// Header word holding where FlashInfer's `kv_indptr` (per-request page ranges) starts.
 pub const PLAN_KV_INDPTR: usize = 2;
-/// Offset of `kv_indices`.
+/// Header word holding where `kv_indices` (the batch's pages) starts.
 pub const PLAN_KV_INDICES: usize = 3;
-/// Header length.
+/// Words before the first array of the plan buffer (the four offsets above).
 pub const PLAN_HEADER: usize = 4;
 
 /// The specialisation of an attention kernel.
@@ -39,13 +42,13 @@ pub struct AttnSpec {
     pub d: u32,
     /// Value dims per head (MLA: `kv_lora_rank`).
     pub dv: u32,
-    /// Query heads.
+    /// Heads of `q` and of the output (rows of `q` are `q_heads × d` elements).
     pub q_heads: u32,
     /// Query heads per KV head.
     pub group: u32,
     /// Query heads per workgroup (divides `group`).
     pub heads_per_wg: u32,
-    /// Page size.
+    /// `P`: the page table holds one page per `P` positions of a request.
     pub page_size: u32,
     /// The key buffer (MLA: the latent rows; values are their first `dv` dims).
     pub k: StoreView,

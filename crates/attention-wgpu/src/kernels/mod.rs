@@ -39,7 +39,8 @@ pub struct Kernel {
     pub name: &'static str,
     /// The complete WGSL source.
     pub source: String,
-    /// Bindings in binding order.
+    /// What each `@binding(i)` is, in order: the bind group layout is built from it, and a
+    /// dispatch passes its buffers in the same order.
     pub bindings: Vec<Binding>,
 }
 
@@ -114,12 +115,12 @@ impl Wgsl {
         let _ = writeln!(self.body, "const {name}: u32 = {value}u;");
     }
 
-    /// Appends code.
+    /// Appends WGSL to the kernel's body, after the constants declared so far.
     pub(crate) fn push(&mut self, code: &str) {
         self.body.push_str(code);
     }
 
-    /// The finished kernel.
+    /// The kernel: `enable f16;` when needed, the header (bindings), then the body.
     pub(crate) fn finish(self) -> Kernel {
         let mut source = self.header;
         if self.f16 {
@@ -147,7 +148,7 @@ pub enum StoreElem {
 }
 
 impl StoreElem {
-    /// Bytes per element.
+    /// Bytes per element in the store (raw access moves `u32` words of two f16s).
     pub fn bytes(self) -> u32 {
         match self {
             StoreElem::F32 => 4,
@@ -167,7 +168,7 @@ impl StoreElem {
 /// address a row across chunks with a generated `switch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StoreView {
-    /// Element type.
+    /// How the rows' elements are stored (the store's dtype on the device).
     pub elem: StoreElem,
     /// Elements per row (slot).
     pub row_elems: u32,

@@ -15,19 +15,20 @@
 use kv_pool::dtype::decode_to_f32;
 use kv_pool::{KvDtype, Slot};
 
-use crate::backend::DoubleSparseConfig;
 use crate::metadata::BatchMetadata;
+use crate::params::DoubleSparseConfig;
 
-/// KV positions per block of the fixed reduction order.
-pub(crate) const BLOCK: usize = 32;
+use super::primitives::{dot, dot_with, exp_nonpos, madd, Geom, BLOCK};
 
 /// One layer buffer of a host store, read as f32 rows.
 #[derive(Clone, Copy)]
 pub(crate) struct RowSource<'a> {
+    /// The layer buffer, row `s` for slot `s`.
     pub bytes: &'a [u8],
     pub dtype: KvDtype,
+    /// The fp8 per-layer scale the decoder multiplies by (1 for other dtypes).
     pub scale: f32,
-    /// Elements per row.
+    /// Elements per row (all heads of one token).
     pub elems: usize,
 }
 
@@ -84,24 +85,6 @@ impl RowSource<'_> {
     }
 }
 
-/// Head geometry of one attention call.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Geom {
-    pub q_heads: usize,
-    /// Query heads per KV head.
-    pub group: usize,
-    /// Query / key head dimension.
-    pub d: usize,
-    /// Value head dimension.
-    pub dv: usize,
-    /// Elements per K row in the store.
-    pub k_row: usize,
-    /// Elements per V row in the store (unused when `v_in_k`).
-    pub v_row: usize,
-    /// MLA: the value is the first `dv` elements of the (single-head) K row.
-    pub v_in_k: bool,
-}
-
 /// Extend tokens that go through a block together in the SIMD kernel: enough to share each
 /// K/V row load, few enough that their query and output rows stay in L2.
 const TOKEN_CHUNK: usize = 16;
@@ -124,73 +107,6 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
         v.resize(n, 0.0);
     }
     &mut v[..n]
-}
-
-/// `a · b + c`, fused when `FMA` (reserved for a SIMD build; the shipped kernel is unfused).
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
-/// Dot product in a fixed order: lane `i` of eight accumulates elements `i, i + 8, …`, the
-/// lanes are summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` (the order of the
-/// AVX2 kernels' horizontal sum), then the tail is added element by element.
-#[inline(always)]
-pub(crate) fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let ac = a.chunks_exact(8);
-    let bc = b.chunks_exact(8);
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
-        }
-    }
-    let mut s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-    for (x, y) in ar.iter().zip(br) {
-        s = madd::<FMA>(*x, *y, s);
-    }
-    s
-}
-
-/// [`dot_with`] without fusion.
-#[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    dot_with::<false>(a, b)
-}
-
-/// `e^x` for `x ≤ 0` (softmax weights), vectorisable: Cody–Waite reduction `x = n·ln2 + r`,
-/// `|r| ≤ ln2/2`, a degree-6 Taylor polynomial for `e^r` (relative error below 2e-7), and
-/// `2^n` built in the exponent bits. Inputs below −87 give 0 (e^−87 is below f32's normal
-/// range), as do −∞.
-#[inline(always)]
-pub(crate) fn exp_nonpos<const FMA: bool>(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
-    let small = x < -87.0;
-    let x = if small { -87.0 } else { x };
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, x));
-    let mut p = 1.0 / 720.0;
-    p = madd::<FMA>(p, r, 1.0 / 120.0);
-    p = madd::<FMA>(p, r, 1.0 / 24.0);
-    p = madd::<FMA>(p, r, 1.0 / 6.0);
-    p = madd::<FMA>(p, r, 0.5);
-    p = madd::<FMA>(p, r, 1.0);
-    p = madd::<FMA>(p, r, 1.0);
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if small {
-        0.0
-    } else {
-        p * scale
-    }
 }
 
 /// Folds one block into a query's softmax state: `scores[j]` are the block's scaled scores
@@ -547,9 +463,9 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_kernel_equals_portable_fma_kernel() {
-        use crate::conformance::scattered_slots;
+        use crate::conformance::{nonzero_vec, scattered_slots};
         use crate::metadata::RequestKv;
-        use crate::rng::SplitMix;
+        use kv_pool::rng::SplitMix64;
         use kv_pool::{HostKvStore, KvBuffer, KvLayout, KvShape, KvStore};
 
         if !super::super::simd::available() {
@@ -566,7 +482,7 @@ mod tests {
             (10, 2, 16, 8, false),
             (4, 1, 48, 32, true),
         ];
-        let mut rng = SplitMix(21);
+        let mut rng = SplitMix64::new(21);
         for dtype in dtypes {
             for &(qh, kvh, d, dv, mla) in &shapes {
                 let shape = if mla {
@@ -588,8 +504,8 @@ mod tests {
                         shape.row_elems(KvBuffer::Key),
                         if mla { 0 } else { kvh * dv },
                     );
-                    let k = rng.nonzero_vec(all.len() * kr);
-                    let v = rng.nonzero_vec(all.len() * vr);
+                    let k = nonzero_vec(&mut rng, all.len() * kr);
+                    let v = nonzero_vec(&mut rng, all.len() * vr);
                     store.write_kv(0, all, &k, &v).unwrap();
                 }
                 let rk: Vec<RequestKv<'_>> = slots
@@ -624,7 +540,7 @@ mod tests {
                 };
                 for r in 0..meta.num_requests() {
                     let ext = meta.extend_len(r);
-                    let q = rng.nonzero_vec(ext * qh * d);
+                    let q = nonzero_vec(&mut rng, ext * qh * d);
                     let mut a = vec![0.0; ext * qh * dv];
                     let mut b = vec![1.0; ext * qh * dv];
                     let mut sc = Scratch::default();
@@ -637,25 +553,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn fast_exp_matches_std() {
-        let mut worst = 0.0f64;
-        let mut x = 0.0f32;
-        while x > -100.0 {
-            let want = (x as f64).exp();
-            for got in [exp_nonpos::<false>(x), exp_nonpos::<true>(x)] {
-                if x < -87.0 {
-                    assert_eq!(got, 0.0);
-                } else {
-                    worst = worst.max((got as f64 - want).abs() / want);
-                }
-            }
-            x -= 0.013;
-        }
-        assert!(worst < 4e-7, "worst relative error {worst}");
-        assert_eq!(exp_nonpos::<false>(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_nonpos::<false>(0.0), 1.0);
     }
 }

@@ -1,7 +1,7 @@
 //! Dense ops of the CPU backend, on contiguous f32 slices. Every op computes each output row
 //! from its own input row in a fixed order, so results do not depend on the batch.
 
-use super::attention::dot;
+use super::primitives::dot;
 
 /// `dst[m, n] = x[m, k] · w[n, k]ᵀ`. Lengths are checked by the caller.
 ///
@@ -78,20 +78,21 @@ pub(crate) fn silu_mul(x: &[f32], d: usize, dst: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix;
+    use crate::conformance::nonzero_vec;
+    use kv_pool::rng::SplitMix64;
 
     /// The AVX2 matmul computes every element as the portable fused dot product does, bitwise.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_matmul_equals_fused_dot() {
-        use super::super::attention::dot_with;
+        use super::super::primitives::dot_with;
         if !super::super::simd::available() {
             return;
         }
-        let mut rng = SplitMix(4);
+        let mut rng = SplitMix64::new(4);
         for (m, k, n) in [(1, 8, 1), (5, 37, 9), (9, 300, 130), (4, 7, 3)] {
-            let x = rng.nonzero_vec(m * k);
-            let w = rng.nonzero_vec(n * k);
+            let x = nonzero_vec(&mut rng, m * k);
+            let w = nonzero_vec(&mut rng, n * k);
             let mut out = vec![0.0; m * n];
             matmul(&x, &w, m, k, n, &mut out);
             for i in 0..m {
@@ -110,10 +111,10 @@ mod tests {
     /// The portable matmul is row-invariant too.
     #[test]
     fn portable_matmul_rows_do_not_depend_on_m() {
-        let mut rng = SplitMix(5);
+        let mut rng = SplitMix64::new(5);
         let (k, n) = (100, 20);
-        let w = rng.nonzero_vec(n * k);
-        let x = rng.nonzero_vec(9 * k);
+        let w = nonzero_vec(&mut rng, n * k);
+        let x = nonzero_vec(&mut rng, 9 * k);
         let mut full = vec![0.0; 9 * n];
         matmul_portable(&x, &w, k, n, &mut full);
         let mut one = vec![0.0; n];
@@ -126,10 +127,10 @@ mod tests {
     /// of each batch alone, are bitwise the same.
     #[test]
     fn matmul_rows_do_not_depend_on_m() {
-        let mut rng = SplitMix(3);
+        let mut rng = SplitMix64::new(3);
         for (k, n) in [(64, 48), (256, 320), (1000, 77), (4096, 64)] {
-            let w = rng.nonzero_vec(n * k);
-            let xs = rng.nonzero_vec(64 * k);
+            let w = nonzero_vec(&mut rng, n * k);
+            let xs = nonzero_vec(&mut rng, 64 * k);
             let mut full = vec![0.0; 64 * n];
             matmul(&xs, &w, 64, k, n, &mut full);
             for m in [1usize, 2, 3, 7, 16, 33, 64] {

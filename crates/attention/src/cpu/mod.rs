@@ -5,17 +5,21 @@
 
 mod attention;
 mod dense;
+mod primitives;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
 use kv_pool::{HostKvStore, KvBuffer, KvLayout, KvStore};
 
-use crate::backend::{AttentionParams, Backend, DeviceTensor, RopeConfig, RopeStyle, TensorDtype};
+use crate::backend::{Backend, DeviceTensor, TensorDtype};
 use crate::check;
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
+use crate::params::AttentionParams;
+use crate::rope::{RopeConfig, RopeStyle};
 
-use attention::{Geom, RowSource, Scratch, Sources};
+use attention::{RowSource, Scratch, Sources};
+use primitives::Geom;
 
 /// Work on one request: `(request, its q rows, its output rows, scratch)`.
 type RequestFn<'a> = dyn Fn(usize, &[f32], &mut [f32], &mut Scratch) + Sync + 'a;
@@ -49,7 +53,7 @@ impl CpuTensor {
         &self.data
     }
 
-    /// Unwraps the elements.
+    /// The elements, row-major, without a copy.
     pub fn into_data(self) -> Vec<f32> {
         self.data
     }

@@ -2,7 +2,7 @@
 //!
 //! They compute exactly what the portable kernels compute with fused multiply-adds (the `FMA =
 //! true` instantiation of [`super::attention::dense_request_impl`] and
-//! [`super::attention::dot_with`]), in the same order, only eight lanes at a time: every dot
+//! [`super::primitives::dot_with`]), in the same order, only eight lanes at a time: every dot
 //! product accumulates lane `i` over elements `i, i + 8, …` with fused multiply-adds, sums the
 //! lanes as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` and then adds the tail one
 //! element at a time; every weighted sum of value rows adds the rows one position after the
@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::attention::{exp_nonpos, Geom, BLOCK};
+use super::primitives::{exp_nonpos, Geom, BLOCK};
 
 /// Whether the CPU runs these kernels (AVX2, FMA and F16C), detected once.
 pub(crate) fn available() -> bool {
@@ -34,7 +34,7 @@ pub(crate) fn available() -> bool {
 
 /// An element type of store rows the kernels read directly.
 pub(crate) trait Elem {
-    /// Bytes per element.
+    /// Bytes per element in the store row (4 for f32, 2 for f16 and bf16).
     const BYTES: usize;
     /// Eight elements at `p`, as f32.
     ///

@@ -1,0 +1,152 @@
+//! The dense-op checks: matmul, RMSNorm, every rotary variant, SiLU-and-mul, residual add,
+//! embedding and logits against the f64 reference.
+
+use kv_pool::rng::SplitMix64;
+
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::reference;
+use crate::rope::{RopeConfig, RopeScaling, RopeStyle};
+
+use super::inputs::nonzero_vec;
+use super::outcome::{relative_error, Outcome};
+
+/// Bound for the f32 dense ops.
+const DENSE_BOUND: f64 = 1e-5;
+
+/// Runs the dense-op checks (matmul, RMSNorm, rotary variants, SiLU-and-mul, residual add,
+/// embedding, logits) against the f64 reference.
+pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
+    let mut rng = SplitMix64::new(0xD15E);
+    let mut out = Vec::new();
+    let mut push = |name: String, error: f64, bound: f64| {
+        out.push(Outcome::measured(
+            format!("{} {name}", backend.name()),
+            error,
+            bound,
+        ))
+    };
+    for &(m, k, n) in &[(1, 64, 48), (7, 67, 33), (33, 128, 96), (64, 256, 17)] {
+        let x = nonzero_vec(&mut rng, m * k);
+        let w = nonzero_vec(&mut rng, n * k);
+        let got = backend.matmul(&backend.upload(&x, &[m, k])?, &backend.upload(&w, &[n, k])?)?;
+        let want = reference::matmul(&x, &w, m, k, n);
+        push(
+            format!("matmul {m}x{k}·({n}x{k})ᵀ"),
+            relative_error(&backend.download(&got)?, &want),
+            DENSE_BOUND,
+        );
+        let got = backend.logits(&backend.upload(&x, &[m, k])?, &backend.upload(&w, &[n, k])?)?;
+        push(
+            format!("logits {m}x{k}·({n}x{k})ᵀ"),
+            relative_error(&backend.download(&got)?, &want),
+            DENSE_BOUND,
+        );
+    }
+    for &(m, d) in &[(1, 64), (5, 96), (3, 4096)] {
+        let x = nonzero_vec(&mut rng, m * d);
+        let w = nonzero_vec(&mut rng, d);
+        let got = backend.rms_norm(
+            &backend.upload(&x, &[m, d])?,
+            &backend.upload(&w, &[d])?,
+            1e-6,
+        )?;
+        push(
+            format!("rms_norm {m}x{d}"),
+            relative_error(&backend.download(&got)?, &reference::rms_norm(&x, &w, 1e-6)),
+            DENSE_BOUND,
+        );
+    }
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    let ropes = [
+        ("neox", RopeConfig::neox(64, 10000.0)),
+        (
+            "gptj",
+            RopeConfig {
+                style: RopeStyle::GptJ,
+                ..RopeConfig::neox(64, 10000.0)
+            },
+        ),
+        (
+            "neox partial 32/64",
+            RopeConfig {
+                rotary_dim: 32,
+                ..RopeConfig::neox(64, 10000.0)
+            },
+        ),
+        (
+            "gptj partial 16/64",
+            RopeConfig {
+                rotary_dim: 16,
+                style: RopeStyle::GptJ,
+                ..RopeConfig::neox(64, 10000.0)
+            },
+        ),
+        (
+            "llama3 128",
+            RopeConfig {
+                scaling: llama3,
+                ..RopeConfig::neox(128, 500000.0)
+            },
+        ),
+        (
+            "linear x4 128",
+            RopeConfig {
+                scaling: RopeScaling::Linear { factor: 4.0 },
+                ..RopeConfig::neox(128, 1e6)
+            },
+        ),
+    ];
+    for (name, cfg) in ropes {
+        let (n, heads) = (9, 3);
+        let x = nonzero_vec(&mut rng, n * heads * cfg.head_dim);
+        let pos: Vec<u32> = (0..n).map(|_| rng.below(100_000) as u32).collect();
+        let mut t = backend.upload(&x, &[n, heads, cfg.head_dim])?;
+        backend.rotary(&mut t, &pos, &cfg)?;
+        push(
+            format!("rotary {name}"),
+            relative_error(&backend.download(&t)?, &reference::rotary(&x, &pos, &cfg)),
+            DENSE_BOUND,
+        );
+    }
+    for &(m, d) in &[(1, 64), (6, 40)] {
+        let x = nonzero_vec(&mut rng, m * 2 * d);
+        let got = backend.silu_mul(&backend.upload(&x, &[m, 2 * d])?)?;
+        push(
+            format!("silu_mul {m}x{d}"),
+            relative_error(&backend.download(&got)?, &reference::silu_mul(&x, d)),
+            DENSE_BOUND,
+        );
+    }
+    {
+        let (a, b) = (nonzero_vec(&mut rng, 24), nonzero_vec(&mut rng, 24));
+        let mut t = backend.upload(&a, &[4, 6])?;
+        backend.add_assign(&mut t, &backend.upload(&b, &[4, 6])?)?;
+        let want: Vec<f64> = a.iter().zip(&b).map(|(&x, &y)| (x + y) as f64).collect();
+        push(
+            "add_assign 4x6".into(),
+            relative_error(&backend.download(&t)?, &want),
+            0.0,
+        );
+    }
+    {
+        let table = nonzero_vec(&mut rng, 10 * 8);
+        let ids = [3u32, 0, 9, 3];
+        let got = backend.embedding(&backend.upload(&table, &[10, 8])?, &ids)?;
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|&i| table[i as usize * 8..][..8].iter().map(|&x| x as f64))
+            .collect();
+        push(
+            "embedding 10x8 [3,0,9,3]".into(),
+            relative_error(&backend.download(&got)?, &want),
+            0.0,
+        );
+    }
+    Ok(out)
+}
