@@ -16,7 +16,7 @@ use common::{temp_dir, write_checkpoint, TestModel, Variant};
 use kv_pool::{KvDtype, KvLayout, Slot};
 use kvserve_tests::{attention, on_every_backend};
 use model::{
-    load_model_dir, ForwardInput, ForwardMode, ForwardRequest, LogitsMode, ModelConfig,
+    load_model_dir, AttentionMode, ForwardInput, ForwardRequest, LogitsMode, ModelConfig,
     ModelRunner, SafetensorsCheckpoint, TensorSource,
 };
 
@@ -40,8 +40,8 @@ fn check_greedy<B: Backend>(backend: B, m: &TestModel, dir: &Path) {
     for step in 0..steps {
         // Step 0 prefills the prompt; every later step decodes the token sampled before it.
         let (mode, first) = match step {
-            0 => (ForwardMode::Extend, 0),
-            _ => (ForwardMode::Decode, seq.len() - 1),
+            0 => (AttentionMode::Extend, 0),
+            _ => (AttentionMode::Decode, seq.len() - 1),
         };
         let requests = vec![ForwardRequest {
             input_ids: &seq[first..],

@@ -15,7 +15,7 @@ use model::tiny::{
     random_weights, tiny_config, tiny_mla_config, tiny_mla_model, tiny_model, tiny_tokenizer,
 };
 use model::{
-    ForwardInput, ForwardMode, ForwardRequest, LogitsMode, Model, ModelConfig, ModelRunner,
+    AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Model, ModelConfig, ModelRunner,
 };
 
 const PAGE: u32 = 16;
@@ -70,9 +70,9 @@ fn greedy<B: Backend>(runner: &mut ModelRunner<B>, prompts: &[Vec<u32>]) -> Trac
         let out = runner
             .forward(&ForwardInput {
                 mode: if step == 0 {
-                    ForwardMode::Extend
+                    AttentionMode::Extend
                 } else {
-                    ForwardMode::Decode
+                    AttentionMode::Decode
                 },
                 requests,
                 logits: LogitsMode::LastToken,

@@ -15,7 +15,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::tiny::{random_weights, tiny_config, tiny_mla_config, tiny_mla_model, tiny_model};
 use model::{
-    Architecture, ForwardInput, ForwardMode, ForwardRequest, LogitsMode, MlaConfig, Model,
+    Architecture, AttentionMode, ForwardInput, ForwardRequest, LogitsMode, MlaConfig, Model,
     ModelConfig, ModelRunner,
 };
 
@@ -61,7 +61,7 @@ fn bench_tiny_group(c: &mut Criterion, group: &str, mla: bool) {
         b.iter(|| {
             let out = runner
                 .forward(&ForwardInput {
-                    mode: ForwardMode::Extend,
+                    mode: AttentionMode::Extend,
                     requests: vec![ForwardRequest {
                         input_ids: &p_ids,
                         slots: &p_slots,
@@ -84,7 +84,7 @@ fn bench_tiny_group(c: &mut Criterion, group: &str, mla: bool) {
     for (i, s) in &all {
         runner
             .forward(&ForwardInput {
-                mode: ForwardMode::Extend,
+                mode: AttentionMode::Extend,
                 requests: vec![ForwardRequest {
                     input_ids: &i[..ctx - 1],
                     slots: &s[..ctx - 1],
@@ -105,7 +105,7 @@ fn bench_tiny_group(c: &mut Criterion, group: &str, mla: bool) {
                 .collect();
             let out = runner
                 .forward(&ForwardInput {
-                    mode: ForwardMode::Decode,
+                    mode: AttentionMode::Decode,
                     requests: reqs,
                     logits: LogitsMode::LastToken,
                 })

@@ -10,9 +10,12 @@ use crate::decoder::Model;
 use crate::error::{ModelError, Result};
 use crate::llama::LogitsMode;
 
-/// Extend (prefill, chunked prefill, prefix-cached extend, mixed) or decode.
+/// Which attention plan a pass builds: the extend plan (any number of new tokens per request)
+/// or the decode plan (one query per request, split over the KV). This is the part of the
+/// scheduler's `ForwardMode` the model needs: the engine maps the scheduler's `Decode` to
+/// `Decode` and `Extend` and `Mixed` to `Extend`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ForwardMode {
+pub enum AttentionMode {
     /// Any number of new tokens per request (SGLang's `EXTEND` and `MIXED`).
     #[default]
     Extend,
@@ -39,16 +42,18 @@ pub struct ForwardRequest<'a> {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ForwardInput<'a> {
     /// Extend or decode.
-    pub mode: ForwardMode,
+    pub mode: AttentionMode,
     /// The requests, in batch order.
     pub requests: Vec<ForwardRequest<'a>>,
     /// Which rows get logits.
     pub logits: LogitsMode,
 }
 
-/// Logits of a forward pass: `[rows, vocab]` row-major, with each request's rows.
+/// Logits of a forward pass: `[rows, vocab]` row-major, with each request's rows. The engine's
+/// executor samples from it and hands the scheduler a `scheduler::BatchResult`.
+#[doc(alias = "LogitsProcessorOutput")]
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct ForwardOutput {
+pub struct LogitsOutput {
     /// Vocabulary size (row length).
     pub vocab_size: usize,
     /// All logit rows, row-major.
@@ -58,7 +63,7 @@ pub struct ForwardOutput {
     pub rows: Vec<Range<usize>>,
 }
 
-impl ForwardOutput {
+impl LogitsOutput {
     /// Logits of row `row` (`vocab_size` values). Panics if `row` is out of range.
     pub fn row(&self, row: usize) -> &[f32] {
         &self.logits[row * self.vocab_size..(row + 1) * self.vocab_size]
@@ -132,10 +137,10 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Runs one forward pass: writes every layer's K/V for the new tokens at their slots and
     /// returns the requested logits. Inconsistent input is a typed error before any KV write.
-    pub fn forward(&mut self, input: &ForwardInput<'_>) -> Result<ForwardOutput> {
+    pub fn forward(&mut self, input: &ForwardInput<'_>) -> Result<LogitsOutput> {
         let vocab = self.model.config().vocab_size;
         if input.requests.is_empty() {
-            return Ok(ForwardOutput {
+            return Ok(LogitsOutput {
                 vocab_size: vocab,
                 ..Default::default()
             });
@@ -164,8 +169,8 @@ impl<B: Backend> ModelRunner<B> {
         }
         let page_size = self.store.layout().page_size;
         let meta = match input.mode {
-            ForwardMode::Extend => BatchMetadata::new(page_size, &kvs),
-            ForwardMode::Decode => BatchMetadata::new_decode(page_size, &kvs),
+            AttentionMode::Extend => BatchMetadata::new(page_size, &kvs),
+            AttentionMode::Decode => BatchMetadata::new_decode(page_size, &kvs),
         }
         .map_err(|e| match e {
             attention::AttentionError::InvalidRequest { request, reason } => {
@@ -193,7 +198,7 @@ impl<B: Backend> ModelRunner<B> {
             ),
             LogitsMode::AllTokens => ((0..nreq).map(|r| meta.qo_range(r)).collect(), None),
             LogitsMode::None => {
-                return Ok(ForwardOutput {
+                return Ok(LogitsOutput {
                     vocab_size: vocab,
                     logits: Vec::new(),
                     rows: vec![0..0; nreq],
@@ -201,7 +206,7 @@ impl<B: Backend> ModelRunner<B> {
             }
         };
         let logits = self.model.logits(b, &x, sel.as_deref())?;
-        Ok(ForwardOutput {
+        Ok(LogitsOutput {
             vocab_size: vocab,
             logits: b.download(&logits)?,
             rows,

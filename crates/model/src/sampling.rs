@@ -14,32 +14,9 @@ use std::collections::HashMap;
 
 use crate::error::{ModelError, Result};
 
-/// SplitMix64: a small, fast, well-mixed deterministic generator (one `u64` of state).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    /// A generator seeded with `seed`.
-    pub fn new(seed: u64) -> Self {
-        SplitMix64 { state: seed }
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A uniform float in `[0, 1)` (53 random bits).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
+/// The sampler's generator: the workspace's one seeded RNG (same seed, same tokens, on every
+/// machine).
+pub use kv_pool::rng::SplitMix64;
 
 /// Per-request sampling parameters (SGLang's `SamplingParams`, the sampling part).
 #[derive(Debug, Clone, PartialEq)]

@@ -9,8 +9,8 @@ use attention::{CpuBackend, RopeScaling};
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::tiny::random_weights;
 use model::{
-    Architecture, ForwardInput, ForwardMode, ForwardOutput, ForwardRequest, LlamaModel, LogitsMode,
-    ModelConfig, ModelError, ModelRunner,
+    Architecture, AttentionMode, ForwardInput, ForwardRequest, LlamaModel, LogitsMode,
+    LogitsOutput, ModelConfig, ModelError, ModelRunner,
 };
 
 const POOL: usize = 512;
@@ -96,9 +96,9 @@ fn extend(
     ids: &[u32],
     slots: &[Slot],
     logits: LogitsMode,
-) -> ForwardOutput {
+) -> LogitsOutput {
     r.forward(&ForwardInput {
-        mode: ForwardMode::Extend,
+        mode: AttentionMode::Extend,
         requests: vec![ForwardRequest {
             input_ids: ids,
             slots,
@@ -222,7 +222,7 @@ fn mixed_decode_batch_equals_each_request_alone() {
             .collect();
         let out = batched
             .forward(&ForwardInput {
-                mode: ForwardMode::Decode,
+                mode: AttentionMode::Decode,
                 requests: reqs,
                 logits: LogitsMode::LastToken,
             })
@@ -248,7 +248,7 @@ fn mixed_decode_batch_equals_each_request_alone() {
             let s = &seqs[i][..len];
             let out = alone
                 .forward(&ForwardInput {
-                    mode: ForwardMode::Decode,
+                    mode: AttentionMode::Decode,
                     requests: vec![ForwardRequest {
                         input_ids: &s[len - 1..],
                         slots: &slot_lists[i][..len],
@@ -281,18 +281,18 @@ fn bad_forward_input_is_a_typed_error() {
         })
         .unwrap_err()
     };
-    let e = err(&mut r, &[1, 2, 3, 4, 5], &slots, ForwardMode::Extend);
+    let e = err(&mut r, &[1, 2, 3, 4, 5], &slots, AttentionMode::Extend);
     assert!(
         matches!(e, ModelError::InvalidInput { request: 0, .. }),
         "{e}"
     );
-    let e = err(&mut r, &[1, 999], &slots[..2], ForwardMode::Extend);
+    let e = err(&mut r, &[1, 999], &slots[..2], AttentionMode::Extend);
     assert!(e.to_string().contains("token id 999"), "{e}");
-    let e = err(&mut r, &[1, 2], &slots[..2], ForwardMode::Decode);
+    let e = err(&mut r, &[1, 2], &slots[..2], AttentionMode::Decode);
     assert!(matches!(e, ModelError::InvalidInput { .. }), "{e}");
-    let e = err(&mut r, &[], &slots[..2], ForwardMode::Extend);
+    let e = err(&mut r, &[], &slots[..2], AttentionMode::Extend);
     assert!(matches!(e, ModelError::InvalidInput { .. }), "{e}");
     // A slot beyond the pool.
-    let e = err(&mut r, &[1], &[Slot(100_000)], ForwardMode::Extend);
+    let e = err(&mut r, &[1], &[Slot(100_000)], AttentionMode::Extend);
     assert!(matches!(e, ModelError::Attention(_)), "{e}");
 }

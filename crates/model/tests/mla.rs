@@ -12,7 +12,7 @@ use attention::CpuBackend;
 use common::{temp_dir, write_safetensors, Rng};
 use kv_pool::{KvDtype, KvLayout, KvShape, Slot};
 use model::{
-    load_model_dir, ForwardInput, ForwardMode, ForwardOutput, ForwardRequest, LogitsMode, Model,
+    load_model_dir, AttentionMode, ForwardInput, ForwardRequest, LogitsMode, LogitsOutput, Model,
     ModelConfig, ModelRunner,
 };
 
@@ -449,9 +449,9 @@ fn check_greedy(m: &MlaTest, name: &str) {
         let out = runner
             .forward(&ForwardInput {
                 mode: if step == 0 {
-                    ForwardMode::Extend
+                    AttentionMode::Extend
                 } else {
-                    ForwardMode::Decode
+                    AttentionMode::Decode
                 },
                 requests: vec![ForwardRequest {
                     input_ids: new,
@@ -506,10 +506,10 @@ fn extend(
     ids: &[u32],
     slots: &[Slot],
     mode: LogitsMode,
-) -> ForwardOutput {
+) -> LogitsOutput {
     runner
         .forward(&ForwardInput {
-            mode: ForwardMode::Extend,
+            mode: AttentionMode::Extend,
             requests: vec![ForwardRequest {
                 input_ids: ids,
                 slots,
@@ -559,7 +559,7 @@ fn mla_chunked_prefill_and_batching_are_bitwise_invariant() {
     extend(&mut batch, &b, &sb[..b.len()], LogitsMode::None);
     let both = batch
         .forward(&ForwardInput {
-            mode: ForwardMode::Decode,
+            mode: AttentionMode::Decode,
             requests: vec![
                 ForwardRequest {
                     input_ids: &[7],
@@ -578,7 +578,7 @@ fn mla_chunked_prefill_and_batching_are_bitwise_invariant() {
         extend(&mut alone, ids, &s[..ids.len()], LogitsMode::None);
         let out = alone
             .forward(&ForwardInput {
-                mode: ForwardMode::Decode,
+                mode: AttentionMode::Decode,
                 requests: vec![ForwardRequest {
                     input_ids: &[next],
                     slots: s,

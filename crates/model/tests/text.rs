@@ -4,8 +4,8 @@ use attention::CpuBackend;
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::tiny::{random_weights, tiny_config, tiny_model, tiny_tokenizer, TINY_EOS, TINY_SEED};
 use model::{
-    apply_penalties, argmax, check_stop, stop_string_holdback, ChatMessage, ChatTemplate,
-    ForwardInput, ForwardMode, ForwardRequest, IncrementalDecoder, LogitsMode, ModelError,
+    apply_penalties, argmax, check_stop, stop_string_holdback, AttentionMode, ChatMessage,
+    ChatTemplate, ForwardInput, ForwardRequest, IncrementalDecoder, LogitsMode, ModelError,
     ModelRunner, Sampler, SamplingParams, StopReason, TensorSource,
 };
 
@@ -326,9 +326,9 @@ fn tiny_preset_generates_deterministically() {
             let out = runner
                 .forward(&ForwardInput {
                     mode: if step == 0 {
-                        ForwardMode::Extend
+                        AttentionMode::Extend
                     } else {
-                        ForwardMode::Decode
+                        AttentionMode::Decode
                     },
                     requests: vec![ForwardRequest {
                         input_ids: new,

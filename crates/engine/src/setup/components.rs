@@ -13,7 +13,7 @@ use std::fmt;
 use attention::{Backend, CpuBackend, CpuConfig};
 use enum_dispatch::enum_dispatch;
 use kv_pool::{AnyAllocator, KvLayout};
-use model::{ForwardInput, ForwardOutput, Model, ModelRunner};
+use model::{ForwardInput, LogitsOutput, Model, ModelRunner};
 use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, RadixCache};
 use scheduler::{Scheduler, SchedulerConfig};
 use serde::Serialize;
@@ -28,7 +28,7 @@ use crate::error::{EngineError, Result};
 #[enum_dispatch]
 pub trait ModelForward: Send {
     /// Runs one batch (see [`ModelRunner::forward`]).
-    fn forward(&mut self, input: &ForwardInput<'_>) -> Result<ForwardOutput>;
+    fn forward(&mut self, input: &ForwardInput<'_>) -> Result<LogitsOutput>;
     /// The backend's name, for logs and `/get_server_info`.
     fn backend_name(&self) -> String;
 }
@@ -38,7 +38,7 @@ where
     B::KvStore: Send,
     B::Tensor: Send,
 {
-    fn forward(&mut self, input: &ForwardInput<'_>) -> Result<ForwardOutput> {
+    fn forward(&mut self, input: &ForwardInput<'_>) -> Result<LogitsOutput> {
         ModelRunner::forward(self, input).map_err(|e| EngineError::Model(e.to_string()))
     }
 
@@ -156,7 +156,7 @@ macro_rules! not_compiled_backend {
         }
 
         impl ModelForward for $name {
-            fn forward(&mut self, _input: &ForwardInput<'_>) -> Result<ForwardOutput> {
+            fn forward(&mut self, _input: &ForwardInput<'_>) -> Result<LogitsOutput> {
                 Err($kind.not_compiled().into())
             }
 

@@ -12,9 +12,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use kv_pool::ReqToTokenPool;
-use model::{
-    ForwardInput, ForwardMode as ModelMode, ForwardRequest, LogitsMode, Sampler, SamplingParams,
-};
+use model::{AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Sampler, SamplingParams};
 
 use super::components::{AnyRunner, ModelForward};
 use scheduler::{BatchResult, Executor, ForwardBatch, ForwardMode, ReqId};
@@ -58,7 +56,7 @@ impl ModelExecutor {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> model::Result<()> {
-        let seed = self.default_seed ^ id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let seed = self.default_seed ^ id.0.wrapping_mul(kv_pool::rng::GOLDEN_GAMMA);
         let sampler = Sampler::new(params, seed)?;
         self.sampling.insert(
             id,
@@ -102,9 +100,9 @@ impl Executor for ModelExecutor {
             offset += n;
         }
         let mode = if batch.mode == ForwardMode::Decode {
-            ModelMode::Decode
+            AttentionMode::Decode
         } else {
-            ModelMode::Extend
+            AttentionMode::Extend
         };
         let out = self
             .runner
