@@ -42,6 +42,7 @@ pub trait DeviceTensor {
 /// one attention call that first writes the new K/V (and DoubleSparse labels) at the plan's
 /// `out_cache_loc` and then attends over every request's slots read through the page table.
 /// Backends never allocate or free slots.
+#[doc(alias = "AttentionBackend")]
 pub trait Backend {
     /// The backend's tensor: device memory the ops read and write, reached from the host only
     /// through [`upload`](Backend::upload) and [`download`](Backend::download).

@@ -55,6 +55,7 @@ pub enum RopeScaling {
 }
 
 /// Rotary position embedding of one tensor of heads.
+#[doc(alias = "RotaryEmbedding")]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RopeConfig {
     /// Dimension of each head (the last dimension of the tensor).

@@ -71,6 +71,7 @@ pub struct MemoryRegion {
 /// safe; `Send` is not required. Every method validates its whole input first (see the
 /// [module docs](self)): an `Err` leaves the store unchanged. Use the functions of [`check`] to
 /// report the same errors as every other backend.
+#[doc(alias = "KVCache")]
 pub trait KvStore {
     /// The layout this store holds.
     fn layout(&self) -> &KvLayout;
@@ -354,6 +355,7 @@ const SCRATCH_KEEP_BYTES: usize = 16 << 20;
 /// The buffers are allocated once and never reallocated, so the addresses of
 /// [`memory_regions`](KvStore::memory_regions) stay valid for the store's life (moving the store
 /// does not move them).
+#[doc(alias = "MHATokenToKVPool")]
 #[derive(Clone)]
 pub struct HostKvStore {
     layout: KvLayout,

@@ -174,19 +174,6 @@ impl CostModel {
         }
     }
 
-    /// Device memory left for the KV pool after the weights, with `mem_fraction_static` of the
-    /// memory for weights + KV (SGLang's rule, per accelerator, times `tp`).
-    pub fn kv_pool_tokens(&self, mem_fraction_static: f64) -> usize {
-        let total = self.accel.mem_bytes * self.tp as f64;
-        let weights = self.model.params * self.model.weight_bytes;
-        let rest = total * mem_fraction_static - weights;
-        if rest <= 0.0 {
-            0
-        } else {
-            (rest / self.model.kv_bytes_per_token as f64) as usize
-        }
-    }
-
     /// The time of one pass in seconds: the roofline maximum of compute and memory time, plus
     /// the per-pass overhead.
     pub fn batch_time(&self, batch: &ForwardBatch) -> f64 {
@@ -546,21 +533,6 @@ mod tests {
         // Two accelerators halve both terms.
         let c2 = CostModel { tp: 2, ..c.clone() };
         assert!((c2.batch_time(&batch(ForwardMode::Decode, &[(1000, 1)])) - d / 2.0).abs() < 1e-12);
-    }
-
-    #[test]
-    fn pool_size_from_memory() {
-        let c = CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1);
-        // 0.9 × 80 GB − 16.06 GB of weights = 55.94 GB / 128 KiB.
-        assert_eq!(
-            c.kv_pool_tokens(0.9),
-            ((72e9 - 16.06e9) / 131072.0) as usize
-        );
-        let big = CostModel::new(ModelShape::LLAMA3_70B, Accelerator::H100, 1);
-        assert_eq!(big.kv_pool_tokens(0.9), 0, "70B does not fit one H100");
-        assert!(
-            CostModel::new(ModelShape::LLAMA3_70B, Accelerator::H100, 4).kv_pool_tokens(0.9) > 0
-        );
     }
 
     #[test]

@@ -24,6 +24,7 @@ struct ReqSampling {
 }
 
 /// The scheduler's executor over a model runner on any compiled backend.
+#[doc(alias = "TpModelWorker")]
 pub struct ModelExecutor {
     runner: AnyRunner,
     sampling: HashMap<ReqId, ReqSampling>,

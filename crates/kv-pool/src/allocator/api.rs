@@ -36,6 +36,7 @@ pub struct DecodeRequest {
 /// touched). Allocation methods append to `out`, so a caller can reuse one buffer across steps.
 ///
 /// [`AnyAllocator`](crate::AnyAllocator) is the closed set of this crate's implementations, dispatched statically.
+#[doc(alias = "BaseTokenToKVPoolAllocator")]
 #[enum_dispatch::enum_dispatch]
 pub trait Allocator: Send {
     /// Page size `P` (1 for a token allocator).

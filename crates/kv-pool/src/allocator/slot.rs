@@ -13,8 +13,10 @@ use crate::error::{KvPoolError, Result};
 use crate::ids::{Page, Slot};
 
 /// Page size 1, FIFO reuse: SGLang's `TokenToKVPoolAllocator`.
+#[doc(alias = "TokenToKVPoolAllocator")]
 pub type TokenAllocator = SlotAllocator<Fifo>;
 /// Page size `P`, LIFO reuse: SGLang's `PagedTokenToKVPoolAllocator`.
+#[doc(alias = "PagedTokenToKVPoolAllocator")]
 pub type PagedAllocator = SlotAllocator<Lifo>;
 
 /// The allocator behind [`TokenAllocator`] and [`PagedAllocator`]; `O` picks the reuse order.
