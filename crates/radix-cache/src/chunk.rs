@@ -6,7 +6,7 @@ use kv_pool::{Allocator, OwnershipCheck, ReqToTokenPool, Slot};
 
 use crate::error::{RadixCacheError, Result};
 use crate::request::ReqView;
-use crate::{InsertOptions, InsertResult, KvEvent, MatchResult, NodeId, PrefixCache};
+use crate::{InsertOptions, InsertResult, KvEvent, MatchResult, NodeId, PrefixCache, PrefixPeek};
 
 /// The single (root) node every request of a chunk cache points at.
 const ROOT: NodeId = NodeId {
@@ -63,8 +63,8 @@ impl PrefixCache for ChunkCache {
         }
     }
 
-    fn peek_prefix(&self, _key: &[u32], _extra_key: Option<&str>) -> (usize, Option<NodeId>) {
-        (0, None)
+    fn peek_prefix(&self, _key: &[u32], _extra_key: Option<&str>) -> PrefixPeek {
+        PrefixPeek::default()
     }
 
     fn insert(

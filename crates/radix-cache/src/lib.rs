@@ -94,6 +94,17 @@ pub struct MatchResult {
     pub last_node: NodeId,
 }
 
+/// What a match that splits nothing found ([`PrefixCache::peek_prefix`],
+/// [`PrefixCache::touch_prefix`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixPeek {
+    /// Tokens matched (a multiple of the page size).
+    pub len: usize,
+    /// The deepest node the match reaches, a node matched part-way included (it is not
+    /// split); `None` when nothing matched.
+    pub deepest: Option<NodeId>,
+}
+
 /// What an insert did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InsertResult {
@@ -144,17 +155,16 @@ pub trait PrefixCache: Send {
     ) -> MatchResult;
     /// The length of that prefix, without changing anything (for ranking, e.g. LPM).
     fn peek_prefix_len(&self, key: &[u32], extra_key: Option<&str>) -> usize {
-        self.peek_prefix(key, extra_key).0
+        self.peek_prefix(key, extra_key).len
     }
-    /// The length of that prefix and the deepest node it reaches (a node matched part-way
-    /// counts), without changing anything; `None` when nothing matched.
-    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>);
+    /// The length of that prefix and the deepest node it reaches, without changing anything.
+    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> PrefixPeek;
     /// [`peek_prefix`](Self::peek_prefix), and the matched nodes' access times refreshed as
     /// [`match_prefix`](Self::match_prefix) refreshes them, but without splitting a node matched
     /// part-way (it is refreshed whole). For ranking a waiting queue: SGLang's cache-aware
     /// policies match every waiting request, so the prefixes they will use stay recent under
     /// LRU. The default refreshes nothing (right for a cache without access times).
-    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> PrefixPeek {
         self.peek_prefix(key, extra_key)
     }
     /// The parent of a node (`None` for a root or an unknown node), for policies that weigh

@@ -10,7 +10,8 @@ use radix_cache::policy::{policy_from_name, Belady, CostAware, FutureIndex};
 use radix_cache::testing::{self, RequestHarness};
 use radix_cache::{
     AnyEvictionPolicy, BuiltinPolicy, ChunkCache, EvictionKey, EvictionPolicy, InsertOptions,
-    KvEvent, NodeId, NodeStats, PrefixCache, PrefixState, RadixCache, RadixCacheError, ReqView,
+    KvEvent, NodeId, NodeStats, PrefixCache, PrefixPeek, PrefixState, RadixCache, RadixCacheError,
+    ReqView,
 };
 
 fn letter(t: u32) -> String {
@@ -582,13 +583,14 @@ fn peek_prefix_reports_the_deepest_node_and_parents_link_up() {
         InsertOptions::default(),
     );
     // ABXY split ABCD into AB → {CD, XY}.
-    let (len, node) = cache.peek_prefix(&toks("ABCDZ"), None);
-    assert_eq!((len, node), (4, Some(abcd)));
+    let peek = cache.peek_prefix(&toks("ABCDZ"), None);
+    assert_eq!((peek.len, peek.deepest), (4, Some(abcd)));
     let ab = cache.parent(abcd).expect("AB above CD");
     assert_eq!(cache.parent(abxy), Some(ab));
     assert_eq!(cache.parent(ab), None, "the root is not reported");
     // A match ending inside XY reports XY (not split by peeking).
-    assert_eq!(cache.peek_prefix(&toks("ABXQ"), None), (3, Some(abxy)));
-    assert_eq!(cache.peek_prefix(&toks("Q"), None), (0, None));
+    let peek = cache.peek_prefix(&toks("ABXQ"), None);
+    assert_eq!((peek.len, peek.deepest), (3, Some(abxy)));
+    assert_eq!(cache.peek_prefix(&toks("Q"), None), PrefixPeek::default());
     assert_eq!(cache.node_count(), 3);
 }

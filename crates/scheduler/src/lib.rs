@@ -55,7 +55,7 @@ pub mod summary;
 pub use batch::{BatchResult, Executor, FakeExecutor, ForwardBatch, ForwardMode};
 pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
 pub use error::{Result, SchedulerError};
-pub use report::{FinishedReq, SchedulerStats, StepEntry, StepReport};
+pub use report::{FinishedReq, SchedulerStats, StepEntry, StepFinished, StepReport};
 pub use req::{FinishReason, Req, ReqId, SamplingLimits};
 pub use schedule_policy::{AddResult, Admission, Candidate, PrefillAdder};
 pub use scheduler::Scheduler;

@@ -26,6 +26,15 @@ pub struct FinishedReq {
     pub retractions: u32,
 }
 
+/// A request that left during a step, and why (a line of [`StepReport`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepFinished {
+    /// The request.
+    pub id: ReqId,
+    /// Length, stop token, or abort with its message.
+    pub reason: FinishReason,
+}
+
 /// One request's part of a forward pass: positions `[from, to)` computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepEntry {
@@ -58,7 +67,7 @@ pub struct StepReport {
     /// Requests retracted (or preempted) back to the waiting queue.
     pub retracted: Vec<ReqId>,
     /// Requests that finished in the step, with why.
-    pub finished: Vec<(ReqId, FinishReason)>,
+    pub finished: Vec<StepFinished>,
     /// The executor's time for the pass, in seconds (0 for the fake executor).
     pub elapsed_s: f64,
     /// Pool slots in use after the step (`size − available`).
@@ -102,7 +111,7 @@ impl fmt::Display for StepReport {
             let r: Vec<String> = self
                 .finished
                 .iter()
-                .map(|(id, why)| format!("{id}:{why}"))
+                .map(|f| format!("{}:{}", f.id, f.reason))
                 .collect();
             write!(f, " | finished {}", r.join(" "))?;
         }

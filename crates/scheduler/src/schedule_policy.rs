@@ -158,11 +158,11 @@ fn match_waiting<C: PrefixCache + ?Sized>(
     ids.iter()
         .map(|&id| {
             let r = &reqs[&id];
-            let (prefix_len, last_node) = cache.touch_prefix(match_key(r), r.extra_key.as_deref());
+            let peek = cache.touch_prefix(match_key(r), r.extra_key.as_deref());
             RankedMatch {
                 id,
-                prefix_len,
-                last_node,
+                prefix_len: peek.len,
+                last_node: peek.deepest,
             }
         })
         .collect()

@@ -26,7 +26,7 @@ use radix_cache::{AnyPrefixCache, PrefixCache, PrefixState};
 use crate::batch::{Executor, ForwardBatch, ForwardMode};
 use crate::config::{NewTokenRatio, SchedulerConfig};
 use crate::error::{Result, SchedulerError};
-use crate::report::{FinishedReq, SchedulerStats, StepReport};
+use crate::report::{FinishedReq, SchedulerStats, StepFinished, StepReport};
 use crate::req::{FinishReason, Req, ReqId, SamplingLimits};
 use crate::schedule_policy::{calc_priority, AddResult, Admission, Candidate, PrefillAdder};
 
@@ -524,12 +524,12 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 "the request needs {extend} prompt tokens plus {reserve} reserved output tokens, more than the KV pool's {} slots",
                 self.alloc.size()
             );
-            report.finished.push((
+            report.finished.push(StepFinished {
                 id,
-                FinishReason::Abort {
+                reason: FinishReason::Abort {
                     message: message.clone(),
                 },
-            ));
+            });
             self.finish(id, FinishReason::Abort { message });
         }
     }

@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use kv_pool::{Allocator, Owner, OwnershipCheck, ReqToTokenPool, Slot};
 use radix_cache::events::{digest_to_block_id, page_digest, PageDigest};
 use radix_cache::{
-    InsertOptions, InsertResult, KvEvent, MatchResult, NodeId, PrefixCache, RadixCacheError,
-    ReqView, Result,
+    InsertOptions, InsertResult, KvEvent, MatchResult, NodeId, PrefixCache, PrefixPeek,
+    RadixCacheError, ReqView, Result,
 };
 
 /// One page of a cached key, or a namespace's root (no tokens, no parent).
@@ -300,12 +300,15 @@ impl PrefixCache for HashedPages {
         }
     }
 
-    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> PrefixPeek {
         let Some(&root) = self.roots.get(&extra_key.map(str::to_owned)) else {
-            return (0, None);
+            return PrefixPeek::default();
         };
         let path = self.walk(root, key);
-        (path.len() * self.p(), path.last().map(|&i| self.id(i)))
+        PrefixPeek {
+            len: path.len() * self.p(),
+            deepest: path.last().map(|&i| self.id(i)),
+        }
     }
 
     fn parent(&self, node: NodeId) -> Option<NodeId> {

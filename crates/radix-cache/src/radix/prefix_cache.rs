@@ -11,7 +11,7 @@ use crate::policy::EvictionPolicy;
 use crate::radix::arena::{RadixCache, NONE};
 use crate::radix::lock::LockDelta;
 use crate::request::ReqView;
-use crate::{InsertOptions, InsertResult, MatchResult, NodeId, PrefixCache};
+use crate::{InsertOptions, InsertResult, MatchResult, NodeId, PrefixCache, PrefixPeek};
 
 impl<P: EvictionPolicy> RadixCache<P> {
     /// Checks a request view against the tree: lengths, and a live, locked last node.
@@ -78,9 +78,9 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         }
     }
 
-    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+    fn peek_prefix(&self, key: &[u32], extra_key: Option<&str>) -> PrefixPeek {
         let Some(root) = self.find_root(extra_key) else {
-            return (0, None);
+            return PrefixPeek::default();
         };
         let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
         let walk = self.walk(root, key);
@@ -89,12 +89,15 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
             Some(partial) => Some(partial.child),
             None => (walk.matched > 0).then_some(walk.node),
         };
-        (walk.len(), deepest.map(|i| self.id(i)))
+        PrefixPeek {
+            len: walk.len(),
+            deepest: deepest.map(|i| self.id(i)),
+        }
     }
 
-    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> (usize, Option<NodeId>) {
+    fn touch_prefix(&mut self, key: &[u32], extra_key: Option<&str>) -> PrefixPeek {
         let Some(root) = self.find_root(extra_key) else {
-            return (0, None);
+            return PrefixPeek::default();
         };
         let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
         self.tick();
@@ -106,8 +109,10 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
             self.touch(i, false, None);
             i = self.nodes[i as usize].parent;
         }
-        let reached = (walk.len() > 0).then(|| self.id(deepest));
-        (walk.len(), reached)
+        PrefixPeek {
+            len: walk.len(),
+            deepest: (walk.len() > 0).then(|| self.id(deepest)),
+        }
     }
 
     fn parent(&self, node: NodeId) -> Option<NodeId> {

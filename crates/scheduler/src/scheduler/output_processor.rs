@@ -8,7 +8,7 @@ use radix_cache::PrefixCache;
 use super::Scheduler;
 use crate::batch::{ForwardBatch, ForwardMode};
 use crate::error::Result;
-use crate::report::StepReport;
+use crate::report::{StepFinished, StepReport};
 use crate::req::{FinishReason, Req};
 
 impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
@@ -35,7 +35,10 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             let reason = FinishReason::Abort {
                 message: message.clone(),
             };
-            report.finished.push((id, reason.clone()));
+            report.finished.push(StepFinished {
+                id,
+                reason: reason.clone(),
+            });
             self.finish(id, reason);
         }
         self.batch_is_full = false;
@@ -77,7 +80,10 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                     self.running.retain(|&x| x != id);
                 }
                 self.release_kv(id, true)?;
-                report.finished.push((id, reason.clone()));
+                report.finished.push(StepFinished {
+                    id,
+                    reason: reason.clone(),
+                });
                 self.finish(id, reason);
             } else if !is_decode {
                 let row = r.row.expect("row");

@@ -9,7 +9,7 @@ use radix_cache::{PrefixCache, PrefixState};
 use super::Scheduler;
 use crate::batch::{ForwardBatch, ForwardMode};
 use crate::error::Result;
-use crate::report::{StepEntry, StepReport};
+use crate::report::{StepEntry, StepFinished, StepReport};
 use crate::req::{FinishReason, ReqId};
 
 impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
@@ -190,12 +190,12 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 let message = format!(
                     "out of memory even after retracting every other request: one more token needs {need} free slots and the pool has {pool}"
                 );
-                report.finished.push((
+                report.finished.push(StepFinished {
                     id,
-                    FinishReason::Abort {
+                    reason: FinishReason::Abort {
                         message: message.clone(),
                     },
-                ));
+                });
                 self.finish(id, FinishReason::Abort { message });
                 break;
             }
