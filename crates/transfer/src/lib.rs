@@ -1,0 +1,34 @@
+//! # transfer — moving KV pages between servers (PD disaggregation)
+//!
+//! A prefill server computes a prompt's KV; a decode server continues from it. This crate moves
+//! the pages between them and runs the handshake that tells the prefill side where to write:
+//!
+//! - [`TransferEngine`] (`engine`): register local memory regions (described by kv-pool's
+//!   [`MemoryRegion`](kv_pool::MemoryRegion), never by layouts this crate invents), open a
+//!   peer's segment, submit a batch of writes `(src region + offset, dst region + offset, len)`,
+//!   poll or await its completion. Backends, one Cargo feature each, all behind the same
+//!   conformance suite (`transfer::testing`, feature `testing`): `tcp`, `shm`, `nixl`, `fake`.
+//!
+//! ## Invariants
+//! - A batch is validated whole before any byte moves: an unknown region, an offset or length
+//!   outside a region, or a segment that is not open is a typed [`TransferError`] and nothing
+//!   is written.
+//! - A batch ends `Done` only when every byte landed intact in the destination; a corrupted
+//!   frame, a dead peer or a closed segment ends it `Failed`, never `Done` with wrong bytes, and
+//!   never hangs (every wait is bounded by the peer's liveness).
+//! - Registering memory is `unsafe`: the owner promises the memory outlives the registration and
+//!   that it does not touch the bytes a batch names while that batch is in flight (RDMA's
+//!   contract; the scheduler keeps it by owning a request's pages until its transfer ends).
+//!
+//! ## Where it sits
+//! Above kv-pool (regions, pages), beside the scheduler; the engine composes it with the
+//! scheduler into prefill and decode servers.
+
+pub mod engine;
+pub mod error;
+
+pub use engine::{
+    BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
+    TransferBlock, TransferEngine,
+};
+pub use error::{Result, TransferError};
