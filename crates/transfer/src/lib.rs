@@ -8,6 +8,10 @@
 //!   peer's segment, submit a batch of writes `(src region + offset, dst region + offset, len)`,
 //!   poll or await its completion. Backends, one Cargo feature each, all behind the same
 //!   conformance suite (`transfer::testing`, feature `testing`): `tcp`, `shm`, `nixl`, `fake`.
+//! - `coalesce`: (src page, dst page) pairs into runs contiguous on both sides, and one block per
+//!   run per region (SGLang's `group_concurrent_contiguous`).
+//! - `pd`: the protocol on top (SGLang's `KVManager` / `KVSender` / `KVReceiver`, the bootstrap
+//!   server, timeouts and heartbeats): `KvManager`, `KvSender`, `KvReceiver`, `KvPoll`.
 //!
 //! ## Invariants
 //! - A batch is validated whole before any byte moves: an unknown region, an offset or length
@@ -24,8 +28,10 @@
 //! Above kv-pool (regions, pages), beside the scheduler; the engine composes it with the
 //! scheduler into prefill and decode servers.
 
+pub mod coalesce;
 pub mod engine;
 pub mod error;
+pub mod pd;
 
 pub use engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
