@@ -169,7 +169,19 @@ async fn connect(shared: Arc<Shared>, addr: String, generation: u64) {
 
 /// Server info, compatibility, rank address, connection, registration.
 async fn handshake(shared: &Shared, addr: &str) -> Result<TcpStream, PdError> {
-    let info = bootstrap::fetch_server_info(&shared.http, addr).await?;
+    // 503 means the prefill's ranks have not registered yet (both servers starting): retry
+    // until the bootstrap timeout, 10 ms doubling to 1 s.
+    let deadline = tokio::time::Instant::now() + shared.cfg.bootstrap_timeout;
+    let mut delay = Duration::from_millis(10);
+    let info = loop {
+        match bootstrap::fetch_server_info(&shared.http, addr).await {
+            Err(e) if e.to_string().contains("503") && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+            other => break other?,
+        }
+    };
     shared.compat.check(&info.compat)?;
     let ctrl = bootstrap::fetch_rank(&shared.http, addr, 0).await?;
     let limit = shared.cfg.bootstrap_timeout;
@@ -275,7 +287,7 @@ async fn heartbeat(shared: Arc<Shared>, addr: String, generation: u64) {
     let mut missed = 0u32;
     loop {
         tokio::time::sleep(every).await;
-        if bootstrap::health(&shared.http, &addr).await {
+        if bootstrap::health(&shared.heartbeat_http, &addr).await {
             missed = 0;
             continue;
         }

@@ -156,7 +156,10 @@ pub(crate) struct Shared {
     pub engine: Arc<dyn TransferEngine>,
     pub local: Vec<(RegionId, MemoryRegion)>,
     pub rt: tokio::runtime::Handle,
+    /// For bootstrap fetches (timeout: the bootstrap timeout, at most 30 s).
     pub http: reqwest::Client,
+    /// For heartbeats (timeout: the heartbeat interval).
+    pub heartbeat_http: reqwest::Client,
     pub shutdown: watch::Receiver<bool>,
     state: Mutex<State>,
 }
@@ -250,7 +253,9 @@ impl KvManager {
             )));
         }
         let (tx, rx) = watch::channel(false);
-        let http = bootstrap::http_client(cfg.heartbeat_interval.max(Duration::from_millis(50)))?;
+        let http = bootstrap::http_client(cfg.bootstrap_timeout.min(Duration::from_secs(30)))?;
+        let heartbeat_http =
+            bootstrap::http_client(cfg.heartbeat_interval.max(Duration::from_millis(20)))?;
         let shared = Arc::new(Shared {
             cfg,
             compat,
@@ -258,6 +263,7 @@ impl KvManager {
             local,
             rt: rt.clone(),
             http,
+            heartbeat_http,
             shutdown: rx,
             state: Mutex::new(State::default()),
         });

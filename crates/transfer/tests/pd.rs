@@ -1,0 +1,446 @@
+//! The PD protocol end to end in one process: two `KvManager`s (prefill and decode) over the
+//! `MemcpyEngine` test double (tests/common), on loopback.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kv_pool::{KvStore, Page};
+use transfer::pd::{KvPoll, KvReceiver, KvSender, PdError, PdRole, TransferAux, TransferInfo};
+use transfer::BackendKind;
+
+const P: u32 = 4;
+const SECS: Duration = Duration::from_secs(10);
+
+fn pair() -> (Side, Side) {
+    pair_with(fast_config(PdRole::Prefill), fast_config(PdRole::Decode))
+}
+
+fn pair_with(pc: transfer::pd::PdConfig, dc: transfer::pd::PdConfig) -> (Side, Side) {
+    let l = layout(P, 32);
+    let c = compat_of(&l, BackendKind::Fake);
+    let prefill = Side::start(pc, l.clone(), c.clone());
+    let decode = Side::start(dc, l, c);
+    (prefill, decode)
+}
+
+fn aux(room: u64) -> TransferAux {
+    TransferAux {
+        first_token_ids: vec![42],
+        cached_tokens: 3,
+        bootstrap_room: room,
+    }
+}
+
+async fn handshake(prefill: &Side, decode: &Side, room: u64) -> (KvSender, KvReceiver) {
+    let rx = decode
+        .mgr
+        .create_receiver(room, &prefill.bootstrap())
+        .unwrap();
+    let tx = prefill.mgr.create_sender(room).unwrap();
+    until("decode connected", SECS, || {
+        rx.poll() == KvPoll::WaitingForInput
+    })
+    .await;
+    (tx, rx)
+}
+
+fn render(name: &str, h: &[KvPoll]) -> String {
+    let names: Vec<&str> = h.iter().map(|s| s.name()).collect();
+    format!("{name}: {}", names.join(" → "))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_transfer_lands_every_page_and_the_aux() {
+    let (mut prefill, decode) = pair();
+    let src = pages([3, 4, 5, 9]);
+    let dst = pages([7, 8, 2, 3]);
+    prefill.fill(&src, 1);
+    let (tx, rx) = handshake(&prefill, &decode, 7).await;
+    assert_eq!(tx.poll(), KvPoll::Bootstrapping);
+    assert_eq!(tx.transfer_info(), None);
+    rx.send_metadata(dst.clone(), 0).unwrap();
+    until("prefill handshake", SECS, || {
+        tx.poll() == KvPoll::WaitingForInput
+    })
+    .await;
+    assert_eq!(
+        tx.transfer_info(),
+        Some(TransferInfo {
+            decode_prefix_len: 0,
+            num_pages: 4
+        })
+    );
+    tx.send(&src, Some(aux(7))).unwrap();
+    until("decode success", SECS, || rx.poll() == KvPoll::Success).await;
+    assert_eq!(tx.poll(), KvPoll::Success);
+    assert_eq!(rx.aux(), Some(aux(7)));
+    assert!(rx.quiescent());
+    assert_eq!(decode.read(&dst), prefill.read(&src));
+    // Runs (3,7)x2 (5,2)x1 (9,3)x1, over 4 regions (K, V of 2 layers): 12 blocks.
+    assert_eq!(
+        prefill
+            .engine
+            .submitted_blocks
+            .load(std::sync::atomic::Ordering::Relaxed),
+        12
+    );
+    let text = format!(
+        "{}\n{}\n",
+        render("prefill r7", &tx.history()),
+        render("decode r7", &rx.history())
+    );
+    insta::assert_snapshot!(text, @r"
+    prefill r7: Bootstrapping → WaitingForInput → Transferring → Success
+    decode r7: Bootstrapping → WaitingForInput → Transferring → Success
+    ");
+    let (ps, ds) = (prefill.mgr.stats(), decode.mgr.stats());
+    let bytes = 4 * prefill.store.layout().page_bytes() as u64;
+    assert_eq!((ps.success_total, ps.bytes), (1, bytes));
+    assert_eq!((ds.success_total, ds.bytes, ds.peers), (1, bytes, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_chunked_transfer_sends_only_the_missing_pages() {
+    let (mut prefill, mut decode) = pair();
+    // Decode holds the first 2 pages (8 tokens) already; the prompt has 5 pages.
+    let held = pages([10, 11]);
+    decode.fill(&held, 9);
+    let before = decode.read(&held);
+    let src = pages([1, 2, 3]);
+    let dst = pages([20, 21, 22]);
+    prefill.fill(&src, 2);
+    // The router sends to both at once: metadata may reach prefill before its sender exists.
+    let rx = decode
+        .mgr
+        .create_receiver(11, &prefill.bootstrap())
+        .unwrap();
+    until("decode connected", SECS, || {
+        rx.poll() == KvPoll::WaitingForInput
+    })
+    .await;
+    rx.send_metadata(dst.clone(), 2 * P as usize).unwrap();
+    until("prefill keeps the early TransferInfo", SECS, || {
+        prefill.mgr.stats().pending_infos == 1
+    })
+    .await;
+    let tx = prefill.mgr.create_sender(11).unwrap();
+    assert_eq!(tx.poll(), KvPoll::WaitingForInput);
+    assert_eq!(tx.transfer_info().unwrap().decode_prefix_len, 8);
+    tx.send(&src[..1], None).unwrap();
+    tx.send(&src[1..2], None).unwrap();
+    assert_eq!(tx.poll(), KvPoll::Transferring);
+    tx.send(&src[2..], Some(aux(11))).unwrap();
+    until("decode success", SECS, || rx.poll() == KvPoll::Success).await;
+    assert_eq!(decode.read(&dst), prefill.read(&src));
+    assert_eq!(
+        decode.read(&held),
+        before,
+        "pages decode held are untouched"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_rooms_at_once_all_succeed() {
+    let (mut prefill, decode) = pair();
+    let mut rooms = Vec::new();
+    for i in 0..12u32 {
+        let room = 1000 + i as u64;
+        let src = pages([1 + i * 2, 2 + i * 2]);
+        let dst = pages([31 - i, 30 - i].map(|p| p % 31 + 1));
+        prefill.fill(&src, i as u8);
+        let (tx, rx) = handshake(&prefill, &decode, room).await;
+        rooms.push((room, src, dst, tx, rx));
+    }
+    // Destination pages must not overlap between rooms for the byte check: use distinct ones.
+    for (k, r) in rooms.iter_mut().enumerate() {
+        r.2 = pages([100 + 2 * k as u32, 101 + 2 * k as u32].map(|p| p % 31 + 1));
+    }
+    for (room, _, dst, _, rx) in &rooms {
+        let _ = room;
+        rx.send_metadata(dst.clone(), 0).unwrap();
+    }
+    for (room, src, _, tx, _) in &rooms {
+        until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
+        tx.send(src, Some(aux(*room))).unwrap();
+    }
+    for (room, src, dst, tx, rx) in &rooms {
+        until("success", SECS, || rx.poll() == KvPoll::Success).await;
+        assert_eq!(tx.poll(), KvPoll::Success);
+        assert_eq!(rx.aux().unwrap().bootstrap_room, *room);
+        assert_eq!(decode.read(dst), prefill.read(src));
+    }
+    assert_eq!(decode.mgr.stats().success_total, 12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_prefill_fails_decode_rooms_at_once() {
+    let (prefill, decode) = pair();
+    let (tx, rx) = handshake(&prefill, &decode, 1).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    // The whole prefill server goes: its manager first (the sender handle outlives it).
+    drop(prefill);
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    assert_eq!(tx.poll(), KvPoll::Failed);
+    assert!(tx.failure().unwrap().contains("shut down"));
+    let why = rx.failure().unwrap();
+    assert!(why.contains("closed"), "{why}");
+    assert!(rx.quiescent());
+    assert_eq!(decode.mgr.stats().peers, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_prefill_fails_decode_rooms_within_the_heartbeat_window() {
+    let (prefill, decode) = pair();
+    let (_tx, rx) = handshake(&prefill, &decode, 2).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    let t = std::time::Instant::now();
+    prefill.mgr.stop_bootstrap_server();
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    let why = rx.failure().unwrap();
+    assert!(why.contains("missed 2 heartbeats"), "{why}");
+    // 2 misses at 100 ms, each bounded by a 100 ms request timeout, plus slack.
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // A new receiver for the same prefill reconnects (and fails: no bootstrap server).
+    let rx2 = decode.mgr.create_receiver(3, &prefill.bootstrap()).unwrap();
+    until("second receiver fails", SECS, || {
+        rx2.poll() == KvPoll::Failed
+    })
+    .await;
+    assert!(
+        rx2.failure().unwrap().contains("bootstrap"),
+        "{:?}",
+        rx2.failure()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_decode_fails_its_prefill_senders() {
+    let (prefill, decode) = pair();
+    let (tx, rx) = handshake(&prefill, &decode, 4).await;
+    rx.send_metadata(pages([1, 2]), 0).unwrap();
+    until("prefill handshake", SECS, || {
+        tx.poll() == KvPoll::WaitingForInput
+    })
+    .await;
+    drop(rx);
+    drop(decode);
+    until("prefill fails", SECS, || tx.poll() == KvPoll::Failed).await;
+    let why = tx.failure().unwrap();
+    assert!(why.contains("decode"), "{why}");
+    assert!(matches!(
+        tx.send(&pages([1, 2]), Some(aux(4))),
+        Err(PdError::WrongState { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_timeouts_fail_rooms_on_both_sides() {
+    let mut pc = fast_config(PdRole::Prefill);
+    pc.bootstrap_timeout = Duration::from_millis(150);
+    let (prefill, decode) = pair_with(pc, fast_config(PdRole::Decode));
+    // A sender whose decode never shows up.
+    let lonely = prefill.mgr.create_sender(5).unwrap();
+    until("bootstrap timeout", SECS, || {
+        lonely.poll() == KvPoll::Failed
+    })
+    .await;
+    assert!(lonely.failure().unwrap().contains("bootstrap timeout"));
+    insta::assert_snapshot!(render("prefill r5", &lonely.history()), @"prefill r5: Bootstrapping → Failed");
+    // A TransferInfo whose sender never comes: kept, then dropped with a Failed status.
+    let rx = decode.mgr.create_receiver(6, &prefill.bootstrap()).unwrap();
+    until("connected", SECS, || rx.poll() == KvPoll::WaitingForInput).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    assert!(
+        rx.failure().unwrap().contains("never created room 6"),
+        "{:?}",
+        rx.failure()
+    );
+    assert_eq!(prefill.mgr.stats().pending_infos, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_waiting_timeout_fails_decode_and_aborts_prefill() {
+    let mut dc = fast_config(PdRole::Decode);
+    dc.waiting_timeout = Duration::from_millis(150);
+    let (prefill, decode) = pair_with(fast_config(PdRole::Prefill), dc);
+    let (tx, rx) = handshake(&prefill, &decode, 8).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    // The prefill never sends.
+    until("decode times out", SECS, || rx.poll() == KvPoll::Failed).await;
+    assert!(rx.failure().unwrap().contains("waiting timeout"));
+    until("prefill aborted", SECS, || tx.poll() == KvPoll::Failed).await;
+    assert!(tx.failure().unwrap().contains("aborted by decode"));
+    until("abort acknowledged", SECS, || rx.quiescent()).await;
+    insta::assert_snapshot!(render("decode r8", &rx.history()), @"decode r8: Bootstrapping → WaitingForInput → Transferring → Failed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incompatible_servers_are_refused_naming_the_field() {
+    for (field, page_size, dtype) in [
+        ("page_size", 8, kv_pool::KvDtype::F16),
+        ("kv_dtype", P, kv_pool::KvDtype::Bf16),
+    ] {
+        let l = layout(P, 16);
+        let prefill = Side::start(
+            fast_config(PdRole::Prefill),
+            l.clone(),
+            compat_of(&l, BackendKind::Fake),
+        );
+        let shape = kv_pool::KvShape::mha(2, 4, 4, 2, dtype).unwrap();
+        let dl = kv_pool::KvLayout::new(shape, page_size, 16 * page_size as usize).unwrap();
+        let decode = Side::start(
+            fast_config(PdRole::Decode),
+            dl.clone(),
+            compat_of(&dl, BackendKind::Fake),
+        );
+        let rx = decode.mgr.create_receiver(1, &prefill.bootstrap()).unwrap();
+        until("refused", SECS, || rx.poll() == KvPoll::Failed).await;
+        let why = rx.failure().unwrap();
+        assert!(
+            why.contains(&format!("incompatible prefill server: {field}")),
+            "{why}"
+        );
+        assert!(rx.send_metadata(pages([1]), 0).is_err());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_travels_both_ways() {
+    let (prefill, decode) = pair();
+    // Decode aborts a room in flight: the prefill's writes settle before the ack.
+    prefill.engine.set_delay(Duration::from_millis(100));
+    let (tx, rx) = handshake(&prefill, &decode, 21).await;
+    rx.send_metadata(pages([1, 2]), 0).unwrap();
+    until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
+    tx.send(&pages([3]), None).unwrap();
+    rx.abort("client disconnected");
+    assert_eq!(rx.poll(), KvPoll::Failed);
+    assert!(!rx.quiescent());
+    until("prefill fails", SECS, || tx.poll() == KvPoll::Failed).await;
+    assert_eq!(
+        tx.failure().unwrap(),
+        "aborted by decode: aborted by decode: client disconnected"
+    );
+    until("ack after the batch settled", SECS, || rx.quiescent()).await;
+    // Prefill aborts: decode's room fails with the reason.
+    prefill.engine.set_delay(Duration::ZERO);
+    let (tx, rx) = handshake(&prefill, &decode, 22).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
+    tx.abort("out of memory");
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    assert!(
+        rx.failure()
+            .unwrap()
+            .contains("aborted by prefill: out of memory"),
+        "{:?}",
+        rx.failure()
+    );
+    assert!(rx.quiescent());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_batch_fails_the_room_on_both_sides() {
+    let (prefill, decode) = pair();
+    prefill.engine.fail_next(1);
+    let (tx, rx) = handshake(&prefill, &decode, 31).await;
+    rx.send_metadata(pages([1, 2]), 0).unwrap();
+    until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
+    tx.send(&pages([5]), None).unwrap();
+    tx.send(&pages([6]), Some(aux(31))).unwrap();
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    assert_eq!(tx.poll(), KvPoll::Failed);
+    assert!(
+        rx.failure().unwrap().contains("corrupted frame"),
+        "{:?}",
+        rx.failure()
+    );
+    assert!(rx.quiescent());
+    // The connection is still good for the next room.
+    let (tx, rx) = handshake(&prefill, &decode, 32).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
+    tx.send(&pages([5]), Some(aux(32))).unwrap();
+    until("success", SECS, || rx.poll() == KvPoll::Success).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_are_typed_errors_that_change_nothing() {
+    let (prefill, decode) = pair();
+    let (tx, rx) = handshake(&prefill, &decode, 41).await;
+    // Duplicate live rooms.
+    assert_eq!(
+        prefill.mgr.create_sender(41).unwrap_err(),
+        PdError::DuplicateRoom { room: 41 }
+    );
+    assert_eq!(
+        decode
+            .mgr
+            .create_receiver(41, &prefill.bootstrap())
+            .unwrap_err(),
+        PdError::DuplicateRoom { room: 41 }
+    );
+    // Wrong role, bad address.
+    assert!(matches!(
+        prefill.mgr.create_receiver(1, "x:1"),
+        Err(PdError::WrongRole { .. })
+    ));
+    assert!(matches!(
+        decode.mgr.create_sender(1),
+        Err(PdError::WrongRole { .. })
+    ));
+    assert!(matches!(
+        decode.mgr.create_receiver(2, "nohost"),
+        Err(PdError::Invalid(_))
+    ));
+    // Send before the handshake.
+    assert!(matches!(
+        tx.send(&pages([1]), None),
+        Err(PdError::WrongState {
+            state: KvPoll::Bootstrapping,
+            ..
+        })
+    ));
+    rx.send_metadata(pages([1, 2]), 0).unwrap();
+    assert!(matches!(
+        rx.send_metadata(pages([1, 2]), 0),
+        Err(PdError::WrongState {
+            state: KvPoll::Transferring,
+            ..
+        })
+    ));
+    until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
+    // More pages than decode gave; a last chunk short of them.
+    assert!(matches!(
+        tx.send(&pages([1, 2, 3]), None),
+        Err(PdError::PageCountMismatch { .. })
+    ));
+    assert!(matches!(
+        tx.send(&pages([1]), Some(aux(41))),
+        Err(PdError::PageCountMismatch { .. })
+    ));
+    assert_eq!(tx.poll(), KvPoll::WaitingForInput, "nothing changed");
+    assert_eq!(tx.history().len(), 2);
+    tx.send(&pages([1, 2]), Some(aux(41))).unwrap();
+    until("success", SECS, || rx.poll() == KvPoll::Success).await;
+    // After the end.
+    assert!(matches!(
+        tx.send(&pages([1]), None),
+        Err(PdError::WrongState {
+            state: KvPoll::Success,
+            ..
+        })
+    ));
+    // Abort after success is a no-op.
+    rx.abort("late");
+    tx.abort("late");
+    assert_eq!((tx.poll(), rx.poll()), (KvPoll::Success, KvPoll::Success));
+    // A forgotten room can be reused.
+    drop((tx, rx));
+    let (tx, _rx) = handshake(&prefill, &decode, 41).await;
+    assert_eq!(tx.poll(), KvPoll::Bootstrapping);
+    let _ = Page(0);
+}
