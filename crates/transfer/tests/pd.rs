@@ -20,7 +20,7 @@ fn pair() -> (Side, Side) {
 fn pair_with(pc: transfer::pd::PdConfig, dc: transfer::pd::PdConfig) -> (Side, Side) {
     let l = layout(P, 32);
     let c = compat_of(&l, BackendKind::Fake);
-    let prefill = Side::start(pc, l.clone(), c.clone());
+    let prefill = Side::start(pc, l, c.clone());
     let decode = Side::start(dc, l, c);
     (prefill, decode)
 }
@@ -148,18 +148,12 @@ async fn many_rooms_at_once_all_succeed() {
     for i in 0..12u32 {
         let room = 1000 + i as u64;
         let src = pages([1 + i * 2, 2 + i * 2]);
-        let dst = pages([31 - i, 30 - i].map(|p| p % 31 + 1));
+        // Reversed and distinct per room: runs break on the destination side.
+        let dst = pages([31 - 2 * i, 30 - 2 * i]);
         prefill.fill(&src, i as u8);
         let (tx, rx) = handshake(&prefill, &decode, room).await;
-        rooms.push((room, src, dst, tx, rx));
-    }
-    // Destination pages must not overlap between rooms for the byte check: use distinct ones.
-    for (k, r) in rooms.iter_mut().enumerate() {
-        r.2 = pages([100 + 2 * k as u32, 101 + 2 * k as u32].map(|p| p % 31 + 1));
-    }
-    for (room, _, dst, _, rx) in &rooms {
-        let _ = room;
         rx.send_metadata(dst.clone(), 0).unwrap();
+        rooms.push((room, src, dst, tx, rx));
     }
     for (room, src, _, tx, _) in &rooms {
         until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
@@ -286,14 +280,14 @@ async fn incompatible_servers_are_refused_naming_the_field() {
         let l = layout(P, 16);
         let prefill = Side::start(
             fast_config(PdRole::Prefill),
-            l.clone(),
+            l,
             compat_of(&l, BackendKind::Fake),
         );
         let shape = kv_pool::KvShape::mha(2, 4, 4, 2, dtype).unwrap();
         let dl = kv_pool::KvLayout::new(shape, page_size, 16 * page_size as usize).unwrap();
         let decode = Side::start(
             fast_config(PdRole::Decode),
-            dl.clone(),
+            dl,
             compat_of(&dl, BackendKind::Fake),
         );
         let rx = decode.mgr.create_receiver(1, &prefill.bootstrap()).unwrap();

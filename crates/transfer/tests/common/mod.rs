@@ -19,8 +19,10 @@ use transfer::{
 
 /// `(addr, len)` of each region an engine registered, by endpoint: how a `MemcpyEngine` finds
 /// its peer's memory (both live in this process).
-fn registry() -> &'static Mutex<HashMap<String, Vec<(usize, u64)>>> {
-    static R: OnceLock<Mutex<HashMap<String, Vec<(usize, u64)>>>> = OnceLock::new();
+type Registry = Mutex<HashMap<String, Vec<(usize, u64)>>>;
+
+fn registry() -> &'static Registry {
+    static R: OnceLock<Registry> = OnceLock::new();
     R.get_or_init(Default::default)
 }
 
