@@ -438,3 +438,32 @@ async fn bad_inputs_are_typed_errors_that_change_nothing() {
     assert_eq!(tx.poll(), KvPoll::Bootstrapping);
     let _ = Page(0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_sender_mid_transfer_fails_the_decode_room_once_writes_settled() {
+    let (prefill, decode) = pair();
+    prefill.engine.set_delay(Duration::from_millis(50));
+    let (tx, rx) = handshake(&prefill, &decode, 51).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    until("handshake", SECS, || tx.poll() == KvPoll::WaitingForInput).await;
+    tx.send(&pages([2]), Some(aux(51))).unwrap();
+    drop(tx);
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    assert!(rx.quiescent());
+    assert!(
+        rx.failure().unwrap().contains("dropped"),
+        "{:?}",
+        rx.failure()
+    );
+    // The room id is free again on the prefill.
+    let tx = prefill.mgr.create_sender(51).unwrap();
+    assert_eq!(tx.poll(), KvPoll::Bootstrapping);
+}
+
+#[test]
+fn handles_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<transfer::pd::KvManager>();
+    send_sync::<KvSender>();
+    send_sync::<KvReceiver>();
+}

@@ -28,6 +28,9 @@ use crate::pd::{decode, log, prefill};
 /// One room (request) on this manager, either role.
 #[derive(Debug)]
 pub(crate) struct Room {
+    /// Tells this room from a later one with the same id (a room id may be reused once its
+    /// handle is dropped); a worker only updates the room it was started for.
+    pub generation: u64,
     pub cell: PollCell,
     pub failure: Option<String>,
     pub created: Instant,
@@ -54,6 +57,7 @@ pub(crate) struct Room {
 impl Room {
     pub(crate) fn new() -> Self {
         Room {
+            generation: 0,
             cell: PollCell::new(),
             failure: None,
             created: Instant::now(),

@@ -189,7 +189,9 @@ pub(crate) fn create_room(shared: &Shared, room: u64) -> Result<(), PdError> {
     if st.rooms.contains_key(&room) {
         return Err(PdError::DuplicateRoom { room });
     }
-    st.rooms.insert(room, Room::new());
+    let mut r = Room::new();
+    r.generation = st.next_id();
+    st.rooms.insert(room, r);
     if let Some(p) = st.pending.remove(&room) {
         apply_info(&mut st, room, p.conn, p.dst_pages, p.decode_prefix_len);
     }
@@ -315,17 +317,31 @@ pub(crate) fn reap(shared: &Shared) {
     }
 }
 
+/// Where a room's worker sends: the room (and its generation), the decode connection and the
+/// segment opened for it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Target {
+    pub room: u64,
+    pub generation: u64,
+    pub conn: u64,
+    pub segment: SegmentId,
+}
+
 /// A sending room's worker: submits each chunk's batch as it comes, checks earlier batches
 /// without waiting, and after the last chunk waits for every batch, then reports `Success`
 /// (with the aux) or `Failed` to decode. An abort waits for the batches in flight (so no write
 /// can land after the decode side frees its pages), then answers.
 pub(crate) async fn run_worker(
     shared: Arc<Shared>,
-    room: u64,
-    conn: u64,
-    segment: SegmentId,
+    target: Target,
     mut jobs: mpsc::UnboundedReceiver<Job>,
 ) {
+    let Target {
+        room,
+        conn,
+        segment,
+        ..
+    } = target;
     let mut batches: Vec<BatchId> = Vec::new();
     let mut bytes = 0u64;
     let mut started: Option<Instant> = None;
@@ -349,7 +365,7 @@ pub(crate) async fn run_worker(
                 }
                 let settled = settle(&shared, &mut batches).await;
                 let failure = failure.or(settled);
-                finish(&shared, room, conn, failure, aux, bytes, started);
+                finish(&shared, target, failure, aux, bytes, started);
                 return;
             }
             Job::Abort { ack } => {
@@ -401,14 +417,21 @@ async fn settle(shared: &Shared, batches: &mut Vec<BatchId>) -> Option<TransferE
 
 fn finish(
     shared: &Shared,
-    room: u64,
-    conn: u64,
+    target: Target,
     failure: Option<TransferError>,
     aux: Option<crate::pd::config::TransferAux>,
     bytes: u64,
     started: Option<Instant>,
 ) {
+    let Target { room, conn, .. } = target;
     let mut st = shared.lock();
+    if st.rooms.get(&room).map(|r| r.generation) != Some(target.generation) {
+        // The sender was dropped meanwhile (its abort is queued behind this job, which ends
+        // the worker): decode must still hear.
+        let why = "the prefill dropped the room before its transfer ended".to_string();
+        send_to(&st, conn, failed_status(room, why));
+        return;
+    }
     match failure {
         Some(e) => {
             let why = format!("KV transfer failed: {e}");

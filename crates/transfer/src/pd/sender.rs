@@ -135,13 +135,15 @@ impl KvSender {
         r.last_sent = last.is_some();
         let worker = r.worker.get_or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
-            self.shared.rt.spawn(prefill::run_worker(
-                self.shared.clone(),
+            let target = prefill::Target {
                 room,
-                conn_id,
+                generation: r.generation,
+                conn: conn_id,
                 segment,
-                rx,
-            ));
+            };
+            self.shared
+                .rt
+                .spawn(prefill::run_worker(self.shared.clone(), target, rx));
             tx
         });
         let _ = worker.send(Job::Send { blocks, aux: last });
