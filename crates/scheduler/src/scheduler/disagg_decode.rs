@@ -149,19 +149,14 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             // Lock the match: its tokens stop being evictable, so they leave the budget.
             let last_node = self.reqs[&id].prefix.last_node;
             allocatable -= self.cache.inc_lock_ref(last_node)? as i64;
-            if need.need() > allocatable {
-                self.cache.dec_lock_ref(last_node)?;
-                self.unmatch(id);
-                pass.stopped = Some(PreallocStop::Budget {
-                    id,
-                    need,
-                    allocatable,
-                });
-                break;
-            }
-            let Some(pages) = self.prealloc(id)? else {
-                // The pool cannot give the delta even after eviction (a page size larger than
-                // the reserve can get here): undone, the request waits.
+            let pages = if need.need() <= allocatable {
+                self.prealloc(id)?
+            } else {
+                None
+            };
+            let Some(pages) = pages else {
+                // Over budget once locked, or the pool cannot give the delta even after
+                // eviction (a page larger than the reserve): undone, the request waits.
                 self.cache.dec_lock_ref(last_node)?;
                 self.unmatch(id);
                 pass.stopped = Some(PreallocStop::Budget {
@@ -274,14 +269,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// decodes from the next step. Typed errors (nothing changed): unknown id, a request not
     /// transferring, no token or more than one.
     pub fn commit_transferred(&mut self, id: ReqId, first_token_ids: &[u32]) -> Result<()> {
-        let stage = self.stage(id).ok_or(SchedulerError::UnknownRequest(id))?;
-        if stage != ReqStage::Transferring {
-            return Err(SchedulerError::WrongStage {
-                id,
-                expected: ReqStage::Transferring,
-                found: stage,
-            });
-        }
+        self.expect_stage(id, ReqStage::Transferring)?;
         let &[token] = first_token_ids else {
             return Err(SchedulerError::InvalidRequest(format!(
                 "{id}: the transfer must carry exactly one first token, got {}",

@@ -45,18 +45,24 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// rest is freed, its lock and row are dropped. Typed errors for an unknown id and for a
     /// request that holds nothing; nothing changes then.
     pub fn release_held(&mut self, id: ReqId) -> Result<()> {
-        let stage = self.stage(id).ok_or(SchedulerError::UnknownRequest(id))?;
-        if stage != ReqStage::Held {
-            return Err(SchedulerError::WrongStage {
-                id,
-                expected: ReqStage::Held,
-                found: stage,
-            });
-        }
+        self.expect_stage(id, ReqStage::Held)?;
         self.release_kv(id, true)?;
         self.held.retain(|&h| h != id);
         self.reqs.remove(&id);
         self.batch_is_full = false;
+        Ok(())
+    }
+
+    /// `Ok` iff `id` is live and in `expected`; else `UnknownRequest` or `WrongStage`.
+    pub(super) fn expect_stage(&self, id: ReqId, expected: ReqStage) -> Result<()> {
+        let found = self.stage(id).ok_or(SchedulerError::UnknownRequest(id))?;
+        if found != expected {
+            return Err(SchedulerError::WrongStage {
+                id,
+                expected,
+                found,
+            });
+        }
         Ok(())
     }
 
