@@ -80,15 +80,17 @@ pub struct Preallocated {
 /// SGLang's `_allocatable_tokens` for one preallocation pass, term by term (tokens; signed,
 /// as the budget can be negative):
 ///
-/// `allocatable = available + evictable − max(reserved_decode, single_req_need) − retracted`
+/// `allocatable = available + evictable − max(reserved_decode, single_req_need) − resuming`
 ///
 /// where `reserved_decode = num_reserved_decode_tokens × active` (active: running, chunked,
 /// waiting and transferring requests), `single_req_need = max over running requests of
 /// (min(max_new_tokens, clip) + prompt_len) − retractable` (0 without running requests;
 /// `retractable` = the running requests' tokens, prompt + output: what retracting all of them
-/// would free), and `retracted` = Σ over queued retracted requests of (their tokens +
-/// `num_reserved_decode_tokens`). Evictable tokens count as free because the decode server
-/// keeps a radix cache (SGLang with the decode radix cache).
+/// would free), and `resuming` = Σ over the requests waiting for a prefill pass (waiting or
+/// mid chunked prefill) of (their tokens without KV + `num_reserved_decode_tokens`): SGLang's
+/// term for queued retracted requests, which a decode server recomputes. Evictable tokens
+/// count as free because the decode server keeps a radix cache (SGLang with the decode radix
+/// cache).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PreallocBudget {
     /// Free slots in the allocator.
@@ -103,8 +105,9 @@ pub struct PreallocBudget {
     pub retractable: usize,
     /// The largest running request's `min(max_new, clip) + prompt`, less `retractable`.
     pub single_req_need: i64,
-    /// KV the queued retracted requests need back (tokens + reserve each).
-    pub retracted: usize,
+    /// KV the requests waiting for a prefill pass still need (tokens without KV + reserve
+    /// each); on a decode server these are retracted requests being recomputed.
+    pub resuming: usize,
     /// What new preallocations may take.
     pub allocatable: i64,
 }
@@ -113,14 +116,14 @@ impl fmt::Display for PreallocBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "allocatable {} = available {} + evictable {} - max(reserved {} for {} active, single-request need {}) - retracted {}",
+            "allocatable {} = available {} + evictable {} - max(reserved {} for {} active, single-request need {}) - resuming {}",
             self.allocatable,
             self.available,
             self.evictable,
             self.reserved_decode,
             self.active,
             self.single_req_need,
-            self.retracted
+            self.resuming
         )
     }
 }
@@ -151,9 +154,11 @@ impl PreallocNeed {
 /// Why a preallocation pass stopped before the queue was empty.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PreallocStop {
-    /// Retracted requests are queued: they are resumed (recomputed by
-    /// [`step`](crate::Scheduler::step)) before any new preallocation, as SGLang.
-    RetractedQueued(usize),
+    /// This many requests wait for a prefill pass (waiting, or mid chunked prefill): on a
+    /// decode server, retracted requests being recomputed by [`step`](crate::Scheduler::step).
+    /// They are resumed before any new preallocation, as SGLang, so a preallocation never
+    /// takes the memory a resuming request's next chunk needs.
+    ResumeFirst(usize),
     /// No request row is free.
     NoRow,
     /// The head request does not fit the budget.
@@ -195,8 +200,8 @@ impl fmt::Display for PreallocPass {
         }
         match &self.stopped {
             None => writeln!(f, "  queue empty"),
-            Some(PreallocStop::RetractedQueued(n)) => {
-                writeln!(f, "  stop: {n} retracted requests resume first")
+            Some(PreallocStop::ResumeFirst(n)) => {
+                writeln!(f, "  stop: {n} requests waiting for a prefill pass resume first")
             }
             Some(PreallocStop::NoRow) => writeln!(f, "  stop: no free request row"),
             Some(PreallocStop::Budget {

@@ -8,7 +8,9 @@
 //!   `prompt[..len − 1]` and locks the match (so it cannot be evicted while the transfer
 //!   runs), takes a row and allocates slots for the delta `[prefix_len, input_len)` through
 //!   `alloc_extend` (page-aligned positions, so the delta is whole destination pages). Retracted
-//!   requests waiting to be recomputed go first: no new preallocation while any is queued.
+//!   requests being recomputed go first: no new preallocation while any request waits for a
+//!   prefill pass (waiting or mid chunked prefill), so none takes the memory its next chunk
+//!   needs.
 //! - [`Scheduler::commit_transferred`] makes a transferred request a running decode request:
 //!   committed = input length, output = the prefill's first token, finish checks applied (a
 //!   request the first token finishes leaves at once, its prompt cached), prompt cached
@@ -87,16 +89,16 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             })
             .max()
             .map_or(0, |m| m - retractable as i64);
-        let retracted: usize = self
+        let resuming: usize = self
             .waiting
             .iter()
+            .chain(self.chunked.iter())
             .map(|id| &self.reqs[id])
-            .filter(|r| r.retractions > 0)
-            .map(|r| r.tokens.len() + reserve)
+            .map(|r| r.tokens.len() - r.committed_len + reserve)
             .sum();
         let allocatable = (available + evictable) as i64
             - (reserved_decode as i64).max(single_req_need)
-            - retracted as i64;
+            - resuming as i64;
         PreallocBudget {
             available,
             evictable,
@@ -104,7 +106,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             reserved_decode,
             retractable,
             single_req_need,
-            retracted,
+            resuming,
             allocatable,
         }
     }
@@ -123,13 +125,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             ..PreallocPass::default()
         };
         let mut out = Vec::new();
-        let retracted = self
-            .waiting
-            .iter()
-            .filter(|id| self.reqs[id].retractions > 0)
-            .count();
-        if retracted > 0 && !self.prealloc_queue.is_empty() {
-            pass.stopped = Some(PreallocStop::RetractedQueued(retracted));
+        let resuming = self.waiting.len() + usize::from(self.chunked.is_some());
+        if resuming > 0 && !self.prealloc_queue.is_empty() {
+            pass.stopped = Some(PreallocStop::ResumeFirst(resuming));
             self.last_prealloc = pass;
             return Ok(out);
         }
