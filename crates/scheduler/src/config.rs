@@ -107,12 +107,26 @@ pub struct SchedulerConfig {
     pub enable_mixed_chunk: bool,
     /// `--max-queued-requests` (default unlimited).
     pub max_queued_requests: Option<usize>,
-    /// Clip of `max_new_tokens` in admission estimates (default 4096).
+    /// Clip of `max_new_tokens` in admission and preallocation estimates (SGLang's
+    /// `CLIP_MAX_NEW_TOKEN`, default [`CLIP_MAX_NEW_TOKEN`] = 4096).
+    ///
+    /// [`CLIP_MAX_NEW_TOKEN`]: crate::disagg::CLIP_MAX_NEW_TOKEN
     pub clip_max_new_tokens: usize,
     /// Decode steps over which the new-token ratio decays to its floor (default 600).
     pub new_token_ratio_decay_steps: usize,
     /// Tokens per remaining request to free after a retraction (default 20).
     pub retract_decode_steps: usize,
+    /// Sorted-release mode for the allocator (SGLang's `need_sort`, on in PD disaggregation,
+    /// the engine turns it on for the decode server): freed pages collect in a release list
+    /// that is merged and sorted when an allocation runs short, so preallocated destination
+    /// pages come out in ascending runs and transfers coalesce. The scheduler sets it on its
+    /// allocator at construction (default false).
+    pub need_sort: bool,
+    /// PD decode: tokens reserved per active request when budgeting preallocation (SGLang's
+    /// `SGLANG_NUM_RESERVED_DECODE_TOKENS`, default [`NUM_RESERVED_DECODE_TOKENS`] = 512).
+    ///
+    /// [`NUM_RESERVED_DECODE_TOKENS`]: crate::disagg::NUM_RESERVED_DECODE_TOKENS
+    pub num_reserved_decode_tokens: usize,
     /// Check the pool partition after every step, failing the step on a violation.
     pub strict: bool,
     /// Seed of the random policy.
@@ -137,9 +151,11 @@ impl Default for SchedulerConfig {
             schedule_conservativeness: 1.0,
             enable_mixed_chunk: false,
             max_queued_requests: None,
-            clip_max_new_tokens: 4096,
+            clip_max_new_tokens: crate::disagg::CLIP_MAX_NEW_TOKEN,
             new_token_ratio_decay_steps: 600,
             retract_decode_steps: 20,
+            need_sort: false,
+            num_reserved_decode_tokens: crate::disagg::NUM_RESERVED_DECODE_TOKENS,
             strict: false,
             seed: 0,
         }

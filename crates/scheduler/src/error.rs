@@ -3,6 +3,7 @@
 use kv_pool::KvPoolError;
 use radix_cache::RadixCacheError;
 
+use crate::disagg::ReqStage;
 use crate::ReqId;
 
 /// Errors of scheduler operations. Bad input and configuration are refused with these before
@@ -22,6 +23,17 @@ pub enum SchedulerError {
     /// An id that is not (or no longer) known.
     #[error("unknown request {0}")]
     UnknownRequest(ReqId),
+    /// A known request asked to do what its stage does not allow (PD: commit a request that
+    /// is not transferring, release one that holds no KV).
+    #[error("request {id} is {found}, not {expected}")]
+    WrongStage {
+        /// The request.
+        id: ReqId,
+        /// The stage the operation needs.
+        expected: ReqStage,
+        /// The stage it is in.
+        found: ReqStage,
+    },
     /// A configuration value out of range.
     #[error("invalid configuration {field}: {reason}")]
     InvalidConfig {

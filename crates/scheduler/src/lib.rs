@@ -44,6 +44,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod disagg;
 pub mod error;
 pub mod report;
 pub mod req;
@@ -54,6 +55,10 @@ pub mod summary;
 
 pub use batch::{BatchResult, Executor, FakeExecutor, ForwardBatch, ForwardMode};
 pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
+pub use disagg::{
+    PreallocBudget, PreallocNeed, PreallocPass, PreallocStop, Preallocated, ReqStage,
+    CLIP_MAX_NEW_TOKEN, NUM_RESERVED_DECODE_TOKENS,
+};
 pub use error::{Result, SchedulerError};
 pub use report::{FinishedReq, SchedulerStats, StepEntry, StepFinished, StepReport};
 pub use req::{FinishReason, Req, ReqId, SamplingLimits};

@@ -24,6 +24,12 @@ pub struct FinishedReq {
     pub reason: FinishReason,
     /// How often it was retracted (or preempted) and recomputed.
     pub retractions: u32,
+    /// PD prefill: it finished but keeps its row, slots and prefix lock until
+    /// [`Scheduler::release_held`](crate::Scheduler::release_held) (it was marked with
+    /// [`Scheduler::hold_kv_at_finish`](crate::Scheduler::hold_kv_at_finish)); its KV is
+    /// readable through [`Scheduler::committed_slots`](crate::Scheduler::committed_slots)
+    /// until then. False for every other request.
+    pub kv_held: bool,
 }
 
 /// A request that left during a step, and why (a line of [`StepReport`]).

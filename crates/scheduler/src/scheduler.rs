@@ -10,13 +10,19 @@
 //! This file holds the loop and admission (`get_next_batch_to_run`, `get_new_batch_prefill`,
 //! priority preemption); the child modules hold what SGLang keeps elsewhere:
 //! `schedule_batch` (preparing passes, the decode memory check, retraction, releasing KV),
-//! `output_processor` (results), `checks` (the invariant checker).
+//! `output_processor` (results), `checks` (the invariant checker), `preempt` (priority
+//! preemption), and PD disaggregation's queues: `disagg_prefill` (KV held after the one
+//! prefill token until it is transferred, SGLang's `disaggregation/prefill.py`) and
+//! `disagg_decode` (preallocation → transfer → running, SGLang's `disaggregation/decode.py`).
 
 mod checks;
+mod disagg_decode;
+mod disagg_prefill;
 mod output_processor;
+mod preempt;
 mod schedule_batch;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 
 use kv_pool::rng::SplitMix64;
@@ -25,6 +31,7 @@ use radix_cache::{AnyPrefixCache, PrefixCache, PrefixState};
 
 use crate::batch::{Executor, ForwardBatch, ForwardMode};
 use crate::config::{NewTokenRatio, SchedulerConfig};
+use crate::disagg::{PreallocPass, ReqStage};
 use crate::error::{Result, SchedulerError};
 use crate::report::{FinishedReq, SchedulerStats, StepFinished, StepReport};
 use crate::req::{FinishReason, Req, ReqId, SamplingLimits};
@@ -50,6 +57,19 @@ pub struct Scheduler<C: PrefixCache = AnyPrefixCache, A: Allocator = AnyAllocato
     running: Vec<ReqId>,
     /// The request mid-chunked-prefill, if any (SGLang's `chunked_req`).
     chunked: Option<ReqId>,
+    /// PD prefill: live requests that keep their KV when they finish
+    /// ([`Scheduler::hold_kv_at_finish`]).
+    hold_at_finish: HashSet<ReqId>,
+    /// PD prefill: finished requests whose row, slots and prefix lock are kept until the KV is
+    /// transferred (SGLang's disagg inflight queue), in finishing order.
+    held: Vec<ReqId>,
+    /// PD decode: requests waiting for KV preallocation, FIFO (SGLang's `DecodePreallocQueue`).
+    prealloc_queue: VecDeque<ReqId>,
+    /// PD decode: requests with preallocated KV waiting for the transfer to land (SGLang's
+    /// `DecodeTransferQueue`), in preallocation order.
+    transferring: Vec<ReqId>,
+    /// PD decode: what the last `pop_preallocated` decided (for logs and tests).
+    last_prealloc: PreallocPass,
     finished: Vec<FinishedReq>,
     ratio: NewTokenRatio,
     /// The last admission ran out of tokens: skip prefill until something finishes or leaves.
@@ -94,6 +114,10 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             });
         }
         let rows = ReqToTokenPool::new(cfg.max_running_requests, cfg.context_len)?;
+        let mut alloc = alloc;
+        if cfg.need_sort {
+            alloc.set_sorted_release(true);
+        }
         Ok(Scheduler {
             ratio: NewTokenRatio::new(
                 cfg.schedule_conservativeness,
@@ -108,6 +132,11 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             chunked: None,
+            hold_at_finish: HashSet::new(),
+            held: Vec::new(),
+            prealloc_queue: VecDeque::new(),
+            transferring: Vec::new(),
+            last_prealloc: PreallocPass::default(),
             finished: Vec::new(),
             batch_is_full: false,
             next_id: 0,
@@ -152,14 +181,47 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         self.running.len() + usize::from(self.chunked.is_some())
     }
 
-    /// Whether nothing is waiting or running (finished requests not yet taken do not count).
+    /// Whether nothing is waiting or running: no [`step`](Self::step) has work (finished
+    /// requests not yet taken do not count). PD's requests never need steps, so they do not
+    /// count either: held requests (prefill), and prealloc-queued and transferring requests
+    /// (decode), which wait on [`pop_preallocated`](Self::pop_preallocated) and
+    /// [`commit_transferred`](Self::commit_transferred). An engine loop keeps polling while
+    /// [`has_pd_work`](Self::has_pd_work).
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty() && self.chunked.is_none()
     }
 
-    /// A live request's state (`None` once it finished).
+    /// Whether PD disaggregation still has requests in its queues: held KV (prefill),
+    /// prealloc-queued or transferring requests (decode). These need the engine's calls
+    /// (`release_held`, `pop_preallocated`, `commit_transferred`, `abort`), not steps.
+    pub fn has_pd_work(&self) -> bool {
+        !self.held.is_empty() || !self.prealloc_queue.is_empty() || !self.transferring.is_empty()
+    }
+
+    /// A live request's state (`None` once it finished; a held request is live until
+    /// released).
     pub fn request(&self, id: ReqId) -> Option<&Req> {
         self.reqs.get(&id)
+    }
+
+    /// Where a live request is (`None` once it finished and holds nothing).
+    pub fn stage(&self, id: ReqId) -> Option<ReqStage> {
+        if !self.reqs.contains_key(&id) {
+            return None;
+        }
+        Some(if self.chunked == Some(id) {
+            ReqStage::Chunked
+        } else if self.held.contains(&id) {
+            ReqStage::Held
+        } else if self.transferring.contains(&id) {
+            ReqStage::Transferring
+        } else if self.prealloc_queue.contains(&id) {
+            ReqStage::PreallocQueued
+        } else if self.running.contains(&id) {
+            ReqStage::Running
+        } else {
+            ReqStage::Waiting
+        })
     }
 
     /// Takes the requests that finished since the last call, in finishing order.
@@ -183,6 +245,21 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         priority: i64,
         extra_key: Option<String>,
     ) -> Result<ReqId> {
+        let id = self.new_req(input_ids, limits, priority, extra_key, self.waiting.len())?;
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Validates a request (see [`add_request`](Self::add_request); `queued` is the length of
+    /// the queue it joins) and enters it into the request table, in no queue yet.
+    fn new_req(
+        &mut self,
+        input_ids: Vec<u32>,
+        limits: SamplingLimits,
+        priority: i64,
+        extra_key: Option<String>,
+        queued: usize,
+    ) -> Result<ReqId> {
         if input_ids.is_empty() {
             return Err(SchedulerError::InvalidRequest("the prompt is empty".into()));
         }
@@ -199,7 +276,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             ));
         }
         if let Some(limit) = self.cfg.max_queued_requests {
-            if self.waiting.len() >= limit {
+            if queued >= limit {
                 return Err(SchedulerError::QueueFull { limit });
             }
         }
@@ -229,15 +306,21 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             finish: None,
         };
         self.reqs.insert(id, req);
-        self.waiting.push_back(id);
         Ok(id)
     }
 
     /// Aborts a request wherever it is, freeing its KV (what it computed stays cached); it
-    /// shows up in [`take_finished`](Self::take_finished) with [`FinishReason::Abort`].
+    /// shows up in [`take_finished`](Self::take_finished) with [`FinishReason::Abort`]. PD's
+    /// states included: a prealloc-queued request just leaves; a transferring one frees its
+    /// preallocated slots and unlocks its decode prefix. A held request (it already left
+    /// through `take_finished`) is released as [`release_held`](Self::release_held) does and
+    /// reported nowhere again.
     pub fn abort(&mut self, id: ReqId, message: &str) -> Result<()> {
         if !self.reqs.contains_key(&id) {
             return Err(SchedulerError::UnknownRequest(id));
+        }
+        if self.held.contains(&id) {
+            return self.release_held(id);
         }
         let reason = FinishReason::Abort {
             message: message.to_string(),
@@ -250,6 +333,12 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         } else if self.chunked == Some(id) {
             self.chunked = None;
             self.release_kv(id, true)?;
+        } else if let Some(pos) = self.prealloc_queue.iter().position(|&w| w == id) {
+            self.prealloc_queue.remove(pos);
+        } else if let Some(pos) = self.transferring.iter().position(|&r| r == id) {
+            self.transferring.remove(pos);
+            // The transferred KV never landed: nothing of it may enter the cache.
+            self.release_kv(id, false)?;
         }
         self.finish(id, reason);
         Ok(())
@@ -320,9 +409,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         Ok(reports)
     }
 
-    /// Empties the prefix cache (SGLang's `/flush_cache`); refused unless idle.
+    /// Empties the prefix cache (SGLang's `/flush_cache`); refused unless idle with no PD work.
     pub fn flush_cache(&mut self) -> Result<()> {
-        if !self.is_idle() {
+        if !self.is_idle() || self.has_pd_work() {
             return Err(SchedulerError::InvalidRequest(
                 "flush_cache needs an idle scheduler".into(),
             ));
@@ -561,81 +650,25 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         r.committed_len = 0;
     }
 
-    /// Priority preemption (SGLang's `preempt_to_schedule`): if `id` beats running requests by
-    /// more than the threshold, retract them worst-first until the tokens it needs could be
-    /// free; returns the reserved tokens credited back (0: nothing preempted).
-    fn try_preempt_for(&mut self, id: ReqId, report: &mut StepReport) -> Result<f64> {
-        if !self.cfg.enable_priority_scheduling {
-            return Ok(0.0);
-        }
-        let low_first = self.cfg.low_priority_values_first;
-        let prio = self.reqs[&id].priority;
-        // How far `id` is ahead of a running request (positive: `id` is better).
-        let gap = |p: i64| if low_first { p - prio } else { prio - p };
-        let threshold = self.cfg.priority_preemption_threshold;
-        let mut victims: Vec<ReqId> = self
-            .running
-            .iter()
-            .copied()
-            .filter(|r| gap(self.reqs[r].priority) > threshold)
-            .collect();
-        if victims.is_empty() {
-            return Ok(0.0);
-        }
-        // Worst priority first, then the latest arrival.
-        victims.sort_by_key(|r| {
-            let q = &self.reqs[r];
-            (
-                std::cmp::Reverse(gap(q.priority)),
-                std::cmp::Reverse(q.arrival),
-            )
-        });
-        let need = self.reqs[&id].extend_input_len()
-            + self.reqs[&id]
-                .remaining_new_tokens()
-                .min(self.cfg.clip_max_new_tokens)
-            + self.cfg.page_size as usize;
-        let mut credited = 0.0;
-        for v in victims {
-            if (self.alloc.available_size() + self.cache.evictable_size()) as f64
-                > need as f64 + self.reserved_tokens()
-            {
-                break;
-            }
-            credited += self.reserved_for(v);
-            self.retract(v, report)?;
-        }
-        if credited > 0.0 {
-            self.batch_is_full = false;
-        }
-        Ok(credited)
-    }
-
-    /// The future decode tokens admission reserves for a running request.
-    fn reserved_for(&self, id: ReqId) -> f64 {
-        self.reqs[&id]
-            .remaining_new_tokens()
-            .min(self.cfg.clip_max_new_tokens) as f64
-            * self.ratio.current
-    }
-
-    /// What admission reserves for all running requests.
-    fn reserved_tokens(&self) -> f64 {
-        self.running.iter().map(|&r| self.reserved_for(r)).sum()
-    }
-
     /// Moves a request out with `reason` (its KV already released).
     fn finish(&mut self, id: ReqId, reason: FinishReason) {
+        self.hold_at_finish.remove(&id);
         if let Some(r) = self.reqs.remove(&id) {
-            self.finished.push(FinishedReq {
-                id,
-                prompt_tokens: r.input_len,
-                cached_tokens: r.cached_tokens,
-                output_ids: r.output_ids().to_vec(),
-                reason,
-                retractions: r.retractions,
-            });
+            self.finished.push(finished_req(&r, reason, false));
         }
+    }
+}
+
+/// What [`Scheduler::take_finished`] hands out for `r`.
+fn finished_req(r: &Req, reason: FinishReason, kv_held: bool) -> FinishedReq {
+    FinishedReq {
+        id: r.id,
+        prompt_tokens: r.input_len,
+        cached_tokens: r.cached_tokens,
+        output_ids: r.output_ids().to_vec(),
+        reason,
+        retractions: r.retractions,
+        kv_held,
     }
 }
 

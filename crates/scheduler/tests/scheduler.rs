@@ -11,15 +11,8 @@ use scheduler::{
     SchedulePolicy, Scheduler, SchedulerConfig, SchedulerError,
 };
 
-const VOCAB: u32 = 1000;
-const EOS: u32 = 7;
-
-fn exec() -> FakeExecutor {
-    FakeExecutor {
-        vocab: VOCAB,
-        seed: 42,
-    }
-}
+mod common;
+use common::{exec, expected_output, prompt, EOS};
 
 /// A scheduler composed as the engine composes it: the radix cache (LRU) or the chunk cache,
 /// and the allocator SGLang picks by page size (the token allocator at `P = 1`).
@@ -42,38 +35,12 @@ fn cfg() -> SchedulerConfig {
     }
 }
 
-/// What the fake model generates for `prompt`, computed directly (no scheduling).
-fn expected_output(prompt: &[u32], limits: &SamplingLimits) -> (Vec<u32>, FinishReason) {
-    let e = exec();
-    let mut tokens = prompt.to_vec();
-    loop {
-        let t = e.next_token(*tokens.last().unwrap(), tokens.len() as u32 - 1);
-        tokens.push(t);
-        let out = &tokens[prompt.len()..];
-        if !limits.ignore_eos && limits.stop_token_ids.contains(&t) {
-            return (out.to_vec(), FinishReason::Stop { token: t });
-        }
-        if out.len() >= limits.max_new_tokens {
-            return (
-                out.to_vec(),
-                FinishReason::Length {
-                    length: limits.max_new_tokens,
-                },
-            );
-        }
-    }
-}
-
 fn trace(s: &mut Scheduler, max_steps: u64) -> String {
     let mut e = exec();
     let reports = s.run_to_idle(&mut e, max_steps).unwrap();
     assert!(s.is_idle(), "not idle after {max_steps} steps");
     s.check_invariants().unwrap();
     reports.iter().map(|r| format!("{r}\n")).collect()
-}
-
-fn prompt(base: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| 100 + base * 37 + i % 29).collect()
 }
 
 #[test]

@@ -9,13 +9,19 @@ use crate::error::{Result, SchedulerError};
 
 impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// Proves that free pages, tree pages and request-private pages partition the pool (the
-    /// kv-pool ownership checker), and, when idle, SGLang's identity `available + evictable +
-    /// protected = total`, that nothing is protected and that every row is free. `Err` names
-    /// the first violation.
+    /// kv-pool ownership checker; PD's held and transferring requests own their private
+    /// slots too), and, when idle with nothing held or transferring, SGLang's identity
+    /// `available + evictable + protected = total`, that nothing is protected and that every
+    /// row is free. `Err` names the first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let mut check = OwnershipCheck::new(&self.alloc);
         self.cache.claim_ownership(&mut check);
-        let live = self.running.iter().chain(self.chunked.iter());
+        let live = self
+            .running
+            .iter()
+            .chain(self.chunked.iter())
+            .chain(self.held.iter())
+            .chain(self.transferring.iter());
         for id in live {
             let r = &self.reqs[id];
             let row = r.row.ok_or_else(|| format!("{id} runs without a row"))?;
@@ -26,7 +32,12 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             check.claim(Owner::Request(row), &slots[r.prefix.cache_protected_len..]);
         }
         check.finish().map_err(|v| v.to_string())?;
-        if self.is_idle() {
+        for id in &self.prealloc_queue {
+            if self.reqs[id].row.is_some() {
+                return Err(format!("{id} is prealloc-queued with a row"));
+            }
+        }
+        if self.is_idle() && self.held.is_empty() && self.transferring.is_empty() {
             self.check_idle_identity()?;
         }
         Ok(())

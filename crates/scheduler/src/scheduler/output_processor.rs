@@ -79,12 +79,17 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 if is_decode {
                     self.running.retain(|&x| x != id);
                 }
-                self.release_kv(id, true)?;
                 report.finished.push(StepFinished {
                     id,
                     reason: reason.clone(),
                 });
-                self.finish(id, reason);
+                if self.hold_at_finish.contains(&id) {
+                    // PD prefill: the KV stays where it is until it is transferred.
+                    self.hold_finished(id, reason);
+                } else {
+                    self.release_kv(id, true)?;
+                    self.finish(id, reason);
+                }
             } else if !is_decode {
                 let row = r.row.expect("row");
                 let view = r.cache_view(row);
@@ -105,7 +110,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
 
 /// SGLang's `Req.check_finished` after appending `token`: a stop token (unless `ignore_eos`),
 /// then the length limit.
-fn check_finished(r: &Req, token: u32) -> Option<FinishReason> {
+pub(super) fn check_finished(r: &Req, token: u32) -> Option<FinishReason> {
     if !r.limits.ignore_eos && r.limits.stop_token_ids.contains(&token) {
         return Some(FinishReason::Stop { token });
     }
