@@ -8,6 +8,8 @@
 //!   peer's segment, submit a batch of writes `(src region + offset, dst region + offset, len)`,
 //!   poll or await its completion. Backends, one Cargo feature each, all behind the same
 //!   conformance suite (`transfer::testing`, feature `testing`): `tcp`, `shm`, `nixl`, `fake`.
+//! - `nixl` (feature `nixl`): the backend over NVIDIA NIXL (`nixl-sys`); built against the
+//!   crate's stub API it compiles anywhere and refuses at run time unless a real NIXL is loaded.
 //!
 //! ## Invariants
 //! - A batch is validated whole before any byte moves: an unknown region, an offset or length
@@ -26,6 +28,8 @@
 
 pub mod engine;
 pub mod error;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 
 pub use engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
