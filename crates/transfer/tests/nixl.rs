@@ -280,3 +280,45 @@ async fn nixl_refuses_bad_input_before_moving_bytes() {
     sender.wait(batch).await.unwrap();
     assert_eq!(dst.bytes(), src.bytes());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_fails_batches_of_a_closed_segment_or_a_dead_peer() {
+    if !real_nixl("nixl_fails_batches_of_a_closed_segment_or_a_dead_peer") {
+        return;
+    }
+    let src = Buf::new(1 << 20, |i| (i % 253) as u8);
+    let dst = Buf::new(1 << 20, |_| 0);
+    let mut cfg = NixlConfig::unique("send");
+    cfg.wait_timeout = Duration::from_secs(10);
+    let sender = NixlTransferEngine::new(cfg).unwrap();
+    let receiver = engine("recv");
+    // SAFETY: the buffers outlive both engines and are read only when no batch is in flight.
+    unsafe { sender.register(&[src.region(0)]) }.unwrap();
+    // SAFETY: as above.
+    unsafe { receiver.register(&[dst.region(0)]) }.unwrap();
+    let pages: Vec<_> = (0..256)
+        .map(|i| block(0, i * 4096, 0, i * 4096, 4096))
+        .collect();
+
+    // Closed while pending: the batch fails (unless NIXL finished it within the post).
+    let seg = sender.open_segment(&receiver.segment()).await.unwrap();
+    let batch = sender.submit(seg, pages.clone()).await.unwrap();
+    sender.close_segment(seg).await.unwrap();
+    let status = sender.poll(batch).unwrap();
+    assert!(
+        status == BatchStatus::Done
+            || status == BatchStatus::Failed(TransferError::UnknownSegment(seg)),
+        "{status:?}"
+    );
+    assert_eq!(sender.poll(batch), Err(TransferError::UnknownBatch(batch)));
+
+    // The peer went away: the write fails (at the post or in the wait), it never ends Done.
+    let seg = sender.open_segment(&receiver.segment()).await.unwrap();
+    drop(receiver);
+    let outcome = match sender.submit(seg, pages).await {
+        Ok(batch) => sender.wait(batch).await,
+        Err(e) => Err(e),
+    };
+    let e = outcome.expect_err("a write to a dropped agent succeeded");
+    assert!(matches!(e, TransferError::Backend { .. }), "{e}");
+}
