@@ -2,9 +2,10 @@
 //!
 //! Without a NIXL library (CI builds `nixl-sys` with its stub API), the engine must refuse with
 //! a typed error naming NIXL, never abort or panic. With one loaded — e.g. `pip install
-//! nixl-cu12` and `LD_LIBRARY_PATH=<site-packages>/.nixl_cu12.mesonpy.libs` — two agents in
-//! this process move bytes through UCX; those tests print why they skip when NIXL is absent,
-//! and fail instead when `KVSERVE_REQUIRE_NIXL=1`.
+//! nixl-cu12` and `LD_LIBRARY_PATH=<site-packages>/.nixl_cu12.mesonpy.libs` — two agents move
+//! bytes through UCX, in this process and between this process and a child (this test binary
+//! again); those tests print why they skip when NIXL is absent, and fail instead when
+//! `KVSERVE_REQUIRE_NIXL=1`.
 #![cfg(feature = "nixl")]
 
 use std::time::{Duration, Instant};
@@ -321,4 +322,99 @@ async fn nixl_fails_batches_of_a_closed_segment_or_a_dead_peer() {
     };
     let e = outcome.expect_err("a write to a dropped agent succeeded");
     assert!(matches!(e, TransferError::Backend { .. }), "{e}");
+}
+
+/// The receiving side of [`nixl_moves_bytes_between_two_processes`], run in a child process
+/// (this test binary again, with `KVSERVE_NIXL_CHILD=1`); a no-op in a plain test run.
+#[test]
+fn nixl_child_receiver() {
+    if std::env::var("KVSERVE_NIXL_CHILD").as_deref() != Ok("1") {
+        return;
+    }
+    // Never outlive a parent that stopped talking: its reads then end instead of hanging.
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(60));
+        std::process::exit(3);
+    });
+    let dst = Buf::new(CROSS_BYTES, |_| 0);
+    let receiver = engine("child");
+    // SAFETY: `dst` outlives the engine and is read only after the parent's batch is done.
+    unsafe { receiver.register(&[dst.region(0)]) }.unwrap();
+    println!(
+        "SEGMENT {}",
+        serde_json::to_string(&receiver.segment()).unwrap()
+    );
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "DONE");
+    println!("BYTES {}", fnv(&dst.bytes()));
+}
+
+const CROSS_BYTES: usize = 1 << 20;
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Kills the child if the test fails before it exits.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_moves_bytes_between_two_processes() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+
+    if !real_nixl("nixl_moves_bytes_between_two_processes") {
+        return;
+    }
+    let src = Buf::new(CROSS_BYTES, |i| (i * 7 % 251) as u8);
+    let sender = engine("parent");
+    // SAFETY: `src` outlives the engine.
+    unsafe { sender.register(&[src.region(0)]) }.unwrap();
+
+    let mut child = Child(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["nixl_child_receiver", "--exact", "--nocapture"])
+            .env("KVSERVE_NIXL_CHILD", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    let mut next = |prefix: &str| -> String {
+        for line in lines.by_ref() {
+            if let Some(rest) = line.unwrap().strip_prefix(prefix) {
+                return rest.to_string();
+            }
+        }
+        panic!("the child exited before printing {prefix:?}");
+    };
+    let desc: SegmentDesc = serde_json::from_str(&next("SEGMENT ")).unwrap();
+    let seg = sender.open_segment(&desc).await.unwrap();
+    // Every other 4 KiB page, into the same place on the other side.
+    let blocks: Vec<_> = (0..CROSS_BYTES as u64 / 8192)
+        .map(|i| block(0, i * 8192, 0, i * 8192, 4096))
+        .collect();
+    let batch = sender.submit(seg, blocks).await.unwrap();
+    sender.wait(batch).await.unwrap();
+    writeln!(child.0.stdin.as_mut().unwrap(), "DONE").unwrap();
+
+    let mut want = vec![0u8; CROSS_BYTES];
+    for (i, (w, s)) in want.iter_mut().zip(src.bytes()).enumerate() {
+        if i % 8192 < 4096 {
+            *w = s;
+        }
+    }
+    assert_eq!(next("BYTES "), fnv(&want).to_string());
+    assert!(child.0.wait().unwrap().success());
 }
