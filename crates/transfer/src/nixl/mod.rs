@@ -258,7 +258,7 @@ impl NixlTransferEngine {
         &self.inner.cfg.agent_name
     }
 
-    /// Takes the notifications received so far (the most recent [`NOTIFICATION_LOG`] of them),
+    /// Takes the notifications received so far (the most recent 1024 of them),
     /// draining NIXL first.
     pub fn take_notifications(&self) -> Result<Vec<NixlNotification>> {
         self.inner.drain_notifications()?;
