@@ -2,7 +2,10 @@
 //!
 //! - `ci`: what CI runs — `cargo fmt --check`, `cargo clippy` with warnings denied over every
 //!   target, then the whole test suite. One build profile (debug) and one package selection
-//!   (`--workspace`) throughout, so nothing is compiled twice.
+//!   (`--workspace`) throughout, so nothing is compiled twice. The clippy pass also turns on
+//!   transfer's `nixl` feature, so the NIXL backend is type-checked (against `nixl-sys`'s stub
+//!   API; its build script needs libclang, Debian's `libclang-dev`) without a second build; on a
+//!   machine without libclang that feature is left out with a note, except under `CI=true`.
 //! - `test`: the test suite alone.
 //! - `bench [ARGS…]`: criterion benches in release mode (extra arguments go to criterion).
 //!
@@ -26,16 +29,60 @@ fn cargo(args: &[&str]) -> Result<(), String> {
 
 fn ci() -> Result<(), String> {
     cargo(&["fmt", "--all", "--", "--check"])?;
-    cargo(&[
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--locked",
-        "--",
-        "-D",
-        "warnings",
-    ])?;
+    let mut clippy = vec!["clippy", "--workspace", "--all-targets", "--locked"];
+    if libclang_found() {
+        clippy.extend(["--features", "transfer/nixl"]);
+    } else if std::env::var("CI").as_deref() == Ok("true") {
+        return Err(
+            "libclang not found: the nixl backend cannot be type-checked \
+                    (apt-get install libclang-dev, or set LIBCLANG_PATH)"
+                .into(),
+        );
+    } else {
+        eprintln!(
+            "xtask: libclang not found, so clippy leaves out transfer's `nixl` feature \
+             (apt-get install libclang-dev, or set LIBCLANG_PATH, to check it)"
+        );
+    }
+    clippy.extend(["--", "-D", "warnings"]);
+    cargo(&clippy)?;
     test()
+}
+
+/// Whether bindgen (run by `nixl-sys`'s build script) can find libclang: `LIBCLANG_PATH`, or
+/// `libclang.so` / `libclang-N.so` where Debian, Fedora and LLVM's own packages put it.
+fn libclang_found() -> bool {
+    if std::env::var_os("LIBCLANG_PATH").is_some() {
+        return true;
+    }
+    let mut dirs: Vec<std::path::PathBuf> = [
+        "/usr/lib",
+        "/usr/lib64",
+        "/usr/local/lib",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    if let Ok(entries) = std::fs::read_dir("/usr/lib") {
+        dirs.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("llvm"))
+                .map(|e| e.path().join("lib")),
+        );
+    }
+    dirs.iter().any(|dir| {
+        std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries.flatten().any(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                // The development package's link names (the runtime alone lacks bindgen's headers).
+                name == "libclang.so" || (name.starts_with("libclang-") && name.ends_with(".so"))
+            })
+        })
+    })
 }
 
 fn test() -> Result<(), String> {

@@ -69,6 +69,16 @@ pub enum TransferError {
         /// The deadline.
         seconds: u64,
     },
+    /// A backend's own library refused or failed an operation (NIXL's status, its text kept).
+    #[error("{backend} backend: {what}: {message}")]
+    Backend {
+        /// The backend whose library failed.
+        backend: BackendKind,
+        /// What was being done (`"create agent"`, `"post transfer request"`, …).
+        what: String,
+        /// The library's error text.
+        message: String,
+    },
     /// An I/O or system-call failure (mapping, socket) with its context.
     #[error("{context}: {message}")]
     Io {

@@ -12,6 +12,8 @@
 //!   run per region (SGLang's `group_concurrent_contiguous`).
 //! - `pd`: the protocol on top (SGLang's `KVManager` / `KVSender` / `KVReceiver`, the bootstrap
 //!   server, timeouts and heartbeats): `KvManager`, `KvSender`, `KvReceiver`, `KvPoll`.
+//! - `nixl` (feature `nixl`): the backend over NVIDIA NIXL (`nixl-sys`); built against the
+//!   crate's stub API it compiles anywhere and refuses at run time unless a real NIXL is loaded.
 //!
 //! ## Invariants
 //! - A batch is validated whole before any byte moves: an unknown region, an offset or length
@@ -32,6 +34,8 @@ pub mod coalesce;
 pub mod engine;
 pub mod error;
 pub mod pd;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 
 pub use engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
