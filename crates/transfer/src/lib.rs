@@ -24,9 +24,21 @@
 //! Above kv-pool (regions, pages), beside the scheduler; the engine composes it with the
 //! scheduler into prefill and decode servers.
 
+pub mod backends;
+mod batch;
 pub mod engine;
 pub mod error;
+#[cfg(feature = "fake")]
+pub mod fake;
+mod region;
+#[cfg(all(feature = "shm", target_os = "linux"))]
+pub mod shm;
+#[cfg(feature = "tcp")]
+pub mod tcp;
+#[cfg(feature = "testing")]
+pub mod testing;
 
+pub use backends::{new_engine, TransferConfig};
 pub use engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
     TransferBlock, TransferEngine,
