@@ -26,6 +26,7 @@
 
 pub mod backends;
 mod batch;
+pub mod bench;
 pub mod engine;
 pub mod error;
 #[cfg(feature = "fake")]
