@@ -161,6 +161,16 @@ pub enum KvPoolError {
         /// Bytes the store needed for its whole layout.
         bytes: usize,
     },
+
+    /// Memory handed to [`HostKvStore::with_memory`](crate::HostKvStore::with_memory) is
+    /// shorter than the layout's [`total_bytes`](crate::KvLayout::total_bytes).
+    #[error("the KV store needs {needed} bytes of memory, the memory given has {got}")]
+    MemoryTooSmall {
+        /// `layout.total_bytes()`.
+        needed: usize,
+        /// The memory's length.
+        got: usize,
+    },
 }
 
 /// `Result` with [`KvPoolError`] as the default error: what every fallible kv-pool call returns.

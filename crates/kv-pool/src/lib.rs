@@ -10,7 +10,8 @@
 //!   transfer, backup/restore, and double-free detection.
 //! - The KV bytes: [`KvShape`] / [`KvLayout`] (MHA/GQA, MLA, DoubleSparse; f32, f16, bf16, fp8
 //!   with scales) and their byte math, the [`KvStore`] trait that host memory and every device
-//!   backend implement, and [`HostKvStore`].
+//!   backend implement, and [`HostKvStore`] (on its own heap buffers, or in memory given as a
+//!   [`HostMemory`], e.g. a shared mapping a transfer peer writes into).
 //! - Sizing: [`MemoryPlan`] computes the pool size and the default request limit as SGLang does.
 //! - Checking: [`OwnershipCheck`] proves that free pages and owned pages partition the pool;
 //!   with the `testing` feature, `kv_pool::testing::check_allocator` runs the allocator
@@ -37,6 +38,7 @@
 pub mod allocator;
 pub mod dtype;
 pub mod error;
+pub mod host_memory;
 pub mod ids;
 pub mod layout;
 pub mod memory_plan;
@@ -52,6 +54,7 @@ pub use allocator::{
     TokenAllocator,
 };
 pub use error::{KvPoolError, Result};
+pub use host_memory::HostMemory;
 pub use ids::{ceil_to_page, floor_to_page, slots_as_u32, u32_as_slots, Page, ReqRow, Slot};
 pub use layout::{KvBuffer, KvDtype, KvKind, KvLayout, KvShape};
 pub use memory_plan::{MemoryPlan, MemoryPlanInput, RequestLimitRule};

@@ -43,6 +43,7 @@ use std::fmt;
 
 use crate::dtype::{decode_to_f32, encode_f32};
 use crate::error::{KvPoolError, Result};
+use crate::host_memory::{Buffers, HostMemory};
 use crate::ids::{Page, Slot};
 use crate::layout::{KvBuffer, KvKind, KvLayout};
 
@@ -350,7 +351,8 @@ fn for_each_run(slots: &[Slot], mut f: impl FnMut(usize, usize, usize)) {
 const SCRATCH_KEEP_BYTES: usize = 16 << 20;
 
 /// A [`KvStore`] in host memory: per layer, per buffer, one zeroed `Vec<u8>` of
-/// `layout.rows() × row_bytes` bytes.
+/// `layout.rows() × row_bytes` bytes, or the same buffers back to back in memory given to
+/// [`HostKvStore::with_memory`] (a [`HostMemory`]).
 ///
 /// The buffers are allocated once and never reallocated, so the addresses of
 /// [`memory_regions`](KvStore::memory_regions) stay valid for the store's life (moving the store
@@ -359,8 +361,8 @@ const SCRATCH_KEEP_BYTES: usize = 16 << 20;
 #[derive(Clone)]
 pub struct HostKvStore {
     layout: KvLayout,
-    /// Buffer `b` (its index in `shape.buffers()`) of layer `l` is `data[l × nbuf + b]`.
-    data: Vec<Vec<u8>>,
+    /// Buffer `b` (its index in `shape.buffers()`) of layer `l` is `data.get(l × nbuf + b)`.
+    data: Buffers,
     /// Per layer `(k_scale, v_scale)`.
     scales: Vec<(f32, f32)>,
     /// Staging rows for `copy_slots`, reused across calls.
@@ -371,29 +373,32 @@ impl HostKvStore {
     /// Allocates a zeroed store for `layout`, scales 1.0. Memory that cannot be reserved is
     /// [`KvPoolError::HostOutOfMemory`] with the store's total size, instead of an abort.
     pub fn new(layout: KvLayout) -> Result<Self> {
-        let oom = || KvPoolError::HostOutOfMemory {
-            bytes: layout.total_bytes(),
-        };
-        let buffers = layout.shape.buffers();
-        let layers = layout.shape.layers as usize;
-        let mut data = Vec::new();
-        data.try_reserve_exact(layers * buffers.len())
-            .map_err(|_| oom())?;
-        for _ in 0..layers {
-            for &b in buffers {
-                let len = layout.buffer_bytes(b);
-                let mut v: Vec<u8> = Vec::new();
-                v.try_reserve_exact(len).map_err(|_| oom())?;
-                v.resize(len, 0);
-                data.push(v);
-            }
-        }
-        Ok(HostKvStore {
+        let data = Buffers::heap(&layout)?;
+        Ok(Self::over(layout, data))
+    }
+
+    /// A zeroed store for `layout` (scales 1.0) that lives in `mem` instead of its own heap
+    /// buffers: the buffers lie back to back from `mem`'s first byte, layer-major, buffers in
+    /// canonical order (the PD decode server's store, in a shared mapping a transfer peer writes
+    /// into). Memory shorter than `layout.total_bytes()` is [`KvPoolError::MemoryTooSmall`].
+    /// Behaves byte for byte as [`HostKvStore::new`]'s store; `Clone` copies it to the heap.
+    pub fn with_memory(layout: KvLayout, mem: Box<dyn HostMemory>) -> Result<Self> {
+        let data = Buffers::foreign(&layout, mem)?;
+        Ok(Self::over(layout, data))
+    }
+
+    fn over(layout: KvLayout, data: Buffers) -> Self {
+        HostKvStore {
             layout,
             data,
-            scales: vec![(1.0, 1.0); layers],
+            scales: vec![(1.0, 1.0); layout.shape.layers as usize],
             scratch: Vec::new(),
-        })
+        }
+    }
+
+    /// Whether the bytes live in memory given to [`HostKvStore::with_memory`].
+    pub fn is_foreign_memory(&self) -> bool {
+        self.data.is_foreign()
     }
 
     /// Borrows one layer's `buffer` as raw store bytes: `layout.rows() × row_bytes(buffer)`
@@ -405,7 +410,7 @@ impl HostKvStore {
     pub fn layer_buffer(&self, layer: usize, buffer: KvBuffer) -> Result<&[u8]> {
         check::layer(&self.layout, layer)?;
         check::buffer(&self.layout, buffer)?;
-        Ok(&self.data[self.index(layer, buffer)])
+        Ok(self.data.get(self.index(layer, buffer)))
     }
 
     /// Index into `data` of a validated layer and buffer.
@@ -436,7 +441,7 @@ impl HostKvStore {
         let bytes = self.layout.shape.row_bytes(buffer);
         let scale = self.scale_of(layer, buffer);
         let idx = self.index(layer, buffer);
-        let buf = &mut self.data[idx];
+        let buf = self.data.get_mut(idx);
         for_each_run(slots, |i, first, len| {
             encode_f32(
                 dtype,
@@ -499,7 +504,7 @@ impl KvStore for HostKvStore {
         check::raw(&self.layout, layer, buffer, slots, "bytes", bytes.len())?;
         let rb = self.layout.shape.row_bytes(buffer);
         let idx = self.index(layer, buffer);
-        let buf = &mut self.data[idx];
+        let buf = self.data.get_mut(idx);
         for_each_run(slots, |i, first, len| {
             buf[first * rb..(first + len) * rb].copy_from_slice(&bytes[i * rb..(i + len) * rb]);
         });
@@ -518,7 +523,7 @@ impl KvStore for HostKvStore {
         let elems = self.layout.shape.row_elems(buffer);
         let rb = self.layout.shape.row_bytes(buffer);
         let scale = self.scale_of(layer, buffer);
-        let buf = &self.data[self.index(layer, buffer)];
+        let buf = self.data.get(self.index(layer, buffer));
         for_each_run(slots, |i, first, len| {
             decode_to_f32(
                 dtype,
@@ -539,7 +544,7 @@ impl KvStore for HostKvStore {
     ) -> Result<()> {
         check::raw(&self.layout, layer, buffer, slots, "out", out.len())?;
         let rb = self.layout.shape.row_bytes(buffer);
-        let buf = &self.data[self.index(layer, buffer)];
+        let buf = self.data.get(self.index(layer, buffer));
         for_each_run(slots, |i, first, len| {
             out[i * rb..(i + len) * rb].copy_from_slice(&buf[first * rb..(first + len) * rb]);
         });
@@ -566,7 +571,7 @@ impl KvStore for HostKvStore {
             for &b in shape.buffers() {
                 let rb = shape.row_bytes(b);
                 let idx = self.index(layer, b);
-                let buf = &mut self.data[idx];
+                let buf = self.data.get_mut(idx);
                 let stage = &mut scratch[..src.len() * rb];
                 // Gather every source row first, then scatter: overlapping sets see old rows.
                 for_each_run(src, |i, first, len| {
@@ -591,8 +596,9 @@ impl KvStore for HostKvStore {
         let mut chunks = out.chunks_exact_mut(self.layout.page_bytes().max(1));
         for (&page, chunk) in pages.iter().zip(&mut chunks) {
             let mut off = 0;
-            for buf in &self.data {
+            for i in 0..self.data.count() {
                 // `data` is ordered layer-major, buffers in canonical order: exactly the format.
+                let buf = self.data.get(i);
                 let n = buf.len() / self.layout.rows() * p;
                 let start = page.index() * n;
                 chunk[off..off + n].copy_from_slice(&buf[start..start + n]);
@@ -609,7 +615,8 @@ impl KvStore for HostKvStore {
         let chunks = data.chunks_exact(self.layout.page_bytes().max(1));
         for (&page, chunk) in pages.iter().zip(chunks) {
             let mut off = 0;
-            for buf in &mut self.data {
+            for i in 0..self.data.count() {
+                let buf = self.data.get_mut(i);
                 let n = buf.len() / rows * p;
                 let start = page.index() * n;
                 buf[start..start + n].copy_from_slice(&chunk[off..off + n]);
@@ -621,10 +628,10 @@ impl KvStore for HostKvStore {
 
     fn memory_regions(&self) -> Vec<MemoryRegion> {
         let shape = &self.layout.shape;
-        let mut regions = Vec::with_capacity(self.data.len());
+        let mut regions = Vec::with_capacity(self.data.count());
         for &b in shape.buffers() {
             for layer in 0..shape.layers as usize {
-                let buf = &self.data[self.index(layer, b)];
+                let buf = self.data.get(self.index(layer, b));
                 regions.push(MemoryRegion {
                     layer,
                     buffer: b,
@@ -1010,6 +1017,125 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Random slots, with repeats, from the whole store (padding row included).
+    fn random_slots(layout: KvLayout, n: usize, seed: &mut SplitMix64) -> Vec<Slot> {
+        (0..n)
+            .map(|_| Slot(seed.below(layout.rows()) as u32))
+            .collect()
+    }
+
+    /// One random mutation, applied to both stores (valid or not: both must answer alike).
+    fn random_op(stores: [&mut HostKvStore; 2], seed: &mut SplitMix64) {
+        let layout = *stores[0].layout();
+        let shape = layout.shape;
+        let layer = seed.below(shape.layers as usize + 1); // sometimes out of range
+        let n = 1 + seed.below(6);
+        let ss = random_slots(layout, n, seed);
+        let op = seed.below(5);
+        let results: Vec<Result<()>> = match op {
+            0 => {
+                let k = values(shape.dtype, n * shape.row_elems(KvBuffer::Key), 1.0, seed);
+                let v = values(shape.dtype, n * shape.row_elems(KvBuffer::Value), 1.0, seed);
+                stores.map(|s| s.write_kv(layer, &ss, &k, &v)).into()
+            }
+            1 => {
+                let b = shape.buffers()[seed.below(shape.buffers().len())];
+                let bytes = random_bytes(n * shape.row_bytes(b), seed);
+                stores.map(|s| s.write_raw(layer, b, &ss, &bytes)).into()
+            }
+            2 => {
+                let dst = random_slots(layout, n, seed);
+                stores.map(|s| s.copy_slots(&ss, &dst)).into()
+            }
+            3 => {
+                let pages: Vec<Page> = (0..1 + seed.below(3))
+                    .map(|_| Page(1 + seed.below(layout.pages()) as u32))
+                    .collect();
+                let data = random_bytes(pages.len() * layout.page_bytes(), seed);
+                stores.map(|s| s.write_pages(&pages, &data)).into()
+            }
+            _ => {
+                let (k, v) = (0.5 + seed.next_f32(), 0.5 + seed.next_f32());
+                stores.map(|s| s.set_scales(layer, k, v)).into()
+            }
+        };
+        assert_eq!(results[0], results[1], "op {op}");
+    }
+
+    #[test]
+    fn a_store_over_host_memory_behaves_byte_for_byte_as_the_heap_store() {
+        use crate::host_memory::tests::TestMemory;
+        let mut seed = SplitMix64::new(99);
+        for dtype in [KvDtype::F32, KvDtype::Fp8E4m3] {
+            for shape in shapes(dtype) {
+                for page_size in [1u32, 4] {
+                    let layout = KvLayout::new(shape, page_size, 6 * page_size as usize).unwrap();
+                    let mut heap = HostKvStore::new(layout).unwrap();
+                    // One spare byte, dirty memory: the store zeroes what it uses.
+                    let mem = TestMemory::new(layout.total_bytes() + 1, 0xa5);
+                    let base = mem.0.as_ptr() as usize;
+                    let mut foreign = HostKvStore::with_memory(layout, Box::new(mem)).unwrap();
+                    assert!(foreign.is_foreign_memory() && !heap.is_foreign_memory());
+                    assert_eq!(dump(&heap), dump(&foreign));
+                    for _ in 0..200 {
+                        random_op([&mut heap, &mut foreign], &mut seed);
+                        assert_eq!(dump(&heap), dump(&foreign), "{shape} P={page_size}");
+                    }
+                    // The regions tile the memory from its first byte, in store order.
+                    let regions = foreign.memory_regions();
+                    assert_eq!(regions.len(), heap.memory_regions().len());
+                    let mut spans: Vec<(usize, usize)> = regions
+                        .iter()
+                        .map(|r| (r.addr - base, r.len_bytes))
+                        .collect();
+                    spans.sort();
+                    let mut end = 0;
+                    for (off, len) in spans {
+                        assert_eq!(off, end);
+                        end += len;
+                    }
+                    assert_eq!(end, layout.total_bytes());
+                    // Reading through `layer_buffer` sees the same rows.
+                    let b = shape.buffers()[0];
+                    assert_eq!(
+                        heap.layer_buffer(0, b).unwrap(),
+                        foreign.layer_buffer(0, b).unwrap()
+                    );
+                    // Clone copies to the heap: a separate, equal store.
+                    let mut copy = foreign.clone();
+                    assert!(!copy.is_foreign_memory());
+                    assert_eq!(dump(&copy), dump(&foreign));
+                    let all = slots(0..layout.rows());
+                    let ones = vec![1u8; all.len() * shape.row_bytes(b)];
+                    copy.write_raw(0, b, &all, &ones).unwrap();
+                    assert_eq!(dump(&heap), dump(&foreign));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn memory_shorter_than_the_layout_is_refused() {
+        use crate::host_memory::tests::TestMemory;
+        let layout = KvLayout::new(shapes(KvDtype::F16)[0], 4, 16).unwrap();
+        let got = layout.total_bytes() - 1;
+        let err = HostKvStore::with_memory(layout, Box::new(TestMemory::new(got, 0))).unwrap_err();
+        assert_eq!(
+            err,
+            KvPoolError::MemoryTooSmall {
+                needed: layout.total_bytes(),
+                got
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the KV store needs {} bytes of memory, the memory given has {got}",
+                got + 1
+            )
+        );
     }
 
     #[test]

@@ -30,13 +30,26 @@
 //! Above kv-pool (regions, pages), beside the scheduler; the engine composes it with the
 //! scheduler into prefill and decode servers.
 
+pub mod backends;
+mod batch;
+pub mod bench;
 pub mod coalesce;
 pub mod engine;
 pub mod error;
-pub mod pd;
+#[cfg(feature = "fake")]
+pub mod fake;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+pub mod pd;
+mod region;
+#[cfg(all(feature = "shm", target_os = "linux"))]
+pub mod shm;
+#[cfg(feature = "tcp")]
+pub mod tcp;
+#[cfg(feature = "testing")]
+pub mod testing;
 
+pub use backends::{new_engine, TransferConfig};
 pub use engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
     TransferBlock, TransferEngine,

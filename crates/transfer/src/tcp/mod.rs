@@ -1,0 +1,258 @@
+//! The `tcp` backend: framed, checksummed writes over several TCP streams per peer (loopback or
+//! network).
+//!
+//! - The receiving side listens on `host:0`; that address is its segment's `endpoint`
+//!   ([`recv`]). Each connection's frames land straight in the registered destination (the
+//!   receiver bounds-checks every frame against its own registration and never trusts the
+//!   header), and each frame is acked or nacked ([`wire`]).
+//! - `open_segment` opens `streams` connections ([`send`]); `submit` splits blocks into frames
+//!   of at most [`wire::FRAME_MAX`] bytes and spreads them over the streams by bytes. A batch
+//!   is `Done` when every frame is acked; a nack (`Corrupted`), an I/O error or a closed
+//!   connection fails every batch with frames outstanding on that stream: never a hang.
+//! - Registered memory is touched only under the engine's region lock after checking that the
+//!   engine is alive, so no task reads or writes it once the engine has dropped.
+
+mod recv;
+mod send;
+mod wire;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use async_trait::async_trait;
+use kv_pool::MemoryRegion;
+use tokio::task::AbortHandle;
+
+use crate::backends::TransferConfig;
+use crate::batch::{BatchState, BatchTable};
+use crate::engine::{
+    BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
+    TransferBlock, TransferEngine,
+};
+use crate::error::{Result, TransferError};
+use crate::region::{check_backend, check_blocks, RegionTable};
+use send::{Frame, Job, Stream};
+
+/// The `tcp` engine (see the module docs). Dropping it stops its listener and every
+/// connection; batches in flight fail.
+#[derive(Debug)]
+pub struct TcpEngine {
+    inner: Arc<Inner>,
+}
+
+/// What the engine's tasks share.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    cfg: TransferConfig,
+    endpoint: String,
+    regions: RwLock<RegionTable>,
+    segments: Mutex<HashMap<u64, Arc<Segment>>>,
+    next_segment: AtomicU64,
+    batches: BatchTable,
+    /// Frames sent so far (the `corrupt_frame` hook counts them from 0).
+    frames_sent: AtomicU64,
+    /// Every task the engine started, aborted when it drops.
+    tasks: Mutex<Vec<AbortHandle>>,
+}
+
+/// An opened peer segment.
+#[derive(Debug)]
+struct Segment {
+    regions: Vec<RemoteRegion>,
+    streams: Vec<Arc<Stream>>,
+}
+
+impl Inner {
+    /// Spawns a task the engine aborts when it drops.
+    fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) -> AbortHandle {
+        let handle = tokio::spawn(fut).abort_handle();
+        let mut tasks = self.tasks.lock().unwrap();
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(handle.clone());
+        handle
+    }
+}
+
+impl TcpEngine {
+    /// Binds the receive listener on `cfg.host:0` and starts accepting. Must be called inside a
+    /// tokio runtime.
+    pub fn new(cfg: &TransferConfig) -> Result<Self> {
+        let listener = std::net::TcpListener::bind((cfg.host.as_str(), 0))
+            .map_err(|e| TransferError::io(format!("binding {}:0", cfg.host), &e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| TransferError::io("setting the listener non-blocking", &e))?;
+        let endpoint = listener
+            .local_addr()
+            .map_err(|e| TransferError::io("reading the listener's address", &e))?
+            .to_string();
+        let _rt = tokio::runtime::Handle::try_current().map_err(|_| TransferError::Io {
+            context: "starting the tcp transfer engine".into(),
+            message: "must be called inside a tokio runtime".into(),
+        })?;
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .map_err(|e| TransferError::io("registering the listener with tokio", &e))?;
+        let inner = Arc::new(Inner {
+            cfg: cfg.clone(),
+            endpoint,
+            regions: RwLock::new(RegionTable::default()),
+            segments: Mutex::new(HashMap::new()),
+            next_segment: AtomicU64::new(0),
+            batches: BatchTable::default(),
+            frames_sent: AtomicU64::new(0),
+            tasks: Mutex::new(Vec::new()),
+        });
+        inner.spawn(recv::accept_loop(inner.clone(), listener));
+        Ok(TcpEngine { inner })
+    }
+
+    /// The receive listener's `ip:port`.
+    pub fn endpoint(&self) -> &str {
+        &self.inner.endpoint
+    }
+}
+
+impl Drop for TcpEngine {
+    fn drop(&mut self) {
+        // From here on no task touches registered memory (they check `closed` under the lock).
+        self.inner.regions.write().unwrap().closed = true;
+        let segments: Vec<_> = self.inner.segments.lock().unwrap().drain().collect();
+        for (_, seg) in segments {
+            for s in &seg.streams {
+                s.kill(s.unreachable("the sending engine was dropped"));
+            }
+        }
+        for t in self.inner.tasks.lock().unwrap().drain(..) {
+            t.abort();
+        }
+    }
+}
+
+/// Splits `blocks` (with their source addresses) into frames and spreads them over `n`
+/// streams, each frame to the stream with the fewest bytes so far.
+fn frames_by_stream(blocks: &[TransferBlock], src: &[usize], n: usize) -> Vec<Vec<Frame>> {
+    let mut out: Vec<Vec<Frame>> = (0..n).map(|_| Vec::new()).collect();
+    let mut bytes = vec![0u64; n];
+    for (b, &addr) in blocks.iter().zip(src) {
+        let mut off = 0;
+        while off < b.len {
+            let len = (b.len - off).min(wire::FRAME_MAX);
+            let i = (0..n).min_by_key(|&i| bytes[i]).unwrap_or(0);
+            out[i].push(Frame {
+                src: addr + off as usize,
+                len,
+                dst_region: b.dst_region,
+                dst_offset: b.dst_offset + off,
+            });
+            bytes[i] += len;
+            off += len;
+        }
+    }
+    out
+}
+
+#[async_trait]
+impl TransferEngine for TcpEngine {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Tcp
+    }
+
+    unsafe fn register(&self, regions: &[MemoryRegion]) -> Result<Vec<RegionId>> {
+        let mut table = self.inner.regions.write().unwrap();
+        let new = table.check_new(regions)?;
+        Ok(table.push(new))
+    }
+
+    fn segment(&self) -> SegmentDesc {
+        let table = self.inner.regions.read().unwrap();
+        SegmentDesc {
+            backend: BackendKind::Tcp,
+            endpoint: self.inner.endpoint.clone(),
+            regions: table
+                .all()
+                .iter()
+                .map(|r| RemoteRegion {
+                    len: r.len,
+                    base: 0,
+                })
+                .collect(),
+            metadata: Vec::new(),
+        }
+    }
+
+    async fn open_segment(&self, desc: &SegmentDesc) -> Result<SegmentId> {
+        check_backend(desc, BackendKind::Tcp)?;
+        let mut streams = Vec::new();
+        for _ in 0..self.inner.cfg.streams.max(1) {
+            match Stream::connect(&self.inner, &desc.endpoint).await {
+                Ok(s) => streams.push(s),
+                Err(e) => {
+                    for s in &streams {
+                        s.kill(e.clone());
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let id = self.inner.next_segment.fetch_add(1, Ordering::Relaxed) + 1;
+        let seg = Segment {
+            regions: desc.regions.clone(),
+            streams,
+        };
+        self.inner
+            .segments
+            .lock()
+            .unwrap()
+            .insert(id, Arc::new(seg));
+        Ok(SegmentId(id))
+    }
+
+    async fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        let seg = self
+            .inner
+            .segments
+            .lock()
+            .unwrap()
+            .remove(&segment.0)
+            .ok_or(TransferError::UnknownSegment(segment))?;
+        for s in &seg.streams {
+            s.kill(s.unreachable("the segment was closed"));
+        }
+        Ok(())
+    }
+
+    async fn submit(&self, segment: SegmentId, blocks: Vec<TransferBlock>) -> Result<BatchId> {
+        let seg = self
+            .inner
+            .segments
+            .lock()
+            .unwrap()
+            .get(&segment.0)
+            .cloned()
+            .ok_or(TransferError::UnknownSegment(segment))?;
+        let src = check_blocks(&self.inner.regions.read().unwrap(), &seg.regions, &blocks)?;
+        let per_stream = frames_by_stream(&blocks, &src, seg.streams.len());
+        let total: usize = per_stream.iter().map(Vec::len).sum();
+        let state = BatchState::new(total as u64);
+        let id = self.inner.batches.insert(state.clone());
+        for (stream, frames) in seg.streams.iter().zip(per_stream) {
+            if !frames.is_empty() {
+                stream.enqueue(Job {
+                    batch: id.0,
+                    state: state.clone(),
+                    frames,
+                });
+            }
+        }
+        Ok(id)
+    }
+
+    fn poll(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.inner.batches.poll(batch)
+    }
+
+    async fn wait(&self, batch: BatchId) -> Result<()> {
+        self.inner.batches.wait(batch).await
+    }
+}
