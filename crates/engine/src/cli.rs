@@ -412,6 +412,40 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    #[command(flatten)]
+    pub disaggregation: DisaggregationArgs,
+}
+
+/// PD disaggregation flags of `serve` (SGLang's names and defaults; the timeouts also read
+/// SGLang's environment variables).
+#[derive(Debug, Clone, Args)]
+pub struct DisaggregationArgs {
+    /// This server's role: null (prefill and decode), prefill, or decode.
+    #[arg(long, default_value = "null", help_heading = "PD disaggregation")]
+    pub disaggregation_mode: String,
+    /// How KV moves from prefill to decode: tcp, shm (both servers on one host), nixl, fake
+    /// (moves nothing: warm-up and tests of the protocol). Both servers must agree.
+    #[arg(long, default_value = "tcp", help_heading = "PD disaggregation")]
+    pub disaggregation_transfer_backend: String,
+    /// Prefill: the port of the bootstrap server decode servers handshake with.
+    #[arg(long, default_value_t = 8998, help_heading = "PD disaggregation")]
+    pub disaggregation_bootstrap_port: u16,
+    /// Prefill: seconds a request may wait for its decode server's handshake.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, env = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", help_heading = "PD disaggregation")]
+    pub disaggregation_bootstrap_timeout: f64,
+    /// Decode: seconds a request may wait for its KV.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, env = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", help_heading = "PD disaggregation")]
+    pub disaggregation_waiting_timeout: f64,
+    /// Decode: seconds between health checks of each prefill server.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5.0, env = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", help_heading = "PD disaggregation")]
+    pub disaggregation_heartbeat_interval: f64,
+    /// Decode: failed health checks in a row after which a prefill server's requests fail.
+    #[arg(long, value_name = "N", default_value_t = 2, env = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", help_heading = "PD disaggregation")]
+    pub disaggregation_heartbeat_max_failures: u32,
+    /// Test hook: the tcp backend corrupts its N-th frame after checksumming it (counting from
+    /// 1), so tests see a corrupted transfer fail cleanly.
+    #[arg(long, value_name = "N", hide = true)]
+    pub disaggregation_test_corrupt_frame: Option<u64>,
 }
 
 /// Flags of `kvserve bench`, named after SGLang's server and bench_serving arguments.

@@ -25,8 +25,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use model::SamplingParams;
-use scheduler::{Executor, FinishReason, ReqId, SamplingLimits, Scheduler};
+use scheduler::{Executor, FinishReason, FinishedReq, ReqId, SamplingLimits, Scheduler};
 
+use crate::disagg::PdSide;
 use crate::engine_metrics::EngineMetrics;
 use crate::setup::ModelExecutor;
 
@@ -47,6 +48,9 @@ pub struct GenerateRequest {
     /// The prefix-cache namespace (SGLang's `extra_key`): requests share cached prefixes only
     /// with requests of the same key, and requests without one only with each other.
     pub extra_key: Option<String>,
+    /// PD disaggregation: where the request's prefill server bootstraps and its room (SGLang's
+    /// `bootstrap_host`, `bootstrap_port`, `bootstrap_room`); `None` on a `null`-mode server.
+    pub bootstrap: Option<crate::disagg::Bootstrap>,
 }
 
 /// What a request's stream carries.
@@ -108,10 +112,23 @@ impl Iterator for RequestStream {
     }
 }
 
-struct Submission {
-    request: GenerateRequest,
-    events: Sender<Event>,
-    cancel: Arc<AtomicBool>,
+/// A request as it reaches the loop: what to run and where its events go.
+pub(crate) struct Submission {
+    pub(crate) request: GenerateRequest,
+    pub(crate) events: Sender<Event>,
+    pub(crate) cancel: Arc<AtomicBool>,
+}
+
+impl Submission {
+    /// Whether the client went away or cancelled.
+    pub(crate) fn abandoned(&self) -> bool {
+        self.events.is_closed() || self.cancel.load(Ordering::Relaxed)
+    }
+
+    /// Refuses the request with `message`.
+    pub(crate) fn reject(self, message: impl Into<String>) {
+        let _ = self.events.send(Event::Rejected(message.into()));
+    }
 }
 
 enum Command {
@@ -142,6 +159,8 @@ pub struct EngineInfo {
     pub cached_tokens: usize,
     /// Tokens generated since start.
     pub output_tokens: usize,
+    /// A prefill or decode server's PD queues and transfer counters.
+    pub disaggregation: Option<serde_json::Value>,
 }
 
 /// A handle to a running engine loop.
@@ -152,23 +171,33 @@ pub struct EngineHandle {
     metrics: Arc<EngineMetrics>,
 }
 
-struct Live {
+/// A request the scheduler knows, and its client.
+pub(crate) struct Live {
     events: Sender<Event>,
     cancel: Arc<AtomicBool>,
     sent: usize,
     start: Instant,
 }
 
+/// The live requests, by id.
+pub(crate) type LiveMap = HashMap<ReqId, Live>;
+
 impl EngineHandle {
     /// Starts the loop on its own thread, owning `scheduler` and `exec`.
     pub fn start(scheduler: Scheduler, exec: ModelExecutor) -> Self {
+        Self::start_with(scheduler, exec, None)
+    }
+
+    /// Starts the loop of a prefill or decode server: `pd` takes the requests that carry
+    /// bootstrap fields through SGLang's PD queues.
+    pub fn start_with(scheduler: Scheduler, exec: ModelExecutor, pd: Option<PdSide>) -> Self {
         let (inbox, commands) = mpsc::channel();
         let metrics = Arc::new(EngineMetrics::default());
         metrics.publish(&scheduler);
         let m = metrics.clone();
         let thread = std::thread::Builder::new()
             .name("kvserve-engine".into())
-            .spawn(move || run(scheduler, exec, commands, &m))
+            .spawn(move || run(scheduler, exec, commands, &m, pd))
             .expect("spawn the engine thread");
         EngineHandle {
             inbox,
@@ -246,8 +275,8 @@ impl Drop for EngineHandle {
     }
 }
 
-fn info(s: &Scheduler) -> EngineInfo {
-    let idle = s.is_idle();
+fn info(s: &Scheduler, pd: Option<&PdSide>) -> EngineInfo {
+    let idle = s.is_idle() && pd.is_none_or(|p| !p.has_work());
     EngineInfo {
         waiting: s.num_waiting(),
         running: s.num_running(),
@@ -259,23 +288,36 @@ fn info(s: &Scheduler) -> EngineInfo {
         prompt_tokens: s.stats.prompt_tokens,
         cached_tokens: s.stats.cached_tokens,
         output_tokens: s.stats.output_tokens,
+        disaggregation: pd.map(|p| p.info(s)),
     }
 }
+
+/// How long the loop sleeps between polls of PD work (handshakes, transfers) when the
+/// scheduler has nothing to run.
+const PD_POLL_INTERVAL: Duration = Duration::from_millis(1);
 
 fn run(
     mut s: Scheduler,
     mut exec: ModelExecutor,
     commands: Receiver<Command>,
     metrics: &EngineMetrics,
+    mut pd: Option<PdSide>,
 ) {
-    let mut live: HashMap<ReqId, Live> = HashMap::new();
+    let mut live: LiveMap = HashMap::new();
     loop {
         metrics.publish(&s);
-        // Idle: block for work. Busy: take what is there and go on stepping.
+        // Idle: block for work. Waiting on PD peers: wake often to poll them. Busy: take what
+        // is there and go on stepping.
+        let pd_work = pd.as_ref().is_some_and(PdSide::has_work);
         let mut next = if s.is_idle() {
-            match commands.recv_timeout(Duration::from_secs(3600)) {
+            let wait = if pd_work {
+                PD_POLL_INTERVAL
+            } else {
+                Duration::from_secs(3600)
+            };
+            match commands.recv_timeout(wait) {
                 Ok(c) => Some(c),
-                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Timeout) => None,
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         } else {
@@ -283,9 +325,12 @@ fn run(
         };
         while let Some(cmd) = next.take() {
             match cmd {
-                Command::Submit(sub) => submit(&mut s, &mut exec, &mut live, *sub),
+                Command::Submit(sub) => match &mut pd {
+                    Some(p) if sub.request.bootstrap.is_some() => p.submit(&mut s, *sub),
+                    _ => submit(&mut s, &mut exec, &mut live, *sub),
+                },
                 Command::Flush(reply) => {
-                    let r = if s.is_idle() {
+                    let r = if s.is_idle() && !pd_work {
                         s.flush_cache().map_err(|e| e.to_string())
                     } else {
                         Err("requests are running; flush when idle".into())
@@ -293,31 +338,36 @@ fn run(
                     let _ = reply.send(r);
                 }
                 Command::Info(reply) => {
-                    let _ = reply.send(info(&s));
+                    let _ = reply.send(info(&s, pd.as_ref()));
                 }
                 Command::Shutdown => {
+                    if let Some(p) = &mut pd {
+                        p.shutdown(&mut s);
+                    }
                     let ids: Vec<ReqId> = live.keys().copied().collect();
                     for id in ids {
                         let _ = s.abort(id, "the server is shutting down");
                     }
-                    deliver(&mut s, &mut exec, &mut live);
+                    deliver(&mut s, &mut exec, &mut live, None);
                     return;
                 }
             }
             next = commands.try_recv().ok();
         }
-        if s.is_idle() {
-            continue;
+        if let Some(p) = &mut pd {
+            p.before_step(&mut s, &mut exec, &mut live);
         }
-        metrics.publish(&s);
-        if let Err(e) = step(&mut s, &mut exec) {
-            // A failed step is a bug; fail every request rather than hang them.
-            for (_, l) in live.drain() {
-                let _ = l.events.send(Event::Rejected(format!("engine error: {e}")));
+        if !s.is_idle() {
+            metrics.publish(&s);
+            if let Err(e) = step(&mut s, &mut exec) {
+                // A failed step is a bug; fail every request rather than hang them.
+                for (_, l) in live.drain() {
+                    let _ = l.events.send(Event::Rejected(format!("engine error: {e}")));
+                }
+                return;
             }
-            return;
         }
-        deliver(&mut s, &mut exec, &mut live);
+        deliver(&mut s, &mut exec, &mut live, pd.as_mut());
     }
 }
 
@@ -326,10 +376,41 @@ fn step(s: &mut Scheduler, exec: &mut ModelExecutor) -> Result<(), String> {
     s.step(exec).map(|_| ()).map_err(|e| e.to_string())
 }
 
-fn submit(
+/// The scheduler's limits for `req` (`ignore_eos`, SGLang's meaning, ignores only EOS: the
+/// server leaves EOS out of the stop ids of such a request, so the scheduler stops on exactly
+/// the ids it is given).
+pub(crate) fn limits_of(req: &GenerateRequest) -> SamplingLimits {
+    SamplingLimits {
+        max_new_tokens: req.max_new_tokens,
+        ignore_eos: false,
+        stop_token_ids: req.sampling.stop_token_ids.clone(),
+    }
+}
+
+fn submit(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut LiveMap, sub: Submission) {
+    if let Err(e) = sub.request.sampling.validate() {
+        sub.reject(e.to_string());
+        return;
+    }
+    let req = &sub.request;
+    match s.add_request(
+        req.input_ids.clone(),
+        limits_of(req),
+        req.priority,
+        req.extra_key.clone(),
+    ) {
+        Ok(id) => track(s, exec, live, id, sub),
+        Err(e) => sub.reject(e.to_string()),
+    }
+}
+
+/// Gives the scheduler's new request `id` its sampling and its client; a request whose
+/// sampling the executor refuses is aborted and rejected.
+pub(crate) fn track(
     s: &mut Scheduler,
     exec: &mut ModelExecutor,
-    live: &mut HashMap<ReqId, Live>,
+    live: &mut LiveMap,
+    id: ReqId,
     sub: Submission,
 ) {
     let Submission {
@@ -337,51 +418,36 @@ fn submit(
         events,
         cancel,
     } = sub;
-    // `ignore_eos` (SGLang's meaning) ignores only EOS: the server leaves EOS out of the stop
-    // ids of such a request, so the scheduler stops on exactly the ids it is given.
-    let limits = SamplingLimits {
-        max_new_tokens: req.max_new_tokens,
-        ignore_eos: false,
-        stop_token_ids: req.sampling.stop_token_ids.clone(),
-    };
-    if let Err(e) = req.sampling.validate() {
+    if let Err(e) = exec.register(id, req.input_ids, req.sampling) {
+        let _ = s.abort(id, "invalid sampling parameters");
+        s.take_finished();
         let _ = events.send(Event::Rejected(e.to_string()));
         return;
     }
-    match s.add_request(
-        req.input_ids.clone(),
-        limits,
-        req.priority,
-        req.extra_key.clone(),
-    ) {
-        Ok(id) => {
-            if let Err(e) = exec.register(id, req.input_ids, req.sampling) {
-                let _ = s.abort(id, "invalid sampling parameters");
-                s.take_finished();
-                let _ = events.send(Event::Rejected(e.to_string()));
-                return;
-            }
-            live.insert(
-                id,
-                Live {
-                    events,
-                    cancel,
-                    sent: 0,
-                    start: Instant::now(),
-                },
-            );
-        }
-        Err(e) => {
-            let _ = events.send(Event::Rejected(e.to_string()));
-        }
-    }
+    live.insert(
+        id,
+        Live {
+            events,
+            cancel,
+            sent: 0,
+            start: Instant::now(),
+        },
+    );
 }
 
 /// Sends every live request its new tokens, finishes what finished, and aborts requests whose
-/// client went away or that were cancelled.
-fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId, Live>) {
+/// client went away or that were cancelled. With `pd`, requests in PD queues are aborted
+/// through it (their KV may still be moving) and it keeps finished requests whose KV is still
+/// being sent, finishing them when their transfer ends.
+fn deliver(
+    s: &mut Scheduler,
+    exec: &mut ModelExecutor,
+    live: &mut LiveMap,
+    mut pd: Option<&mut PdSide>,
+) {
     let mut gone = Vec::new();
     let mut cancelled = Vec::new();
+    let stream_tokens = !pd.as_deref().is_some_and(PdSide::answers_at_the_end);
     for (&id, l) in live.iter_mut() {
         if l.cancel.load(Ordering::Relaxed) {
             cancelled.push(id);
@@ -393,7 +459,9 @@ fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId
             gone.push(id);
             continue;
         }
-        let Some(r) = s.request(id) else { continue };
+        let Some(r) = s.request(id).filter(|_| stream_tokens) else {
+            continue;
+        };
         let out = r.output_ids();
         if out.len() > l.sent {
             if l.events
@@ -405,31 +473,53 @@ fn deliver(s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut HashMap<ReqId
             l.sent = out.len();
         }
     }
-    for id in gone {
-        let _ = s.abort(id, "the client disconnected");
-    }
-    for id in cancelled {
-        let _ = s.abort(id, "cancelled");
-    }
-    for f in s.take_finished() {
-        exec.release(f.id);
-        let Some(l) = live.remove(&f.id) else {
-            continue;
-        };
-        if f.output_ids.len() > l.sent {
-            let _ = l
-                .events
-                .send(Event::Tokens(f.output_ids[l.sent..].to_vec()));
+    let aborts = gone
+        .into_iter()
+        .map(|id| (id, "the client disconnected"))
+        .chain(cancelled.into_iter().map(|id| (id, "cancelled")));
+    for (id, why) in aborts {
+        let taken = pd.as_deref_mut().is_some_and(|p| p.abort(s, id, why));
+        if !taken {
+            let _ = s.abort(id, why);
         }
-        let _ = l.events.send(Event::Finished(Finished {
-            id: f.id.0,
-            reason: f.reason,
-            prompt_tokens: f.prompt_tokens,
-            cached_tokens: f.cached_tokens,
-            completion_tokens: f.output_ids.len(),
-            e2e_latency_s: l.start.elapsed().as_secs_f64(),
-        }));
     }
+    let mut finished = s.take_finished();
+    if let Some(p) = pd {
+        finished.retain(|f| !p.hold(s, f));
+        finished.extend(p.after_step(s));
+    }
+    for f in finished {
+        finish(exec, live, f);
+    }
+}
+
+/// Ends a finished request's stream (its last tokens, then `Finished`).
+fn finish(exec: &mut ModelExecutor, live: &mut LiveMap, f: FinishedReq) {
+    exec.release(f.id);
+    let Some(l) = live.remove(&f.id) else {
+        return;
+    };
+    // A PD request whose KV never arrived (or could not be sent) is an error for its client,
+    // not an empty completion.
+    if let FinishReason::Abort { message } = &f.reason {
+        if l.sent == 0 && message.starts_with(crate::disagg::TRANSFER_FAILED) {
+            let _ = l.events.send(Event::Rejected(message.clone()));
+            return;
+        }
+    }
+    if f.output_ids.len() > l.sent {
+        let _ = l
+            .events
+            .send(Event::Tokens(f.output_ids[l.sent..].to_vec()));
+    }
+    let _ = l.events.send(Event::Finished(Finished {
+        id: f.id.0,
+        reason: f.reason,
+        prompt_tokens: f.prompt_tokens,
+        cached_tokens: f.cached_tokens,
+        completion_tokens: f.output_ids.len(),
+        e2e_latency_s: l.start.elapsed().as_secs_f64(),
+    }));
 }
 
 #[cfg(test)]
@@ -467,6 +557,7 @@ mod tests {
             ignore_eos: true,
             priority: 0,
             extra_key: None,
+            bootstrap: None,
         }
     }
 

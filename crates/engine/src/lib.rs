@@ -61,6 +61,7 @@ pub mod cache_sim;
 pub mod cli;
 pub mod commands;
 pub mod config_file;
+pub mod disagg;
 pub mod engine_loop;
 pub mod engine_metrics;
 pub mod error;

@@ -96,6 +96,29 @@ impl<B: Backend> ModelRunner<B> {
     /// `qk_rope_head_dim`) for DeepSeek-V2, and the model's layer count.
     pub fn new(backend: B, model: impl Into<Model<B>>, layout: KvLayout) -> Result<Self> {
         let model = model.into();
+        Self::check_layout(&model, &layout)?;
+        let store = backend.new_kv_store(layout)?;
+        Self::with_kv_store(backend, model, store)
+    }
+
+    /// A runner over a KV store the caller made (a host store in shared memory, for PD
+    /// disaggregation's `shm` transfer); its layout must match the model as for [`Self::new`].
+    pub fn with_kv_store(
+        backend: B,
+        model: impl Into<Model<B>>,
+        store: B::KvStore,
+    ) -> Result<Self> {
+        let model = model.into();
+        Self::check_layout(&model, store.layout())?;
+        Ok(ModelRunner {
+            backend,
+            model,
+            store,
+        })
+    }
+
+    /// Refuses a layout whose kind or layer count is not the model's.
+    fn check_layout(model: &Model<B>, layout: &KvLayout) -> Result<()> {
         let c = model.config();
         let want = model.kv_kind();
         if layout.shape.kind != want || layout.shape.layers as usize != c.num_hidden_layers {
@@ -107,12 +130,7 @@ impl<B: Backend> ModelRunner<B> {
                 ),
             });
         }
-        let store = backend.new_kv_store(layout)?;
-        Ok(ModelRunner {
-            backend,
-            model,
-            store,
-        })
+        Ok(())
     }
 
     /// The backend.

@@ -9,7 +9,8 @@ use crate::error::{EngineError, Result};
 use crate::runtime::async_runtime;
 use crate::server::chat::ChatPrompt;
 use crate::server::AppState;
-use crate::setup::ModelSource;
+use crate::disagg::{build_pd_side, DisaggregationMode, LocalKv, PdOptions, PdSide};
+use crate::setup::{BackendKind, ModelSource};
 
 /// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
 pub fn serve(args: &ServeArgs) -> Result<()> {
@@ -62,9 +63,36 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
     let chat = ChatPrompt::new(chat_template).map_err(|e| EngineError::Model(e.to_string()))?;
     let mut setup = args.engine.setup(config.max_position_embeddings)?;
     setup.scheduler.max_queued_requests = args.max_queued_requests;
+    let pd = PdOptions::from_args(&args.disaggregation, &args.host)?;
+    if pd.mode.is_disaggregated() && setup.backend != BackendKind::Cpu {
+        return Err(EngineError::arg(
+            "--disaggregation-mode",
+            format!(
+                "PD disaggregation moves KV from host memory; the {} backend keeps it on the device (use --backend cpu)",
+                setup.backend
+            ),
+        ));
+    }
+    if pd.mode == DisaggregationMode::Decode {
+        // Prefill servers write into the decode server's slots: in shared memory for `shm`,
+        // and freed pages sorted so consecutive slots coalesce into few transfer blocks.
+        setup.shared_kv = pd.backend == transfer::BackendKind::Shm;
+        setup.scheduler.need_sort = true;
+    }
     let context_len = setup.scheduler.context_len;
     let radix = !args.engine.disable_radix_cache;
     let (sched, exec) = crate::setup::build(&setup, radix)?;
+    let local = LocalKv {
+        model: &name,
+        page_size: setup.scheduler.page_size,
+        kv_dtype: setup.kv_dtype.name(),
+    };
+    let pd_side = build_pd_side(&pd, local, &exec)?;
+    if let Some(PdSide::Prefill(p)) = &pd_side {
+        if let Some(addr) = p.bootstrap_addr() {
+            eprintln!("kvserve: prefill bootstrap server on http://{addr}");
+        }
+    }
     // The effective settings, under SGLang's server-argument names, for /get_server_info.
     let cfg = sched.config();
     let server_args = serde_json::json!({
@@ -83,10 +111,13 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         "radix_eviction_policy": setup.eviction_policy,
         "max_queued_requests": cfg.max_queued_requests,
         "api_key_required": args.api_key.is_some(),
+        "disaggregation_mode": pd.mode.name(),
+        "disaggregation_transfer_backend": pd.backend.name(),
+        "disaggregation_bootstrap_port": pd.bootstrap_port,
     });
     Ok(Arc::new(AppState {
         server_args,
-        engine: EngineHandle::start(sched, exec),
+        engine: EngineHandle::start_with(sched, exec, pd_side),
         vocab_size: config.vocab_size,
         eos_token_ids: config.eos_token_ids.clone(),
         tokenizer,
@@ -95,5 +126,6 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         context_len,
         api_key: args.api_key.clone(),
         metrics: Default::default(),
+        disaggregation_mode: pd.mode,
     }))
 }

@@ -67,6 +67,12 @@ impl ApiError {
             Self::unavailable("queue_full", message)
         } else if message.contains("shutting down") || message.contains("engine error") {
             Self::unavailable("engine_stopped", message)
+        } else if message.starts_with(crate::disagg::TRANSFER_FAILED) {
+            ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                code: "kv_transfer_failed",
+                ..Self::bad_request("kv_transfer_failed", message)
+            }
         } else {
             Self::bad_request("invalid_value", message)
         }

@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, JsonBody};
 use super::params::{
-    cache_namespace, encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields,
+    cache_namespace, encode, prepare, BootstrapFields, MaxTokens, OneOrMany, Prepared, SamplingFields,
 };
 use super::state::AppState;
 use super::stream::{sse, ChunkFormat, Generation, RequestRun};
@@ -45,6 +45,12 @@ pub struct GenerateBody {
     rid: Option<Value>,
     #[serde(default)]
     extra_key: Option<String>,
+    #[serde(default)]
+    bootstrap_host: Option<String>,
+    #[serde(default)]
+    bootstrap_port: Option<u16>,
+    #[serde(default)]
+    bootstrap_room: Option<u64>,
 }
 
 /// `POST /generate`.
@@ -80,10 +86,20 @@ pub async fn generate(
         default: Some(DEFAULT_MAX_NEW_TOKENS),
     };
     let extra_key = cache_namespace(body.extra_key, "extra_key")?;
+    let bootstrap = BootstrapFields {
+        bootstrap_host: body.bootstrap_host,
+        bootstrap_port: body.bootstrap_port,
+        bootstrap_room: body.bootstrap_room,
+    }
+    .resolve(s.disaggregation_mode, prompts.len())?;
     let prepared: Vec<Prepared> = prompts
         .into_iter()
-        .map(|ids| prepare(&s, ids, &fields, max, extra_key.as_deref()))
-        .collect::<Result<_, _>>()?;
+        .map(|ids| {
+            let mut p = prepare(&s, ids, &fields, max, extra_key.as_deref())?;
+            p.request.bootstrap = bootstrap.clone();
+            Ok(p)
+        })
+        .collect::<Result<_, ApiError>>()?;
     let rid = body.rid.unwrap_or(Value::Null);
     if body.stream {
         let [p] = <[Prepared; 1]>::try_from(prepared)

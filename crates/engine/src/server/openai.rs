@@ -33,7 +33,8 @@ use serde_json::{json, Map, Value};
 use super::chat::Message;
 use super::error::{ApiError, JsonBody};
 use super::params::{
-    cache_namespace, encode, prepare, MaxTokens, OneOrMany, Prepared, SamplingFields,
+    cache_namespace, encode, prepare, BootstrapFields, MaxTokens, OneOrMany, Prepared,
+    SamplingFields,
 };
 use super::state::AppState;
 use super::stream::{sse, ChunkFormat, Generation, RequestRun};
@@ -60,6 +61,9 @@ pub struct OpenAiBody {
     user: Option<String>,
     /// vLLM's prefix-cache namespace ([`cache_namespace`]).
     cache_salt: Option<String>,
+    bootstrap_host: Option<String>,
+    bootstrap_port: Option<u16>,
+    bootstrap_room: Option<u64>,
     #[serde(flatten)]
     rest: Map<String, Value>,
 }
@@ -249,6 +253,12 @@ fn jobs(
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
     let salt = cache_namespace(body.cache_salt, "cache_salt")?;
+    let bootstrap = BootstrapFields {
+        bootstrap_host: body.bootstrap_host,
+        bootstrap_port: body.bootstrap_port,
+        bootstrap_room: body.bootstrap_room,
+    }
+    .resolve(s.disaggregation_mode, prompts.len())?;
     let jobs = prompts
         .into_iter()
         .map(|(ids, text)| {
@@ -257,8 +267,10 @@ fn jobs(
                 (true, Some(t)) => Some(t),
                 (true, None) => Some(s.tokenizer.decode(&ids, true).unwrap_or_default()),
             };
+            let mut prepared = prepare(s, ids, &fields, max, salt.as_deref())?;
+            prepared.request.bootstrap = bootstrap.clone();
             Ok(Job {
-                prepared: prepare(s, ids, &fields, max, salt.as_deref())?,
+                prepared,
                 echo,
             })
         })

@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 
 use super::error::{field_error, ApiError};
 use super::state::AppState;
+use crate::disagg::{Bootstrap, DisaggregationMode};
 use crate::engine_loop::GenerateRequest;
 
 /// The most stop strings a request may give.
@@ -140,6 +141,67 @@ pub fn cache_namespace(key: Option<String>, field: &str) -> Result<Option<String
     }
 }
 
+/// SGLang's PD fields of a request body (`/generate` and the OpenAI endpoints): the router
+/// sets all three.
+#[derive(Debug, Default, Clone, Deserialize)]
+pub struct BootstrapFields {
+    /// The prefill server's host.
+    pub bootstrap_host: Option<String>,
+    /// Its bootstrap port.
+    pub bootstrap_port: Option<u16>,
+    /// The pair's room id.
+    pub bootstrap_room: Option<u64>,
+}
+
+impl BootstrapFields {
+    /// The request's [`Bootstrap`] on a server of `mode`: a prefill or decode server needs all
+    /// three fields (requests reach it through `kvserve router`) and one prompt per request; a
+    /// `null`-mode server ignores them, as SGLang's.
+    pub fn resolve(
+        self,
+        mode: DisaggregationMode,
+        prompts: usize,
+    ) -> Result<Option<Bootstrap>, ApiError> {
+        if !mode.is_disaggregated() {
+            return Ok(None);
+        }
+        let (host, port, room) = match (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room) {
+            (Some(h), Some(p), Some(r)) => (h, p, r),
+            (h, p, _) => {
+                let field = if h.is_none() {
+                    "bootstrap_host"
+                } else if p.is_none() {
+                    "bootstrap_port"
+                } else {
+                    "bootstrap_room"
+                };
+                return Err(ApiError::invalid(
+                    field,
+                    format!(
+                        "this server runs --disaggregation-mode {mode}: a request needs bootstrap_host, bootstrap_port and bootstrap_room (send it through `kvserve router --pd-disaggregation`); {field} is missing"
+                    ),
+                ));
+            }
+        };
+        if host.is_empty() || host.len() > 255 || host.chars().any(|c| c.is_whitespace() || c == '/') {
+            return Err(ApiError::invalid(
+                "bootstrap_host",
+                format!("bootstrap_host must be a host name or address, got {host:?}"),
+            ));
+        }
+        if port == 0 {
+            return Err(ApiError::invalid("bootstrap_port", "bootstrap_port must not be 0"));
+        }
+        if prompts != 1 {
+            return Err(ApiError::invalid(
+                "bootstrap_room",
+                format!("a disaggregated request carries one prompt (one room), got {prompts}"),
+            ));
+        }
+        Ok(Some(Bootstrap { host, port, room }))
+    }
+}
+
 /// Checks a prompt and its sampling fields against the model and turns them into a request in
 /// the prefix-cache namespace `extra_key` (validated by [`cache_namespace`]).
 pub fn prepare(
@@ -253,6 +315,7 @@ pub fn prepare(
             ignore_eos,
             priority: 0,
             extra_key: extra_key.map(str::to_string),
+            bootstrap: None,
         },
         stop_strings,
         skip_special_tokens: p.skip_special_tokens.unwrap_or(true),

@@ -31,4 +31,7 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Request counters and latency histograms.
     pub metrics: Arc<ServerMetrics>,
+    /// `--disaggregation-mode`: prefill and decode servers take requests only with bootstrap
+    /// fields.
+    pub disaggregation_mode: crate::disagg::DisaggregationMode,
 }

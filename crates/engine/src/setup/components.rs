@@ -12,7 +12,7 @@ use std::fmt;
 
 use attention::{Backend, CpuBackend, CpuConfig};
 use enum_dispatch::enum_dispatch;
-use kv_pool::{AnyAllocator, KvLayout};
+use kv_pool::{AnyAllocator, HostKvStore, KvLayout, KvStore, MemoryRegion};
 use model::{ForwardInput, LogitsOutput, Model, ModelRunner};
 use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, RadixCache};
 use scheduler::{Scheduler, SchedulerConfig};
@@ -31,6 +31,15 @@ pub trait ModelForward: Send {
     fn forward(&mut self, input: &ForwardInput<'_>) -> Result<LogitsOutput>;
     /// The backend's name, for logs and `/get_server_info`.
     fn backend_name(&self) -> String;
+    /// The KV store's buffers, for registration with a transfer engine: host memory only
+    /// (empty for a backend whose KV lives on a device, or a stand-in).
+    fn kv_memory_regions(&self) -> Vec<MemoryRegion> {
+        Vec::new()
+    }
+    /// Bytes of one page of the KV store in the canonical packed format (all layers).
+    fn kv_page_bytes(&self) -> usize {
+        0
+    }
 }
 
 impl<B: Backend + Send> ModelForward for ModelRunner<B>
@@ -44,6 +53,18 @@ where
 
     fn backend_name(&self) -> String {
         self.backend().name().to_string()
+    }
+
+    fn kv_memory_regions(&self) -> Vec<MemoryRegion> {
+        if self.backend().name() == "cpu" {
+            self.kv_store().memory_regions()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn kv_page_bytes(&self) -> usize {
+        self.kv_store().layout().page_bytes()
     }
 }
 
@@ -76,7 +97,18 @@ impl AnyRunner {
                     ..CpuConfig::default()
                 })
                 .map_err(|e| EngineError::arg("--threads", e.to_string()))?;
-                Ok(runner_on(backend, setup, capacity)?.into())
+                if !setup.shared_kv {
+                    return Ok(runner_on(backend, setup, capacity)?.into());
+                }
+                // PD's shm transfer: the KV store lives in a shared mapping that prefill
+                // servers on this host write into.
+                let (model, layout) = model_on(&backend, setup, capacity)?;
+                let mem = transfer::shm::SharedMemory::create(layout.total_bytes())
+                    .map_err(|e| EngineError::arg("--disaggregation-transfer-backend", e.to_string()))?;
+                let store = HostKvStore::with_memory(layout, Box::new(mem))?;
+                Ok(ModelRunner::with_kv_store(backend, model, store)
+                    .map_err(|e| EngineError::Model(e.to_string()))?
+                    .into())
             }
             BackendKind::Wgpu => Ok(WgpuRunner::build(setup, capacity)?.into()),
             BackendKind::Cuda => Ok(CudaRunner::build(setup, capacity)?.into()),
@@ -128,17 +160,27 @@ pub fn runner_on<B: Backend>(
     setup: &EngineSetup,
     capacity: usize,
 ) -> Result<ModelRunner<B>> {
+    let (model, layout) = model_on(&backend, setup, capacity)?;
+    ModelRunner::new(backend, model, layout).map_err(|e| EngineError::Model(e.to_string()))
+}
+
+/// Loads `setup`'s model onto `backend` and lays out a KV pool of `capacity` slots for it.
+fn model_on<B: Backend>(
+    backend: &B,
+    setup: &EngineSetup,
+    capacity: usize,
+) -> Result<(Model<B>, KvLayout)> {
     let model_err = |e: model::ModelError| EngineError::Model(e.to_string());
     let model: Model<B> = match &setup.model {
-        ModelSource::Tiny => model::tiny::tiny_model(&backend).map_err(model_err)?.into(),
-        ModelSource::Path(dir) => model::load_model_dir(&backend, dir).map_err(model_err)?,
+        ModelSource::Tiny => model::tiny::tiny_model(backend).map_err(model_err)?.into(),
+        ModelSource::Path(dir) => model::load_model_dir(backend, dir).map_err(model_err)?,
     };
     let shape = model
         .config()
         .kv_shape(setup.kv_dtype)
         .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
     let layout = KvLayout::new(shape, setup.scheduler.page_size, capacity)?;
-    ModelRunner::new(backend, model, layout).map_err(model_err)
+    Ok((model, layout))
 }
 
 /// Defines the stand-in of a backend whose feature is off: it cannot be built (its constructor

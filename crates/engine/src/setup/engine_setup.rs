@@ -25,6 +25,9 @@ pub struct EngineSetup {
     pub threads: usize,
     /// Seed of sampling (greedy requests ignore it).
     pub seed: u64,
+    /// Put the KV store in shared memory (a PD decode server on the `shm` transfer backend:
+    /// prefill servers on this host write into it). CPU backend only.
+    pub shared_kv: bool,
 }
 
 /// Parses `--schedule-policy` for the bench (one policy).
@@ -53,5 +56,6 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         backend: BackendKind::Cpu,
         threads: 1,
         seed: 0,
+        shared_kv: false,
     }
 }

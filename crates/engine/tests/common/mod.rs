@@ -146,3 +146,5 @@ pub fn assert_kv_freed(port: u16) {
         e["total_tokens"].as_u64().unwrap()
     );
 }
+pub mod pd;
+pub mod proc;
