@@ -264,7 +264,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// the token is its first output, finish checks run: a request that token finishes
     /// (`max_new_tokens` 1, a stop token) leaves at once through
     /// [`take_finished`](Self::take_finished); any other joins the running requests and
-    /// decodes from the next step. Typed errors (nothing changed): unknown id, a request not
+    /// decodes from the next step. Its [`FinishedReq::cached_tokens`](crate::FinishedReq) is
+    /// the decode-side prefix (`decode_prefix_len`); the prefill's count travels in the
+    /// transfer's metadata. Typed errors (nothing changed): unknown id, a request not
     /// transferring, no token or more than one.
     pub fn commit_transferred(&mut self, id: ReqId, first_token_ids: &[u32]) -> Result<()> {
         self.expect_stage(id, ReqStage::Transferring)?;
