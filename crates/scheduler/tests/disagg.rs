@@ -422,6 +422,28 @@ fn an_unfittable_prealloc_request_is_aborted_not_hung() {
     assert!(!s.has_pd_work());
 }
 
+/// The same when only the request's own locked prefix makes it not fit: with its prefix (56
+/// tokens of a 64-token pool) locked, the delta and the reserve no longer fit, and without
+/// it the whole prompt would not either.
+#[test]
+fn a_request_its_own_prefix_crowds_out_is_aborted_not_hung() {
+    let mut s = decode_sched(4, 8, 64);
+    let pr = prompt(1, 57);
+    s.add_request(pr.clone(), limits(1), 0, None).unwrap();
+    s.run_to_idle(&mut exec(), 10).unwrap();
+    s.take_finished();
+    assert_eq!(s.cache().evictable_size(), 56);
+    let id = s.add_prealloc_request(pr, limits(1), 0, None).unwrap();
+    assert!(s.pop_preallocated().unwrap().is_empty());
+    assert_eq!(
+        s.last_prealloc_pass().stopped,
+        Some(PreallocStop::Unfittable(id))
+    );
+    assert!(!s.has_pd_work());
+    assert_eq!(s.cache().protected_size(), 0);
+    s.check_invariants().unwrap();
+}
+
 /// Decode-side retraction (the budget's clip set low so it over-admits): retracted requests
 /// are recomputed by `step` before any new preallocation, and their KV counts against the
 /// budget; every request still gets the fake model's tokens.

@@ -138,7 +138,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 break;
             }
             self.match_prefix(id);
-            let mut need = self.prealloc_need(id, budget.retractable);
+            let need = self.prealloc_need(id, budget.retractable);
             if need.need() > allocatable {
                 self.unmatch(id);
                 pass.stopped = Some(self.refuse(id, need, allocatable));
@@ -154,18 +154,14 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             };
             let Some(pages) = pages else {
                 // Over budget once locked, or the pool cannot give the delta even after
-                // eviction (a page larger than the reserve): undone, the request waits.
+                // eviction (a page larger than the reserve): undone, the request waits (or,
+                // with nothing else in the pool, can never fit and is aborted).
                 self.cache.dec_lock_ref(last_node)?;
                 self.unmatch(id);
-                pass.stopped = Some(PreallocStop::Budget {
-                    id,
-                    need,
-                    allocatable,
-                });
+                pass.stopped = Some(self.refuse(id, need, allocatable));
                 break;
             };
             allocatable -= need.required as i64;
-            need.prefix_len = self.reqs[&id].committed_len;
             self.prealloc_queue.pop_front();
             self.transferring.push(id);
             pass.admitted.push((id, need));
