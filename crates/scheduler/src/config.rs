@@ -116,11 +116,11 @@ pub struct SchedulerConfig {
     pub new_token_ratio_decay_steps: usize,
     /// Tokens per remaining request to free after a retraction (default 20).
     pub retract_decode_steps: usize,
-    /// Sorted-release mode for the allocator (SGLang's `need_sort`, on in PD disaggregation,
-    /// the engine turns it on for the decode server): freed pages collect in a release list
-    /// that is merged and sorted when an allocation runs short, so preallocated destination
-    /// pages come out in ascending runs and transfers coalesce. The scheduler sets it on its
-    /// allocator at construction (default false).
+    /// Sorted-release mode for the allocator (SGLang's `need_sort`, which SGLang sets in both
+    /// PD modes, `--disaggregation-mode prefill` and `decode`): freed pages collect in a
+    /// release list that is merged and sorted when an allocation runs short, so pages come out
+    /// in ascending runs and transfers (source and destination) coalesce. The scheduler sets
+    /// it on its allocator at construction (default false).
     pub need_sort: bool,
     /// PD decode: tokens reserved per active request when budgeting preallocation (SGLang's
     /// `SGLANG_NUM_RESERVED_DECODE_TOKENS`, default [`NUM_RESERVED_DECODE_TOKENS`] = 512).

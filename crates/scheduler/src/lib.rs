@@ -20,6 +20,14 @@
 //!   result processing (`cache_unfinished_req` / `cache_finished_req`), the decode memory
 //!   check and `retract_decode`, the new-token ratio, aborts, `max_queued_requests`, and a
 //!   strict mode that runs the invariant checker after every step.
+//! - PD disaggregation's queues ([`disagg`]; SGLang's `disaggregation/prefill.py` and
+//!   `decode.py`): on a prefill server a request marked with
+//!   [`Scheduler::hold_kv_at_finish`] keeps its row, slots and prefix lock after its one
+//!   token until [`Scheduler::release_held`] (the inflight queue); on a decode server
+//!   [`Scheduler::add_prealloc_request`] → [`Scheduler::pop_preallocated`] (SGLang's
+//!   preallocation budget, the decode radix match locked, slots for the missing pages only)
+//!   → [`Scheduler::commit_transferred`] (the prefill's first token; the request decodes from
+//!   the next step). [`SchedulerConfig::need_sort`] puts the allocator in sorted-release mode.
 //! - [`Executor`]: `forward(&ForwardBatch) → next token per request`, implemented by the model
 //!   runner, by [`FakeExecutor`] in tests, and by [`SimExecutor`], which charges a roofline
 //!   cost model's time instead of computing; [`simulate`] replays timed requests on a simulated
@@ -30,10 +38,17 @@
 //! - Plain synchronous CPU logic: no async, no I/O, no device calls. Time is a logical clock,
 //!   randomness is seeded: the same inputs in the same order give the same decisions.
 //! - Between steps, every pool page is exactly one of: free, held by the prefix cache, or
-//!   private to one live request (its positions `[cache_protected_len, allocated_len)`);
-//!   [`Scheduler::check_invariants`] proves it, and when idle also SGLang's identity
-//!   `available + evictable + protected = total`.
-//! - A request's KV is freed exactly once: at finish, abort or retraction.
+//!   private to one live request (its positions `[cache_protected_len, allocated_len)`; PD's
+//!   held and transferring requests are live); [`Scheduler::check_invariants`] proves it, and
+//!   when idle with nothing held or transferring also SGLang's identity `available + evictable
+//!   + protected = total`.
+//! - A request's KV is freed exactly once: at finish (for a held request: at release), abort
+//!   or retraction.
+//! - The slot of a committed position does not change after the step (or the
+//!   `commit_transferred`) that committed it, unless the request is retracted, so a PD prefill can send whole pages as chunks
+//!   complete.
+//! - [`Scheduler::is_idle`] means "no step has work"; PD's queues wait on the engine's calls
+//!   instead, reported by [`Scheduler::has_pd_work`].
 //!
 //! ## Where it sits
 //! Above kv-pool and radix-cache; below the engine, which owns threads, I/O and the executor.

@@ -422,6 +422,28 @@ fn an_unfittable_prealloc_request_is_aborted_not_hung() {
     assert!(!s.has_pd_work());
 }
 
+/// The same when only the request's own locked prefix makes it not fit: with its prefix (56
+/// tokens of a 64-token pool) locked, the delta and the reserve no longer fit, and without
+/// it the whole prompt would not either.
+#[test]
+fn a_request_its_own_prefix_crowds_out_is_aborted_not_hung() {
+    let mut s = decode_sched(4, 8, 64);
+    let pr = prompt(1, 57);
+    s.add_request(pr.clone(), limits(1), 0, None).unwrap();
+    s.run_to_idle(&mut exec(), 10).unwrap();
+    s.take_finished();
+    assert_eq!(s.cache().evictable_size(), 56);
+    let id = s.add_prealloc_request(pr, limits(1), 0, None).unwrap();
+    assert!(s.pop_preallocated().unwrap().is_empty());
+    assert_eq!(
+        s.last_prealloc_pass().stopped,
+        Some(PreallocStop::Unfittable(id))
+    );
+    assert!(!s.has_pd_work());
+    assert_eq!(s.cache().protected_size(), 0);
+    s.check_invariants().unwrap();
+}
+
 /// Decode-side retraction (the budget's clip set low so it over-admits): retracted requests
 /// are recomputed by `step` before any new preallocation, and their KV counts against the
 /// budget; every request still gets the fake model's tokens.
@@ -538,9 +560,11 @@ fn run_pd(
     let mut dec = decode_sched(p, 16, 1024);
     let mut to_dec = HashMap::new();
     let mut to_pre = HashMap::new();
+    let mut sendable: HashMap<ReqId, Vec<Page>> = HashMap::new();
     for (k, (pr, l)) in reqs.iter().enumerate() {
         let a = pre.add_request(pr.clone(), limits(1), 0, None).unwrap();
         pre.hold_kv_at_finish(a).unwrap();
+        sendable.insert(a, Vec::new());
         let b = dec
             .add_prealloc_request(pr.clone(), l.clone(), 0, None)
             .unwrap();
@@ -553,6 +577,18 @@ fn run_pd(
     let mut out: Vec<Option<(Vec<u32>, FinishReason)>> = vec![None; reqs.len()];
     for _ in 0..10_000 {
         pre.step(&mut e).unwrap();
+        // What the engine would send: whole committed pages; once sent, a page stays put.
+        for (&a, pages) in sendable.iter_mut() {
+            if let Ok(slots) = pre.committed_slots(a) {
+                let now = pages_of(slots, p);
+                assert_eq!(
+                    &now[..pages.len()],
+                    &pages[..],
+                    "{a}: a sendable page moved"
+                );
+                *pages = now[..slots.len() / p as usize].to_vec();
+            }
+        }
         for f in pre.take_finished() {
             assert!(f.kv_held);
             first.insert(to_dec[&f.id].0, f.output_ids[0]);
@@ -615,6 +651,33 @@ fn a_prefill_decode_pair_generates_what_one_scheduler_does() {
     for p in [1, 4, 16] {
         let single = run_single(&reqs, p);
         assert_eq!(run_pd(&reqs, p, 16.max(p as usize)), single, "page {p}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// The same over random workloads, page sizes and chunk sizes.
+    #[test]
+    fn random_workloads_through_a_pd_pair_match_one_scheduler(
+        reqs in prop::collection::vec(
+            (0u32..3, 1usize..60, 1usize..20, any::<bool>()).prop_map(|(family, len, max_new, stop)| {
+                let mut pr = prompt(family, len.min(30));
+                pr.extend(prompt(family * 5 + len as u32, len.saturating_sub(30)));
+                let l = SamplingLimits {
+                    max_new_tokens: max_new,
+                    ignore_eos: false,
+                    stop_token_ids: if stop { vec![EOS, 11, 13] } else { vec![] },
+                };
+                (pr, l)
+            }),
+            1..16,
+        ),
+        page in prop::sample::select(vec![1u32, 4, 16]),
+        chunk in prop::sample::select(vec![8usize, 16, 64]),
+    ) {
+        let single = run_single(&reqs, page);
+        prop_assert_eq!(run_pd(&reqs, page, chunk.max(page as usize)), single);
     }
 }
 

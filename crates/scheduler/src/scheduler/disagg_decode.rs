@@ -138,7 +138,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 break;
             }
             self.match_prefix(id);
-            let mut need = self.prealloc_need(id, budget.retractable);
+            let need = self.prealloc_need(id, budget.retractable);
             if need.need() > allocatable {
                 self.unmatch(id);
                 pass.stopped = Some(self.refuse(id, need, allocatable));
@@ -154,18 +154,14 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             };
             let Some(pages) = pages else {
                 // Over budget once locked, or the pool cannot give the delta even after
-                // eviction (a page larger than the reserve): undone, the request waits.
+                // eviction (a page larger than the reserve): undone, the request waits (or,
+                // with nothing else in the pool, can never fit and is aborted).
                 self.cache.dec_lock_ref(last_node)?;
                 self.unmatch(id);
-                pass.stopped = Some(PreallocStop::Budget {
-                    id,
-                    need,
-                    allocatable,
-                });
+                pass.stopped = Some(self.refuse(id, need, allocatable));
                 break;
             };
             allocatable -= need.required as i64;
-            need.prefix_len = self.reqs[&id].committed_len;
             self.prealloc_queue.pop_front();
             self.transferring.push(id);
             pass.admitted.push((id, need));
@@ -264,7 +260,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// the token is its first output, finish checks run: a request that token finishes
     /// (`max_new_tokens` 1, a stop token) leaves at once through
     /// [`take_finished`](Self::take_finished); any other joins the running requests and
-    /// decodes from the next step. Typed errors (nothing changed): unknown id, a request not
+    /// decodes from the next step. Its [`FinishedReq::cached_tokens`](crate::FinishedReq) is
+    /// the decode-side prefix (`decode_prefix_len`); the prefill's count travels in the
+    /// transfer's metadata. Typed errors (nothing changed): unknown id, a request not
     /// transferring, no token or more than one.
     pub fn commit_transferred(&mut self, id: ReqId, first_token_ids: &[u32]) -> Result<()> {
         self.expect_stage(id, ReqStage::Transferring)?;

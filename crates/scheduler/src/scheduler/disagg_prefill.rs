@@ -13,7 +13,8 @@
 use kv_pool::{Allocator, Slot};
 use radix_cache::PrefixCache;
 
-use super::{finished_req, Scheduler};
+use super::lifecycle::finished_req;
+use super::Scheduler;
 use crate::disagg::ReqStage;
 use crate::error::{Result, SchedulerError};
 use crate::req::{FinishReason, ReqId};
