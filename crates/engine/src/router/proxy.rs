@@ -1,0 +1,217 @@
+//! The generation routes (`/generate`, `/v1/completions`, `/v1/chat/completions`): SGLang's
+//! PD dual dispatch.
+//!
+//! Per request: pick a prefill and a decode worker, inject the bootstrap fields (one random
+//! room, the same to both), send both requests at once, and answer with decode's response,
+//! the prefill's cached-token count merged in. The prefill's answer is always waited for
+//! (it says how many tokens it found cached, and whether it failed):
+//! - a failure of either worker ends the request at once with that worker's error and drops
+//!   the other request's connection, which is how a kvserve server learns its client has gone
+//!   (the decode server then frees its preallocated KV, the prefill server its request);
+//! - a client that disconnects drops this handler (or the stream), and with it both upstream
+//!   requests.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::Value;
+
+use super::inject::{batch_size, inject_bootstrap, is_stream, parse_body, prefill_body, BadBody};
+use super::merge::{merge_cached, PrefillCached};
+use super::metrics::Role;
+use super::relay::{PrefillAnswer, Relay};
+use super::upstream::{quote, Call, Failure, UpstreamError};
+use super::RouterState;
+use crate::server::ApiError;
+
+/// `POST /generate`.
+pub async fn generate(s: State<Arc<RouterState>>, h: HeaderMap, body: Bytes) -> Response {
+    dual_dispatch(s.0, "/generate", h, body).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(s: State<Arc<RouterState>>, h: HeaderMap, body: Bytes) -> Response {
+    dual_dispatch(s.0, "/v1/completions", h, body).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(s: State<Arc<RouterState>>, h: HeaderMap, body: Bytes) -> Response {
+    dual_dispatch(s.0, "/v1/chat/completions", h, body).await
+}
+
+/// Records a request's duration when dropped: at the end of its answer, or when the client
+/// goes away.
+pub struct DurationGuard {
+    state: Arc<RouterState>,
+    route: &'static str,
+    start: Instant,
+}
+
+impl Drop for DurationGuard {
+    fn drop(&mut self) {
+        self.state
+            .metrics
+            .duration(self.route, self.start.elapsed());
+    }
+}
+
+/// The answer to a failed worker call, counted in the metrics.
+pub fn failed(state: &RouterState, route: &str, e: UpstreamError) -> Response {
+    state.metrics.error(route, e.error_type());
+    if e.is_worker_fault() {
+        state.metrics.worker_error(e.role, &e.worker);
+    }
+    e.into_response()
+}
+
+fn bad_body(state: &RouterState, route: &str, e: BadBody) -> Response {
+    state.metrics.error(route, "bad_request");
+    let err = ApiError::bad_request("invalid_value", e.message);
+    match e.param {
+        Some(p) => err.param(p),
+        None => err,
+    }
+    .into_response()
+}
+
+async fn dual_dispatch(
+    state: Arc<RouterState>,
+    route: &'static str,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    state.metrics.request(route);
+    let timer = DurationGuard {
+        state: state.clone(),
+        route,
+        start: Instant::now(),
+    };
+    let mut body = match parse_body(&body) {
+        Ok(b) => b,
+        Err(e) => return bad_body(&state, route, e),
+    };
+    let batch = match batch_size(&body) {
+        Ok(b) => b,
+        Err(e) => return bad_body(&state, route, e),
+    };
+    let (prefill, decode) = state.pick();
+    inject_bootstrap(
+        &mut body,
+        batch,
+        prefill.url.host(),
+        prefill.bootstrap_port,
+        &state.rooms,
+    );
+    let stream = is_stream(&body);
+    let auth = headers.get(header::AUTHORIZATION).cloned();
+    let call = |role, worker: &super::config::WorkerUrl| Call {
+        client: state.client.clone(),
+        role,
+        worker: worker.clone(),
+        path: route,
+        auth: auth.clone(),
+    };
+    let prefill_call = call(Role::Prefill, &prefill.url);
+    let decode_call = call(Role::Decode, decode);
+    state
+        .metrics
+        .worker_request(Role::Prefill, prefill.url.base());
+    state.metrics.worker_request(Role::Decode, decode.base());
+    // Serializing a map of JSON values cannot fail.
+    let prefill_bytes = serde_json::to_vec(&prefill_body(&body)).unwrap_or_default();
+    let decode_bytes = serde_json::to_vec(&body).unwrap_or_default();
+
+    let mut prefill_fut: PrefillAnswer = Box::pin(prefill_call.post_json(prefill_bytes));
+    if !stream {
+        let mut decode_fut = Box::pin(decode_call.post_json(decode_bytes));
+        // The first failure ends the request; dropping the other future closes its connection.
+        let (p, mut d) = tokio::select! {
+            p = &mut prefill_fut => match p {
+                Err(e) => return failed(&state, route, e),
+                Ok(p) => match decode_fut.await {
+                    Err(e) => return failed(&state, route, e),
+                    Ok(d) => (p, d),
+                },
+            },
+            d = &mut decode_fut => match d {
+                Err(e) => return failed(&state, route, e),
+                Ok(d) => match prefill_fut.await {
+                    Err(e) => return failed(&state, route, e),
+                    Ok(p) => (p, d),
+                },
+            },
+        };
+        merge_cached(&mut d, &PrefillCached::from_answer(&p));
+        drop(timer);
+        return Json::<Value>(d).into_response();
+    }
+
+    // Streamed: wait for decode's response headers (or the prefill's failure), then relay
+    // decode's events as they arrive.
+    let mut decode_fut = Box::pin(decode_call.send(decode_bytes));
+    let mut prefill_done: Option<Value> = None;
+    let (decode_call, resp) = loop {
+        tokio::select! {
+            p = &mut prefill_fut, if prefill_done.is_none() => match p {
+                Err(e) => return failed(&state, route, e),
+                Ok(v) => prefill_done = Some(v),
+            },
+            d = &mut decode_fut => match d {
+                Err(e) => return failed(&state, route, e),
+                Ok(r) => break r,
+            },
+        }
+    };
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let is_sse = content_type
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if !is_sse {
+        // Decode answered in one piece after all: a JSON answer, merged as unstreamed ones.
+        let read = async {
+            let bytes = resp.bytes().await.map_err(|e| decode_call.body_error(&e))?;
+            serde_json::from_slice::<Value>(&bytes)
+                .map_err(|_| decode_call.error(Failure::NotJson(quote(&bytes))))
+        };
+        let mut d = match read.await {
+            Ok(d) => d,
+            Err(e) => return failed(&state, route, e),
+        };
+        let p = match prefill_done {
+            Some(p) => p,
+            None => match prefill_fut.await {
+                Ok(p) => p,
+                Err(e) => return failed(&state, route, e),
+            },
+        };
+        merge_cached(&mut d, &PrefillCached::from_answer(&p));
+        drop(timer);
+        return Json::<Value>(d).into_response();
+    }
+    let content_type =
+        content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+    let relay = Relay::new(
+        decode_call,
+        resp,
+        prefill_fut,
+        prefill_done,
+        state,
+        route,
+        timer,
+    );
+    (
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        ],
+        Body::from_stream(relay.into_stream()),
+    )
+        .into_response()
+}
