@@ -662,6 +662,27 @@ async fn a_client_that_disconnects_mid_stream_drops_both_upstream_requests() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_gives_up_on_an_unstreamed_request_drops_both_upstream_requests() {
+    let (p, d, _r, base) = one_pair(Kind::Hang, 0, Kind::Hang).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let sent = impatient
+        .post(format!("{base}/generate"))
+        .body(json!({"text": "x"}).to_string());
+    assert!(sent.send().await.unwrap_err().is_timeout());
+    assert!(
+        wait_for(&d.dropped, 1, Duration::from_secs(5)).await,
+        "decode request not dropped"
+    );
+    assert!(
+        wait_for(&p.dropped, 1, Duration::from_secs(5)).await,
+        "prefill request not dropped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_metrics_models_and_server_info() {
     let p = mock(Kind::Prefill, 3).await;
     let d = mock(Kind::Decode, 0).await;

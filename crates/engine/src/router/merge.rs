@@ -162,9 +162,43 @@ fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
     use serde_json::json;
 
     use super::*;
+
+    proptest! {
+        /// However decode's stream is cut into chunks, the relay takes the same events off
+        /// its buffer, each whole, in order, and keeps an unterminated tail.
+        #[test]
+        fn events_survive_any_chunking(
+            texts in proptest::collection::vec("[a-z{}\":, ]{0,12}", 0..8),
+            crlf in proptest::collection::vec(any::<bool>(), 8),
+            cuts in proptest::collection::vec(0usize..200, 0..12),
+            tail in "[a-z]{0,5}",
+        ) {
+            let events: Vec<Vec<u8>> = texts
+                .iter()
+                .zip(&crlf)
+                .map(|(t, &c)| format!("data: {t}{}", if c { "\r\n\r\n" } else { "\n\n" }).into_bytes())
+                .collect();
+            let mut wire: Vec<u8> = events.concat();
+            wire.extend_from_slice(tail.as_bytes());
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(wire.len())).collect();
+            cuts.sort_unstable();
+            cuts.push(wire.len());
+            let (mut buf, mut got, mut start) = (Vec::new(), Vec::new(), 0);
+            for end in cuts {
+                buf.extend_from_slice(&wire[start..end]);
+                start = end;
+                while let Some(e) = take_event(&mut buf) {
+                    got.push(e);
+                }
+            }
+            prop_assert_eq!(got, events);
+            prop_assert_eq!(buf, tail.into_bytes());
+        }
+    }
 
     #[test]
     fn prefill_counts_replace_decode_counts_where_decode_has_them() {
