@@ -562,9 +562,10 @@ async fn a_dead_worker_is_a_502_within_a_bound_and_the_other_request_is_dropped(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_errors_name_the_worker_and_4xx_passes_through() {
     let cases = [
+        // A decode server waits for the prefill's KV, so a failing prefill answers first.
         (
             Kind::Status(500),
-            Kind::Decode,
+            Kind::Hang,
             502,
             "prefill worker",
             "answered 500 Internal Server Error",
@@ -578,7 +579,7 @@ async fn worker_errors_name_the_worker_and_4xx_passes_through() {
         ),
         (
             Kind::NotJson,
-            Kind::Decode,
+            Kind::Hang,
             502,
             "prefill worker",
             "not JSON: \"<html>oops</html>\"",
@@ -616,6 +617,23 @@ async fn worker_errors_name_the_worker_and_4xx_passes_through() {
             );
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_failure_after_decode_answered_leaves_the_answer_standing() {
+    let (p, _d, _r, base) = one_pair(Kind::SlowFail, 0, Kind::Decode).await;
+    let (status, answer) = post_json(&format!("{base}/generate"), &json!({"text": "x"})).await;
+    assert_eq!((status, &answer["text"]), (200, &json!("abc")), "{answer}");
+    let metrics = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap();
+    let want = format!(
+        "kvserve_router:pd_prefill_errors_total{{worker=\"{}\"}} 1",
+        p.url()
+    );
+    assert!(metrics.text().await.unwrap().contains(&want));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,9 @@
 //! (it says how many tokens it found cached, and whether it failed):
 //! - a failure of either worker ends the request at once with that worker's error and drops
 //!   the other request's connection, which is how a kvserve server learns its client has gone
-//!   (the decode server then frees its preallocated KV, the prefill server its request);
+//!   (the decode server then frees its preallocated KV, the prefill server its request); only
+//!   a prefill failure after decode's whole unstreamed answer came leaves that answer standing
+//!   (the KV had arrived);
 //! - a client that disconnects drops this handler (or the stream), and with it both upstream
 //!   requests.
 
@@ -129,24 +131,33 @@ async fn dual_dispatch(
     let mut prefill_fut: PrefillAnswer = Box::pin(prefill_call.post_json(prefill_bytes));
     if !stream {
         let mut decode_fut = Box::pin(decode_call.post_json(decode_bytes));
-        // The first failure ends the request; dropping the other future closes its connection.
+        // A failure while the other is pending ends the request; dropping the other future
+        // closes its connection. Once decode has answered, the KV has arrived: a later
+        // prefill failure is counted, and decode's answer stands (without the merge).
         let (p, mut d) = tokio::select! {
             p = &mut prefill_fut => match p {
                 Err(e) => return failed(&state, route, e),
                 Ok(p) => match decode_fut.await {
                     Err(e) => return failed(&state, route, e),
-                    Ok(d) => (p, d),
+                    Ok(d) => (Some(p), d),
                 },
             },
             d = &mut decode_fut => match d {
                 Err(e) => return failed(&state, route, e),
                 Ok(d) => match prefill_fut.await {
-                    Err(e) => return failed(&state, route, e),
-                    Ok(p) => (p, d),
+                    Err(e) => {
+                        if e.is_worker_fault() {
+                            state.metrics.worker_error(e.role, &e.worker);
+                        }
+                        (None, d)
+                    }
+                    Ok(p) => (Some(p), d),
                 },
             },
         };
-        merge_cached(&mut d, &PrefillCached::from_answer(&p));
+        if let Some(p) = p {
+            merge_cached(&mut d, &PrefillCached::from_answer(&p));
+        }
         drop(timer);
         return Json::<Value>(d).into_response();
     }
