@@ -128,101 +128,124 @@ async fn dual_dispatch(
     let prefill_bytes = serde_json::to_vec(&prefill_body(&body)).unwrap_or_default();
     let decode_bytes = serde_json::to_vec(&body).unwrap_or_default();
 
-    let mut prefill_fut: PrefillAnswer = Box::pin(prefill_call.post_json(prefill_bytes));
-    if !stream {
-        let mut decode_fut = Box::pin(decode_call.post_json(decode_bytes));
-        // A failure while the other is pending ends the request; dropping the other future
-        // closes its connection. Once decode has answered, the KV has arrived: a later
-        // prefill failure is counted, and decode's answer stands (without the merge).
-        let (p, mut d) = tokio::select! {
-            p = &mut prefill_fut => match p {
-                Err(e) => return failed(&state, route, e),
-                Ok(p) => match decode_fut.await {
-                    Err(e) => return failed(&state, route, e),
-                    Ok(d) => (Some(p), d),
-                },
-            },
-            d = &mut decode_fut => match d {
-                Err(e) => return failed(&state, route, e),
-                Ok(d) => match prefill_fut.await {
-                    Err(e) => {
-                        if e.is_worker_fault() {
-                            state.metrics.worker_error(e.role, &e.worker);
-                        }
-                        (None, d)
+    let dispatch = Dispatch {
+        prefill: Box::pin(prefill_call.post_json(prefill_bytes)),
+        state,
+        route,
+        timer,
+    };
+    if stream {
+        dispatch.streamed(decode_call, decode_bytes).await
+    } else {
+        dispatch.unstreamed(decode_call, decode_bytes).await
+    }
+}
+
+/// One request sent to both workers, the prefill's answer pending.
+struct Dispatch {
+    prefill: PrefillAnswer,
+    state: Arc<RouterState>,
+    route: &'static str,
+    timer: DurationGuard,
+}
+
+impl Dispatch {
+    fn failed(&self, e: UpstreamError) -> Response {
+        failed(&self.state, self.route, e)
+    }
+
+    /// Decode answered in one piece: `d`, with the prefill's count merged in (`prefill`, or
+    /// its answer awaited now). The KV has arrived, so a prefill failure now is counted and
+    /// decode's answer stands, unmerged.
+    async fn finish(self, prefill: Option<Value>, mut d: Value) -> Response {
+        let p = match prefill {
+            Some(p) => Some(p),
+            None => match self.prefill.await {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    if e.is_worker_fault() {
+                        self.state.metrics.worker_error(e.role, &e.worker);
                     }
-                    Ok(p) => (Some(p), d),
-                },
+                    None
+                }
             },
         };
         if let Some(p) = p {
             merge_cached(&mut d, &PrefillCached::from_answer(&p));
         }
-        drop(timer);
-        return Json::<Value>(d).into_response();
+        drop(self.timer);
+        Json::<Value>(d).into_response()
     }
 
-    // Streamed: wait for decode's response headers (or the prefill's failure), then relay
-    // decode's events as they arrive.
-    let mut decode_fut = Box::pin(decode_call.send(decode_bytes));
-    let mut prefill_done: Option<Value> = None;
-    let (decode_call, resp) = loop {
+    /// Not streamed: both JSON answers. A failure while the other is pending ends the
+    /// request; dropping the other future closes its connection.
+    async fn unstreamed(mut self, decode: Call, body: Vec<u8>) -> Response {
+        let mut decode_fut = Box::pin(decode.post_json(body));
         tokio::select! {
-            p = &mut prefill_fut, if prefill_done.is_none() => match p {
-                Err(e) => return failed(&state, route, e),
-                Ok(v) => prefill_done = Some(v),
+            p = &mut self.prefill => match p {
+                Err(e) => self.failed(e),
+                Ok(p) => match decode_fut.await {
+                    Err(e) => self.failed(e),
+                    Ok(d) => self.finish(Some(p), d).await,
+                },
             },
             d = &mut decode_fut => match d {
-                Err(e) => return failed(&state, route, e),
-                Ok(r) => break r,
+                Err(e) => self.failed(e),
+                Ok(d) => self.finish(None, d).await,
             },
         }
-    };
-    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-    let is_sse = content_type
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    if !is_sse {
-        // Decode answered in one piece after all: a JSON answer, merged as unstreamed ones.
-        let read = async {
-            let bytes = resp.bytes().await.map_err(|e| decode_call.body_error(&e))?;
-            serde_json::from_slice::<Value>(&bytes)
-                .map_err(|_| decode_call.error(Failure::NotJson(quote(&bytes))))
-        };
-        let mut d = match read.await {
-            Ok(d) => d,
-            Err(e) => return failed(&state, route, e),
-        };
-        let p = match prefill_done {
-            Some(p) => p,
-            None => match prefill_fut.await {
-                Ok(p) => p,
-                Err(e) => return failed(&state, route, e),
-            },
-        };
-        merge_cached(&mut d, &PrefillCached::from_answer(&p));
-        drop(timer);
-        return Json::<Value>(d).into_response();
     }
-    let content_type =
-        content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
-    let relay = Relay::new(
-        decode_call,
-        resp,
-        prefill_fut,
-        prefill_done,
-        state,
-        route,
-        timer,
-    );
-    (
-        StatusCode::OK,
-        [
-            (header::CONTENT_TYPE, content_type),
-            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
-        ],
-        Body::from_stream(relay.into_stream()),
-    )
-        .into_response()
+
+    /// Streamed: waits for decode's response headers (or the prefill's failure), then relays
+    /// decode's events as they arrive.
+    async fn streamed(mut self, decode: Call, body: Vec<u8>) -> Response {
+        let mut decode_fut = Box::pin(decode.send(body));
+        let mut prefill_done: Option<Value> = None;
+        let (decode, resp) = loop {
+            tokio::select! {
+                p = &mut self.prefill, if prefill_done.is_none() => match p {
+                    Err(e) => return self.failed(e),
+                    Ok(v) => prefill_done = Some(v),
+                },
+                d = &mut decode_fut => match d {
+                    Err(e) => return self.failed(e),
+                    Ok(r) => break r,
+                },
+            }
+        };
+        let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+        let is_sse = content_type
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !is_sse {
+            // Decode answered in one piece after all: a JSON answer, as unstreamed ones.
+            let bytes = match resp.bytes().await {
+                Ok(b) => b,
+                Err(e) => return self.failed(decode.body_error(&e)),
+            };
+            return match serde_json::from_slice::<Value>(&bytes) {
+                Ok(d) => self.finish(prefill_done, d).await,
+                Err(_) => self.failed(decode.error(Failure::NotJson(quote(&bytes)))),
+            };
+        }
+        let content_type =
+            content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+        let Dispatch {
+            prefill,
+            state,
+            route,
+            timer,
+        } = self;
+        let relay = Relay::new(decode, resp, prefill, prefill_done, state, route, timer);
+        (
+            StatusCode::OK,
+            [
+                (header::CONTENT_TYPE, content_type),
+                (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+            ],
+            Body::from_stream(relay.into_stream()),
+        )
+            .into_response()
+    }
 }
