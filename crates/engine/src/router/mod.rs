@@ -5,8 +5,11 @@
 //! prefill and a decode worker from the role's selection policy, a random `bootstrap_room`,
 //! and the prefill's `bootstrap_host` / `bootstrap_port`; it is sent to both at once and
 //! answered from decode (its stream relayed as it arrives), with the prefill's cached-token
-//! count merged in. A worker that fails ends the request with a 502 naming it, and the other
-//! request is dropped so its server frees what it holds.
+//! count merged in. A worker that fails ends the request with a 502 naming it (or, once a
+//! stream has started, with an error event naming it), and the other request is dropped so
+//! its server frees what it holds. Where SGLang's router differs: it does not wait for the
+//! prefill's answer (we do, for its cached-token count and its failures), and a `--prefill`
+//! without a port injects SGLang's default 8998 rather than `null`.
 //!
 //! One job per module, in the direction calls go (no module imports one that imports it):
 //! - [`config`]: the flags ([`RouterArgs`]) and the validated [`RouterConfig`];
