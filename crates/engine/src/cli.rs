@@ -40,6 +40,9 @@ pub enum Command {
     /// /get_server_info, /flush_cache), OpenAI's (/v1/completions, /v1/chat/completions,
     /// /v1/models) and Prometheus /metrics.
     Serve(ServeArgs),
+    /// Route requests over prefill and decode servers (SGLang's PD router): each request goes
+    /// to a prefill and a decode server at once, answered from decode.
+    Router(crate::router::RouterArgs),
     /// List what this build has: features, backends (and the device each finds), allocators,
     /// prefix caches, policies, KV dtypes and model architectures.
     Info(InfoArgs),

@@ -20,6 +20,8 @@
 //!   through channels, and the HTTP API on top (`kvserve serve`); [`engine_metrics`] for
 //!   `/metrics`.
 //! - [`bench_client`]: `kvserve bench --url` against any OpenAI-compatible server.
+//! - [`router`]: `kvserve router --pd-disaggregation`, SGLang's PD router in front of prefill
+//!   and decode servers.
 //! - [`workload`]: request lists shared by the replayer, the simulator and the benchmarks —
 //!   Mooncake JSONL traces, generated shared prefix, multi-turn chat, random lengths; generated
 //!   workloads are deterministic functions of a seed (`kv_pool::rng::SplitMix64`).
@@ -67,6 +69,7 @@ pub mod engine_metrics;
 pub mod error;
 pub mod plot;
 pub mod report;
+pub mod router;
 pub mod runtime;
 pub mod server;
 pub mod setup;

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod cache_sim;
 pub mod info;
+pub mod router;
 pub mod serve;
 pub mod sim;
 
@@ -24,6 +25,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Bench(args) => bench::bench(&args, out),
         Command::Serve(args) => serve::serve(&args),
         Command::Info(args) => info::info(&args, out),
+        Command::Router(args) => router::router(&args),
     }
 }
 

@@ -1,0 +1,43 @@
+//! `kvserve router --pd-disaggregation`: the PD router (`crate::router`) on loopback or any
+//! address, until Ctrl-C.
+
+use crate::error::{EngineError, Result};
+use crate::router::{serve, RouterArgs};
+use crate::runtime::async_runtime;
+
+/// `kvserve router`: validates the flags, listens, routes until Ctrl-C.
+pub fn router(args: &RouterArgs) -> Result<()> {
+    let config = args.config()?;
+    async_runtime()?.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|source| EngineError::Io {
+                path: addr.clone(),
+                source,
+            })?;
+        let local = listener.local_addr().map_err(|source| EngineError::Io {
+            path: addr.clone(),
+            source,
+        })?;
+        let list = |urls: Vec<String>| urls.join(", ");
+        eprintln!(
+            "kvserve: PD router on http://{local}: prefill {} ({}), decode {} ({})",
+            list(
+                config
+                    .prefill
+                    .iter()
+                    .map(|p| format!("{} bootstrap port {}", p.url, p.bootstrap_port))
+                    .collect()
+            ),
+            config.prefill_policy.as_str(),
+            list(config.decode.iter().map(ToString::to_string).collect()),
+            config.decode_policy.as_str(),
+        );
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("kvserve: router shutting down");
+        };
+        serve(listener, config, shutdown).await
+    })
+}
