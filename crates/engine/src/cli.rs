@@ -434,16 +434,40 @@ pub struct DisaggregationArgs {
     #[arg(long, default_value_t = 8998, help_heading = "PD disaggregation")]
     pub disaggregation_bootstrap_port: u16,
     /// Prefill: seconds a request may wait for its decode server's handshake.
-    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, env = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", help_heading = "PD disaggregation")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 300.0,
+        env = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+        help_heading = "PD disaggregation"
+    )]
     pub disaggregation_bootstrap_timeout: f64,
     /// Decode: seconds a request may wait for its KV.
-    #[arg(long, value_name = "SECONDS", default_value_t = 300.0, env = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", help_heading = "PD disaggregation")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 300.0,
+        env = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+        help_heading = "PD disaggregation"
+    )]
     pub disaggregation_waiting_timeout: f64,
     /// Decode: seconds between health checks of each prefill server.
-    #[arg(long, value_name = "SECONDS", default_value_t = 5.0, env = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", help_heading = "PD disaggregation")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 5.0,
+        env = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",
+        help_heading = "PD disaggregation"
+    )]
     pub disaggregation_heartbeat_interval: f64,
     /// Decode: failed health checks in a row after which a prefill server's requests fail.
-    #[arg(long, value_name = "N", default_value_t = 2, env = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", help_heading = "PD disaggregation")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 2,
+        env = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+        help_heading = "PD disaggregation"
+    )]
     pub disaggregation_heartbeat_max_failures: u32,
     /// Test hook: the tcp backend corrupts its N-th frame after checksumming it (counting from
     /// 1), so tests see a corrupted transfer fail cleanly.

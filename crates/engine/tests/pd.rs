@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::pd::{pair, send, send_and_drop_prefill, wait_pd_idle, Pair};
+use common::pd::{assert_nothing_held, pair, send, send_and_drop_prefill, Pair};
 use common::{post, start};
 use serde_json::{json, Value};
 
@@ -16,21 +16,6 @@ fn prompt(n: u32, seed: u32) -> Vec<u32> {
 
 fn greedy(ids: &[u32], max_new: usize) -> Value {
     json!({"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": true}})
-}
-
-/// Both servers idle, every page free or cached, nothing locked, the ownership check passing.
-fn assert_nothing_held(p: &Pair) {
-    for port in [p.prefill.port, p.decode.port] {
-        let info = wait_pd_idle(port);
-        let e = &info["engine"];
-        assert_eq!(e["ownership_ok"], true, "{info}");
-        assert_eq!(e["protected_tokens"], 0, "{info}");
-        assert_eq!(
-            e["available_tokens"].as_u64().unwrap() + e["evictable_tokens"].as_u64().unwrap(),
-            e["total_tokens"].as_u64().unwrap(),
-            "{info}"
-        );
-    }
 }
 
 fn single_server_outputs(prompts: &[Vec<u32>], max_new: usize) -> Vec<Value> {
@@ -55,7 +40,11 @@ fn pd_matches_one_server(backend: &str, prefill_flags: &[&str]) {
         assert_eq!(ps, 200, "prefill: {pr}");
         assert_eq!(ds, 200, "decode: {dr}");
         assert_eq!(dr["output_ids"], want[i], "prompt {i} over {backend}");
-        assert_eq!(pr["output_ids"].as_array().unwrap().len(), 1, "prefill: one token");
+        assert_eq!(
+            pr["output_ids"].as_array().unwrap().len(),
+            1,
+            "prefill: one token"
+        );
         assert_eq!(pr["output_ids"][0], want[i][0]);
     }
     // The same prompt again: the decode side has it cached and only the missing pages move.
@@ -69,7 +58,10 @@ fn pd_matches_one_server(backend: &str, prefill_flags: &[&str]) {
     );
     let moved = transferred_bytes(&p) - before;
     let full = page_bytes(&p) * 150u64.div_ceil(16);
-    assert!(moved < full / 4, "incremental transfer moved {moved} of {full} bytes");
+    assert!(
+        moved < full / 4,
+        "incremental transfer moved {moved} of {full} bytes"
+    );
     assert_nothing_held(&p);
 }
 
@@ -106,7 +98,10 @@ fn chunked_prefill_pair_matches_one_server() {
 fn a_corrupted_frame_fails_the_request_and_frees_both_sides() {
     let p = pair("tcp", &["--disaggregation-test-corrupt-frame", "1"], &[]);
     let ((ps, pr), (ds, dr)) = send(&p, "/generate", &greedy(&prompt(80, 5), 6), 7);
-    assert_eq!(ds, 500, "decode must not answer with KV that did not arrive intact: {dr}");
+    assert_eq!(
+        ds, 500,
+        "decode must not answer with KV that did not arrive intact: {dr}"
+    );
     assert_eq!(dr["error"]["code"], "kv_transfer_failed", "{dr}");
     assert!(dr.to_string().contains("checksum"), "{dr}");
     assert_eq!(ps, 500, "the prefill side fails too: {pr}");

@@ -58,7 +58,11 @@ fn wait_queue(port: u16, queue: &str) {
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(60) {
         let info = get(port, "/get_server_info");
-        if info["engine"]["disaggregation"][queue].as_u64().unwrap_or(0) >= 1 {
+        if info["engine"]["disaggregation"][queue]
+            .as_u64()
+            .unwrap_or(0)
+            >= 1
+        {
             return;
         }
         std::thread::sleep(Duration::from_millis(2));
@@ -143,6 +147,35 @@ fn killing_the_prefill_server_fails_decode_requests_within_the_heartbeat_window(
     assert_ne!(status, 200, "{r}");
     assert!(r.to_string().contains("transfer"), "{r}");
     // Two missed heartbeats of 0.5 s, with slack for a loaded machine.
-    assert!(answered < Duration::from_secs(5), "answered after {answered:?}");
+    assert!(
+        answered < Duration::from_secs(5),
+        "answered after {answered:?}"
+    );
+    wait_freed(dport, Duration::from_secs(10));
+}
+
+#[test]
+fn the_router_answers_with_an_error_when_the_prefill_dies_mid_request() {
+    let (mut prefill, pport, bport) = prefill_proc(&["--chunked-prefill-size", "16"]);
+    let (_decode, dport) = decode_proc(&["--disaggregation-heartbeat-interval", "0.5"]);
+    let mut cfg = engine::router::RouterConfig::new(
+        &format!("http://127.0.0.1:{pport}"),
+        &format!("http://127.0.0.1:{dport}"),
+    )
+    .unwrap();
+    cfg.prefill[0].bootstrap_port = bport;
+    let router = engine::router::spawn(cfg, "127.0.0.1:0", 2).unwrap();
+    let rport = router.addr.port();
+    let client = std::thread::spawn(move || post(rport, "/generate", long_request()));
+    wait_queue(dport, "transfer_queue");
+    let killed = Instant::now();
+    prefill.kill();
+    let (status, r) = client.join().unwrap();
+    assert_eq!(status, 502, "{r}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        killed.elapsed()
+    );
     wait_freed(dport, Duration::from_secs(10));
 }

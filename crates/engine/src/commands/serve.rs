@@ -4,12 +4,12 @@
 use std::sync::Arc;
 
 use crate::cli::ServeArgs;
+use crate::disagg::{build_pd_side, DisaggregationMode, LocalKv, PdOptions, PdSide};
 use crate::engine_loop::EngineHandle;
 use crate::error::{EngineError, Result};
 use crate::runtime::async_runtime;
 use crate::server::chat::ChatPrompt;
 use crate::server::AppState;
-use crate::disagg::{build_pd_side, DisaggregationMode, LocalKv, PdOptions, PdSide};
 use crate::setup::{BackendKind, ModelSource};
 
 /// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
@@ -73,11 +73,12 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
             ),
         ));
     }
+    // Freed pages are handed out sorted (SGLang's `need_sort` in both PD modes), so a request's
+    // pages tend to be consecutive and its transfer coalesces into few blocks.
+    setup.scheduler.need_sort = pd.mode.is_disaggregated();
     if pd.mode == DisaggregationMode::Decode {
-        // Prefill servers write into the decode server's slots: in shared memory for `shm`,
-        // and freed pages sorted so consecutive slots coalesce into few transfer blocks.
+        // Prefill servers on this host write into the decode server's slots.
         setup.shared_kv = pd.backend == transfer::BackendKind::Shm;
-        setup.scheduler.need_sort = true;
     }
     let context_len = setup.scheduler.context_len;
     let radix = !args.engine.disable_radix_cache;

@@ -119,14 +119,22 @@ impl PrefillSide {
     }
 
     /// Adds a handshaken request to the scheduler with its KV held at finish.
-    fn admit(&mut self, s: &mut Scheduler, exec: &mut ModelExecutor, live: &mut LiveMap, b: Bootstrapping) {
+    fn admit(
+        &mut self,
+        s: &mut Scheduler,
+        exec: &mut ModelExecutor,
+        live: &mut LiveMap,
+        b: Bootstrapping,
+    ) {
         let Bootstrapping { sender, sub } = b;
         let p = self.page_size;
         let input_len = sub.request.input_ids.len();
         let room = sub.request.bootstrap.as_ref().map_or(0, |b| b.room);
         let Some(info) = sender.transfer_info() else {
             sender.abort("no transfer info after the handshake");
-            sub.reject(format!("{TRANSFER_FAILED}: no transfer info after the handshake"));
+            sub.reject(format!(
+                "{TRANSFER_FAILED}: no transfer info after the handshake"
+            ));
             return;
         };
         let first_page = info.decode_prefix_len / p;
@@ -147,7 +155,12 @@ impl PrefillSide {
         let mut limits = limits_of(&sub.request);
         limits.max_new_tokens = 1;
         let req = &sub.request;
-        let id = match s.add_request(req.input_ids.clone(), limits, req.priority, req.extra_key.clone()) {
+        let id = match s.add_request(
+            req.input_ids.clone(),
+            limits,
+            req.priority,
+            req.extra_key.clone(),
+        ) {
             Ok(id) => id,
             Err(e) => {
                 sender.abort(&e.to_string());
@@ -283,7 +296,11 @@ impl PrefillSide {
     }
 
     pub(super) fn info(&self, _s: &Scheduler) -> serde_json::Value {
-        let inflight = self.sending.values().filter(|x| x.finished.is_some()).count();
+        let inflight = self
+            .sending
+            .values()
+            .filter(|x| x.finished.is_some())
+            .count();
         serde_json::json!({
             "mode": "prefill",
             "bootstrap_addr": self.manager.bootstrap_addr().map(|a| a.to_string()),

@@ -35,15 +35,16 @@ impl PdOptions {
     /// Reads `serve`'s flags.
     pub fn from_args(a: &DisaggregationArgs, host: &str) -> Result<Self> {
         let mode = DisaggregationMode::parse(&a.disaggregation_mode)?;
-        let backend = TransferBackend::parse(&a.disaggregation_transfer_backend).ok_or_else(|| {
-            EngineError::arg(
-                "--disaggregation-transfer-backend",
-                format!(
-                    "`{}` is not one of tcp, shm, nixl, fake",
-                    a.disaggregation_transfer_backend
-                ),
-            )
-        })?;
+        let backend =
+            TransferBackend::parse(&a.disaggregation_transfer_backend).ok_or_else(|| {
+                EngineError::arg(
+                    "--disaggregation-transfer-backend",
+                    format!(
+                        "`{}` is not one of tcp, shm, nixl, fake",
+                        a.disaggregation_transfer_backend
+                    ),
+                )
+            })?;
         if !backend.compiled() {
             return Err(EngineError::arg(
                 "--disaggregation-transfer-backend",
@@ -54,7 +55,10 @@ impl PdOptions {
             if v.is_finite() && v > 0.0 && v < 1e9 {
                 Ok(Duration::from_secs_f64(v))
             } else {
-                Err(EngineError::arg(flag, format!("must be a positive number of seconds, got {v}")))
+                Err(EngineError::arg(
+                    flag,
+                    format!("must be a positive number of seconds, got {v}"),
+                ))
             }
         };
         if a.disaggregation_heartbeat_max_failures == 0 {
@@ -72,7 +76,10 @@ impl PdOptions {
                 "--disaggregation-bootstrap-timeout",
                 a.disaggregation_bootstrap_timeout,
             )?,
-            waiting_timeout: secs("--disaggregation-waiting-timeout", a.disaggregation_waiting_timeout)?,
+            waiting_timeout: secs(
+                "--disaggregation-waiting-timeout",
+                a.disaggregation_waiting_timeout,
+            )?,
             heartbeat_interval: secs(
                 "--disaggregation-heartbeat-interval",
                 a.disaggregation_heartbeat_interval,
@@ -113,7 +120,8 @@ pub fn build_pd_side(
             ),
         ));
     }
-    let pd_err = |e: transfer::TransferError| EngineError::arg("--disaggregation-mode", e.to_string());
+    let pd_err =
+        |e: transfer::TransferError| EngineError::arg("--disaggregation-mode", e.to_string());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("kvserve-transfer")

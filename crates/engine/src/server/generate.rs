@@ -15,7 +15,8 @@ use serde_json::{json, Map, Value};
 
 use super::error::{ApiError, JsonBody};
 use super::params::{
-    cache_namespace, encode, prepare, BootstrapFields, MaxTokens, OneOrMany, Prepared, SamplingFields,
+    cache_namespace, encode, prepare, BootstrapFields, MaxTokens, OneOrMany, Prepared,
+    SamplingFields,
 };
 use super::state::AppState;
 use super::stream::{sse, ChunkFormat, Generation, RequestRun};

@@ -269,10 +269,7 @@ fn jobs(
             };
             let mut prepared = prepare(s, ids, &fields, max, salt.as_deref())?;
             prepared.request.bootstrap = bootstrap.clone();
-            Ok(Job {
-                prepared,
-                echo,
-            })
+            Ok(Job { prepared, echo })
         })
         .collect::<Result<_, ApiError>>()?;
     Ok((jobs, body.model))

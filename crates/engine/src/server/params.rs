@@ -165,7 +165,11 @@ impl BootstrapFields {
         if !mode.is_disaggregated() {
             return Ok(None);
         }
-        let (host, port, room) = match (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room) {
+        let (host, port, room) = match (
+            self.bootstrap_host,
+            self.bootstrap_port,
+            self.bootstrap_room,
+        ) {
             (Some(h), Some(p), Some(r)) => (h, p, r),
             (h, p, _) => {
                 let field = if h.is_none() {
@@ -183,14 +187,20 @@ impl BootstrapFields {
                 ));
             }
         };
-        if host.is_empty() || host.len() > 255 || host.chars().any(|c| c.is_whitespace() || c == '/') {
+        if host.is_empty()
+            || host.len() > 255
+            || host.chars().any(|c| c.is_whitespace() || c == '/')
+        {
             return Err(ApiError::invalid(
                 "bootstrap_host",
                 format!("bootstrap_host must be a host name or address, got {host:?}"),
             ));
         }
         if port == 0 {
-            return Err(ApiError::invalid("bootstrap_port", "bootstrap_port must not be 0"));
+            return Err(ApiError::invalid(
+                "bootstrap_port",
+                "bootstrap_port must not be 0",
+            ));
         }
         if prompts != 1 {
             return Err(ApiError::invalid(

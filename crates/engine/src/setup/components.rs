@@ -103,8 +103,10 @@ impl AnyRunner {
                 // PD's shm transfer: the KV store lives in a shared mapping that prefill
                 // servers on this host write into.
                 let (model, layout) = model_on(&backend, setup, capacity)?;
-                let mem = transfer::shm::SharedMemory::create(layout.total_bytes())
-                    .map_err(|e| EngineError::arg("--disaggregation-transfer-backend", e.to_string()))?;
+                let mem =
+                    transfer::shm::SharedMemory::create(layout.total_bytes()).map_err(|e| {
+                        EngineError::arg("--disaggregation-transfer-backend", e.to_string())
+                    })?;
                 let store = HostKvStore::with_memory(layout, Box::new(mem))?;
                 Ok(ModelRunner::with_kv_store(backend, model, store)
                     .map_err(|e| EngineError::Model(e.to_string()))?

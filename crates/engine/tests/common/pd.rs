@@ -119,3 +119,34 @@ pub fn send_and_drop_prefill(p: &Pair, path: &str, body: &Value, room: u64) -> (
     drop(s);
     decode
 }
+
+/// `kvserve router --pd-disaggregation` in process over `p`, stopped on drop.
+pub fn router(p: &Pair) -> engine::router::BackgroundRouter {
+    router_to(p, &format!("http://127.0.0.1:{}", p.decode.port))
+}
+
+/// A router whose decode worker is `decode_url` (a dead one, for the error tests).
+pub fn router_to(p: &Pair, decode_url: &str) -> engine::router::BackgroundRouter {
+    let mut cfg = engine::router::RouterConfig::new(
+        &format!("http://127.0.0.1:{}", p.prefill.port),
+        decode_url,
+    )
+    .unwrap();
+    cfg.prefill[0].bootstrap_port = p.bootstrap_port;
+    engine::router::spawn(cfg, "127.0.0.1:0", 2).unwrap()
+}
+
+/// Both servers idle, every page free or cached, nothing locked, the ownership check passing.
+pub fn assert_nothing_held(p: &Pair) {
+    for port in [p.prefill.port, p.decode.port] {
+        let info = wait_pd_idle(port);
+        let e = &info["engine"];
+        assert_eq!(e["ownership_ok"], true, "{info}");
+        assert_eq!(e["protected_tokens"], 0, "{info}");
+        assert_eq!(
+            e["available_tokens"].as_u64().unwrap() + e["evictable_tokens"].as_u64().unwrap(),
+            e["total_tokens"].as_u64().unwrap(),
+            "{info}"
+        );
+    }
+}

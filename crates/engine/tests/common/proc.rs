@@ -42,7 +42,12 @@ impl Proc {
             .addrs
             .recv_timeout(Duration::from_secs(120))
             .expect("the process printed an address");
-        addr.rsplit(':').next().unwrap().trim_end_matches('/').parse().unwrap()
+        addr.rsplit(':')
+            .next()
+            .unwrap()
+            .trim_end_matches('/')
+            .parse()
+            .unwrap()
     }
 
     /// Kills it at once (SIGKILL) and reaps it.
