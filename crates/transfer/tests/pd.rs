@@ -467,3 +467,51 @@ fn handles_cross_threads() {
     send_sync::<KvSender>();
     send_sync::<KvReceiver>();
 }
+
+/// The engine's thread is no tokio worker: it starts the managers with a runtime handle and
+/// calls the synchronous API between steps.
+#[test]
+fn the_sync_api_works_from_a_plain_thread() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let l = layout(P, 8);
+    let c = compat_of(&l, BackendKind::Fake);
+    let start = |role| {
+        let engine = MemcpyEngine::new();
+        let store = Box::new(kv_pool::HostKvStore::new(l).unwrap());
+        let regions = store.memory_regions();
+        // SAFETY: the store is boxed and outlives the manager (both dropped at the end).
+        let ids = unsafe { transfer::TransferEngine::register(&*engine, &regions) }.unwrap();
+        let local = ids.into_iter().zip(regions).collect();
+        let mgr = transfer::pd::KvManager::start(
+            fast_config(role),
+            c.clone(),
+            engine,
+            local,
+            rt.handle().clone(),
+        )
+        .unwrap();
+        (store, mgr)
+    };
+    let (_ps, prefill) = start(PdRole::Prefill);
+    let (_ds, decode) = start(PdRole::Decode);
+    let wait = |what: &str, f: &dyn Fn() -> bool| {
+        let t = std::time::Instant::now();
+        while !f() {
+            assert!(t.elapsed() < SECS, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let boot = prefill.bootstrap_addr().unwrap().to_string();
+    let rx = decode.create_receiver(3, &boot).unwrap();
+    let tx = prefill.create_sender(3).unwrap();
+    wait("connected", &|| rx.poll() == KvPoll::WaitingForInput);
+    rx.send_metadata(pages([1]), 0).unwrap();
+    wait("handshake", &|| tx.poll() == KvPoll::WaitingForInput);
+    tx.send(&pages([2]), Some(aux(3))).unwrap();
+    wait("success", &|| rx.poll() == KvPoll::Success);
+    drop((tx, rx, prefill, decode));
+}
