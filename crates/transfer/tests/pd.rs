@@ -515,3 +515,44 @@ fn the_sync_api_works_from_a_plain_thread() {
     wait("success", &|| rx.poll() == KvPoll::Success);
     drop((tx, rx, prefill, decode));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_destination_is_not_reused_decode_reconnects() {
+    let (prefill, decode) = pair();
+    let (tx, rx) = handshake(&prefill, &decode, 61).await;
+    let (tx2, rx2) = handshake(&prefill, &decode, 62).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    rx2.send_metadata(pages([2]), 0).unwrap();
+    until("handshakes", SECS, || {
+        tx.poll() == KvPoll::WaitingForInput && tx2.poll() == KvPoll::WaitingForInput
+    })
+    .await;
+    prefill.engine.fail_as_unreachable(true);
+    prefill.engine.fail_next(1);
+    tx.send(&pages([3]), Some(aux(61))).unwrap();
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    // The whole route is dropped: the other room on it fails too, with the reason.
+    until("the other room fails", SECS, || {
+        rx2.poll() == KvPoll::Failed
+    })
+    .await;
+    assert_eq!(tx2.poll(), KvPoll::Failed);
+    assert!(
+        rx.failure()
+            .unwrap()
+            .contains("KV transfer failed: peer memcpy"),
+        "{:?}",
+        rx.failure()
+    );
+    assert!(
+        rx2.failure().unwrap().contains("closed"),
+        "{:?}",
+        rx2.failure()
+    );
+    // The next request re-handshakes on a fresh connection and succeeds.
+    let (tx3, rx3) = handshake(&prefill, &decode, 63).await;
+    rx3.send_metadata(pages([4]), 0).unwrap();
+    until("handshake", SECS, || tx3.poll() == KvPoll::WaitingForInput).await;
+    tx3.send(&pages([5]), Some(aux(63))).unwrap();
+    until("success", SECS, || rx3.poll() == KvPoll::Success).await;
+}

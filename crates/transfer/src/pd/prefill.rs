@@ -109,6 +109,7 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         }
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<ControlMsg>();
+    let close = Arc::new(tokio::sync::Notify::new());
     let id = {
         let mut st = shared.lock();
         let id = st.next_id();
@@ -118,7 +119,7 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                 tx,
                 segment,
                 dst: Arc::new(dst),
-                failed: None,
+                close: close.clone(),
             },
         );
         id
@@ -134,6 +135,9 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let why = loop {
         let msg = tokio::select! {
             _ = &mut stop => break "the prefill server shut down".to_string(),
+            _ = close.notified() => {
+                break format!("the destination of decode {peer} failed; connection closed")
+            }
             m = read_msg(&mut rd) => m,
         };
         match msg {
@@ -217,10 +221,6 @@ pub(crate) fn failed_status(room: u64, error: String) -> ControlMsg {
 
 fn transfer_info(shared: &Shared, conn: u64, room: u64, pages: Vec<Page>, prefix: usize) {
     let mut st = shared.lock();
-    if let Some(why) = st.conns.get(&conn).and_then(|c| c.failed.clone()) {
-        send_to(&st, conn, failed_status(room, why));
-        return;
-    }
     if st.rooms.contains_key(&room) {
         apply_info(&mut st, room, conn, pages, prefix);
     } else {
@@ -436,8 +436,9 @@ fn finish(
         Some(e) => {
             let why = format!("KV transfer failed: {e}");
             if matches!(e, TransferError::PeerUnreachable { .. }) {
-                if let Some(c) = st.conns.get_mut(&conn) {
-                    c.failed = Some(why.clone());
+                // Not retried blindly: this connection ends, decode re-handshakes next time.
+                if let Some(c) = st.conns.get(&conn) {
+                    c.close.notify_one();
                 }
             }
             st.transition(room, KvPoll::Failed, Some(why.clone()));
