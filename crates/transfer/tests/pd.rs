@@ -556,3 +556,70 @@ async fn an_unreachable_destination_is_not_reused_decode_reconnects() {
     tx3.send(&pages([5]), Some(aux(63))).unwrap();
     until("success", SECS, || rx3.poll() == KvPoll::Success).await;
 }
+
+/// Random aborts and drops at random points, on both sides, with batches in flight: every room
+/// ends (no hang), every decode room becomes quiescent, a decode `Success` implies a prefill
+/// `Success` and the right bytes, and the managers forget every room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_aborts_end_every_room_cleanly() {
+    let (mut prefill, decode) = pair();
+    prefill.engine.set_delay(Duration::from_millis(3));
+    let mut rng = kv_pool::SplitMix64::new(7);
+    let mut live = Vec::new();
+    for k in 0..16u32 {
+        let room = 500 + k as u64;
+        let src = pages([1 + k, 17 + k]);
+        let dst = pages([1 + 2 * k, 2 + 2 * k]);
+        prefill.fill(&src, k as u8);
+        let (tx, rx) = handshake(&prefill, &decode, room).await;
+        // 0: normal, 1: decode aborts before metadata, 2: decode aborts after, 3: prefill
+        // aborts mid-transfer, 4: prefill drops its sender mid-transfer.
+        let plan = rng.below(5);
+        if plan == 1 {
+            rx.abort("random");
+        } else {
+            rx.send_metadata(dst.clone(), 0).unwrap();
+            until("handshake", SECS, || tx.poll() != KvPoll::Bootstrapping).await;
+            if plan == 2 {
+                rx.abort("random");
+            }
+            let _ = tx.send(&src[..1], None);
+            match plan {
+                3 => tx.abort("random"),
+                4 => {
+                    live.push((room, src, dst, None, rx));
+                    continue;
+                }
+                _ => {
+                    let _ = tx.send(&src[1..], Some(aux(room)));
+                }
+            }
+        }
+        live.push((room, src, dst, Some(tx), rx));
+    }
+    for (room, src, dst, tx, rx) in &live {
+        until("terminal", SECS, || {
+            rx.poll() == KvPoll::Failed || rx.poll() == KvPoll::Success
+        })
+        .await;
+        until("quiescent", SECS, || rx.quiescent()).await;
+        if let Some(tx) = tx {
+            until("prefill terminal", SECS, || {
+                tx.poll() != KvPoll::Transferring
+            })
+            .await;
+            if rx.poll() == KvPoll::Success {
+                assert_eq!(tx.poll(), KvPoll::Success, "room {room}");
+            }
+        }
+        if rx.poll() == KvPoll::Success {
+            assert_eq!(decode.read(dst), prefill.read(src), "room {room}");
+        }
+    }
+    drop(live);
+    let (ps, ds) = (prefill.mgr.stats(), decode.mgr.stats());
+    assert_eq!(ps.bootstrapping + ps.waiting_for_input + ps.transferring, 0);
+    assert_eq!(ds.bootstrapping + ds.waiting_for_input + ds.transferring, 0);
+    assert_eq!(ps.success_total + ps.failed_total, 16);
+    assert_eq!(ds.success_total + ds.failed_total, 16);
+}

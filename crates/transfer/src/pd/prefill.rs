@@ -160,8 +160,16 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             }
         }
     };
+    // Forgetting the connection drops its sender: the writer flushes what was queued (a room's
+    // final status) and ends; a peer that stops reading gets a second, then the socket closes.
     close_conn(&shared, id, &why).await;
-    writer.abort();
+    let mut writer = writer;
+    if tokio::time::timeout(std::time::Duration::from_secs(1), &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
 }
 
 /// Forgets a connection: its rooms that have not succeeded fail, its pending infos go, its
