@@ -184,7 +184,8 @@ mod tests {
             transfer_backend: BackendKind::Tcp,
         };
         assert_eq!(ours.check(&ours), Ok(()));
-        let cases: [(&str, fn(&mut ServerCompat)); 6] = [
+        type Change = fn(&mut ServerCompat);
+        let cases: [(&str, Change); 6] = [
             ("model", |c| c.model = "other".into()),
             ("page_size", |c| c.page_size = 1),
             ("kv_dtype", |c| c.kv_dtype = "float16".into()),
