@@ -25,6 +25,9 @@
 //! - Registering memory is `unsafe`: the owner promises the memory outlives the registration and
 //!   that it does not touch the bytes a batch names while that batch is in flight (RDMA's
 //!   contract; the scheduler keeps it by owning a request's pages until its transfer ends).
+//! - PD (`pd`): a room's status only rises and `Failed` overrides; no room waits forever
+//!   (bootstrap and waiting timeouts, heartbeats, closed connections fail it); a prefill answers
+//!   a room only once every batch it submitted for it settled.
 //!
 //! ## Where it sits
 //! Above kv-pool (regions, pages), beside the scheduler; the engine composes it with the

@@ -467,3 +467,159 @@ fn handles_cross_threads() {
     send_sync::<KvSender>();
     send_sync::<KvReceiver>();
 }
+
+/// The engine's thread is no tokio worker: it starts the managers with a runtime handle and
+/// calls the synchronous API between steps.
+#[test]
+fn the_sync_api_works_from_a_plain_thread() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let l = layout(P, 8);
+    let c = compat_of(&l, BackendKind::Fake);
+    let start = |role| {
+        let engine = MemcpyEngine::new();
+        let store = Box::new(kv_pool::HostKvStore::new(l).unwrap());
+        let regions = store.memory_regions();
+        // SAFETY: the store is boxed and outlives the manager (both dropped at the end).
+        let ids = unsafe { transfer::TransferEngine::register(&*engine, &regions) }.unwrap();
+        let local = ids.into_iter().zip(regions).collect();
+        let mgr = transfer::pd::KvManager::start(
+            fast_config(role),
+            c.clone(),
+            engine,
+            local,
+            rt.handle().clone(),
+        )
+        .unwrap();
+        (store, mgr)
+    };
+    let (_ps, prefill) = start(PdRole::Prefill);
+    let (_ds, decode) = start(PdRole::Decode);
+    let wait = |what: &str, f: &dyn Fn() -> bool| {
+        let t = std::time::Instant::now();
+        while !f() {
+            assert!(t.elapsed() < SECS, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let boot = prefill.bootstrap_addr().unwrap().to_string();
+    let rx = decode.create_receiver(3, &boot).unwrap();
+    let tx = prefill.create_sender(3).unwrap();
+    wait("connected", &|| rx.poll() == KvPoll::WaitingForInput);
+    rx.send_metadata(pages([1]), 0).unwrap();
+    wait("handshake", &|| tx.poll() == KvPoll::WaitingForInput);
+    tx.send(&pages([2]), Some(aux(3))).unwrap();
+    wait("success", &|| rx.poll() == KvPoll::Success);
+    drop((tx, rx, prefill, decode));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_destination_is_not_reused_decode_reconnects() {
+    let (prefill, decode) = pair();
+    let (tx, rx) = handshake(&prefill, &decode, 61).await;
+    let (tx2, rx2) = handshake(&prefill, &decode, 62).await;
+    rx.send_metadata(pages([1]), 0).unwrap();
+    rx2.send_metadata(pages([2]), 0).unwrap();
+    until("handshakes", SECS, || {
+        tx.poll() == KvPoll::WaitingForInput && tx2.poll() == KvPoll::WaitingForInput
+    })
+    .await;
+    prefill.engine.fail_as_unreachable(true);
+    prefill.engine.fail_next(1);
+    tx.send(&pages([3]), Some(aux(61))).unwrap();
+    until("decode fails", SECS, || rx.poll() == KvPoll::Failed).await;
+    // The whole route is dropped: the other room on it fails too, with the reason.
+    until("the other room fails", SECS, || {
+        rx2.poll() == KvPoll::Failed
+    })
+    .await;
+    assert_eq!(tx2.poll(), KvPoll::Failed);
+    assert!(
+        rx.failure()
+            .unwrap()
+            .contains("KV transfer failed: peer memcpy"),
+        "{:?}",
+        rx.failure()
+    );
+    assert!(
+        rx2.failure().unwrap().contains("closed"),
+        "{:?}",
+        rx2.failure()
+    );
+    // The next request re-handshakes on a fresh connection and succeeds.
+    let (tx3, rx3) = handshake(&prefill, &decode, 63).await;
+    rx3.send_metadata(pages([4]), 0).unwrap();
+    until("handshake", SECS, || tx3.poll() == KvPoll::WaitingForInput).await;
+    tx3.send(&pages([5]), Some(aux(63))).unwrap();
+    until("success", SECS, || rx3.poll() == KvPoll::Success).await;
+}
+
+/// Random aborts and drops at random points, on both sides, with batches in flight: every room
+/// ends (no hang), every decode room becomes quiescent, a decode `Success` implies a prefill
+/// `Success` and the right bytes, and the managers forget every room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_aborts_end_every_room_cleanly() {
+    let (mut prefill, decode) = pair();
+    prefill.engine.set_delay(Duration::from_millis(3));
+    let mut rng = kv_pool::SplitMix64::new(7);
+    let mut live = Vec::new();
+    for k in 0..16u32 {
+        let room = 500 + k as u64;
+        let src = pages([1 + k, 17 + k]);
+        let dst = pages([1 + 2 * k, 2 + 2 * k]);
+        prefill.fill(&src, k as u8);
+        let (tx, rx) = handshake(&prefill, &decode, room).await;
+        // 0: normal, 1: decode aborts before metadata, 2: decode aborts after, 3: prefill
+        // aborts mid-transfer, 4: prefill drops its sender mid-transfer.
+        let plan = rng.below(5);
+        if plan == 1 {
+            rx.abort("random");
+        } else {
+            rx.send_metadata(dst.clone(), 0).unwrap();
+            until("handshake", SECS, || tx.poll() != KvPoll::Bootstrapping).await;
+            if plan == 2 {
+                rx.abort("random");
+            }
+            let _ = tx.send(&src[..1], None);
+            match plan {
+                3 => tx.abort("random"),
+                4 => {
+                    live.push((room, src, dst, None, rx));
+                    continue;
+                }
+                _ => {
+                    let _ = tx.send(&src[1..], Some(aux(room)));
+                }
+            }
+        }
+        live.push((room, src, dst, Some(tx), rx));
+    }
+    for (room, src, dst, tx, rx) in &live {
+        until("terminal", SECS, || {
+            rx.poll() == KvPoll::Failed || rx.poll() == KvPoll::Success
+        })
+        .await;
+        until("quiescent", SECS, || rx.quiescent()).await;
+        if let Some(tx) = tx {
+            until("prefill terminal", SECS, || {
+                tx.poll() != KvPoll::Transferring
+            })
+            .await;
+            if rx.poll() == KvPoll::Success {
+                assert_eq!(tx.poll(), KvPoll::Success, "room {room}");
+            }
+        }
+        if rx.poll() == KvPoll::Success {
+            assert_eq!(decode.read(dst), prefill.read(src), "room {room}");
+        }
+    }
+    drop(live);
+    let (ps, ds) = (prefill.mgr.stats(), decode.mgr.stats());
+    assert_eq!(ps.bootstrapping + ps.waiting_for_input + ps.transferring, 0);
+    assert_eq!(ds.bootstrapping + ds.waiting_for_input + ds.transferring, 0);
+    assert_eq!(ps.success_total + ps.failed_total, 16);
+    assert_eq!(ds.success_total + ds.failed_total, 16);
+}

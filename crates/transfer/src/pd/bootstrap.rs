@@ -274,3 +274,54 @@ pub(crate) async fn register_rank(
         format!("registration failed after {attempts} attempts: {last}"),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::BackendKind;
+
+    fn reg() -> RankRegistration {
+        RankRegistration {
+            role: "Prefill".into(),
+            rank_ip: "127.0.0.1".into(),
+            rank_port: 1,
+            engine_rank: 0,
+            compat: ServerCompat {
+                model: "m".into(),
+                page_size: 1,
+                kv_dtype: "float16".into(),
+                page_bytes: 8,
+                regions: 2,
+                transfer_backend: BackendKind::Tcp,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn registration_retries_then_names_the_last_error() {
+        // A port nobody listens on: bind, read the port, close.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let t = std::time::Instant::now();
+        let err = register_rank(port, &reg(), 3, Duration::from_millis(5))
+            .await
+            .unwrap_err();
+        assert!(
+            t.elapsed() >= Duration::from_millis(15),
+            "5 + 10 ms of backoff"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("registration failed after 3 attempts"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn wildcards_are_advertised_as_loopback() {
+        assert_eq!(advertised("0.0.0.0"), "127.0.0.1");
+        assert_eq!(advertised("10.0.0.2"), "10.0.0.2");
+    }
+}

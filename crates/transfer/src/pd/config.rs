@@ -168,3 +168,62 @@ pub struct PdStats {
     /// Decode: prefill servers connected.
     pub peers: usize,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_check_names_the_first_differing_field() {
+        let ours = ServerCompat {
+            model: "m".into(),
+            page_size: 16,
+            kv_dtype: "bfloat16".into(),
+            page_bytes: 4096,
+            regions: 8,
+            transfer_backend: BackendKind::Tcp,
+        };
+        assert_eq!(ours.check(&ours), Ok(()));
+        type Change = fn(&mut ServerCompat);
+        let cases: [(&str, Change); 6] = [
+            ("model", |c| c.model = "other".into()),
+            ("page_size", |c| c.page_size = 1),
+            ("kv_dtype", |c| c.kv_dtype = "float16".into()),
+            ("page_bytes", |c| c.page_bytes = 1),
+            ("regions", |c| c.regions = 1),
+            ("transfer_backend", |c| {
+                c.transfer_backend = BackendKind::Shm
+            }),
+        ];
+        for (name, change) in cases {
+            let mut theirs = ours.clone();
+            change(&mut theirs);
+            // A later field differing too does not hide the first.
+            theirs.transfer_backend = BackendKind::Nixl;
+            match ours.check(&theirs) {
+                Err(PdError::Incompatible { field, .. }) => assert_eq!(field, name),
+                other => panic!("{other:?}"),
+            }
+        }
+        let err = ours
+            .check(&ServerCompat {
+                page_size: 1,
+                ..ours.clone()
+            })
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "incompatible prefill server: page_size is 1 there but 16 here"
+        );
+    }
+
+    #[test]
+    fn defaults_are_sglangs() {
+        let c = PdConfig::new(PdRole::Decode);
+        assert_eq!(c.bootstrap_port, 8998);
+        assert_eq!(c.bootstrap_timeout, Duration::from_secs(300));
+        assert_eq!(c.waiting_timeout, Duration::from_secs(300));
+        assert_eq!(c.heartbeat_interval, Duration::from_secs(5));
+        assert_eq!(c.heartbeat_max_failures, 2);
+    }
+}

@@ -93,8 +93,9 @@ pub(crate) struct PrefillConn {
     pub segment: SegmentId,
     /// The decode's KV regions, paired by position with ours.
     pub dst: Arc<Vec<(RegionId, RemoteRegion, u64)>>,
-    /// Set when a transfer found the destination unreachable: later rooms fail at once.
-    pub failed: Option<String>,
+    /// Closes the connection (a transfer found the destination unreachable): its rooms fail,
+    /// and decode reconnects afresh for the next request instead of reusing a dead route.
+    pub close: Arc<tokio::sync::Notify>,
 }
 
 /// Decode: one prefill server, by bootstrap address.

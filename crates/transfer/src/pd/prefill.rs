@@ -109,6 +109,7 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
         }
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<ControlMsg>();
+    let close = Arc::new(tokio::sync::Notify::new());
     let id = {
         let mut st = shared.lock();
         let id = st.next_id();
@@ -118,7 +119,7 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
                 tx,
                 segment,
                 dst: Arc::new(dst),
-                failed: None,
+                close: close.clone(),
             },
         );
         id
@@ -134,6 +135,9 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let why = loop {
         let msg = tokio::select! {
             _ = &mut stop => break "the prefill server shut down".to_string(),
+            _ = close.notified() => {
+                break format!("the destination of decode {peer} failed; connection closed")
+            }
             m = read_msg(&mut rd) => m,
         };
         match msg {
@@ -156,8 +160,16 @@ async fn serve_conn(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
             }
         }
     };
+    // Forgetting the connection drops its sender: the writer flushes what was queued (a room's
+    // final status) and ends; a peer that stops reading gets a second, then the socket closes.
     close_conn(&shared, id, &why).await;
-    writer.abort();
+    let mut writer = writer;
+    if tokio::time::timeout(std::time::Duration::from_secs(1), &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
 }
 
 /// Forgets a connection: its rooms that have not succeeded fail, its pending infos go, its
@@ -217,10 +229,6 @@ pub(crate) fn failed_status(room: u64, error: String) -> ControlMsg {
 
 fn transfer_info(shared: &Shared, conn: u64, room: u64, pages: Vec<Page>, prefix: usize) {
     let mut st = shared.lock();
-    if let Some(why) = st.conns.get(&conn).and_then(|c| c.failed.clone()) {
-        send_to(&st, conn, failed_status(room, why));
-        return;
-    }
     if st.rooms.contains_key(&room) {
         apply_info(&mut st, room, conn, pages, prefix);
     } else {
@@ -436,8 +444,9 @@ fn finish(
         Some(e) => {
             let why = format!("KV transfer failed: {e}");
             if matches!(e, TransferError::PeerUnreachable { .. }) {
-                if let Some(c) = st.conns.get_mut(&conn) {
-                    c.failed = Some(why.clone());
+                // Not retried blindly: this connection ends, decode re-handshakes next time.
+                if let Some(c) = st.conns.get(&conn) {
+                    c.close.notify_one();
                 }
             }
             st.transition(room, KvPoll::Failed, Some(why.clone()));

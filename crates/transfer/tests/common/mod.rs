@@ -39,6 +39,7 @@ pub struct MemcpyEngine {
     next: AtomicU64,
     delay: Mutex<Duration>,
     fail_next: AtomicU32,
+    unreachable: std::sync::atomic::AtomicBool,
     pub submitted_blocks: AtomicU64,
 }
 
@@ -53,6 +54,7 @@ impl MemcpyEngine {
             next: AtomicU64::new(1),
             delay: Mutex::new(Duration::ZERO),
             fail_next: AtomicU32::new(0),
+            unreachable: Default::default(),
             submitted_blocks: AtomicU64::new(0),
         })
     }
@@ -63,6 +65,11 @@ impl MemcpyEngine {
 
     pub fn fail_next(&self, n: u32) {
         self.fail_next.store(n, Ordering::SeqCst);
+    }
+
+    /// Failed batches fail with `PeerUnreachable` instead of `Corrupted`.
+    pub fn fail_as_unreachable(&self, yes: bool) {
+        self.unreachable.store(yes, Ordering::SeqCst);
     }
 }
 
@@ -161,11 +168,17 @@ impl TransferEngine for MemcpyEngine {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
         let delay = *self.delay.lock().unwrap();
+        let unreachable = self.unreachable.load(Ordering::SeqCst);
         tokio::spawn(async move {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            let status = if fail {
+            let status = if fail && unreachable {
+                BatchStatus::Failed(TransferError::PeerUnreachable {
+                    peer: "memcpy".into(),
+                    reason: "test".into(),
+                })
+            } else if fail {
                 BatchStatus::Failed(TransferError::Corrupted {
                     region: 0,
                     offset: 0,
