@@ -306,6 +306,9 @@ fn run(
     let mut live: LiveMap = HashMap::new();
     loop {
         metrics.publish(&s);
+        if let Some(p) = &pd {
+            metrics.publish_pd(p.metrics(&s));
+        }
         // Idle: block for work. Waiting on PD peers: wake often to poll them. Busy: take what
         // is there and go on stepping.
         let pd_work = pd.as_ref().is_some_and(PdSide::has_work);

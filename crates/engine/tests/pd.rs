@@ -63,6 +63,23 @@ fn pd_matches_one_server(backend: &str, prefill_flags: &[&str]) {
         "incremental transfer moved {moved} of {full} bytes"
     );
     assert_nothing_held(&p);
+    // Both roles count their transfers and show their PD queues in /metrics.
+    for (port, queue) in [
+        (p.prefill.port, "kvserve:num_prefill_inflight_queue_reqs 0"),
+        (p.decode.port, "kvserve:num_decode_transfer_queue_reqs 0"),
+    ] {
+        let (status, text) = common::http(port, "GET", "/metrics", "");
+        assert_eq!(status, 200);
+        assert!(text.contains(queue), "{text}");
+        assert!(
+            text.contains("kvserve:kv_transfer_success_total 5"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvserve:kv_transfer_failed_total 0"),
+            "{text}"
+        );
+    }
 }
 
 fn transferred_bytes(p: &Pair) -> u64 {
@@ -114,14 +131,19 @@ fn a_corrupted_frame_fails_the_request_and_frees_both_sides() {
 
 #[test]
 fn an_incompatible_pair_is_refused_with_a_clear_error() {
-    let p = pair("tcp", &[], &["--page-size", "32"]);
-    let (ds, dr) = send_and_drop_prefill(&p, "/generate", &greedy(&prompt(40, 7), 4), 9);
-    assert_eq!(ds, 500, "{dr}");
-    assert!(
-        dr.to_string().contains("page_size is 16 there but 32 here"),
-        "{dr}"
-    );
-    assert_nothing_held(&p);
+    for (flags, says) in [
+        (
+            &["--page-size", "32"][..],
+            "page_size is 16 there but 32 here",
+        ),
+        (&["--kv-cache-dtype", "bfloat16"][..], "kv_dtype"),
+    ] {
+        let p = pair("tcp", &[], flags);
+        let (ds, dr) = send_and_drop_prefill(&p, "/generate", &greedy(&prompt(40, 7), 4), 9);
+        assert_eq!(ds, 500, "{dr}");
+        assert!(dr.to_string().contains(says), "{flags:?}: {dr}");
+        assert_nothing_held(&p);
+    }
 }
 
 #[test]

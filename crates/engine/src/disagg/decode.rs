@@ -15,6 +15,7 @@ use transfer::pd::{KvManager, KvPoll, KvReceiver};
 
 use super::TRANSFER_FAILED;
 use crate::engine_loop::{limits_of, track, LiveMap, Submission};
+use crate::engine_metrics::PdMetrics;
 use crate::setup::ModelExecutor;
 
 /// A request whose receiver is still handshaking (no scheduler id yet).
@@ -206,6 +207,22 @@ impl DecodeSide {
         }
         for (id, (_, why)) in self.draining.drain() {
             let _ = s.abort(id, &why);
+        }
+    }
+
+    pub(super) fn metrics(&self, s: &Scheduler) -> PdMetrics {
+        PdMetrics {
+            queues: vec![
+                (
+                    "num_decode_prealloc_queue_reqs",
+                    (self.handshaking.len() + s.num_prealloc_queued()) as u64,
+                ),
+                (
+                    "num_decode_transfer_queue_reqs",
+                    s.num_transferring() as u64,
+                ),
+            ],
+            stats: self.manager.stats(),
         }
     }
 

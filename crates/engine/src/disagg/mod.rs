@@ -176,6 +176,14 @@ impl PdSide {
         }
     }
 
+    /// The queue gauges and transfer counters for `/metrics`.
+    pub fn metrics(&self, s: &Scheduler) -> crate::engine_metrics::PdMetrics {
+        match self {
+            PdSide::Prefill(p) => p.metrics(),
+            PdSide::Decode(d) => d.metrics(s),
+        }
+    }
+
     /// The PD queues and transfer counters (for `/get_server_info`).
     pub fn info(&self, s: &Scheduler) -> serde_json::Value {
         match self {

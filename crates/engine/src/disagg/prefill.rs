@@ -13,6 +13,7 @@ use transfer::pd::{KvManager, KvPoll, KvSender, TransferAux};
 
 use super::TRANSFER_FAILED;
 use crate::engine_loop::{limits_of, track, LiveMap, Submission};
+use crate::engine_metrics::PdMetrics;
 use crate::setup::ModelExecutor;
 
 /// A request of the bootstrap queue: its sender, waiting for the decode side's handshake.
@@ -292,6 +293,24 @@ impl PrefillSide {
         for (id, snd) in self.sending.drain() {
             snd.sender.abort("the server is shutting down");
             let _ = s.abort(id, "the server is shutting down");
+        }
+    }
+
+    pub(super) fn metrics(&self) -> PdMetrics {
+        let inflight = self
+            .sending
+            .values()
+            .filter(|x| x.finished.is_some())
+            .count();
+        PdMetrics {
+            queues: vec![
+                (
+                    "num_prefill_prealloc_queue_reqs",
+                    self.bootstrap.len() as u64,
+                ),
+                ("num_prefill_inflight_queue_reqs", inflight as u64),
+            ],
+            stats: self.manager.stats(),
         }
     }
 

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::engine_metrics::EngineMetricsSnapshot;
+use crate::engine_metrics::{EngineMetricsSnapshot, PdMetrics};
 
 /// Metric name prefix.
 pub const PREFIX: &str = "kvserve:";
@@ -104,6 +104,41 @@ pub enum Outcome {
     Abort,
 }
 
+/// A PD server's queue gauges (SGLang's names) and transfer counters.
+fn render_pd(out: &mut String, pd: &PdMetrics) {
+    for (name, v) in &pd.queues {
+        header(out, name, "Requests in this PD queue.", "gauge");
+        let _ = writeln!(out, "{PREFIX}{name} {v}");
+    }
+    let st = &pd.stats;
+    let counters: [(&str, &str, f64); 4] = [
+        (
+            "kv_transfer_success_total",
+            "Requests whose KV transfer succeeded.",
+            st.success_total as f64,
+        ),
+        (
+            "kv_transfer_failed_total",
+            "Requests whose KV transfer failed (timeouts, dead peers, corrupted frames, aborts).",
+            st.failed_total as f64,
+        ),
+        (
+            "kv_transfer_bytes_total",
+            "KV bytes moved by successful transfers (sent on prefill, received on decode).",
+            st.bytes as f64,
+        ),
+        (
+            "kv_transfer_seconds_total",
+            "Seconds spent in successful transfers.",
+            st.transfer_seconds,
+        ),
+    ];
+    for (name, help, v) in counters {
+        header(out, name, help, "counter");
+        let _ = writeln!(out, "{PREFIX}{name} {v}");
+    }
+}
+
 /// What the HTTP layer counts.
 #[derive(Debug)]
 pub struct ServerMetrics {
@@ -151,9 +186,13 @@ impl ServerMetrics {
         c.fetch_add(1, Relaxed);
     }
 
-    /// The exposition text.
-    pub fn render(&self, e: &EngineMetricsSnapshot) -> String {
+    /// The exposition text; with `pd`, a prefill or decode server's queues and transfer
+    /// counters too.
+    pub fn render(&self, e: &EngineMetricsSnapshot, pd: Option<&PdMetrics>) -> String {
         let mut out = String::with_capacity(8192);
+        if let Some(pd) = pd {
+            render_pd(&mut out, pd);
+        }
         let gauges: [(&str, &str, f64); 7] = [
             (
                 "num_running_reqs",

@@ -79,7 +79,10 @@ async fn prometheus(State(s): State<Arc<AppState>>) -> impl IntoResponse {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        s.metrics.render(&s.engine.metrics().snapshot()),
+        s.metrics.render(
+            &s.engine.metrics().snapshot(),
+            s.engine.metrics().pd_snapshot().as_ref(),
+        ),
     )
 }
 
