@@ -8,6 +8,7 @@ pub mod cache_sim;
 pub mod info;
 pub mod serve;
 pub mod sim;
+pub mod transfer_bench;
 
 use std::io::{IsTerminal, Write};
 
@@ -24,6 +25,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Bench(args) => bench::bench(&args, out),
         Command::Serve(args) => serve::serve(&args),
         Command::Info(args) => info::info(&args, out),
+        Command::TransferBench(args) => transfer_bench::transfer_bench(&args, out),
     }
 }
 
