@@ -8,6 +8,15 @@
 //!   peer's segment, submit a batch of writes `(src region + offset, dst region + offset, len)`,
 //!   poll or await its completion. Backends, one Cargo feature each, all behind the same
 //!   conformance suite (`transfer::testing`, feature `testing`): `tcp`, `shm`, `nixl`, `fake`.
+//!   [`new_engine`] builds one from a [`TransferConfig`] (`backends`).
+//! - `tcp`: framed, xxh3-checksummed writes over several streams per peer, straight from and
+//!   into registered memory. `shm`: a [`SharedMemory`](shm::SharedMemory) (memfd) that the
+//!   receiver's KV store lives in (`HostKvStore::with_memory`) and the sender maps and copies
+//!   into. `fake`: validates and moves nothing.
+//! - `bench`: Mooncake's `transfer_engine_bench` (engine against raw sockets or memcpy).
+//! - Internals shared by the backends: `region` (registration and block validation, so every
+//!   backend refuses the same inputs alike), `batch` (batch outcomes, poll / wait / reap),
+//!   `segments` (the open-segment table).
 //!
 //! ## Invariants
 //! - A batch is validated whole before any byte moves: an unknown region, an offset or length
@@ -32,6 +41,7 @@ pub mod error;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod region;
+mod segments;
 #[cfg(all(feature = "shm", target_os = "linux"))]
 pub mod shm;
 #[cfg(feature = "tcp")]

@@ -82,6 +82,17 @@ impl RegionTable {
     pub fn all(&self) -> &[LocalRegion] {
         &self.regions
     }
+
+    /// The regions as peers see them, with `base: 0` (backends that address by region id).
+    pub fn remote(&self) -> Vec<RemoteRegion> {
+        self.regions
+            .iter()
+            .map(|r| RemoteRegion {
+                len: r.len,
+                base: 0,
+            })
+            .collect()
+    }
 }
 
 /// `Ok` when `offset..offset + len` lies within `region_len` bytes, else

@@ -17,9 +17,8 @@ mod memory;
 
 pub use memory::SharedMemory;
 
-use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
@@ -33,6 +32,7 @@ use crate::engine::{
 };
 use crate::error::{Result, TransferError};
 use crate::region::{check_backend, check_blocks, RegionTable};
+use crate::segments::SegmentTable;
 use memory::Mapping;
 
 /// Batches up to this many bytes are copied inline in `submit`.
@@ -50,8 +50,7 @@ pub struct ShmEngine {
 struct Inner {
     copy_threads: usize,
     regions: RwLock<Registered>,
-    segments: Mutex<HashMap<u64, Arc<Segment>>>,
-    next_segment: AtomicU64,
+    segments: SegmentTable<Segment>,
     batches: BatchTable,
 }
 
@@ -89,8 +88,7 @@ impl ShmEngine {
             inner: Arc::new(Inner {
                 copy_threads: cfg.streams.max(1),
                 regions: RwLock::new(Registered::default()),
-                segments: Mutex::new(HashMap::new()),
-                next_segment: AtomicU64::new(0),
+                segments: SegmentTable::default(),
                 batches: BatchTable::default(),
             }),
         }
@@ -101,7 +99,7 @@ impl Drop for ShmEngine {
     fn drop(&mut self) {
         // Waits for the piece being copied, if any; no copy starts after this.
         self.inner.regions.write().unwrap().table.closed = true;
-        for (_, seg) in self.inner.segments.lock().unwrap().drain() {
+        for seg in self.inner.segments.drain() {
             fail_all(&seg, "the sending engine was dropped");
         }
     }
@@ -195,41 +193,21 @@ impl TransferEngine for ShmEngine {
                 )));
             }
         }
-        let id = self.inner.next_segment.fetch_add(1, Ordering::Relaxed) + 1;
-        let seg = Segment {
+        Ok(self.inner.segments.insert(Segment {
             map: Arc::new(map),
             regions: desc.regions.clone(),
             inflight: Mutex::new(Vec::new()),
-        };
-        self.inner
-            .segments
-            .lock()
-            .unwrap()
-            .insert(id, Arc::new(seg));
-        Ok(SegmentId(id))
+        }))
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        let seg = self
-            .inner
-            .segments
-            .lock()
-            .unwrap()
-            .remove(&segment.0)
-            .ok_or(TransferError::UnknownSegment(segment))?;
+        let seg = self.inner.segments.remove(segment)?;
         fail_all(&seg, "the segment was closed");
         Ok(())
     }
 
     async fn submit(&self, segment: SegmentId, blocks: Vec<TransferBlock>) -> Result<BatchId> {
-        let seg = self
-            .inner
-            .segments
-            .lock()
-            .unwrap()
-            .get(&segment.0)
-            .cloned()
-            .ok_or(TransferError::UnknownSegment(segment))?;
+        let seg = self.inner.segments.get(segment)?;
         let src = check_blocks(
             &self.inner.regions.read().unwrap().table,
             &seg.regions,
