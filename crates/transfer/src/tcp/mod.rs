@@ -2,11 +2,11 @@
 //! network).
 //!
 //! - The receiving side listens on `host:0`; that address is its segment's `endpoint`
-//!   ([`recv`]). Each connection's frames land straight in the registered destination (the
+//!   (`recv`). Each connection's frames land straight in the registered destination (the
 //!   receiver bounds-checks every frame against its own registration and never trusts the
-//!   header), and each frame is acked or nacked ([`wire`]).
-//! - `open_segment` opens `streams` connections ([`send`]); `submit` splits blocks into frames
-//!   of at most [`wire::FRAME_MAX`] bytes and spreads them over the streams by bytes. A batch
+//!   header), and each frame is acked or nacked (`wire`).
+//! - `open_segment` opens `streams` connections (`send`); `submit` splits blocks into frames
+//!   of at most 4 MiB (`wire::FRAME_MAX`) bytes and spreads them over the streams by bytes. A batch
 //!   is `Done` when every frame is acked; a nack (`Corrupted`), an I/O error or a closed
 //!   connection fails every batch with frames outstanding on that stream: never a hang.
 //! - Registered memory is touched only under the engine's region lock after checking that the
