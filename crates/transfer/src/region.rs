@@ -53,7 +53,7 @@ impl RegionTable {
             })?;
             if let Some(&(a, l)) = all.iter().find(|&&(a, l)| r.addr < a + l && a < end) {
                 return Err(TransferError::BadRegion(format!(
-                    "region {i} of the call ({:#x}+{}) overlaps registered memory {a:#x}+{l}",
+                    "region {i} of the call overlaps registered memory ({:#x}+{} over {a:#x}+{l})",
                     r.addr, r.len_bytes
                 )));
             }
