@@ -3,9 +3,7 @@
 use std::fmt::Write as _;
 
 use transfer::testing::TestMemory;
-use transfer::{
-    new_engine, BackendKind, BatchId, SegmentId, TransferBlock, TransferConfig, TransferEngine,
-};
+use transfer::{new_engine, BackendKind, BatchId, SegmentId, TransferBlock, TransferConfig};
 
 #[tokio::test]
 async fn error_messages_snapshot() {
