@@ -8,8 +8,8 @@
 //!   mapping) get `base: u64::MAX` and cannot be written by peers. The segment's endpoint is the
 //!   mapping's path, kept valid by a descriptor the engine holds.
 //! - `open_segment` maps the peer's path; `submit` copies (memmove) each block from local
-//!   memory into the mapping: small batches inline, large ones in 4 MiB pieces over `streams`
-//!   blocking threads.
+//!   memory into the mapping: small batches inline, large ones in 4 MiB pieces over up to
+//!   `streams` blocking threads (one per 16 MiB of the batch).
 //! - A peer that died leaves its mapping valid (the memory lives until the last unmap), so
 //!   writes into it succeed harmlessly; the protocol layer notices the dead peer.
 
@@ -37,6 +37,8 @@ use memory::Mapping;
 
 /// Batches up to this many bytes are copied inline in `submit`.
 const INLINE_MAX: u64 = 1 << 20;
+/// Bytes of a batch per copy thread.
+const PER_THREAD: u64 = 16 << 20;
 /// Large batches are copied in pieces of at most this many bytes.
 const PIECE: u64 = 4 << 20;
 
@@ -248,7 +250,13 @@ impl TransferEngine for ShmEngine {
             }
             return Ok(self.inner.batches.insert(state));
         }
-        let workers = self.inner.copy_threads.min(pieces.len());
+        // One thread per 16 MiB, up to `streams`: smaller batches gain less from threads than
+        // starting them costs (and concurrent submitters already spread the work).
+        let workers = self
+            .inner
+            .copy_threads
+            .min(pieces.len())
+            .min(total.div_ceil(PER_THREAD) as usize);
         let state = BatchState::new(workers as u64);
         {
             let mut inflight = seg.inflight.lock().unwrap();
