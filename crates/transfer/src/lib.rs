@@ -9,7 +9,7 @@
 //!   poll or await its completion. Backends, one Cargo feature each, all behind the same
 //!   conformance suite (`transfer::testing`, feature `testing`): `tcp`, `shm`, `nixl`, `fake`.
 //!   [`new_engine`] builds one from a [`TransferConfig`] (`backends`).
-//! - `tcp`: framed, xxh3-checksummed writes over several streams per peer, straight from and
+//! - `tcp`: framed, CRC32-checksummed writes over several streams per peer, straight from and
 //!   into registered memory. `shm`: a [`SharedMemory`](shm::SharedMemory) (memfd) that the
 //!   receiver's KV store lives in (`HostKvStore::with_memory`) and the sender maps and copies
 //!   into. `fake`: validates and moves nothing.

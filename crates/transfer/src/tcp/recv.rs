@@ -4,11 +4,11 @@
 use std::io;
 use std::sync::Arc;
 
+use crc32fast::Hasher;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::wire::{self, Ack, Header};
 use super::Inner;
@@ -97,14 +97,14 @@ async fn read_frames(
             let _ = acks.send(ack);
             return Err(io::Error::other("frame outside the registered memory"));
         };
-        let mut hasher = Xxh3::new();
+        let mut hasher = Hasher::new();
         reader
             .read_into(inner, dst, h.len as usize, &mut hasher)
             .await?;
         greedy = (h.len as usize) < DIRECT_MIN;
         reader.fill_to(wire::TRAILER_LEN, false, greedy).await?;
-        let sum = u64::from_le_bytes(reader.take(wire::TRAILER_LEN).try_into().unwrap());
-        if sum != hasher.digest() {
+        let sum = u32::from_le_bytes(reader.take(wire::TRAILER_LEN).try_into().unwrap());
+        if sum != hasher.finalize() {
             ack.code = wire::ACK_CORRUPTED;
         }
         if acks.send(ack).is_err() {
@@ -167,7 +167,7 @@ impl Reader {
         inner: &Inner,
         dst: usize,
         len: usize,
-        hasher: &mut Xxh3,
+        hasher: &mut Hasher,
     ) -> io::Result<()> {
         let mut pos = 0;
         while pos < len {

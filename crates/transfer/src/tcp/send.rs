@@ -7,12 +7,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crc32fast::Hasher;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::wire::{self, Ack, Header};
 use super::Inner;
@@ -203,7 +203,7 @@ async fn write_job(
         out.extend_from_slice(&header.encode());
         let n = inner.frames_sent.fetch_add(1, Ordering::Relaxed);
         let corrupt = inner.cfg.corrupt_frame == Some(n);
-        let mut hasher = Xxh3::new();
+        let mut hasher = Hasher::new();
         if f.len <= SMALL_FRAME || corrupt {
             let at = out.len();
             with_registered(inner, f.src, f.len as usize, |s| {
@@ -216,7 +216,7 @@ async fn write_job(
         } else {
             write_registered(inner, wr, out, f.src, f.len as usize, &mut hasher).await?;
         }
-        out.extend_from_slice(&hasher.digest().to_le_bytes());
+        out.extend_from_slice(&hasher.finalize().to_le_bytes());
         if out.len() >= FLUSH_AT {
             wr.write_all(out).await?;
             out.clear();
@@ -257,7 +257,7 @@ async fn write_registered(
     out: &mut Vec<u8>,
     addr: usize,
     len: usize,
-    hasher: &mut Xxh3,
+    hasher: &mut Hasher,
 ) -> io::Result<()> {
     let (mut staged, mut pos) = (0, 0);
     while staged < out.len() || pos < len {
