@@ -46,6 +46,32 @@ pub enum Command {
     /// List what this build has: features, backends (and the device each finds), allocators,
     /// prefix caches, policies, KV dtypes and model architectures.
     Info(InfoArgs),
+    /// KV-transfer throughput of a backend (tcp or shm, over loopback in this process) against
+    /// a baseline measured in the same run: raw loopback sockets (tcp) or memcpy (shm).
+    TransferBench(TransferBenchArgs),
+}
+
+/// Flags of `kvserve transfer-bench` (Mooncake's `transfer_engine_bench`).
+#[derive(Debug, Args)]
+pub struct TransferBenchArgs {
+    /// The backend: tcp or shm.
+    #[arg(long, default_value = "tcp")]
+    pub backend: String,
+    /// Bytes per block.
+    #[arg(long, value_name = "BYTES", default_value_t = 65536, value_parser = clap::value_parser!(u64).range(1..))]
+    pub block_size: u64,
+    /// Blocks per batch.
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+    /// Concurrent submitters (also tcp streams / shm copy threads, and baseline connections).
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub threads: u64,
+    /// Seconds of measuring, engine and baseline together.
+    #[arg(long, value_name = "SECONDS", default_value_t = 6.0)]
+    pub duration: f64,
+    /// Output format (json: one object with `gbps` and `baseline_gbps`).
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
 }
 
 /// Flags of `kvserve info`.

@@ -671,3 +671,33 @@ fn mistral_is_served_only_within_its_sliding_window() {
         }
     }
 }
+
+#[test]
+fn transfer_bench_json_has_both_throughputs() {
+    for backend in ["tcp", "shm"] {
+        let o = kvserve(&[
+            "transfer-bench",
+            "--backend",
+            backend,
+            "--block-size",
+            "65536",
+            "--batch-size",
+            "4",
+            "--threads",
+            "2",
+            "--duration",
+            "0.3",
+            "--format",
+            "json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        assert!(v["gbps"].as_f64().unwrap() > 0.0, "{v}");
+        assert!(v["baseline_gbps"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    assert_fails(
+        &["transfer-bench", "--backend", "nixl"],
+        &["--backend", "tcp or shm"],
+    );
+    assert_fails(&["transfer-bench", "--duration", "0"], &["--duration"]);
+}

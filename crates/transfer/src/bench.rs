@@ -91,7 +91,9 @@ pub fn run_bench(cfg: &BenchConfig) -> Result<BenchReport> {
     let dst = Buffer::new(total, cfg.backend)?;
     src.fill();
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(cfg.threads.clamp(1, 8))
+        // As many OS threads as the socket baseline (a writer and a reader per thread), so that
+        // on a shared machine both get the same share of the cores.
+        .worker_threads((2 * cfg.threads).clamp(2, 16))
         .enable_all()
         .build()
         .map_err(|e| TransferError::io("building the bench runtime", &e))?;

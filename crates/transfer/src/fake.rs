@@ -2,9 +2,7 @@
 //! `Done` without moving a byte (SGLang's `FakeKVSender` / `FakeKVReceiver`, used to warm up a
 //! server without a peer).
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::RwLock;
 
 use async_trait::async_trait;
 use kv_pool::MemoryRegion;
@@ -14,15 +12,15 @@ use crate::engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
     TransferBlock, TransferEngine,
 };
-use crate::error::{Result, TransferError};
+use crate::error::Result;
 use crate::region::{check_backend, check_blocks, RegionTable};
+use crate::segments::SegmentTable;
 
 /// The `fake` engine. Its segment's endpoint is `"fake"`; regions have `base: 0`.
 #[derive(Debug, Default)]
 pub struct FakeEngine {
     regions: RwLock<RegionTable>,
-    segments: Mutex<HashMap<u64, Vec<RemoteRegion>>>,
-    next_segment: AtomicU64,
+    segments: SegmentTable<Vec<RemoteRegion>>,
     batches: BatchTable,
 }
 
@@ -50,43 +48,22 @@ impl TransferEngine for FakeEngine {
         SegmentDesc {
             backend: BackendKind::Fake,
             endpoint: "fake".into(),
-            regions: table
-                .all()
-                .iter()
-                .map(|r| RemoteRegion {
-                    len: r.len,
-                    base: 0,
-                })
-                .collect(),
+            regions: table.remote(),
             metadata: Vec::new(),
         }
     }
 
     async fn open_segment(&self, desc: &SegmentDesc) -> Result<SegmentId> {
         check_backend(desc, BackendKind::Fake)?;
-        let id = self.next_segment.fetch_add(1, Ordering::Relaxed) + 1;
-        self.segments
-            .lock()
-            .unwrap()
-            .insert(id, desc.regions.clone());
-        Ok(SegmentId(id))
+        Ok(self.segments.insert(desc.regions.clone()))
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        match self.segments.lock().unwrap().remove(&segment.0) {
-            Some(_) => Ok(()),
-            None => Err(TransferError::UnknownSegment(segment)),
-        }
+        self.segments.remove(segment).map(drop)
     }
 
     async fn submit(&self, segment: SegmentId, blocks: Vec<TransferBlock>) -> Result<BatchId> {
-        let remote = self
-            .segments
-            .lock()
-            .unwrap()
-            .get(&segment.0)
-            .cloned()
-            .ok_or(TransferError::UnknownSegment(segment))?;
+        let remote = self.segments.get(segment)?;
         check_blocks(&self.regions.read().unwrap(), &remote, &blocks)?;
         Ok(self.batches.insert(BatchState::new(0)))
     }

@@ -14,6 +14,15 @@
 //!   server, timeouts and heartbeats): `KvManager`, `KvSender`, `KvReceiver`, `KvPoll`.
 //! - `nixl` (feature `nixl`): the backend over NVIDIA NIXL (`nixl-sys`); built against the
 //!   crate's stub API it compiles anywhere and refuses at run time unless a real NIXL is loaded.
+//!   [`new_engine`] builds one from a [`TransferConfig`] (`backends`).
+//! - `tcp`: framed, CRC32-checksummed writes over several streams per peer, straight from and
+//!   into registered memory. `shm`: a [`SharedMemory`](shm::SharedMemory) (memfd) that the
+//!   receiver's KV store lives in (`HostKvStore::with_memory`) and the sender maps and copies
+//!   into. `fake`: validates and moves nothing.
+//! - `bench`: Mooncake's `transfer_engine_bench` (engine against raw sockets or memcpy).
+//! - Internals shared by the backends: `region` (registration and block validation, so every
+//!   backend refuses the same inputs alike), `batch` (batch outcomes, poll / wait / reap),
+//!   `segments` (the open-segment table).
 //!
 //! ## Invariants
 //! - A batch is validated whole before any byte moves: an unknown region, an offset or length
@@ -45,6 +54,7 @@ pub mod fake;
 pub mod nixl;
 pub mod pd;
 mod region;
+mod segments;
 #[cfg(all(feature = "shm", target_os = "linux"))]
 pub mod shm;
 #[cfg(feature = "tcp")]

