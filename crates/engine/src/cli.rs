@@ -495,8 +495,8 @@ pub struct DisaggregationArgs {
         help_heading = "PD disaggregation"
     )]
     pub disaggregation_heartbeat_max_failures: u32,
-    /// Test hook: the tcp backend corrupts its N-th frame after checksumming it (counting from
-    /// 1), so tests see a corrupted transfer fail cleanly.
+    /// Test hook: the tcp backend corrupts the N-th frame it sends (counting from 0) after
+    /// checksumming it, so tests see a corrupted transfer fail cleanly.
     #[arg(long, value_name = "N", hide = true)]
     pub disaggregation_test_corrupt_frame: Option<u64>,
 }

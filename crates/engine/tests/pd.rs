@@ -113,7 +113,7 @@ fn chunked_prefill_pair_matches_one_server() {
 
 #[test]
 fn a_corrupted_frame_fails_the_request_and_frees_both_sides() {
-    let p = pair("tcp", &["--disaggregation-test-corrupt-frame", "1"], &[]);
+    let p = pair("tcp", &["--disaggregation-test-corrupt-frame", "0"], &[]);
     let ((ps, pr), (ds, dr)) = send(&p, "/generate", &greedy(&prompt(80, 5), 6), 7);
     assert_eq!(
         ds, 500,
