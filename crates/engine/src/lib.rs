@@ -1,7 +1,7 @@
 //! # engine — the kvserve engine and the `kvserve` binary
 //!
 //! The top crate of kvserve. It composes the component crates (kv-pool, radix-cache,
-//! scheduler, attention backends, model) and is the **only** crate that knows about
+//! scheduler, attention backends, model, transfer) and is the **only** crate that knows about
 //! command-line flags, files, threads, sockets and output formats: every crate below it is plain
 //! synchronous logic with no I/O.
 //!
@@ -11,7 +11,7 @@
 //!   and validation, and `--config FILE.toml`. `src/main.rs` only parses, runs and maps errors
 //!   to exit code 2.
 //! - [`commands`]: one module per subcommand holding its body (`serve`, `bench`, `cache-sim`,
-//!   `sim`, `info`).
+//!   `sim`, `info`, `router`, `transfer-bench`).
 //! - [`setup`]: building an engine — [`setup::EngineSetup`], the model source, the component
 //!   kinds as enums over the compiled implementations (a backend whose feature is off answers
 //!   a typed `NotCompiled` error), pool sizing through `kv_pool::MemoryPlan` only, and the
@@ -19,6 +19,10 @@
 //! - [`engine_loop`] and [`server`]: the scheduler and model on their own thread, token streams
 //!   through channels, and the HTTP API on top (`kvserve serve`); [`engine_metrics`] for
 //!   `/metrics`.
+//! - [`disagg`]: PD disaggregation's half of the engine loop on a prefill or decode server
+//!   (`serve --disaggregation-mode`): the bootstrap and inflight queues around the scheduler
+//!   on prefill, handshake → preallocation → transfer → running on decode, over
+//!   `transfer`'s KV manager.
 //! - [`bench_client`]: `kvserve bench --url` against any OpenAI-compatible server.
 //! - [`router`]: `kvserve router --pd-disaggregation`, SGLang's PD router in front of prefill
 //!   and decode servers.
@@ -35,7 +39,8 @@
 //! ```text
 //! engine ─┬─> scheduler ──> radix-cache ──> kv-pool
 //!         ├─> model ──> attention ──> kv-pool
-//!         └─> attention backends (cpu; wgpu, cuda by feature)
+//!         ├─> attention backends (cpu; wgpu, cuda by feature)
+//!         └─> transfer ──> kv-pool
 //! ```
 //!
 //! ## Example: replay a generated workload
