@@ -42,14 +42,13 @@ fn text_of(path: &str, stream: bool, raw: &str) -> String {
     }
 }
 
-#[test]
-fn generate_and_chat_through_the_router_match_one_server_streamed_and_not() {
+fn through_the_router_matches_one_server(backend: &str) {
     let ids: Vec<u32> = (0..70).map(|i| 400 + (i * 5) % 3000).collect();
     let generate = json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": true}});
     let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the tides of the sea."}], "max_tokens": 12, "temperature": 0, "ignore_eos": true});
     let cases = [("/generate", generate), ("/v1/chat/completions", chat)];
     let single = start(&[]);
-    let p = pair("tcp", &["--chunked-prefill-size", "32"], &[]);
+    let p = pair(backend, &["--chunked-prefill-size", "32"], &[]);
     let r = router(&p);
     let rport = r.addr.port();
     for (path, body) in &cases {
@@ -63,7 +62,7 @@ fn generate_and_chat_through_the_router_match_one_server_streamed_and_not() {
             assert_eq!(
                 text_of(path, stream, &got),
                 text_of(path, stream, &want),
-                "{path} stream={stream}"
+                "{path} stream={stream} over {backend}"
             );
         }
     }
@@ -74,6 +73,16 @@ fn generate_and_chat_through_the_router_match_one_server_streamed_and_not() {
         "{again}"
     );
     assert_nothing_held(&p);
+}
+
+#[test]
+fn generate_and_chat_through_the_router_match_one_server_over_tcp() {
+    through_the_router_matches_one_server("tcp");
+}
+
+#[test]
+fn generate_and_chat_through_the_router_match_one_server_over_shm() {
+    through_the_router_matches_one_server("shm");
 }
 
 /// A request whose client goes away at a random moment (before or after the status line).
