@@ -7,7 +7,7 @@
 //!   engine's; it advertises one); other regions (a sender's source memory, memory in another
 //!   mapping) get `base: u64::MAX` and cannot be written by peers. The segment's endpoint is the
 //!   mapping's path, kept valid by a descriptor the engine holds.
-//! - `open_segment` maps the peer's path; `submit` copies (memmove) each block from local
+//! - `open_segment` maps the peer's path; `submit` copies (memcpy) each block from local
 //!   memory into the mapping: small batches inline, large ones in 4 MiB pieces over up to
 //!   `streams` blocking threads (one per 16 MiB of the batch).
 //! - A peer that died leaves its mapping valid (the memory lives until the last unmap), so
@@ -126,8 +126,9 @@ fn copy_pieces(inner: &Inner, map: &Mapping, pieces: &[Piece]) -> bool {
         // SAFETY: `src..src + len` lies in a region this engine registered (checked at submit)
         // and `register`'s contract keeps it valid while the engine lives (checked above under
         // the lock `Drop` takes); `dst..dst + len` lies in the mapping (region bounds checked at
-        // open and submit) which `map` keeps mapped. `copy` allows overlap.
-        unsafe { std::ptr::copy(p.src as *const u8, map.ptr.add(p.dst), p.len) };
+        // open and submit) which `map` keeps mapped. The two never overlap: `map` is a mapping
+        // of its own (`Mapping::open`), no registered region lies in it.
+        unsafe { std::ptr::copy_nonoverlapping(p.src as *const u8, map.ptr.add(p.dst), p.len) };
     }
     true
 }

@@ -226,3 +226,99 @@ impl TransferEngine for TcpEngine {
         self.inner.batches.wait(batch).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::wire::{self, Ack, Header};
+    use super::*;
+    use kv_pool::KvBuffer;
+
+    /// A fake receiver: reads two 4 KiB frames and answers with `ack`; the batch's outcome.
+    async fn outcome_after(frames_acked: u32) -> Result<()> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let fake = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut flags = Vec::new();
+            for _ in 0..2 {
+                let mut h = [0u8; wire::HEADER_LEN];
+                sock.read_exact(&mut h).await.unwrap();
+                let h = Header::decode(&h).unwrap();
+                let mut rest = vec![0u8; h.len as usize + wire::TRAILER_LEN];
+                sock.read_exact(&mut rest).await.unwrap();
+                flags.push(h.flags);
+                if h.flags & wire::FLAG_ACK_NOW != 0 {
+                    let ack = Ack {
+                        batch: h.batch,
+                        code: wire::ACK_OK,
+                        dst_region: 0,
+                        dst_offset: 0,
+                        frames: frames_acked,
+                    };
+                    sock.write_all(&ack.encode()).await.unwrap();
+                }
+            }
+            assert_eq!(
+                flags,
+                [0, wire::FLAG_ACK_NOW],
+                "only the last frame asks for an ack"
+            );
+            tokio::time::sleep(Duration::from_secs(60)).await; // keeps the connection open
+        });
+        let src = vec![7u8; 8 << 10];
+        let tx = TcpEngine::new(&TransferConfig {
+            streams: 1,
+            ..TransferConfig::default()
+        })
+        .unwrap();
+        // SAFETY: `src` outlives `tx` (declared before it) and nothing else touches it.
+        unsafe {
+            tx.register(&[MemoryRegion {
+                layer: 0,
+                buffer: KvBuffer::Key,
+                addr: src.as_ptr() as usize,
+                len_bytes: src.len(),
+                item_len: 1,
+            }])
+            .unwrap()
+        };
+        let desc = SegmentDesc {
+            backend: BackendKind::Tcp,
+            endpoint: addr,
+            regions: vec![RemoteRegion {
+                len: 8 << 10,
+                base: 0,
+            }],
+            metadata: Vec::new(),
+        };
+        let seg = tx.open_segment(&desc).await.unwrap();
+        let block = |i: u64| TransferBlock {
+            src_region: 0,
+            src_offset: i * 4096,
+            dst_region: 0,
+            dst_offset: i * 4096,
+            len: 4096,
+        };
+        let b = tx.submit(seg, vec![block(0), block(1)]).await.unwrap();
+        let out = tokio::time::timeout(Duration::from_secs(30), tx.wait(b))
+            .await
+            .expect("a hang");
+        fake.abort();
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_ack_covers_the_frames_of_a_batch_and_an_over_ack_kills_the_stream() {
+        assert_eq!(outcome_after(2).await, Ok(()));
+        let over = outcome_after(3).await.unwrap_err();
+        assert!(
+            matches!(&over, TransferError::PeerUnreachable { reason, .. }
+                if reason.contains("3 frames")),
+            "{over:?}"
+        );
+    }
+}

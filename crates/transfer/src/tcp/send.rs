@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crc32fast::Hasher;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -131,21 +131,29 @@ impl Stream {
         }
     }
 
-    /// Settles one ack.
-    fn on_ack(&self, ack: Ack) {
+    /// Settles one ack; `Err` (the stream must die) when it covers more frames than the batch
+    /// has outstanding on this stream.
+    fn on_ack(&self, ack: Ack) -> std::result::Result<(), String> {
         let mut p = self.pending.lock().unwrap();
         let Some((state, left)) = p.batches.get_mut(&ack.batch) else {
-            return; // a batch that already failed
+            return Ok(()); // a batch that already failed
         };
         let state = state.clone();
         match ack.code {
             wire::ACK_OK => {
-                *left -= 1;
+                let n = u64::from(ack.frames);
+                if n == 0 || n > *left {
+                    return Err(format!(
+                        "an ack for {n} frames of batch {} with {left} outstanding",
+                        ack.batch
+                    ));
+                }
+                *left -= n;
                 if *left == 0 {
                     p.batches.remove(&ack.batch);
                 }
                 drop(p);
-                state.complete(1);
+                state.complete(n);
             }
             code => {
                 p.batches.remove(&ack.batch);
@@ -164,6 +172,7 @@ impl Stream {
                 });
             }
         }
+        Ok(())
     }
 }
 
@@ -190,15 +199,17 @@ async fn write_job(
     out: &mut Vec<u8>,
     job: &Job,
 ) -> io::Result<()> {
-    for f in &job.frames {
+    for (i, f) in job.frames.iter().enumerate() {
         if job.state.is_settled() {
             break;
         }
+        let last = i + 1 == job.frames.len();
         let header = Header {
             dst_region: f.dst_region,
             batch: job.batch,
             dst_offset: f.dst_offset,
-            len: f.len,
+            len: f.len as u32, // at most FRAME_MAX
+            flags: if last { wire::FLAG_ACK_NOW } else { 0 },
         };
         out.extend_from_slice(&header.encode());
         let n = inner.frames_sent.fetch_add(1, Ordering::Relaxed);
@@ -286,12 +297,18 @@ async fn write_registered(
     Ok(())
 }
 
-/// Reads acks until the connection closes; then (or on a bad ack) kills the stream.
-async fn ack_loop(stream: Arc<Stream>, mut rd: OwnedReadHalf) {
+/// Reads acks until the connection closes; then (or on a bad ack) kills the stream. Buffered:
+/// acks that arrived together cost one system call.
+async fn ack_loop(stream: Arc<Stream>, rd: OwnedReadHalf) {
+    let mut rd = BufReader::with_capacity(64 * wire::ACK_LEN, rd);
     let mut buf = [0u8; wire::ACK_LEN];
     let why = loop {
         match rd.read_exact(&mut buf).await {
-            Ok(_) => stream.on_ack(Ack::decode(&buf)),
+            Ok(_) => {
+                if let Err(why) = stream.on_ack(Ack::decode(&buf)) {
+                    break why;
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                 break "the peer closed the connection".to_string()
             }
