@@ -3,7 +3,21 @@
 //! (loopback: both engines in this process) and wait for each; in the same run, a baseline
 //! moves the same blocks the plain way: raw loopback sockets with `write_all` / `read_exact`
 //! (one connection per thread) for `tcp`, `memcpy` for `shm`. Engine and baseline alternate over
-//! [`ROUNDS`] rounds; the report gives the median of each.
+//! [`ROUNDS`] rounds (so that a noisy machine slows both alike); the report gives the median of
+//! each.
+//!
+//! The comparison is kept fair, and the baseline is the ceiling, not a straw man:
+//! - the same blocks: thread `t` moves bytes `t·B..(t+1)·B` (B = `block_size × batch_size`) of
+//!   the same source buffer to the same offsets of the same destination buffer, block by block
+//!   (the engine is handed the blocks one by one too: nothing merges adjacent blocks for it);
+//! - the same concurrency: `threads` submitters and `threads` tcp streams against `threads`
+//!   socket pairs (a writer and a reader thread each), or `threads` memcpy threads; the engine's
+//!   tokio runtime gets as many worker threads as the socket baseline has OS threads;
+//! - the same memory: for `shm` both buffers are shared memory (`SharedMemory`), the engine
+//!   writing through the peer's mapping of it as a real sender does, memcpy through the owner's;
+//!   for `tcp` both are heap memory;
+//! - the baseline does only the data movement: no framing, checksums, acks or validation, which
+//!   the engine must do (CRC32 of every byte on both sides, one ack per batch and stream).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -31,8 +45,25 @@ pub struct BenchConfig {
     pub batch_size: usize,
     /// Concurrent submitters (and tcp streams / shm copy threads, and baseline connections).
     pub threads: usize,
-    /// Total measuring time, split over the rounds and between engine and baseline.
+    /// Total measuring time, split over the rounds and between engine and baseline; in JSON a
+    /// number of seconds, `duration_s`.
+    #[serde(rename = "duration_s", with = "secs")]
     pub duration: Duration,
+}
+
+/// A [`Duration`] as a number of seconds in JSON (`6.0`, not `{"secs":6,"nanos":0}`).
+mod secs {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let v = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(v).map_err(D::Error::custom)
+    }
 }
 
 /// One round's throughputs, GB/s (10⁹ bytes per second).
@@ -328,6 +359,35 @@ impl Buffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_json_report_gives_the_duration_in_seconds() {
+        let r = BenchReport {
+            config: BenchConfig {
+                backend: BackendKind::Tcp,
+                block_size: 65536,
+                batch_size: 128,
+                threads: 4,
+                duration: Duration::from_millis(6500),
+            },
+            gbps: 2.5,
+            baseline_gbps: 5.0,
+            ratio: 0.5,
+            blocks: 10,
+            bytes: 655360,
+            seconds: 3.25,
+            rounds: vec![BenchRound {
+                gbps: 2.5,
+                baseline_gbps: 5.0,
+            }],
+        };
+        let json = serde_json::to_string_pretty(&r).unwrap();
+        insta::assert_snapshot!(json);
+        let back: BenchReport = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, r);
+        let neg = json.replace("6.5", "-1.0");
+        assert!(serde_json::from_str::<BenchReport>(&neg).is_err());
+    }
 
     #[test]
     fn a_short_run_reports_both_throughputs() {

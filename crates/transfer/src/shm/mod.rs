@@ -7,9 +7,11 @@
 //!   engine's; it advertises one); other regions (a sender's source memory, memory in another
 //!   mapping) get `base: u64::MAX` and cannot be written by peers. The segment's endpoint is the
 //!   mapping's path, kept valid by a descriptor the engine holds.
-//! - `open_segment` maps the peer's path; `submit` copies (memmove) each block from local
-//!   memory into the mapping: small batches inline, large ones in 4 MiB pieces over up to
-//!   `streams` blocking threads (one per 16 MiB of the batch).
+//! - `open_segment` maps the peer's path; `submit` copies (memcpy) each block from local
+//!   memory into the mapping: batches up to 1 MiB inline; up to 16 MiB on the submitting
+//!   thread in `block_in_place` on a multi-thread runtime (done when `submit` returns), else on
+//!   a blocking thread; larger ones in 4 MiB pieces over up to `streams` blocking threads (one
+//!   per 16 MiB of the batch).
 //! - A peer that died leaves its mapping valid (the memory lives until the last unmap), so
 //!   writes into it succeed harmlessly; the protocol layer notices the dead peer.
 
@@ -126,8 +128,9 @@ fn copy_pieces(inner: &Inner, map: &Mapping, pieces: &[Piece]) -> bool {
         // SAFETY: `src..src + len` lies in a region this engine registered (checked at submit)
         // and `register`'s contract keeps it valid while the engine lives (checked above under
         // the lock `Drop` takes); `dst..dst + len` lies in the mapping (region bounds checked at
-        // open and submit) which `map` keeps mapped. `copy` allows overlap.
-        unsafe { std::ptr::copy(p.src as *const u8, map.ptr.add(p.dst), p.len) };
+        // open and submit) which `map` keeps mapped. The two never overlap: `map` is a mapping
+        // of its own (`Mapping::open`), no registered region lies in it.
+        unsafe { std::ptr::copy_nonoverlapping(p.src as *const u8, map.ptr.add(p.dst), p.len) };
     }
     true
 }
@@ -241,15 +244,6 @@ impl TransferEngine for ShmEngine {
             peer: "shared memory".into(),
             reason: "the sending engine was dropped".into(),
         };
-        if total <= INLINE_MAX {
-            let state = BatchState::new(1);
-            if copy_pieces(&self.inner, &seg.map, &pieces) {
-                state.complete(1);
-            } else {
-                state.fail(dropped());
-            }
-            return Ok(self.inner.batches.insert(state));
-        }
         // One thread per 16 MiB, up to `streams`: smaller batches gain less from threads than
         // starting them costs (and concurrent submitters already spread the work).
         let workers = self
@@ -257,6 +251,26 @@ impl TransferEngine for ShmEngine {
             .copy_threads
             .min(pieces.len())
             .min(total.div_ceil(PER_THREAD) as usize);
+        // A one-thread copy runs on the submitting thread: inline when small, else in
+        // `block_in_place` (the worker's other tasks move to another thread) where the runtime
+        // allows it, which saves a hand-off to a blocking thread and the wake-up back.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if total <= INLINE_MAX || (workers == 1 && multi_thread) {
+            let state = BatchState::new(1);
+            let copy = || copy_pieces(&self.inner, &seg.map, &pieces);
+            let copied = if total <= INLINE_MAX {
+                copy()
+            } else {
+                tokio::task::block_in_place(copy)
+            };
+            if copied {
+                state.complete(1);
+            } else {
+                state.fail(dropped());
+            }
+            return Ok(self.inner.batches.insert(state));
+        }
         let state = BatchState::new(workers as u64);
         {
             let mut inflight = seg.inflight.lock().unwrap();
@@ -297,5 +311,81 @@ impl TransferEngine for ShmEngine {
 
     async fn wait(&self, batch: BatchId) -> Result<()> {
         self.inner.batches.wait(batch).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kv_pool::KvBuffer;
+
+    use super::*;
+
+    fn region(addr: *const u8, len: usize) -> MemoryRegion {
+        MemoryRegion {
+            layer: 0,
+            buffer: KvBuffer::Key,
+            addr: addr as usize,
+            len_bytes: len,
+            item_len: 1,
+        }
+    }
+
+    /// A 4 MiB batch (one copy thread) lands exactly, on both runtime flavors: in
+    /// `block_in_place` on a multi-thread runtime's worker (done when `submit` returns), on a
+    /// blocking thread on a current-thread runtime.
+    #[test]
+    fn a_one_thread_batch_lands_on_both_runtime_flavors() {
+        const LEN: usize = 4 << 20;
+        let src: Vec<u8> = (0..LEN).map(|i| (i * 7 % 251) as u8).collect();
+        for multi in [true, false] {
+            let dst = SharedMemory::create(LEN).unwrap();
+            let rt = if multi {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .build()
+            } else {
+                tokio::runtime::Builder::new_current_thread().build()
+            }
+            .unwrap();
+            let (tx, rx) = (
+                ShmEngine::new(&TransferConfig::default()),
+                ShmEngine::new(&TransferConfig::default()),
+            );
+            // SAFETY: `src` and `dst` outlive the engines; `dst` is read only after the batch.
+            unsafe {
+                tx.register(&[region(src.as_ptr(), LEN)]).unwrap();
+                rx.register(&[region(dst.as_ptr(), LEN)]).unwrap();
+            }
+            let desc = rx.segment();
+            let tx = Arc::new(tx);
+            let t = tx.clone();
+            let status = rt.block_on(async move {
+                tokio::spawn(async move {
+                    let seg = t.open_segment(&desc).await.unwrap();
+                    let block = TransferBlock {
+                        src_region: 0,
+                        src_offset: 0,
+                        dst_region: 0,
+                        dst_offset: 0,
+                        len: LEN as u64,
+                    };
+                    let b = t.submit(seg, vec![block]).await.unwrap();
+                    let status = t.poll(b).unwrap();
+                    if status == BatchStatus::Pending {
+                        t.wait(b).await.unwrap();
+                    }
+                    status
+                })
+                .await
+                .unwrap()
+            });
+            if multi {
+                assert_eq!(status, BatchStatus::Done);
+            }
+            // SAFETY: the batch is done; nothing writes `dst` now.
+            let got = unsafe { std::slice::from_raw_parts(dst.as_ptr(), LEN) };
+            assert!(got == &src[..], "multi_thread: {multi}");
+            drop((tx, rx));
+        }
     }
 }

@@ -66,49 +66,84 @@ async fn read_frames(
     reader: &mut Reader,
     acks: &mpsc::UnboundedSender<Ack>,
 ) -> io::Result<()> {
+    let send = |a: Ack| {
+        acks.send(a)
+            .map_err(|_| io::Error::other("the ack writer stopped"))
+    };
+    // Frames of one batch that landed intact and are not acked yet (see `wire`).
+    let mut pending: Option<Ack> = None;
     // After a large frame, read headers and trailers exactly, so that the next large payload
     // is read straight into its destination instead of through the buffer.
     let mut greedy = false;
     loop {
         if !reader.fill_to(wire::HEADER_LEN, true, greedy).await? {
+            if let Some(a) = pending.take() {
+                let _ = send(a);
+            }
             return Ok(()); // closed between frames
         }
         let Some(h) = Header::decode(reader.take(wire::HEADER_LEN)) else {
             return Err(io::Error::other("bad frame magic"));
         };
-        let mut ack = Ack {
+        if let Some(a) = pending.take_if(|a| a.batch != h.batch) {
+            send(a)?;
+        }
+        let ack = Ack {
             batch: h.batch,
             code: wire::ACK_OK,
             dst_region: h.dst_region,
             dst_offset: h.dst_offset,
+            frames: 1,
         };
+        let len = h.len as usize;
         // Our own registration decides where bytes may land, never the header.
         let dst = {
             let table = inner.regions.read().unwrap();
             table
                 .get(h.dst_region)
                 .filter(|r| {
-                    in_bounds("destination", h.dst_region, h.dst_offset, h.len, r.len).is_ok()
+                    in_bounds(
+                        "destination",
+                        h.dst_region,
+                        h.dst_offset,
+                        h.len.into(),
+                        r.len,
+                    )
+                    .is_ok()
                 })
                 .map(|r| r.addr + h.dst_offset as usize)
         };
         let Some(dst) = dst else {
-            ack.code = wire::ACK_REFUSED;
-            let _ = acks.send(ack);
+            if let Some(a) = pending.take() {
+                send(a)?;
+            }
+            send(Ack {
+                code: wire::ACK_REFUSED,
+                ..ack
+            })?;
             return Err(io::Error::other("frame outside the registered memory"));
         };
         let mut hasher = Hasher::new();
+        greedy = len < DIRECT_MIN;
         reader
-            .read_into(inner, dst, h.len as usize, &mut hasher)
+            .read_into(inner, dst, len, !greedy, &mut hasher)
             .await?;
-        greedy = (h.len as usize) < DIRECT_MIN;
         reader.fill_to(wire::TRAILER_LEN, false, greedy).await?;
         let sum = u32::from_le_bytes(reader.take(wire::TRAILER_LEN).try_into().unwrap());
         if sum != hasher.finalize() {
-            ack.code = wire::ACK_CORRUPTED;
+            if let Some(a) = pending.take() {
+                send(a)?;
+            }
+            send(Ack {
+                code: wire::ACK_CORRUPTED,
+                ..ack
+            })?;
+            continue;
         }
-        if acks.send(ack).is_err() {
-            return Err(io::Error::other("the ack writer stopped"));
+        let p = pending.get_or_insert(Ack { frames: 0, ..ack });
+        p.frames += 1;
+        if h.flags & wire::FLAG_ACK_NOW != 0 || p.frames == u32::MAX {
+            send(pending.take().expect("just set"))?;
         }
     }
 }
@@ -161,12 +196,16 @@ impl Reader {
     }
 
     /// Lands `len` payload bytes at `dst` (registered memory, bounds already checked), hashing
-    /// them as they land: buffered bytes first, then large remainders straight from the socket.
+    /// them as they land: buffered bytes first, then the rest straight from the socket
+    /// (`direct`: a large frame) or through the buffer. A direct read that can finish the
+    /// payload also takes the trailer and the next header into the buffer (one vectored
+    /// system call instead of two).
     async fn read_into(
         &mut self,
         inner: &Inner,
         dst: usize,
         len: usize,
+        direct: bool,
         hasher: &mut Hasher,
     ) -> io::Result<()> {
         let mut pos = 0;
@@ -181,20 +220,31 @@ impl Reader {
                 })?;
                 self.start += n;
                 pos += n;
-            } else if len - pos >= DIRECT_MIN {
+            } else if direct {
                 self.rd.readable().await?;
                 let n = (len - pos).min(CHUNK);
-                let rd = &self.rd;
-                let got = with_destination(inner, dst + pos, n, |d| match rd.try_read(d) {
-                    Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
-                    Ok(k) => {
-                        hasher.update(&d[..k]);
-                        Ok(k)
+                let extra = if n == len - pos {
+                    wire::TRAILER_LEN + wire::HEADER_LEN
+                } else {
+                    0
+                };
+                (self.start, self.end) = (0, 0);
+                let (rd, buf) = (&self.rd, &mut self.buf[..extra]);
+                let got = with_destination(inner, dst + pos, n, |d| {
+                    let mut bufs = [io::IoSliceMut::new(d), io::IoSliceMut::new(buf)];
+                    match rd.try_read_vectored(&mut bufs) {
+                        Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
+                        Ok(k) => {
+                            let got = k.min(n);
+                            hasher.update(&d[..got]);
+                            Ok(k)
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+                        Err(e) => Err(e),
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
-                    Err(e) => Err(e),
                 })?;
-                pos += got;
+                pos += got.min(n);
+                self.end = got.saturating_sub(n);
             } else {
                 self.start = 0;
                 self.end = 0;

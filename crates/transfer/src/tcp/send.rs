@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crc32fast::Hasher;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -27,6 +27,10 @@ const SMALL_FRAME: u64 = 16 << 10;
 const FLUSH_AT: usize = 256 << 10;
 /// Bytes handed to one `write` from registered memory (and hashed while in cache).
 const CHUNK: usize = 512 << 10;
+/// Largest payload [`write_gathered`] writes together with others.
+const GATHER_MAX: u64 = 256 << 10;
+/// Most frames one [`write_gathered`] call writes (an iovec of `2n + 1` pieces).
+const GATHER_FRAMES: usize = 16;
 /// How long a connect may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -131,21 +135,29 @@ impl Stream {
         }
     }
 
-    /// Settles one ack.
-    fn on_ack(&self, ack: Ack) {
+    /// Settles one ack; `Err` (the stream must die) when it covers more frames than the batch
+    /// has outstanding on this stream.
+    fn on_ack(&self, ack: Ack) -> std::result::Result<(), String> {
         let mut p = self.pending.lock().unwrap();
         let Some((state, left)) = p.batches.get_mut(&ack.batch) else {
-            return; // a batch that already failed
+            return Ok(()); // a batch that already failed
         };
         let state = state.clone();
         match ack.code {
             wire::ACK_OK => {
-                *left -= 1;
+                let n = u64::from(ack.frames);
+                if n == 0 || n > *left {
+                    return Err(format!(
+                        "an ack for {n} frames of batch {} with {left} outstanding",
+                        ack.batch
+                    ));
+                }
+                *left -= n;
                 if *left == 0 {
                     p.batches.remove(&ack.batch);
                 }
                 drop(p);
-                state.complete(1);
+                state.complete(n);
             }
             code => {
                 p.batches.remove(&ack.batch);
@@ -164,6 +176,7 @@ impl Stream {
                 });
             }
         }
+        Ok(())
     }
 }
 
@@ -190,15 +203,32 @@ async fn write_job(
     out: &mut Vec<u8>,
     job: &Job,
 ) -> io::Result<()> {
-    for f in &job.frames {
+    let mut skip_to = 0;
+    for (i, f) in job.frames.iter().enumerate() {
+        if i < skip_to {
+            continue; // written by `write_gathered`
+        }
         if job.state.is_settled() {
             break;
         }
+        if inner.cfg.corrupt_frame.is_none() && gatherable(f) {
+            let run = job.frames[i..]
+                .iter()
+                .take(GATHER_FRAMES)
+                .take_while(|f| gatherable(f))
+                .count();
+            let end = i + run;
+            write_gathered(inner, wr, out, job, i..end).await?;
+            skip_to = end;
+            continue;
+        }
+        let last = i + 1 == job.frames.len();
         let header = Header {
             dst_region: f.dst_region,
             batch: job.batch,
             dst_offset: f.dst_offset,
-            len: f.len,
+            len: f.len as u32, // at most FRAME_MAX
+            flags: if last { wire::FLAG_ACK_NOW } else { 0 },
         };
         out.extend_from_slice(&header.encode());
         let n = inner.frames_sent.fetch_add(1, Ordering::Relaxed);
@@ -226,6 +256,88 @@ async fn write_job(
         wr.write_all(out).await?;
         out.clear();
     }
+    Ok(())
+}
+
+/// Frames that [`write_gathered`] writes together: too large to stage, small enough that hashing
+/// them first leaves them in cache for the kernel's copy.
+fn gatherable(f: &Frame) -> bool {
+    f.len > SMALL_FRAME && f.len <= GATHER_MAX
+}
+
+/// Writes frames `range` of `job` (all [`gatherable`]) with one vectored write for all of them
+/// (fewer system calls than one per frame): each payload is hashed first, so every trailer is
+/// known before the headers, payloads and trailers go out together. Empties `out` (its bytes go
+/// first).
+async fn write_gathered(
+    inner: &Inner,
+    wr: &mut OwnedWriteHalf,
+    out: &mut Vec<u8>,
+    job: &Job,
+    range: std::ops::Range<usize>,
+) -> io::Result<()> {
+    let frames = &job.frames[range.clone()];
+    // seps[k]: the bytes before payload k (the staged bytes or trailer k-1, then header k);
+    // seps[n]: the last trailer.
+    let mut seps: Vec<Vec<u8>> = Vec::with_capacity(frames.len() + 1);
+    let mut sep = std::mem::take(out);
+    for (k, f) in frames.iter().enumerate() {
+        let header = Header {
+            dst_region: f.dst_region,
+            batch: job.batch,
+            dst_offset: f.dst_offset,
+            len: f.len as u32, // at most GATHER_MAX
+            flags: if range.start + k + 1 == job.frames.len() {
+                wire::FLAG_ACK_NOW
+            } else {
+                0
+            },
+        };
+        sep.extend_from_slice(&header.encode());
+        seps.push(std::mem::take(&mut sep));
+        inner.frames_sent.fetch_add(1, Ordering::Relaxed);
+        let mut hasher = Hasher::new();
+        with_registered(inner, f.src, f.len as usize, |s| hasher.update(s))?;
+        sep.extend_from_slice(&hasher.finalize().to_le_bytes());
+    }
+    seps.push(sep);
+    let total = seps.iter().map(Vec::len).sum::<usize>()
+        + frames.iter().map(|f| f.len as usize).sum::<usize>();
+    let mut done = 0;
+    while done < total {
+        wr.writable().await?;
+        let guard = inner.regions.read().unwrap();
+        if guard.closed {
+            return Err(io::Error::other("the engine was dropped"));
+        }
+        let mut bufs = Vec::with_capacity(2 * frames.len() + 1);
+        let mut skip = done;
+        for (k, sep) in seps.iter().enumerate() {
+            // SAFETY: as in `with_registered` (checked at submit; the engine lives: checked
+            // above under the lock that `Drop` takes, held until the write returns).
+            let payload = frames
+                .get(k)
+                .map(|f| unsafe { std::slice::from_raw_parts(f.src as *const u8, f.len as usize) });
+            for piece in std::iter::once(&sep[..]).chain(payload) {
+                if skip >= piece.len() {
+                    skip -= piece.len();
+                } else {
+                    bufs.push(io::IoSlice::new(&piece[skip..]));
+                    skip = 0;
+                }
+            }
+        }
+        let res = wr.try_write_vectored(&bufs);
+        drop(bufs);
+        drop(guard);
+        match res {
+            Ok(k) => done += k,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    *out = seps.swap_remove(0);
+    out.clear();
     Ok(())
 }
 
@@ -286,12 +398,18 @@ async fn write_registered(
     Ok(())
 }
 
-/// Reads acks until the connection closes; then (or on a bad ack) kills the stream.
-async fn ack_loop(stream: Arc<Stream>, mut rd: OwnedReadHalf) {
+/// Reads acks until the connection closes; then (or on a bad ack) kills the stream. Buffered:
+/// acks that arrived together cost one system call.
+async fn ack_loop(stream: Arc<Stream>, rd: OwnedReadHalf) {
+    let mut rd = BufReader::with_capacity(64 * wire::ACK_LEN, rd);
     let mut buf = [0u8; wire::ACK_LEN];
     let why = loop {
         match rd.read_exact(&mut buf).await {
-            Ok(_) => stream.on_ack(Ack::decode(&buf)),
+            Ok(_) => {
+                if let Err(why) = stream.on_ack(Ack::decode(&buf)) {
+                    break why;
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                 break "the peer closed the connection".to_string()
             }
