@@ -27,9 +27,11 @@ use std::time::{Duration, Instant};
 use model::SamplingParams;
 use scheduler::{Executor, FinishReason, FinishedReq, ReqId, SamplingLimits, Scheduler};
 
-use crate::disagg::PdSide;
 use crate::engine_metrics::EngineMetrics;
 use crate::setup::ModelExecutor;
+use pd::PdSide;
+
+pub mod pd;
 
 type Sender<T> = tokio::sync::mpsc::UnboundedSender<T>;
 

@@ -19,10 +19,10 @@
 //! - [`engine_loop`] and [`server`]: the scheduler and model on their own thread, token streams
 //!   through channels, and the HTTP API on top (`kvserve serve`); [`engine_metrics`] for
 //!   `/metrics`.
-//! - [`disagg`]: PD disaggregation's half of the engine loop on a prefill or decode server
-//!   (`serve --disaggregation-mode`): the bootstrap and inflight queues around the scheduler
-//!   on prefill, handshake → preallocation → transfer → running on decode, over
-//!   `transfer`'s KV manager.
+//! - [`disagg`]: PD disaggregation's roles (`serve --disaggregation-mode`), the bootstrap
+//!   fields a request carries and the PD options; [`engine_loop::pd`] is the loop's PD half
+//!   (the bootstrap and inflight queues around the scheduler on prefill, handshake →
+//!   preallocation → transfer → running on decode, over `transfer`'s KV manager).
 //! - [`bench_client`]: `kvserve bench --url` against any OpenAI-compatible server.
 //! - [`router`]: `kvserve router --pd-disaggregation`, SGLang's PD router in front of prefill
 //!   and decode servers.

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 use kv_pool::{KvBuffer, MemoryRegion};
 use serde::{Deserialize, Serialize};
 
-use crate::backends::{new_engine, TransferConfig};
+use crate::backends::new_engine;
+use crate::config::TransferConfig;
 use crate::engine::{BackendKind, TransferBlock};
 use crate::error::{Result, TransferError};
 

@@ -17,69 +17,7 @@ use kv_pool::MemoryRegion;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TransferError};
-
-/// A region's id: its position in the registering engine's registration order (across calls).
-pub type RegionId = u32;
-
-/// Which backend moves the bytes (SGLang's `--disaggregation-transfer-backend`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendKind {
-    /// Framed, checksummed TCP streams (loopback or network).
-    Tcp,
-    /// Shared memory between two processes on one host.
-    Shm,
-    /// NVIDIA NIXL (RDMA / UCX).
-    Nixl,
-    /// Moves nothing and succeeds (warm-up).
-    Fake,
-}
-
-impl BackendKind {
-    /// Every backend, compiled or not.
-    pub const ALL: [BackendKind; 4] = [
-        BackendKind::Tcp,
-        BackendKind::Shm,
-        BackendKind::Nixl,
-        BackendKind::Fake,
-    ];
-
-    /// The flag value and feature name.
-    pub fn name(self) -> &'static str {
-        match self {
-            BackendKind::Tcp => "tcp",
-            BackendKind::Shm => "shm",
-            BackendKind::Nixl => "nixl",
-            BackendKind::Fake => "fake",
-        }
-    }
-
-    /// Parses a flag value.
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == s)
-    }
-
-    /// Whether this build has the backend's feature.
-    pub fn compiled(self) -> bool {
-        match self {
-            BackendKind::Tcp => cfg!(feature = "tcp"),
-            BackendKind::Shm => cfg!(feature = "shm"),
-            BackendKind::Nixl => cfg!(feature = "nixl"),
-            BackendKind::Fake => cfg!(feature = "fake"),
-        }
-    }
-
-    /// [`TransferError::NotCompiled`] for this backend.
-    pub fn not_compiled(self) -> TransferError {
-        TransferError::NotCompiled { backend: self }
-    }
-}
-
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::ids::{BackendKind, BatchId, RegionId, SegmentId};
 
 /// One registered region as a peer sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,14 +44,6 @@ pub struct SegmentDesc {
     #[serde(default)]
     pub metadata: Vec<u8>,
 }
-
-/// An opened peer segment, on the engine that opened it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct SegmentId(pub u64);
-
-/// A submitted batch, on the engine that submitted it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct BatchId(pub u64);
 
 /// One write: `len` bytes from a local region to a region of the destination segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -1,6 +1,6 @@
 //! [`TransferError`]: the crate's one error type.
 
-use crate::engine::{BackendKind, BatchId, RegionId, SegmentId};
+use crate::ids::{BackendKind, BatchId, RegionId, SegmentId};
 
 /// What went wrong in a transfer or its handshake. Every variant names what it refers to.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -101,3 +101,10 @@ impl TransferError {
 
 /// The crate's result type.
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
+
+impl BackendKind {
+    /// [`TransferError::NotCompiled`] for this backend.
+    pub fn not_compiled(self) -> TransferError {
+        TransferError::NotCompiled { backend: self }
+    }
+}

@@ -46,10 +46,12 @@ pub mod backends;
 mod batch;
 pub mod bench;
 pub mod coalesce;
+pub mod config;
 pub mod engine;
 pub mod error;
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod ids;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod pd;
@@ -62,7 +64,8 @@ pub mod tcp;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use backends::{new_engine, TransferConfig};
+pub use backends::new_engine;
+pub use config::TransferConfig;
 pub use engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
     TransferBlock, TransferEngine,

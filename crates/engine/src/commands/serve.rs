@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use crate::cli::ServeArgs;
-use crate::disagg::{build_pd_side, DisaggregationMode, LocalKv, PdOptions, PdSide};
+use crate::disagg::{DisaggregationMode, LocalKv, PdOptions};
+use crate::engine_loop::pd::{build_pd_side, PdSide};
 use crate::engine_loop::EngineHandle;
 use crate::error::{EngineError, Result};
 use crate::runtime::async_runtime;

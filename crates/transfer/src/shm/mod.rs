@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use async_trait::async_trait;
 use kv_pool::MemoryRegion;
 
-use crate::backends::TransferConfig;
 use crate::batch::{BatchState, BatchTable};
+use crate::config::TransferConfig;
 use crate::engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
     TransferBlock, TransferEngine,

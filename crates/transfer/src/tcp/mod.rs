@@ -25,8 +25,8 @@ use async_trait::async_trait;
 use kv_pool::MemoryRegion;
 use tokio::task::AbortHandle;
 
-use crate::backends::TransferConfig;
 use crate::batch::{BatchState, BatchTable};
+use crate::config::TransferConfig;
 use crate::engine::{
     BackendKind, BatchId, BatchStatus, RegionId, RemoteRegion, SegmentDesc, SegmentId,
     TransferBlock, TransferEngine,

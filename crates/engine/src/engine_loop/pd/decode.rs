@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use scheduler::{FinishedReq, ReqId, Scheduler};
 use transfer::pd::{KvManager, KvPoll, KvReceiver};
 
-use super::TRANSFER_FAILED;
+use crate::disagg::TRANSFER_FAILED;
 use crate::engine_loop::{limits_of, track, LiveMap, Submission};
 use crate::engine_metrics::PdMetrics;
 use crate::setup::ModelExecutor;

@@ -11,7 +11,7 @@ use kv_pool::Page;
 use scheduler::{FinishReason, FinishedReq, ReqId, Scheduler};
 use transfer::pd::{KvManager, KvPoll, KvSender, TransferAux};
 
-use super::TRANSFER_FAILED;
+use crate::disagg::TRANSFER_FAILED;
 use crate::engine_loop::{limits_of, track, LiveMap, Submission};
 use crate::engine_metrics::PdMetrics;
 use crate::setup::ModelExecutor;
