@@ -165,3 +165,16 @@ fn a_room_whose_prefill_never_comes_times_out_cleanly() {
     assert!(r.to_string().contains("waiting timeout"), "{r}");
     assert_nothing_held(&p);
 }
+
+#[test]
+fn a_request_the_decode_pool_can_never_hold_fails_on_both_sides() {
+    let p = pair("tcp", &[], &["--max-total-tokens", "512"]);
+    let mut body = greedy(&prompt(300, 9), 400);
+    body["sampling_params"]["max_new_tokens"] = json!(400);
+    let ((ps, pr), (ds, dr)) = send(&p, "/generate", &body, 31);
+    assert_eq!(ds, 200, "{dr}");
+    assert_eq!(dr["meta_info"]["finish_reason"]["type"], "abort", "{dr}");
+    assert!(dr.to_string().contains("KV pool"), "{dr}");
+    assert_eq!(ps, 500, "the prefill side is told: {pr}");
+    assert_nothing_held(&p);
+}

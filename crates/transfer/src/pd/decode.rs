@@ -341,11 +341,12 @@ pub(crate) fn abort_room(st: &mut State, room: u64, why: String) -> bool {
         return false;
     }
     let r = st.rooms.get(&room).expect("transitioned");
-    let tx = match (&r.peer, r.metadata_sent) {
-        (Some((addr, g)), true) => peer_tx(st, addr, *g),
-        _ => None,
-    };
+    let metadata_sent = r.metadata_sent;
+    // The prefill hears of the abort whenever a connection to it exists, also before the
+    // metadata went out (its request then stops waiting for this room at once).
+    let tx = r.peer.as_ref().and_then(|(addr, g)| peer_tx(st, addr, *g));
     let sent = tx.is_some_and(|tx| tx.send(ControlMsg::Abort { room, reason: why }).is_ok());
-    st.rooms.get_mut(&room).expect("transitioned").quiescent = !sent;
+    // Before the metadata, the prefill knows none of this room's pages: nothing can land.
+    st.rooms.get_mut(&room).expect("transitioned").quiescent = !(sent && metadata_sent);
     true
 }

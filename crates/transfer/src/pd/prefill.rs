@@ -274,6 +274,16 @@ fn decode_abort(shared: &Shared, conn: u64, room: u64, reason: &str) {
     }
     let worker = match st.rooms.get(&room) {
         Some(r) if r.conn == Some(conn) => r.worker.clone(),
+        // A room still bootstrapping (no decode has claimed it): it fails, nothing was sent.
+        Some(r) if r.conn.is_none() => {
+            st.transition(
+                room,
+                KvPoll::Failed,
+                Some(format!("aborted by decode: {reason}")),
+            );
+            send_to(&st, conn, ControlMsg::AbortAck { room });
+            return;
+        }
         _ => {
             log(format_args!("ABORT for unknown room {room} ignored"));
             send_to(&st, conn, ControlMsg::AbortAck { room });

@@ -95,6 +95,13 @@ impl DecodeSide {
         }
         let ids: Vec<ReqId> = self.receiving.keys().copied().collect();
         for id in ids {
+            if s.request(id).is_none() {
+                // The scheduler ended it before preallocating (a request its pool can never
+                // hold): no pages of it exist, so only the prefill side needs telling.
+                let r = self.receiving.remove(&id).expect("listed");
+                r.abort("the decode server cannot hold this request");
+                continue;
+            }
             let r = &self.receiving[&id];
             match r.poll() {
                 KvPoll::Success => {

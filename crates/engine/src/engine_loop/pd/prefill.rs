@@ -238,7 +238,14 @@ impl PrefillSide {
         for id in ids {
             let snd = self.sending.get_mut(&id).expect("listed");
             if snd.finished.is_none() {
-                let Some(r) = s.request(id) else { continue };
+                let Some(r) = s.request(id) else {
+                    // It ended outside the PD path (the scheduler aborted it): the decode side
+                    // must not wait for pages that will never come.
+                    let snd = self.sending.remove(&id).expect("listed");
+                    snd.sender
+                        .abort("the prefill request ended before its KV was sent");
+                    continue;
+                };
                 let ready = (r.committed_len / p).min(snd.end_page);
                 if ready > snd.next_page {
                     if let Err(e) = send_ready(s, p, id, snd, ready, None) {
