@@ -336,6 +336,34 @@ async fn abort_travels_both_ways() {
     assert!(rx.quiescent());
 }
 
+/// The router sends to both servers at once: a decode may abort a room before the prefill has
+/// created it. The prefill remembers, and the room fails as soon as it is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_before_the_prefill_created_the_room_fails_it_at_creation() {
+    let (prefill, decode) = pair();
+    // Connect decode to the prefill with another room first.
+    let (_tx, _rx) = handshake(&prefill, &decode, 30).await;
+    let rx = decode
+        .mgr
+        .create_receiver(31, &prefill.bootstrap())
+        .unwrap();
+    until("decode ready", SECS, || {
+        rx.poll() == KvPoll::WaitingForInput
+    })
+    .await;
+    rx.abort("client disconnected");
+    assert!(rx.quiescent(), "no metadata went out: nothing can land");
+    // Give the ABORT time to arrive, then the prefill sees the request.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let tx = prefill.mgr.create_sender(31).unwrap();
+    assert_eq!(tx.poll(), KvPoll::Failed);
+    assert!(
+        tx.failure().unwrap().contains("client disconnected"),
+        "{:?}",
+        tx.failure()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_batch_fails_the_room_on_both_sides() {
     let (prefill, decode) = pair();

@@ -112,6 +112,10 @@ pub(crate) struct Peer {
 pub(crate) struct State {
     pub rooms: HashMap<u64, Room>,
     pub pending: HashMap<u64, PendingInfo>,
+    /// Prefill: rooms a decode aborted before this server created them (the router sends to
+    /// both at once), with when and why: a room created later fails at once. Kept until the
+    /// bootstrap timeout.
+    pub aborted: HashMap<u64, (std::time::Instant, String)>,
     pub conns: HashMap<u64, PrefillConn>,
     pub peers: HashMap<String, Peer>,
     pub next_id: u64,

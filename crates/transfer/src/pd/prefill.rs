@@ -204,6 +204,14 @@ pub(crate) fn create_room(shared: &Shared, room: u64) -> Result<(), PdError> {
     let mut r = Room::new();
     r.generation = st.next_id();
     st.rooms.insert(room, r);
+    if let Some((_, reason)) = st.aborted.remove(&room) {
+        st.transition(
+            room,
+            KvPoll::Failed,
+            Some(format!("aborted by decode: {reason}")),
+        );
+        return Ok(());
+    }
     if let Some(p) = st.pending.remove(&room) {
         apply_info(&mut st, room, p.conn, p.dst_pages, p.decode_prefix_len);
     }
@@ -285,7 +293,10 @@ fn decode_abort(shared: &Shared, conn: u64, room: u64, reason: &str) {
             return;
         }
         _ => {
-            log(format_args!("ABORT for unknown room {room} ignored"));
+            // Not created yet (or gone): remembered, so a room created later fails at once
+            // instead of waiting out the bootstrap timeout.
+            st.aborted
+                .insert(room, (std::time::Instant::now(), reason.to_string()));
             send_to(&st, conn, ControlMsg::AbortAck { room });
             return;
         }
@@ -318,6 +329,7 @@ pub(crate) fn reap(shared: &Shared) {
         );
         st.transition(room, KvPoll::Failed, Some(why));
     }
+    st.aborted.retain(|_, (at, _)| at.elapsed() <= limit);
     let stale: Vec<u64> = st
         .pending
         .iter()
