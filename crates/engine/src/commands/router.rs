@@ -1,25 +1,15 @@
 //! `kvserve router --pd-disaggregation`: the PD router (`crate::router`) on loopback or any
 //! address, until Ctrl-C.
 
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::router::{serve, RouterArgs};
-use crate::runtime::async_runtime;
+use crate::runtime::{async_runtime, bind};
 
 /// `kvserve router`: validates the flags, listens, routes until Ctrl-C.
 pub fn router(args: &RouterArgs) -> Result<()> {
     let config = args.config()?;
     async_runtime()?.block_on(async move {
-        let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .map_err(|source| EngineError::Io {
-                path: addr.clone(),
-                source,
-            })?;
-        let local = listener.local_addr().map_err(|source| EngineError::Io {
-            path: addr.clone(),
-            source,
-        })?;
+        let (listener, local) = bind(&args.host, args.port).await?;
         let list = |urls: Vec<String>| urls.join(", ");
         eprintln!(
             "kvserve: PD router on http://{local}: prefill {} ({}), decode {} ({})",

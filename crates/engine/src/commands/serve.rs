@@ -8,7 +8,7 @@ use crate::disagg::{DisaggregationMode, LocalKv, PdOptions};
 use crate::engine_loop::pd::{build_pd_side, PdSide};
 use crate::engine_loop::EngineHandle;
 use crate::error::{EngineError, Result};
-use crate::runtime::async_runtime;
+use crate::runtime::{async_runtime, bind};
 use crate::server::chat::ChatPrompt;
 use crate::server::AppState;
 use crate::setup::{BackendKind, ModelSource};
@@ -17,17 +17,7 @@ use crate::setup::{BackendKind, ModelSource};
 pub fn serve(args: &ServeArgs) -> Result<()> {
     let state = build_server_state(args)?;
     async_runtime()?.block_on(async move {
-        let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .map_err(|source| EngineError::Io {
-                path: addr.clone(),
-                source,
-            })?;
-        let local = listener.local_addr().map_err(|source| EngineError::Io {
-            path: addr.clone(),
-            source,
-        })?;
+        let (listener, local) = bind(&args.host, args.port).await?;
         eprintln!("kvserve: serving {} on http://{local}", state.model_name);
         // On Ctrl-C, stop taking connections and end every in-flight request (aborted, its
         // stream closed) so the graceful shutdown does not wait on long generations.
