@@ -12,6 +12,9 @@
 //!   with scales) and their byte math, the [`KvStore`] trait that host memory and every device
 //!   backend implement, and [`HostKvStore`] (on its own heap buffers, or in memory given as a
 //!   [`HostMemory`], e.g. a shared mapping a transfer peer writes into).
+//! - Tiers: the [`CacheController`] seam between a hierarchical prefix cache and whoever moves
+//!   KV pages between the device store, the host pool and an L3 store, and [`LayerWait`], what
+//!   a forward pass waits on while load-backs land (module [`tier`]).
 //! - Sizing: [`MemoryPlan`] computes the pool size and the default request limit as SGLang does.
 //! - Checking: [`OwnershipCheck`] proves that free pages and owned pages partition the pool;
 //!   with the `testing` feature, `kv_pool::testing::check_allocator` runs the allocator
@@ -48,6 +51,7 @@ pub mod rng;
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tier;
 
 pub use allocator::{
     Allocator, AllocatorState, AnyAllocator, DecodeRequest, ExtendRequest, PagedAllocator,
@@ -62,3 +66,4 @@ pub use ownership::{Owner, OwnershipCheck, OwnershipViolation};
 pub use req_to_token::ReqToTokenPool;
 pub use rng::SplitMix64;
 pub use store::{HostKvStore, KvStore, MemoryRegion};
+pub use tier::{Ack, AckOutcome, CacheController, LayerWait, OpId, PageKey, TierOpKind};

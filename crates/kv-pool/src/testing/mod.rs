@@ -46,11 +46,13 @@
 //! so far (see [`Trace`]). The individual checks are public too, and [`run_ops`] takes any
 //! [`Op`] sequence, so a property-testing framework can generate and shrink its own.
 
+mod controller;
 mod model;
 mod reference;
 mod scripted;
 mod trace;
 
+pub use controller::{ImmediateController, LoggedOp};
 pub use model::{
     check_position_rule, decode_requests, extend_requests, random_ops, run_ops, Op, OwnershipModel,
 };

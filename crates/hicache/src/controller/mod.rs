@@ -1,0 +1,1 @@
+//! The cache controller (SGLang's `HiCacheController`): see the crate docs.

@@ -1,0 +1,1 @@
+//! L3 storage (SGLang's `HiCacheStorage`): see the crate docs.
