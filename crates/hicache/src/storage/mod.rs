@@ -4,8 +4,42 @@
 //! Pages travel in kv-pool's canonical packed page format (`kv_pool::store`), `page_bytes`
 //! bytes each. Keys are the chained SHA-256 page hashes radix-cache computes; a backend prefixes
 //! them with its namespace (model and KV layout), so two models never share a key.
+//!
+//! - [`HiCacheStorage`]: the trait the cache controller calls from its storage thread.
+//! - [`StorageConfig`]: `--hicache-storage-backend-extra-config` (a JSON object: SGLang's
+//!   prefetch keys and the backends' own keys), unknown keys refused.
+//! - [`StorageNamespace`]: the model and KV layout a backend prefixes every key with.
+//! - [`open_storage`]: a backend by [`StorageKind`] (`file`, `redis`).
+//! - Backends: [`HiCacheFile`] (SGLang's `HiCacheFile`: one file per page) and, with the `redis`
+//!   feature, `HiCacheRedis` (one Redis server or a Redis Cluster).
+//! - `testing` (feature `testing`): `check_storage`, the conformance suite every backend passes,
+//!   and an in-memory and a failing store.
+
+mod config;
+mod counters;
+mod file;
+mod hex;
+mod namespace;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
 
 use kv_pool::PageKey;
+
+#[cfg(feature = "redis")]
+pub use self::redis::HiCacheRedis;
+pub use config::StorageConfig;
+pub use file::HiCacheFile;
+pub use namespace::StorageNamespace;
+
+/// Pages per storage IO call (SGLang's `STORAGE_BATCH_SIZE`): backends split longer batches,
+/// so one call never builds an unbounded request.
+pub const STORAGE_BATCH_SIZE: usize = 128;
 
 /// Counters of one storage backend since it was opened.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -29,9 +63,22 @@ pub struct StorageStats {
 /// Why a storage call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
-    /// The configuration cannot be used (unknown key, missing directory or URL, bad JSON).
+    /// The configuration cannot be used (missing directory or URL, bad JSON, a value of the
+    /// wrong type, a key of another backend).
     #[error("invalid HiCache storage configuration: {0}")]
     InvalidConfig(String),
+    /// `--hicache-storage-backend-extra-config` names a key no part of kvserve reads.
+    #[error(
+        "unknown key `{key}` in --hicache-storage-backend-extra-config (known: {})",
+        config::KNOWN_KEYS.join(", ")
+    )]
+    UnknownConfigKey {
+        /// The key, as written.
+        key: String,
+    },
+    /// The backend was not compiled in (the `redis` backend needs the `redis` feature).
+    #[error("HiCache storage backend `{0}` is not compiled in (build with feature `hicache/{0}`)")]
+    NotCompiled(&'static str),
     /// The store failed or could not be reached.
     #[error("HiCache storage backend {backend} failed: {reason}")]
     Backend {
@@ -72,4 +119,89 @@ pub trait HiCacheStorage: Send + Sync {
     fn clear(&self) -> Result<(), StorageError>;
     /// Counters since the backend was opened.
     fn stats(&self) -> StorageStats;
+}
+
+/// Checks that a buffer of `got` bytes holds `keys` pages of `page_bytes`.
+pub(crate) fn check_len(
+    what: &'static str,
+    keys: usize,
+    page_bytes: usize,
+    got: usize,
+) -> Result<(), StorageError> {
+    let expected = keys.saturating_mul(page_bytes);
+    if got == expected {
+        Ok(())
+    } else {
+        Err(StorageError::LengthMismatch {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// Which L3 backend `--hicache-storage-backend` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StorageKind {
+    /// [`HiCacheFile`]: one file per page under a directory (SGLang's `file`).
+    File,
+    /// `HiCacheRedis`: one Redis server or a Redis Cluster (feature `redis`).
+    Redis,
+}
+
+impl StorageKind {
+    /// The name `--hicache-storage-backend` takes.
+    pub const fn name(self) -> &'static str {
+        match self {
+            StorageKind::File => "file",
+            StorageKind::Redis => "redis",
+        }
+    }
+}
+
+impl fmt::Display for StorageKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for StorageKind {
+    type Err = StorageError;
+
+    fn from_str(s: &str) -> Result<Self, StorageError> {
+        match s {
+            "file" => Ok(StorageKind::File),
+            "redis" => Ok(StorageKind::Redis),
+            _ => Err(StorageError::InvalidConfig(format!(
+                "unknown --hicache-storage-backend {s:?}; expected file or redis"
+            ))),
+        }
+    }
+}
+
+/// Opens the `kind` backend for pages of `page_bytes` bytes under `namespace`, configured by
+/// `cfg` (SGLang's `StorageBackendFactory.create_backend`). A key that belongs to the other
+/// backend (a Redis URL for `file`, a directory for `redis`) is refused; `file` defaults to
+/// SGLang's directory `/tmp/hicache`, `redis` needs `url` or `urls`. A Redis server that
+/// cannot be reached yet is not an error: calls answer as misses until it can be.
+pub fn open_storage(
+    kind: StorageKind,
+    cfg: &StorageConfig,
+    namespace: &StorageNamespace,
+    page_bytes: usize,
+) -> Result<Arc<dyn HiCacheStorage>, StorageError> {
+    cfg.check_backend_keys(kind)?;
+    match kind {
+        StorageKind::File => {
+            let dir = cfg
+                .file_path
+                .clone()
+                .unwrap_or_else(|| config::DEFAULT_FILE_PATH.into());
+            Ok(Arc::new(HiCacheFile::open(&dir, namespace, page_bytes)?))
+        }
+        #[cfg(feature = "redis")]
+        StorageKind::Redis => Ok(Arc::new(HiCacheRedis::open(cfg, namespace, page_bytes)?)),
+        #[cfg(not(feature = "redis"))]
+        StorageKind::Redis => Err(StorageError::NotCompiled("redis")),
+    }
 }

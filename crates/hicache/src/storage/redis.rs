@@ -1,0 +1,372 @@
+//! `HiCacheRedis` (feature `redis`): L3 pages in Redis, one value per page under
+//! `kvserve:<namespace>:<hex key>`, on one server (`url`) or a Redis Cluster (`urls`, the
+//! seed nodes; keys spread over the cluster's slots).
+//!
+//! Each call is one round trip per batch of at most [`STORAGE_BATCH_SIZE`] pages: a pipeline
+//! of `STRLEN` (existence with the size checked) for `batch_exists`, `MGET` for `batch_get`,
+//! `MSET` for `batch_set` (in a cluster, redis-rs splits `MGET` / `MSET` by slot and routes the
+//! pipeline key by key).
+//!
+//! A dead or unreachable Redis is a miss, within a bounded time: connecting waits at most
+//! `connect_timeout`, every read and write at most `io_timeout`. Any failed call drops the
+//! connection (after a timeout its replies could arrive late and be taken for the next
+//! call's); the next call reconnects at once, and after a failed connect the calls during a
+//! backoff (50 ms doubling to 2 s) answer as misses without touching the network.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kv_pool::PageKey;
+use redis::cluster::{cluster_pipe, ClusterClient, ClusterConnection};
+use redis::{Client, Connection, ConnectionLike, RedisResult};
+
+use super::counters::Counters;
+use super::hex::key_hex;
+use super::{
+    check_len, HiCacheStorage, StorageConfig, StorageError, StorageNamespace, StorageStats,
+    STORAGE_BATCH_SIZE,
+};
+
+/// The first wait after a failed connect; doubled per failure up to [`BACKOFF_MAX`].
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+/// The longest wait between two connection attempts.
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// The `redis` L3 backend: one server or a Redis Cluster. See the [module docs](self).
+pub struct HiCacheRedis {
+    target: Target,
+    /// `kvserve:<namespace>:`.
+    key_prefix: String,
+    page_bytes: usize,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    link: Mutex<Link>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for HiCacheRedis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HiCacheRedis")
+            .field("key_prefix", &self.key_prefix)
+            .field("page_bytes", &self.page_bytes)
+            .field("cluster", &matches!(self.target, Target::Cluster(_)))
+            .finish_non_exhaustive()
+    }
+}
+
+enum Target {
+    Single(Client),
+    Cluster(ClusterClient),
+}
+
+enum Conn {
+    Single(Connection),
+    /// Boxed: a cluster connection is four times the size of a single one.
+    Cluster(Box<ClusterConnection>),
+}
+
+impl Conn {
+    fn as_dyn(&mut self) -> &mut dyn ConnectionLike {
+        match self {
+            Conn::Single(c) => c,
+            Conn::Cluster(c) => c.as_mut(),
+        }
+    }
+}
+
+/// The connection and the reconnect schedule.
+struct Link {
+    conn: Option<Conn>,
+    /// No connection attempt before this instant (set after a failed connect).
+    retry_at: Option<Instant>,
+    /// The wait after the next failed connect.
+    backoff: Duration,
+}
+
+impl HiCacheRedis {
+    /// Opens the backend configured by `cfg`'s `url` (one server) or `urls` (a Redis Cluster)
+    /// for pages of `page_bytes` bytes under `namespace`. A malformed URL is
+    /// [`StorageError::InvalidConfig`]; a server that does not answer is not an error (it is
+    /// tried now and again by later calls, which answer as misses meanwhile).
+    pub fn open(
+        cfg: &StorageConfig,
+        namespace: &StorageNamespace,
+        page_bytes: usize,
+    ) -> Result<Self, StorageError> {
+        if page_bytes == 0 {
+            return Err(StorageError::InvalidConfig(
+                "page_bytes must be at least 1".into(),
+            ));
+        }
+        let bad_url = |e: redis::RedisError| StorageError::InvalidConfig(format!("Redis URL: {e}"));
+        let target = match (&cfg.url, cfg.cluster_urls.as_slice()) {
+            (Some(url), []) => Target::Single(Client::open(url.as_str()).map_err(bad_url)?),
+            (None, urls) if !urls.is_empty() => Target::Cluster(
+                ClusterClient::builder(urls.iter().map(String::as_str))
+                    .connection_timeout(cfg.connect_timeout)
+                    .response_timeout(cfg.io_timeout)
+                    // Bounded: a MOVED / ASK redirect or one retry, never redis-rs's default
+                    // of 16 retries with waits of up to minutes.
+                    .retries(2)
+                    .min_retry_wait(10)
+                    .max_retry_wait(100)
+                    .build()
+                    .map_err(bad_url)?,
+            ),
+            _ => {
+                return Err(StorageError::InvalidConfig(
+                    "the redis backend needs `url` (one server) or `urls` (a Redis Cluster)".into(),
+                ))
+            }
+        };
+        let storage = HiCacheRedis {
+            target,
+            key_prefix: format!("kvserve:{}:", namespace.prefix()),
+            page_bytes,
+            connect_timeout: cfg.connect_timeout,
+            io_timeout: cfg.io_timeout,
+            link: Mutex::new(Link {
+                conn: None,
+                retry_at: None,
+                backoff: BACKOFF_MIN,
+            }),
+            counters: Counters::default(),
+        };
+        // Connect now so the first lookup does not pay for it; failing is fine (see above).
+        let _ = storage.with_conn("connect", |_| Ok(()));
+        Ok(storage)
+    }
+
+    /// Whether the cluster path is used (`urls`).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster(_))
+    }
+
+    fn key(&self, key: &PageKey) -> String {
+        format!("{}{}", self.key_prefix, key_hex(key))
+    }
+
+    fn connect(&self) -> RedisResult<Conn> {
+        match &self.target {
+            Target::Single(client) => {
+                let conn = client.get_connection_with_timeout(self.connect_timeout)?;
+                conn.set_read_timeout(Some(self.io_timeout))?;
+                conn.set_write_timeout(Some(self.io_timeout))?;
+                Ok(Conn::Single(conn))
+            }
+            Target::Cluster(client) => {
+                let conn = client.get_connection()?;
+                conn.set_write_timeout(Some(self.io_timeout))?;
+                Ok(Conn::Cluster(Box::new(conn)))
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Link> {
+        // A panic inside redis-rs while the lock was held leaves at worst a half-used
+        // connection, which the next failure drops: the state is still consistent.
+        self.link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the connection (connecting first if needed, unless a backoff is running).
+    /// `None` when the store could not be reached or `f` failed: the failure is counted and
+    /// the connection dropped.
+    fn with_conn<T>(&self, what: &str, f: impl FnOnce(&mut Conn) -> RedisResult<T>) -> Option<T> {
+        let mut link = self.lock();
+        if link.conn.is_none() {
+            let now = Instant::now();
+            if link.retry_at.is_some_and(|at| now < at) {
+                self.counters
+                    .failure("redis", "not connected (waiting to reconnect)");
+                return None;
+            }
+            match self.connect() {
+                Ok(conn) => {
+                    link.conn = Some(conn);
+                    link.retry_at = None;
+                    link.backoff = BACKOFF_MIN;
+                }
+                Err(e) => {
+                    link.retry_at = Some(now + link.backoff);
+                    link.backoff = (link.backoff * 2).min(BACKOFF_MAX);
+                    self.counters.failure("redis", &format!("connect: {e}"));
+                    return None;
+                }
+            }
+        }
+        let conn = link.conn.as_mut()?;
+        match f(conn) {
+            Ok(v) => {
+                self.counters.success("redis");
+                Some(v)
+            }
+            Err(e) => {
+                link.conn = None;
+                self.counters.failure("redis", &format!("{what}: {e}"));
+                None
+            }
+        }
+    }
+}
+
+/// `STRLEN` of every key, pipelined (0 for a missing key).
+fn strlens(conn: &mut Conn, keys: &[String]) -> RedisResult<Vec<usize>> {
+    match conn {
+        Conn::Single(c) => {
+            let mut pipe = redis::pipe();
+            for key in keys {
+                pipe.cmd("STRLEN").arg(key);
+            }
+            pipe.query(c)
+        }
+        Conn::Cluster(c) => {
+            let mut pipe = cluster_pipe();
+            for key in keys {
+                pipe.cmd("STRLEN").arg(key);
+            }
+            pipe.query(c)
+        }
+    }
+}
+
+impl HiCacheStorage for HiCacheRedis {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    fn batch_exists(&self, keys: &[PageKey]) -> usize {
+        let mut found = 0;
+        for chunk in keys.chunks(STORAGE_BATCH_SIZE) {
+            let names: Vec<String> = chunk.iter().map(|k| self.key(k)).collect();
+            let Some(lens) = self.with_conn("STRLEN", |c| strlens(c, &names)) else {
+                break;
+            };
+            let hit = lens
+                .iter()
+                .take_while(|&&len| len == self.page_bytes)
+                .count();
+            if lens.get(hit).is_some_and(|&len| len != 0) {
+                self.counters.failure(
+                    "redis",
+                    &format!(
+                        "a page of {} bytes, expected {}",
+                        lens[hit], self.page_bytes
+                    ),
+                );
+            }
+            found += hit;
+            if hit < chunk.len() {
+                break;
+            }
+        }
+        self.counters.lookup(keys.len(), found);
+        found
+    }
+
+    fn batch_get(&self, keys: &[PageKey], out: &mut [u8]) -> Result<usize, StorageError> {
+        check_len("batch_get output", keys.len(), self.page_bytes, out.len())?;
+        let mut found = 0;
+        let pages_per_chunk = STORAGE_BATCH_SIZE * self.page_bytes;
+        for (chunk, dst) in keys
+            .chunks(STORAGE_BATCH_SIZE)
+            .zip(out.chunks_mut(pages_per_chunk))
+        {
+            let names: Vec<String> = chunk.iter().map(|k| self.key(k)).collect();
+            let Some(values) = self.with_conn("MGET", |c| {
+                redis::cmd("MGET")
+                    .arg(&names)
+                    .query::<Vec<Option<Vec<u8>>>>(c.as_dyn())
+            }) else {
+                break;
+            };
+            let mut hit = 0;
+            for (value, page) in values.iter().zip(dst.chunks_exact_mut(self.page_bytes)) {
+                match value {
+                    Some(bytes) if bytes.len() == self.page_bytes => {
+                        page.copy_from_slice(bytes);
+                        hit += 1;
+                    }
+                    Some(bytes) => {
+                        self.counters.failure(
+                            "redis",
+                            &format!(
+                                "a page of {} bytes, expected {}",
+                                bytes.len(),
+                                self.page_bytes
+                            ),
+                        );
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            found += hit;
+            if hit < chunk.len() {
+                break;
+            }
+        }
+        self.counters.lookup(keys.len(), found);
+        self.counters.get(found * self.page_bytes);
+        Ok(found)
+    }
+
+    fn batch_set(&self, keys: &[PageKey], data: &[u8]) -> Result<(), StorageError> {
+        check_len("batch_set input", keys.len(), self.page_bytes, data.len())?;
+        let pages_per_chunk = STORAGE_BATCH_SIZE * self.page_bytes;
+        for (chunk, src) in keys
+            .chunks(STORAGE_BATCH_SIZE)
+            .zip(data.chunks(pages_per_chunk))
+        {
+            let mut cmd = redis::cmd("MSET");
+            for (key, page) in chunk.iter().zip(src.chunks_exact(self.page_bytes)) {
+                cmd.arg(self.key(key)).arg(page);
+            }
+            if self
+                .with_conn("MSET", |c| cmd.query::<()>(c.as_dyn()))
+                .is_none()
+            {
+                self.counters.set(0);
+                return Err(StorageError::Backend {
+                    backend: "redis",
+                    reason: "MSET failed or the server is unreachable".into(),
+                });
+            }
+        }
+        self.counters.set(data.len());
+        Ok(())
+    }
+
+    fn clear(&self) -> Result<(), StorageError> {
+        // KEYS goes to every primary of a cluster (redis-rs combines the answers); clearing
+        // is an administrative call, made when the server is idle.
+        let pattern = format!("{}*", self.key_prefix);
+        let keys = self
+            .with_conn("KEYS", |c| {
+                redis::cmd("KEYS")
+                    .arg(&pattern)
+                    .query::<Vec<String>>(c.as_dyn())
+            })
+            .ok_or_else(|| StorageError::Backend {
+                backend: "redis",
+                reason: "listing the namespace's keys failed or the server is unreachable".into(),
+            })?;
+        for chunk in keys.chunks(STORAGE_BATCH_SIZE) {
+            self.with_conn("UNLINK", |c| {
+                redis::cmd("UNLINK").arg(chunk).query::<i64>(c.as_dyn())
+            })
+            .ok_or_else(|| StorageError::Backend {
+                backend: "redis",
+                reason: "UNLINK failed or the server is unreachable".into(),
+            })?;
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> StorageStats {
+        self.counters.snapshot()
+    }
+}
