@@ -7,12 +7,19 @@
 //! `MSET` for `batch_set` (in a cluster, redis-rs splits `MGET` / `MSET` by slot and routes the
 //! pipeline key by key).
 //!
-//! A dead or unreachable Redis is a miss, within a bounded time: connecting waits at most
-//! `connect_timeout`, every read and write at most `io_timeout`. Any failed call drops the
-//! connection (after a timeout its replies could arrive late and be taken for the next
-//! call's); the next call reconnects at once, and after a failed connect the calls during a
-//! backoff (50 ms doubling to 2 s) answer as misses without touching the network.
+//! A dead, frozen or unreachable Redis is a miss within a bounded time. Socket timeouts alone
+//! do not bound a call: redis-rs reads every reply of a pipeline (or of the per-slot parts of
+//! a cluster `MGET`) with its own timeout, so a frozen server would cost one `io_timeout` per
+//! page. So each round trip runs on a short-lived helper thread that owns the connection for
+//! its duration, and the caller waits for it at most `io_timeout` (plus `connect_timeout`
+//! when it connects first). A call that fails or misses its deadline drops the connection
+//! (after a timeout its replies could arrive late and be taken for the next call's), and the
+//! helper, left behind, ends on its socket timeouts. The next call reconnects at once; after
+//! a failed connect or a missed deadline, the calls during a backoff (50 ms doubling to 2 s)
+//! answer as misses without touching the network, so a dead server costs one bounded wait
+//! per backoff period, and at most one helper thread is left waiting per period.
 
+use std::sync::mpsc;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -54,6 +61,7 @@ impl std::fmt::Debug for HiCacheRedis {
     }
 }
 
+#[derive(Clone)]
 enum Target {
     Single(Client),
     Cluster(ClusterClient),
@@ -146,65 +154,105 @@ impl HiCacheRedis {
         format!("{}{}", self.key_prefix, key_hex(key))
     }
 
-    fn connect(&self) -> RedisResult<Conn> {
-        match &self.target {
-            Target::Single(client) => {
-                let conn = client.get_connection_with_timeout(self.connect_timeout)?;
-                conn.set_read_timeout(Some(self.io_timeout))?;
-                conn.set_write_timeout(Some(self.io_timeout))?;
-                Ok(Conn::Single(conn))
-            }
-            Target::Cluster(client) => {
-                let conn = client.get_connection()?;
-                conn.set_write_timeout(Some(self.io_timeout))?;
-                Ok(Conn::Cluster(Box::new(conn)))
-            }
-        }
-    }
-
     fn lock(&self) -> MutexGuard<'_, Link> {
         // A panic inside redis-rs while the lock was held leaves at worst a half-used
         // connection, which the next failure drops: the state is still consistent.
         self.link.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs `f` on the connection (connecting first if needed, unless a backoff is running).
-    /// `None` when the store could not be reached or `f` failed: the failure is counted and
-    /// the connection dropped.
-    fn with_conn<T>(&self, what: &str, f: impl FnOnce(&mut Conn) -> RedisResult<T>) -> Option<T> {
+    /// Runs `f` on the connection (connecting first if needed, unless a backoff is running)
+    /// on a helper thread, waiting for it at most the call's deadline (see the module docs).
+    /// `None` when the store could not be reached, `f` failed or the deadline passed: the
+    /// failure is counted and the connection dropped.
+    fn with_conn<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut Conn) -> RedisResult<T> + Send + 'static,
+    ) -> Option<T> {
         let mut link = self.lock();
-        if link.conn.is_none() {
-            let now = Instant::now();
-            if link.retry_at.is_some_and(|at| now < at) {
-                self.counters
-                    .failure("redis", "not connected (waiting to reconnect)");
-                return None;
-            }
-            match self.connect() {
-                Ok(conn) => {
-                    link.conn = Some(conn);
-                    link.retry_at = None;
-                    link.backoff = BACKOFF_MIN;
-                }
-                Err(e) => {
-                    link.retry_at = Some(now + link.backoff);
-                    link.backoff = (link.backoff * 2).min(BACKOFF_MAX);
-                    self.counters.failure("redis", &format!("connect: {e}"));
-                    return None;
-                }
-            }
+        let now = Instant::now();
+        let conn = link.conn.take();
+        if conn.is_none() && link.retry_at.is_some_and(|at| now < at) {
+            self.counters
+                .failure("redis", "not connected (waiting to reconnect)");
+            return None;
         }
-        let conn = link.conn.as_mut()?;
-        match f(conn) {
-            Ok(v) => {
+        let deadline = match conn {
+            Some(_) => self.io_timeout,
+            None => self.io_timeout + self.connect_timeout,
+        };
+        let (tx, rx) = mpsc::sync_channel(1);
+        let target = self.target.clone();
+        let (connect_timeout, io_timeout) = (self.connect_timeout, self.io_timeout);
+        let spawned = std::thread::Builder::new()
+            .name("kvserve-redis".into())
+            .spawn(move || {
+                let result = match conn {
+                    Some(conn) => Ok(conn),
+                    None => connect(&target, connect_timeout, io_timeout).map_err(Failure::Connect),
+                }
+                .and_then(|mut conn| match f(&mut conn) {
+                    Ok(v) => Ok((v, conn)),
+                    Err(e) => Err(Failure::Call(e)),
+                });
+                // The caller may have stopped waiting: then nobody receives, which is fine.
+                let _ = tx.send(result);
+            });
+        if let Err(e) = spawned {
+            self.counters
+                .failure("redis", &format!("{what}: no helper thread: {e}"));
+            return None;
+        }
+        let reason = match rx.recv_timeout(deadline) {
+            Ok(Ok((v, conn))) => {
+                link.conn = Some(conn);
+                link.retry_at = None;
+                link.backoff = BACKOFF_MIN;
                 self.counters.success("redis");
-                Some(v)
+                return Some(v);
             }
-            Err(e) => {
-                link.conn = None;
-                self.counters.failure("redis", &format!("{what}: {e}"));
-                None
+            Ok(Err(Failure::Call(e))) => format!("{what}: {e}"),
+            Ok(Err(Failure::Connect(e))) => {
+                link.back_off(now);
+                format!("connect: {e}")
             }
+            Err(_) => {
+                link.back_off(now);
+                format!("{what}: no answer within {deadline:?}")
+            }
+        };
+        self.counters.failure("redis", &reason);
+        None
+    }
+}
+
+/// Why a helper thread's round trip failed.
+enum Failure {
+    Connect(redis::RedisError),
+    Call(redis::RedisError),
+}
+
+impl Link {
+    /// Schedules the next connection attempt after the current backoff, and doubles it.
+    fn back_off(&mut self, now: Instant) {
+        self.retry_at = Some(now + self.backoff);
+        self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// Opens a connection whose every read and write times out after `io_timeout`.
+fn connect(target: &Target, connect_timeout: Duration, io_timeout: Duration) -> RedisResult<Conn> {
+    match target {
+        Target::Single(client) => {
+            let conn = client.get_connection_with_timeout(connect_timeout)?;
+            conn.set_read_timeout(Some(io_timeout))?;
+            conn.set_write_timeout(Some(io_timeout))?;
+            Ok(Conn::Single(conn))
+        }
+        Target::Cluster(client) => {
+            let conn = client.get_connection()?;
+            conn.set_write_timeout(Some(io_timeout))?;
+            Ok(Conn::Cluster(Box::new(conn)))
         }
     }
 }
@@ -242,7 +290,7 @@ impl HiCacheStorage for HiCacheRedis {
         let mut found = 0;
         for chunk in keys.chunks(STORAGE_BATCH_SIZE) {
             let names: Vec<String> = chunk.iter().map(|k| self.key(k)).collect();
-            let Some(lens) = self.with_conn("STRLEN", |c| strlens(c, &names)) else {
+            let Some(lens) = self.with_conn("STRLEN", move |c| strlens(c, &names)) else {
                 break;
             };
             let hit = lens
@@ -276,7 +324,7 @@ impl HiCacheStorage for HiCacheRedis {
             .zip(out.chunks_mut(pages_per_chunk))
         {
             let names: Vec<String> = chunk.iter().map(|k| self.key(k)).collect();
-            let Some(values) = self.with_conn("MGET", |c| {
+            let Some(values) = self.with_conn("MGET", move |c| {
                 redis::cmd("MGET")
                     .arg(&names)
                     .query::<Vec<Option<Vec<u8>>>>(c.as_dyn())
@@ -326,7 +374,7 @@ impl HiCacheStorage for HiCacheRedis {
                 cmd.arg(self.key(key)).arg(page);
             }
             if self
-                .with_conn("MSET", |c| cmd.query::<()>(c.as_dyn()))
+                .with_conn("MSET", move |c| cmd.query::<()>(c.as_dyn()))
                 .is_none()
             {
                 self.counters.set(0);
@@ -345,7 +393,7 @@ impl HiCacheStorage for HiCacheRedis {
         // is an administrative call, made when the server is idle.
         let pattern = format!("{}*", self.key_prefix);
         let keys = self
-            .with_conn("KEYS", |c| {
+            .with_conn("KEYS", move |c| {
                 redis::cmd("KEYS")
                     .arg(&pattern)
                     .query::<Vec<String>>(c.as_dyn())
@@ -355,7 +403,8 @@ impl HiCacheStorage for HiCacheRedis {
                 reason: "listing the namespace's keys failed or the server is unreachable".into(),
             })?;
         for chunk in keys.chunks(STORAGE_BATCH_SIZE) {
-            self.with_conn("UNLINK", |c| {
+            let chunk = chunk.to_vec();
+            self.with_conn("UNLINK", move |c| {
                 redis::cmd("UNLINK").arg(chunk).query::<i64>(c.as_dyn())
             })
             .ok_or_else(|| StorageError::Backend {
