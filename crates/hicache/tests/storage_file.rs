@@ -105,8 +105,12 @@ fn a_page_file_of_the_wrong_size_is_a_miss_and_an_error() {
     // Stray temporaries of a crashed writer are not pages.
     fs::write(store.dir().join(format!("{hex}.bin.tmp.1.0")), [0u8; 64]).unwrap();
     assert_eq!(store.batch_exists(&keys[2..]), 0);
-    // A rewrite repairs the page, and clear removes the temporaries too.
-    store.batch_set(&keys[2..3], &random_pages(5, 1, 64)).ok();
+    // A rewrite repairs the page (an existing page is kept only at the right size), and clear
+    // removes the temporaries too.
+    store
+        .batch_set(&keys[2..3], &random_pages(5, 1, 64))
+        .unwrap();
+    assert_eq!(store.batch_exists(&keys), 4);
     store.clear().unwrap();
     assert_eq!(fs::read_dir(store.dir()).unwrap().count(), 0);
 }

@@ -2,10 +2,11 @@
 //! `kvserve:<namespace>:<hex key>`, on one server (`url`) or a Redis Cluster (`urls`, the
 //! seed nodes; keys spread over the cluster's slots).
 //!
-//! Each call is one round trip per batch of at most [`STORAGE_BATCH_SIZE`] pages: a pipeline
-//! of `STRLEN` (existence with the size checked) for `batch_exists`, `MGET` for `batch_get`,
-//! `MSET` for `batch_set` (in a cluster, redis-rs splits `MGET` / `MSET` by slot and routes the
-//! pipeline key by key).
+//! Each call is one round trip per batch of at most [`STORAGE_BATCH_SIZE`] pages: `STRLEN` of
+//! every key (existence with the size checked) for `batch_exists`, `MGET` for `batch_get`,
+//! `MSET` for `batch_set`. On one server each is a single command with a single reply (the
+//! `STRLEN`s run in a tiny Lua script); in a cluster redis-rs splits `MGET` / `MSET` by slot
+//! and the `STRLEN`s are a cluster pipeline routed key by key.
 //!
 //! A dead, frozen or unreachable Redis is a miss within a bounded time. Socket timeouts alone
 //! do not bound a call: redis-rs reads every reply of a pipeline (or of the per-slot parts of
@@ -14,13 +15,14 @@
 //! its duration, and the caller waits for it at most `io_timeout` (plus `connect_timeout`
 //! when it connects first). A call that fails or misses its deadline drops the connection
 //! (after a timeout its replies could arrive late and be taken for the next call's), and the
-//! helper, left behind, ends on its socket timeouts. The next call reconnects at once; after
-//! a failed connect or a missed deadline, the calls during a backoff (50 ms doubling to 2 s)
-//! answer as misses without touching the network, so a dead server costs one bounded wait
-//! per backoff period, and at most one helper thread is left waiting per period.
+//! helper, left behind, ends on its socket timeouts (one `io_timeout` on one server, where
+//! every command has one reply). The next call reconnects at once; after a failed connect or a
+//! missed deadline, the calls during a backoff (50 ms doubling to 2 s), and while a helper
+//! left behind is still waiting, answer as misses without touching the network: a dead
+//! server costs one bounded wait per backoff period, and at most one helper waits at a time.
 
-use std::sync::mpsc;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kv_pool::PageKey;
@@ -38,6 +40,9 @@ use super::{
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 /// The longest wait between two connection attempts.
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// `STRLEN` of every key in one reply (one server): 0 for a missing key.
+const STRLEN_SCRIPT: &str =
+    "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r";
 
 /// The `redis` L3 backend: one server or a Redis Cluster. See the [module docs](self).
 pub struct HiCacheRedis {
@@ -89,6 +94,8 @@ struct Link {
     retry_at: Option<Instant>,
     /// The wait after the next failed connect.
     backoff: Duration,
+    /// Set while a helper thread runs (the one the caller waits for, or one left behind).
+    helper_busy: Arc<AtomicBool>,
 }
 
 impl HiCacheRedis {
@@ -137,6 +144,7 @@ impl HiCacheRedis {
                 conn: None,
                 retry_at: None,
                 backoff: BACKOFF_MIN,
+                helper_busy: Arc::default(),
             }),
             counters: Counters::default(),
         };
@@ -177,6 +185,14 @@ impl HiCacheRedis {
                 .failure("redis", "not connected (waiting to reconnect)");
             return None;
         }
+        // Only a helper left behind by a missed deadline can still run here (a helper the
+        // caller waited for has ended before handing the connection back).
+        if link.helper_busy.swap(true, Ordering::AcqRel) {
+            self.counters
+                .failure("redis", "not connected (the last call is still waiting)");
+            return None;
+        }
+        let busy = BusyGuard(Arc::clone(&link.helper_busy));
         let deadline = match conn {
             Some(_) => self.io_timeout,
             None => self.io_timeout + self.connect_timeout,
@@ -195,10 +211,13 @@ impl HiCacheRedis {
                     Ok(v) => Ok((v, conn)),
                     Err(e) => Err(Failure::Call(e)),
                 });
+                // Not busy before the caller hears back, so its next call may start a helper.
+                drop(busy);
                 // The caller may have stopped waiting: then nobody receives, which is fine.
                 let _ = tx.send(result);
             });
         if let Err(e) = spawned {
+            // The closure (and with it the busy guard) was dropped: nothing runs.
             self.counters
                 .failure("redis", &format!("{what}: no helper thread: {e}"));
             return None;
@@ -213,11 +232,11 @@ impl HiCacheRedis {
             }
             Ok(Err(Failure::Call(e))) => format!("{what}: {e}"),
             Ok(Err(Failure::Connect(e))) => {
-                link.back_off(now);
+                link.back_off();
                 format!("connect: {e}")
             }
             Err(_) => {
-                link.back_off(now);
+                link.back_off();
                 format!("{what}: no answer within {deadline:?}")
             }
         };
@@ -232,10 +251,20 @@ enum Failure {
     Call(redis::RedisError),
 }
 
+/// Clears the busy flag when a helper thread ends (or is never started).
+struct BusyGuard(Arc<AtomicBool>);
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 impl Link {
-    /// Schedules the next connection attempt after the current backoff, and doubles it.
-    fn back_off(&mut self, now: Instant) {
-        self.retry_at = Some(now + self.backoff);
+    /// Schedules the next connection attempt after the current backoff from now, and doubles
+    /// the backoff.
+    fn back_off(&mut self) {
+        self.retry_at = Some(Instant::now() + self.backoff);
         self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
     }
 }
@@ -257,16 +286,15 @@ fn connect(target: &Target, connect_timeout: Duration, io_timeout: Duration) -> 
     }
 }
 
-/// `STRLEN` of every key, pipelined (0 for a missing key).
+/// `STRLEN` of every key (0 for a missing key): one script on one server, a pipeline routed
+/// key by key in a cluster.
 fn strlens(conn: &mut Conn, keys: &[String]) -> RedisResult<Vec<usize>> {
     match conn {
-        Conn::Single(c) => {
-            let mut pipe = redis::pipe();
-            for key in keys {
-                pipe.cmd("STRLEN").arg(key);
-            }
-            pipe.query(c)
-        }
+        Conn::Single(c) => redis::cmd("EVAL")
+            .arg(STRLEN_SCRIPT)
+            .arg(keys.len())
+            .arg(keys)
+            .query(c),
         Conn::Cluster(c) => {
             let mut pipe = cluster_pipe();
             for key in keys {
