@@ -27,5 +27,7 @@
 //! Above kv-pool (slots, the host pool, the store's memory regions, the controller trait); the
 //! engine builds it and hands it to radix-cache's tree, which knows only the trait.
 
+#![warn(missing_docs)]
+
 pub mod controller;
 pub mod storage;

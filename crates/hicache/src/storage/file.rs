@@ -1,12 +1,4 @@
-//! [`HiCacheFile`]: SGLang's `file` backend. One file per page, `<root>/<namespace>/<hex
-//! key>.bin`, holding the page's bytes in kv-pool's canonical packed format.
-//!
-//! A page is written to a unique temporary name in the same directory and renamed over its
-//! final name, so a reader (this process, another server sharing the directory, or the next
-//! start after a crash) sees either the whole page or none of it. Every read checks the file's
-//! size against `page_bytes`: a file of another size (another writer's format, a short file
-//! left by a power loss before the rename was flushed) is a miss and an error, never bytes
-//! handed to the device.
+//! [`HiCacheFile`]: SGLang's `file` L3 backend, one file per page (see the type's docs).
 
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
@@ -19,7 +11,15 @@ use super::counters::Counters;
 use super::hex::key_hex;
 use super::{check_len, HiCacheStorage, StorageError, StorageNamespace, StorageStats};
 
-/// The `file` L3 backend (SGLang's `HiCacheFile`). See the [module docs](self).
+/// SGLang's `file` L3 backend (`HiCacheFile`): one file per page, `<root>/<namespace>/<hex
+/// key>.bin`, holding the page's bytes in kv-pool's canonical packed format.
+///
+/// A page is written to a unique temporary name in the same directory and renamed over its
+/// final name, so a reader (this process, another server sharing the directory, or the next
+/// start after a crash) sees either the whole page or none of it. Every read checks the file's
+/// size against `page_bytes`: a file of another size (another writer's format, a short file
+/// left by a power loss before the rename was flushed) is a miss and an error, never bytes
+/// handed to the device.
 #[derive(Debug)]
 pub struct HiCacheFile {
     /// `<root>/<namespace>`: every page of this namespace, nothing else.

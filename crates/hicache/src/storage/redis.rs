@@ -1,25 +1,5 @@
-//! `HiCacheRedis` (feature `redis`): L3 pages in Redis, one value per page under
-//! `kvserve:<namespace>:<hex key>`, on one server (`url`) or a Redis Cluster (`urls`, the
-//! seed nodes; keys spread over the cluster's slots).
-//!
-//! Each call is one round trip per batch of at most [`STORAGE_BATCH_SIZE`] pages: `STRLEN` of
-//! every key (existence with the size checked) for `batch_exists`, `MGET` for `batch_get`,
-//! `MSET` for `batch_set`. On one server each is a single command with a single reply (the
-//! `STRLEN`s run in a tiny Lua script); in a cluster redis-rs splits `MGET` / `MSET` by slot
-//! and the `STRLEN`s are a cluster pipeline routed key by key.
-//!
-//! A dead, frozen or unreachable Redis is a miss within a bounded time. Socket timeouts alone
-//! do not bound a call: redis-rs reads every reply of a pipeline (or of the per-slot parts of
-//! a cluster `MGET`) with its own timeout, so a frozen server would cost one `io_timeout` per
-//! page. So each round trip runs on a short-lived helper thread that owns the connection for
-//! its duration, and the caller waits for it at most `io_timeout` (plus `connect_timeout`
-//! when it connects first). A call that fails or misses its deadline drops the connection
-//! (after a timeout its replies could arrive late and be taken for the next call's), and the
-//! helper, left behind, ends on its socket timeouts (one `io_timeout` on one server, where
-//! every command has one reply). The next call reconnects at once; after a failed connect or a
-//! missed deadline, the calls during a backoff (50 ms doubling to 2 s), and while a helper
-//! left behind is still waiting, answer as misses without touching the network: a dead
-//! server costs one bounded wait per backoff period, and at most one helper waits at a time.
+//! `HiCacheRedis` (feature `redis`): L3 pages in Redis, one server or a Redis Cluster (see the
+//! type's docs).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -44,7 +24,28 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 const STRLEN_SCRIPT: &str =
     "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r";
 
-/// The `redis` L3 backend: one server or a Redis Cluster. See the [module docs](self).
+/// The `redis` L3 backend (feature `redis`): one value per page under
+/// `kvserve:<namespace>:<hex key>`, on one server (`url`) or a Redis Cluster (`urls`, the
+/// seed nodes; keys spread over the cluster's slots).
+///
+/// Each call is one round trip per batch of at most [`STORAGE_BATCH_SIZE`] pages: `STRLEN` of
+/// every key (existence with the size checked) for `batch_exists`, `MGET` for `batch_get`,
+/// `MSET` for `batch_set`. On one server each is a single command with a single reply (the
+/// `STRLEN`s run in a tiny Lua script); in a cluster redis-rs splits `MGET` / `MSET` by slot
+/// and the `STRLEN`s are a cluster pipeline routed key by key.
+///
+/// A dead, frozen or unreachable Redis is a miss within a bounded time. Socket timeouts alone
+/// do not bound a call: redis-rs reads every reply of a pipeline (or of the per-slot parts of
+/// a cluster `MGET`) with its own timeout, so a frozen server would cost one `io_timeout` per
+/// page. So each round trip runs on a short-lived helper thread that owns the connection for
+/// its duration, and the caller waits for it at most `io_timeout` (plus `connect_timeout`
+/// when it connects first). A call that fails or misses its deadline drops the connection
+/// (after a timeout its replies could arrive late and be taken for the next call's), and the
+/// helper, left behind, ends on its socket timeouts (one `io_timeout` on one server, where
+/// every command has one reply). The next call reconnects at once; after a failed connect or a
+/// missed deadline, the calls during a backoff (50 ms doubling to 2 s), and while a helper
+/// left behind is still waiting, answer as misses without touching the network: a dead
+/// server costs one bounded wait per backoff period, and at most one helper waits at a time.
 pub struct HiCacheRedis {
     target: Target,
     /// `kvserve:<namespace>:`.
