@@ -151,3 +151,41 @@ fn memory_store_passes_the_suite_and_switched_down_is_a_miss() {
     store.batch_set(&[[1; 32]], &[7; 16]).unwrap();
     assert_eq!(store.batch_exists(&[[1; 32]]), 1);
 }
+
+#[test]
+fn snapshot_config_error_messages() {
+    let mut text = String::new();
+    for json in [
+        r#"{"prefetch_treshold": 1}"#,
+        r#"{"max_size": "200G"}"#,
+        r#"{"prefetch_threshold": 1.5}"#,
+        r#"{"prefetch_timeout_max": -3}"#,
+        r#"{"hicache_storage_pass_prefix_keys": "yes"}"#,
+        r#"{"urls": "redis://h:1"}"#,
+        r#"{"url": "redis://a:1", "urls": ["redis://b:1"]}"#,
+        r#"{"file_path": "/a", "directory": "/b"}"#,
+        r#"{"io_timeout_ms": 0}"#,
+        r#"[1, 2]"#,
+        r#"{"url": "#,
+    ] {
+        let err = StorageConfig::from_json(json).unwrap_err();
+        text.push_str(&format!("{json}\n  => {err}\n"));
+    }
+    let ns = hicache::storage::StorageNamespace::from_prefix("n").unwrap();
+    for (kind, json) in [
+        (StorageKind::File, r#"{"url": "redis://a:1"}"#),
+        (StorageKind::Redis, "{}"),
+        (
+            StorageKind::Redis,
+            r#"{"url": "redis://a:1", "file_path": "/a"}"#,
+        ),
+        (StorageKind::Redis, r#"{"url": "http://a:1"}"#),
+    ] {
+        let cfg = StorageConfig::from_json(json).unwrap();
+        let Err(err) = hicache::storage::open_storage(kind, &cfg, &ns, 8) else {
+            panic!("{kind} {json} opened");
+        };
+        text.push_str(&format!("open_storage({kind}, {json})\n  => {err}\n"));
+    }
+    insta::assert_snapshot!(text);
+}

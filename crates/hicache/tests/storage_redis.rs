@@ -388,3 +388,25 @@ fn redis_configuration_errors_are_typed() {
     let err = err_of(r#"{"url": "redis://127.0.0.1:1", "file_path": "/tmp/x"}"#);
     assert!(err.to_string().contains("file_path"), "{err}");
 }
+
+#[test]
+fn large_pages_are_moved_a_few_per_command() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start(false);
+    let cfg = redis_config(&format!(
+        r#"{{"url": "{}", "io_timeout_ms": 10000}}"#,
+        server.url()
+    ));
+    // 22 MiB pages: two per MGET / MSET (at most 64 MiB per command), so four pages take two.
+    let pb = 22 << 20;
+    let store = open(&cfg, &StorageNamespace::from_prefix("large").unwrap(), pb);
+    let keys = random_keys(5, 4);
+    let pages = random_pages(6, 4, pb);
+    store.batch_set(&keys, &pages).unwrap();
+    let mut out = vec![0u8; 4 * pb];
+    assert_eq!(store.batch_get(&keys, &mut out).unwrap(), 4);
+    assert!(out == pages, "large pages read back byte for byte");
+    assert_eq!(store.stats().errors, 0);
+}

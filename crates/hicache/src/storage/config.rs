@@ -31,6 +31,17 @@ pub(crate) const KNOWN_KEYS: &[&str] = &[
     "io_timeout_ms",
 ];
 
+/// Keys of SGLang's `file` backend that kvserve's does not implement (its disk-size cap with LRU
+/// eviction, and the metadata cache of lookups): refused with a message saying so, not
+/// silently ignored.
+const SGLANG_FILE_KEYS_NOT_IMPLEMENTED: &[&str] = &[
+    "max_size",
+    "min_free_space",
+    "eviction_ratio",
+    "enable_metadata_cache",
+    "metadata_ttl",
+];
+
 /// `--hicache-storage-backend-extra-config`, parsed. `Default` is the empty object: SGLang's
 /// prefetch defaults (§1.5 of the reference: 256 tokens, 2 s + 0.1 s per 1024 tokens, at most
 /// 30 s), no directory (the `file` backend then uses `/tmp/hicache`), no Redis URL.
@@ -120,6 +131,12 @@ impl StorageConfig {
             ));
         };
         if let Some(key) = map.keys().find(|k| !KNOWN_KEYS.contains(&k.as_str())) {
+            if SGLANG_FILE_KEYS_NOT_IMPLEMENTED.contains(&key.as_str()) {
+                return Err(StorageError::InvalidConfig(format!(
+                    "`{key}` configures SGLang's file backend's size cap or metadata cache, \
+                     which kvserve's file backend does not implement"
+                )));
+            }
             return Err(StorageError::UnknownConfigKey { key: key.clone() });
         }
         if let Some(v) = map.get("prefetch_threshold") {

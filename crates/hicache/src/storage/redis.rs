@@ -20,6 +20,10 @@ use super::{
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 /// The longest wait between two connection attempts.
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// The most page bytes one `MGET` / `MSET` moves (unless one page is larger): large pages
+/// (64 tokens of a big model are megabytes) would otherwise make one command of up to
+/// 128 pages approach Redis's 1 GiB query-buffer limit and outlast any `io_timeout`.
+const MAX_CALL_BYTES: usize = 64 << 20;
 /// `STRLEN` of every key in one reply (one server): 0 for a missing key.
 const STRLEN_SCRIPT: &str =
     "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r";
@@ -28,7 +32,8 @@ const STRLEN_SCRIPT: &str =
 /// `kvserve:<namespace>:<hex key>`, on one server (`url`) or a Redis Cluster (`urls`, the
 /// seed nodes; keys spread over the cluster's slots).
 ///
-/// Each call is one round trip per batch of at most [`STORAGE_BATCH_SIZE`] pages: `STRLEN` of
+/// Each call is one round trip per batch of at most [`STORAGE_BATCH_SIZE`] pages (and, for
+/// `MGET` / `MSET`, at most 64 MiB of pages, at least one page): `STRLEN` of
 /// every key (existence with the size checked) for `batch_exists`, `MGET` for `batch_get`,
 /// `MSET` for `batch_set`. On one server each is a single command with a single reply (the
 /// `STRLEN`s run in a tiny Lua script); in a cluster redis-rs splits `MGET` / `MSET` by slot
@@ -114,9 +119,13 @@ impl HiCacheRedis {
                 "page_bytes must be at least 1".into(),
             ));
         }
-        let bad_url = |e: redis::RedisError| StorageError::InvalidConfig(format!("Redis URL: {e}"));
+        let bad_url = |url: &str, e: redis::RedisError| {
+            StorageError::InvalidConfig(format!("Redis URL {url:?}: {e}"))
+        };
         let target = match (&cfg.url, cfg.cluster_urls.as_slice()) {
-            (Some(url), []) => Target::Single(Client::open(url.as_str()).map_err(bad_url)?),
+            (Some(url), []) => {
+                Target::Single(Client::open(url.as_str()).map_err(|e| bad_url(url, e))?)
+            }
             (None, urls) if !urls.is_empty() => Target::Cluster(
                 ClusterClient::builder(urls.iter().map(String::as_str))
                     .connection_timeout(cfg.connect_timeout)
@@ -127,7 +136,7 @@ impl HiCacheRedis {
                     .min_retry_wait(10)
                     .max_retry_wait(100)
                     .build()
-                    .map_err(bad_url)?,
+                    .map_err(|e| bad_url(&urls.join(", "), e))?,
             ),
             _ => {
                 return Err(StorageError::InvalidConfig(
@@ -157,6 +166,12 @@ impl HiCacheRedis {
     /// Whether the cluster path is used (`urls`).
     pub fn is_cluster(&self) -> bool {
         matches!(self.target, Target::Cluster(_))
+    }
+
+    /// Pages per `MGET` / `MSET`: [`STORAGE_BATCH_SIZE`], fewer for pages so large that
+    /// would exceed [`MAX_CALL_BYTES`], at least one.
+    fn pages_per_call(&self) -> usize {
+        (MAX_CALL_BYTES / self.page_bytes).clamp(1, STORAGE_BATCH_SIZE)
     }
 
     fn key(&self, key: &PageKey) -> String {
@@ -347,10 +362,10 @@ impl HiCacheStorage for HiCacheRedis {
     fn batch_get(&self, keys: &[PageKey], out: &mut [u8]) -> Result<usize, StorageError> {
         check_len("batch_get output", keys.len(), self.page_bytes, out.len())?;
         let mut found = 0;
-        let pages_per_chunk = STORAGE_BATCH_SIZE * self.page_bytes;
+        let per_call = self.pages_per_call();
         for (chunk, dst) in keys
-            .chunks(STORAGE_BATCH_SIZE)
-            .zip(out.chunks_mut(pages_per_chunk))
+            .chunks(per_call)
+            .zip(out.chunks_mut(per_call * self.page_bytes))
         {
             let names: Vec<String> = chunk.iter().map(|k| self.key(k)).collect();
             let Some(values) = self.with_conn("MGET", move |c| {
@@ -393,10 +408,10 @@ impl HiCacheStorage for HiCacheRedis {
 
     fn batch_set(&self, keys: &[PageKey], data: &[u8]) -> Result<(), StorageError> {
         check_len("batch_set input", keys.len(), self.page_bytes, data.len())?;
-        let pages_per_chunk = STORAGE_BATCH_SIZE * self.page_bytes;
+        let per_call = self.pages_per_call();
         for (chunk, src) in keys
-            .chunks(STORAGE_BATCH_SIZE)
-            .zip(data.chunks(pages_per_chunk))
+            .chunks(per_call)
+            .zip(data.chunks(per_call * self.page_bytes))
         {
             let mut cmd = redis::cmd("MSET");
             for (key, page) in chunk.iter().zip(src.chunks_exact(self.page_bytes)) {
