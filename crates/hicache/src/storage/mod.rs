@@ -13,7 +13,7 @@
 //! - Backends: [`HiCacheFile`] (SGLang's `HiCacheFile`: one file per page) and, with the `redis`
 //!   feature, `HiCacheRedis` (one Redis server or a Redis Cluster).
 //! - `testing` (feature `testing`): `check_storage`, the conformance suite every backend passes,
-//!   and an in-memory and a failing store.
+//!   `check_unreachable`, and `MemoryStorage`, an in-memory store that can be switched down.
 
 mod config;
 mod counters;
