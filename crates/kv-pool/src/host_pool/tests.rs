@@ -20,21 +20,6 @@ fn shapes() -> Vec<KvShape> {
     ]
 }
 
-/// A device store of `layout` with random bytes in every row.
-fn random_store(layout: KvLayout, seed: &mut SplitMix64) -> HostKvStore {
-    let mut s = HostKvStore::new(layout).unwrap();
-    let all = slots(0..layout.rows());
-    for layer in 0..layout.shape.layers as usize {
-        for &b in layout.shape.buffers() {
-            let bytes: Vec<u8> = (0..all.len() * layout.shape.row_bytes(b))
-                .map(|_| seed.next_u64() as u8)
-                .collect();
-            s.write_raw(layer, b, &all, &bytes).unwrap();
-        }
-    }
-    s
-}
-
 /// `n` distinct random pages of `1..=pages`, as slot lists (whole pages, in page order given).
 fn random_pages(n: usize, pages: usize, p: usize, seed: &mut SplitMix64) -> (Vec<Page>, Vec<Slot>) {
     let mut all: Vec<usize> = (1..=pages).collect();
@@ -67,7 +52,7 @@ fn every_layout_round_trips_with_the_device_store_byte_for_byte() {
     for shape in shapes() {
         for p in [1u32, 4, 16] {
             let dev_layout = KvLayout::new(shape, p, 8 * p as usize).unwrap();
-            let src = random_store(dev_layout, &mut seed);
+            let src = crate::testing::random_host_store(dev_layout, &mut seed);
             for hl in HostLayout::ALL {
                 let mut pool = HostKvPool::new(shape, p, 12 * p as usize, hl).unwrap();
                 for _ in 0..4 {
@@ -149,7 +134,7 @@ fn raw_offsets_match_the_rows_the_safe_paths_move() {
 fn write_pages_shared_is_write_pages() {
     let mut seed = SplitMix64::new(8);
     let shape = KvShape::mla(6, 2, 3, KvDtype::Bf16).unwrap();
-    let src = random_store(KvLayout::new(shape, 4, 32).unwrap(), &mut seed);
+    let src = crate::testing::random_host_store(KvLayout::new(shape, 4, 32).unwrap(), &mut seed);
     let pages = [Page(3), Page(1)];
     let data = packed(&src, &pages);
     for hl in HostLayout::ALL {
@@ -170,7 +155,7 @@ fn write_pages_shared_is_write_pages() {
 fn bad_inputs_are_refused_and_change_nothing() {
     let shape = KvShape::mha(1, 4, 4, 2, KvDtype::F32).unwrap();
     let mut seed = SplitMix64::new(3);
-    let store = random_store(KvLayout::new(shape, 4, 16).unwrap(), &mut seed);
+    let store = crate::testing::random_host_store(KvLayout::new(shape, 4, 16).unwrap(), &mut seed);
     let mut pool = HostKvPool::new(shape, 4, 8, HostLayout::PageFirst).unwrap();
     pool.copy_from_store(&store, &slots(4..12), &slots(4..12))
         .unwrap();
