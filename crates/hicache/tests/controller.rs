@@ -123,6 +123,8 @@ fn bytes_moved_device_to_host_to_device_land_exactly() {
                 for layer in 0..shape.layers as usize {
                     gate.wait_layer(layer).unwrap();
                 }
+                // A layer past the last waits for the whole batch.
+                gate.wait_layer(usize::MAX).unwrap();
                 c.wait(op);
                 assert_eq!(poll_n(&mut c, 1)[0].outcome, AckOutcome::Done);
                 drop(c);

@@ -27,7 +27,7 @@ impl ControllerHandle {
     /// queued so far. Call it once before each forward pass.
     pub fn start_loads(&self) -> LoadGate {
         LoadGate {
-            progress: self.shared.io.start_loads(),
+            progress: self.shared.io.start_loads(self.shared.layers),
         }
     }
 }

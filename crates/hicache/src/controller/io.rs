@@ -28,13 +28,16 @@ pub(crate) struct CopyOp {
 pub(crate) struct LoadProgress {
     state: Mutex<(usize, Option<String>)>,
     advanced: Condvar,
+    /// Layers of the store (a wait for a layer past the last waits for the whole batch).
+    layers: usize,
 }
 
 impl LoadProgress {
-    fn new() -> Self {
+    fn new(layers: usize) -> Self {
         LoadProgress {
             state: Mutex::new((0, None)),
             advanced: Condvar::new(),
+            layers,
         }
     }
 
@@ -56,6 +59,7 @@ impl LoadProgress {
 
     /// Blocks until `layer` is loaded (`Ok`) or the batch failed (`Err`).
     pub(crate) fn wait_layer(&self, layer: usize) -> Result<(), String> {
+        let layer = layer.min(self.layers.saturating_sub(1));
         let mut s = self.lock();
         loop {
             if let Some(reason) = &s.1 {
@@ -116,12 +120,12 @@ impl IoQueue {
 
     /// Hands the loads queued since the last call to the thread as one batch; returns the
     /// progress of the last unfinished batch (this one, or an earlier one still copying).
-    pub(crate) fn start_loads(&self) -> Option<Arc<LoadProgress>> {
+    pub(crate) fn start_loads(&self, layers: usize) -> Option<Arc<LoadProgress>> {
         let mut s = self.lock();
         // After shutdown no thread would run a new batch (and no controller queues one).
         if !s.pending_loads.is_empty() && !s.shutdown {
             let batch = std::mem::take(&mut s.pending_loads);
-            let progress = Arc::new(LoadProgress::new());
+            let progress = Arc::new(LoadProgress::new(layers));
             s.loads.push_back((batch, progress.clone()));
             s.latest_load = Some(progress);
             self.work.notify_one();

@@ -281,13 +281,13 @@ impl CacheController for CpuCacheController {
 
     fn wait(&mut self, op: OpId) {
         self.shared.io.flush_writes();
-        self.shared.io.start_loads();
+        self.shared.io.start_loads(self.shared.layers);
         self.shared.acks.wait(op);
     }
 
     fn poll_acks(&mut self) -> Vec<Ack> {
         self.shared.io.flush_writes();
-        self.shared.io.start_loads();
+        self.shared.io.start_loads(self.shared.layers);
         let acks = self.shared.acks.drain();
         for a in &acks {
             if a.kind == TierOpKind::Prefetch {
@@ -378,7 +378,7 @@ impl Drop for CpuCacheController {
     fn drop(&mut self) {
         // Loads nobody started still land (their pages are the cache's until the ack).
         self.shared.io.flush_writes();
-        self.shared.io.start_loads();
+        self.shared.io.start_loads(self.shared.layers);
         self.shared.io.shut_down();
         self.shared.storage.shut_down();
         for t in self.threads.drain(..) {
