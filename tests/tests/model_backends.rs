@@ -53,6 +53,7 @@ fn check_greedy<B: Backend>(backend: B, m: &TestModel, dir: &Path) {
                 mode,
                 requests,
                 logits,
+                layer_wait: None,
             })
             .unwrap();
         last_logits = out.last(0).unwrap().to_vec();

@@ -76,6 +76,7 @@ fn greedy<B: Backend>(runner: &mut ModelRunner<B>, prompts: &[Vec<u32>]) -> Trac
                 },
                 requests,
                 logits: LogitsMode::LastToken,
+                layer_wait: None,
             })
             .unwrap();
         for (r, tok) in out.argmax().into_iter().enumerate() {

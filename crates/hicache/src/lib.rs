@@ -7,8 +7,9 @@
 //! - [`controller`]: `CpuCacheController`, SGLang's `HiCacheController` for stores whose
 //!   memory the host can address (the CPU backend): device ↔ host copies on an IO thread, each
 //!   step's writes merged into one operation, load-backs copied layer by layer while the
-//!   forward pass waits per layer ([`kv_pool::LayerWait`]); host → L3 backups and L3 → host
-//!   prefetches on a storage thread.
+//!   forward pass waits per layer on the `LoadGate` ([`kv_pool::LayerWait`]) that the engine's
+//!   `ControllerHandle::start_loads` returns; host → L3 backups and L3 → host prefetches on a
+//!   storage thread. The host tier's bytes are a [`kv_pool::HostKvPool`] the controller owns.
 //! - [`storage`]: SGLang's `HiCacheStorage` as the [`storage::HiCacheStorage`] trait (batch
 //!   exists → longest hit prefix, batch get / set by page keys, clear, stats) and its backends:
 //!   `file` (a directory; the default) and `redis` (feature `redis`: one server or a Redis

@@ -162,6 +162,24 @@ pub enum KvPoolError {
         bytes: usize,
     },
 
+    /// The host pool would leave less than the reserve of the host's available memory
+    /// (SGLang's host pool sizing).
+    #[error(
+        "the host KV pool of {slots} slots needs {bytes} bytes, but only {mem_available_bytes} \
+         bytes of host memory are available and {reserve_bytes} must stay free; lower \
+         --hicache-ratio or --hicache-size"
+    )]
+    HostPoolTooLarge {
+        /// Host slots asked for.
+        slots: usize,
+        /// Bytes they need.
+        bytes: u64,
+        /// Host memory available (`MemAvailable`).
+        mem_available_bytes: u64,
+        /// Memory that must stay free.
+        reserve_bytes: u64,
+    },
+
     /// Memory handed to [`HostKvStore::with_memory`](crate::HostKvStore::with_memory) is
     /// shorter than the layout's [`total_bytes`](crate::KvLayout::total_bytes).
     #[error("the KV store needs {needed} bytes of memory, the memory given has {got}")]

@@ -12,6 +12,10 @@
 //!   with scales) and their byte math, the [`KvStore`] trait that host memory and every device
 //!   backend implement, and [`HostKvStore`] (on its own heap buffers, or in memory given as a
 //!   [`HostMemory`], e.g. a shared mapping a transfer peer writes into).
+//! - The host tier's bytes: [`HostKvPool`] (one allocation in a [`HostLayout`]: SGLang's
+//!   `layer_first`, `page_first`, `page_first_direct`), moving rows to and from a [`KvStore`]
+//!   and whole pages in the canonical packed format, and [`HostPoolSize`], SGLang's host pool
+//!   sizing (module [`host_pool`]).
 //! - Tiers: the [`CacheController`] seam between a hierarchical prefix cache and whoever moves
 //!   KV pages between the device store, the host pool and an L3 store, and [`LayerWait`], what
 //!   a forward pass waits on while load-backs land (module [`tier`]).
@@ -42,6 +46,7 @@ pub mod allocator;
 pub mod dtype;
 pub mod error;
 pub mod host_memory;
+pub mod host_pool;
 pub mod ids;
 pub mod layout;
 pub mod memory_plan;
@@ -59,6 +64,7 @@ pub use allocator::{
 };
 pub use error::{KvPoolError, Result};
 pub use host_memory::HostMemory;
+pub use host_pool::{HostKvPool, HostLayout, HostPoolSize, HostPoolSizeInput};
 pub use ids::{ceil_to_page, floor_to_page, slots_as_u32, u32_as_slots, Page, ReqRow, Slot};
 pub use layout::{KvBuffer, KvDtype, KvKind, KvLayout, KvShape};
 pub use memory_plan::{MemoryPlan, MemoryPlanInput, RequestLimitRule};

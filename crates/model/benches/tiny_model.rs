@@ -67,6 +67,7 @@ fn bench_tiny_group(c: &mut Criterion, group: &str, mla: bool) {
                         slots: &p_slots,
                     }],
                     logits: LogitsMode::LastToken,
+                    layer_wait: None,
                 })
                 .unwrap();
             black_box(out);
@@ -90,6 +91,7 @@ fn bench_tiny_group(c: &mut Criterion, group: &str, mla: bool) {
                     slots: &s[..ctx - 1],
                 }],
                 logits: LogitsMode::None,
+                layer_wait: None,
             })
             .unwrap();
     }
@@ -108,6 +110,7 @@ fn bench_tiny_group(c: &mut Criterion, group: &str, mla: bool) {
                     mode: AttentionMode::Decode,
                     requests: reqs,
                     logits: LogitsMode::LastToken,
+                    layer_wait: None,
                 })
                 .unwrap();
             black_box(out);

@@ -100,6 +100,14 @@ pub enum ModelError {
         /// What is wrong.
         reason: String,
     },
+    /// A KV load-back this pass waits on failed (HiCache), so layer `layer` cannot be read.
+    #[error("layer {layer}: KV load-back failed: {reason}")]
+    LayerWait {
+        /// The layer the pass was about to compute.
+        layer: usize,
+        /// Why the load failed.
+        reason: String,
+    },
 }
 
 /// The crate's result type.

@@ -1,10 +1,11 @@
 //! The [`ModelRunner`]: a backend, a model and the paged KV store, running one forward pass
 //! per scheduler batch.
 
+use std::fmt;
 use std::ops::Range;
 
 use attention::{Backend, BatchMetadata, RequestKv};
-use kv_pool::{KvLayout, KvStore, Slot};
+use kv_pool::{KvLayout, KvStore, LayerWait, Slot};
 
 use crate::decoder::Model;
 use crate::error::{ModelError, Result};
@@ -39,7 +40,7 @@ pub struct ForwardRequest<'a> {
 }
 
 /// The input of one forward pass: a plain struct the engine fills from the scheduler's batch.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Clone, Default)]
 pub struct ForwardInput<'a> {
     /// Extend or decode.
     pub mode: AttentionMode,
@@ -47,6 +48,21 @@ pub struct ForwardInput<'a> {
     pub requests: Vec<ForwardRequest<'a>>,
     /// Which rows get logits.
     pub logits: LogitsMode,
+    /// What the pass waits on before reading each layer's KV while HiCache load-backs land
+    /// (SGLang's `LayerDoneCounter`): `wait_layer(i)` before layer `i`; `None` without a host
+    /// tier. An `Err` fails the pass with [`ModelError::LayerWait`].
+    pub layer_wait: Option<&'a dyn LayerWait>,
+}
+
+impl fmt::Debug for ForwardInput<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ForwardInput")
+            .field("mode", &self.mode)
+            .field("requests", &self.requests)
+            .field("logits", &self.logits)
+            .field("layer_wait", &self.layer_wait.map(|_| "gate"))
+            .finish()
+    }
 }
 
 /// Logits of a forward pass: `[rows, vocab]` row-major, with each request's rows. The engine's
@@ -201,6 +217,10 @@ impl<B: Backend> ModelRunner<B> {
         let b = &self.backend;
         let mut x = self.model.embed(b, &ids)?;
         for layer in 0..self.model.num_layers() {
+            if let Some(gate) = input.layer_wait {
+                gate.wait_layer(layer)
+                    .map_err(|reason| ModelError::LayerWait { layer, reason })?;
+            }
             self.model
                 .layer_forward(b, layer, &plan, &mut self.store, &mut x, &positions)?;
         }

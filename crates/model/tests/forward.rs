@@ -104,6 +104,7 @@ fn extend(
             slots,
         }],
         logits,
+        layer_wait: None,
     })
     .unwrap()
 }
@@ -225,6 +226,7 @@ fn mixed_decode_batch_equals_each_request_alone() {
                 mode: AttentionMode::Decode,
                 requests: reqs,
                 logits: LogitsMode::LastToken,
+                layer_wait: None,
             })
             .unwrap();
         let next = out.argmax();
@@ -254,6 +256,7 @@ fn mixed_decode_batch_equals_each_request_alone() {
                         slots: &slot_lists[i][..len],
                     }],
                     logits: LogitsMode::LastToken,
+                    layer_wait: None,
                 })
                 .unwrap();
             assert_bitwise(
@@ -278,6 +281,7 @@ fn bad_forward_input_is_a_typed_error() {
                 slots,
             }],
             logits: LogitsMode::LastToken,
+            layer_wait: None,
         })
         .unwrap_err()
     };
@@ -295,4 +299,57 @@ fn bad_forward_input_is_a_typed_error() {
     // A slot beyond the pool.
     let e = err(&mut r, &[1], &[Slot(100_000)], AttentionMode::Extend);
     assert!(matches!(e, ModelError::Attention(_)), "{e}");
+}
+
+/// Records the layers a pass waited for; fails at `fail_at`.
+struct RecordingGate {
+    waited: std::sync::Mutex<Vec<usize>>,
+    fail_at: Option<usize>,
+}
+
+impl kv_pool::LayerWait for RecordingGate {
+    fn wait_layer(&self, layer: usize) -> Result<(), String> {
+        self.waited.lock().unwrap().push(layer);
+        match self.fail_at {
+            Some(l) if l == layer => Err("copy refused".into()),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[test]
+fn a_pass_waits_for_each_layer_in_order_and_a_failed_wait_fails_it() {
+    let ids = prompt(9, 3);
+    let slots = contiguous(4, 9, 1);
+    let mut r = runner(4);
+    let want = extend(&mut r, &ids, &slots, LogitsMode::LastToken);
+    let gate = RecordingGate {
+        waited: Default::default(),
+        fail_at: None,
+    };
+    let input = |gate: &RecordingGate| {
+        let mut r = runner(4);
+        let out = r.forward(&ForwardInput {
+            mode: AttentionMode::Extend,
+            requests: vec![ForwardRequest {
+                input_ids: &ids,
+                slots: &slots,
+            }],
+            logits: LogitsMode::LastToken,
+            layer_wait: Some(gate),
+        });
+        (out, format!("{:?}", gate.waited.lock().unwrap()))
+    };
+    let (out, waited) = input(&gate);
+    assert_bitwise(&out.unwrap().logits, &want.logits, 128, "gated pass");
+    assert_eq!(waited, "[0, 1]");
+    let failing = RecordingGate {
+        waited: Default::default(),
+        fail_at: Some(1),
+    };
+    let (out, waited) = input(&failing);
+    assert!(
+        matches!(out, Err(ModelError::LayerWait { layer: 1, ref reason }) if reason == "copy refused")
+    );
+    assert_eq!(waited, "[0, 1]");
 }

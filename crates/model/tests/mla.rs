@@ -458,6 +458,7 @@ fn check_greedy(m: &MlaTest, name: &str) {
                     slots: &slots[..seq.len()],
                 }],
                 logits: LogitsMode::LastToken,
+                layer_wait: None,
             })
             .unwrap();
         last = out.last(0).unwrap().to_vec();
@@ -515,6 +516,7 @@ fn extend(
                 slots,
             }],
             logits: mode,
+            layer_wait: None,
         })
         .unwrap()
 }
@@ -571,6 +573,7 @@ fn mla_chunked_prefill_and_batching_are_bitwise_invariant() {
                 },
             ],
             logits: LogitsMode::LastToken,
+            layer_wait: None,
         })
         .unwrap();
     for (r, (ids, s, next)) in [(&a, &sa, 7u32), (&b, &sb, 9u32)].into_iter().enumerate() {
@@ -584,6 +587,7 @@ fn mla_chunked_prefill_and_batching_are_bitwise_invariant() {
                     slots: s,
                 }],
                 logits: LogitsMode::LastToken,
+                layer_wait: None,
             })
             .unwrap();
         assert!(

@@ -335,6 +335,7 @@ fn tiny_preset_generates_deterministically() {
                         slots: &slots[..seq.len()],
                     }],
                     logits: LogitsMode::LastToken,
+                    layer_wait: None,
                 })
                 .unwrap();
             let t = sampler

@@ -111,6 +111,7 @@ impl Executor for ModelExecutor {
                 mode,
                 requests,
                 logits: LogitsMode::LastToken,
+                layer_wait: None,
             })
             .map_err(|e| e.to_string())?;
         let mut next_tokens = Vec::with_capacity(batch.len());

@@ -122,3 +122,24 @@ pub fn check_random_operations<A: Allocator>(
     }
     Ok(())
 }
+
+/// A [`HostKvStore`](crate::HostKvStore) of `layout` with random bytes in every row of every
+/// layer and buffer (the padding page included), for tests that move rows around.
+pub fn random_host_store(
+    layout: crate::KvLayout,
+    seed: &mut crate::SplitMix64,
+) -> crate::HostKvStore {
+    use crate::KvStore as _;
+    let mut s = crate::HostKvStore::new(layout).expect("a test layout fits in memory");
+    let all: Vec<crate::Slot> = (0..layout.rows()).map(|i| crate::Slot(i as u32)).collect();
+    for layer in 0..layout.shape.layers as usize {
+        for &b in layout.shape.buffers() {
+            let bytes: Vec<u8> = (0..all.len() * layout.shape.row_bytes(b))
+                .map(|_| seed.next_u64() as u8)
+                .collect();
+            s.write_raw(layer, b, &all, &bytes)
+                .expect("every row of the layout");
+        }
+    }
+    s
+}
