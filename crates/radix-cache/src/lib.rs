@@ -53,6 +53,7 @@ pub mod radix;
 pub mod request;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tiers;
 
 pub use any::AnyPrefixCache;
 pub use chunk::ChunkCache;
@@ -61,6 +62,7 @@ pub use events::KvEvent;
 pub use policy::{AnyEvictionPolicy, BuiltinPolicy, EvictionKey, EvictionPolicy, NodeStats};
 pub use radix::RadixCache;
 pub use request::{PrefixState, ReqView};
+pub use tiers::{HiCacheConfig, LoadBack, PrefetchPolicy, TierStats, WritePolicy};
 
 use std::fmt;
 
@@ -84,14 +86,22 @@ impl fmt::Display for NodeId {
     }
 }
 
-/// What a match found (SGLang's `MatchResult`, device part: the slots go to the caller's
-/// buffer instead of a returned tensor).
+/// What a match found (SGLang's `MatchResult`: the device slots go to the caller's buffer
+/// instead of a returned tensor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatchResult {
-    /// Tokens matched (a multiple of the page size); that many slots were appended to `out`.
+    /// Tokens matched on device (a multiple of the page size); that many slots were appended
+    /// to `out`.
     pub len: usize,
-    /// The deepest matched node (the namespace's root if nothing matched).
+    /// The deepest matched node on device (the namespace's root if nothing matched).
     pub last_node: NodeId,
+    /// Tokens of host-only nodes at the end of the matched path, right after `len` (SGLang's
+    /// `host_hit_length`); 0 without a host tier. [`PrefixCache::init_load_back`] brings them
+    /// back to device.
+    pub host_hit_len: usize,
+    /// The deepest matched node, host-only or not (SGLang's `last_host_node`); `last_node`
+    /// when `host_hit_len` is 0.
+    pub last_host_node: NodeId,
 }
 
 /// What a match that splits nothing found ([`PrefixCache::peek_prefix`],
@@ -227,5 +237,71 @@ pub trait PrefixCache: Send {
     /// Default: nothing to check. The `testing` suites call it after every step.
     fn check_invariants(&self) -> std::result::Result<(), String> {
         Ok(())
+    }
+
+    // ---- The host tier (HiCache). Every default is right for a cache without one. ----
+
+    /// Processes the cache controller's acknowledgements (SGLang's `writing_check`,
+    /// `loading_check` and the storage ack checks); the scheduler calls it once per step,
+    /// before scheduling. Written nodes are unlocked (and handed to the L3 backup), loaded
+    /// chains unlocked, backed-up pages unpinned, prefetches advanced. Default: nothing.
+    fn check_hicache_events(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Loads the host-only chain ending at `last_host_node` (a match's
+    /// [`MatchResult::last_host_node`]) back to device (SGLang's `init_load_back`): if it holds
+    /// at least `load_back_threshold` tokens and at most `mem_quota`, allocates device slots
+    /// through `alloc` (evicting device nodes if needed), queues the host → device copy,
+    /// appends the new slots to `out` (after the match's device slots) and locks the chain
+    /// until the load's ack. Nothing is loaded when it is too short, too long or there is no
+    /// room. Default: nothing loaded.
+    fn init_load_back(
+        &mut self,
+        last_host_node: NodeId,
+        _out: &mut Vec<Slot>,
+        _alloc: &mut dyn Allocator,
+        _mem_quota: usize,
+    ) -> Result<LoadBack> {
+        Ok(LoadBack {
+            loaded: 0,
+            last_node: last_host_node,
+        })
+    }
+    /// Backs up every node of the path root → `node` not yet on host, whatever its hit count
+    /// (retraction to host: insert the retracted request's committed pages, then call this so
+    /// eviction demotes them instead of deleting); returns the tokens queued. Default: 0.
+    fn write_back_path(&mut self, _node: NodeId) -> Result<usize> {
+        Ok(0)
+    }
+    /// Starts request `rid`'s L3 prefetch at its arrival (SGLang's `prefetch_from_storage`):
+    /// the page-aligned tokens of `key` beyond the device + host match are looked up in
+    /// storage, and the leading hits are copied to host memory. Skipped when storage is off,
+    /// when fewer than `prefetch_threshold` tokens would be asked for, or when in-flight
+    /// prefetches would reserve more than `prefetch_max_host_share` of the host pool.
+    /// Default: nothing.
+    fn prefetch_from_storage(
+        &mut self,
+        _rid: u64,
+        _key: &[u32],
+        _extra_key: Option<&str>,
+    ) -> Result<()> {
+        Ok(())
+    }
+    /// Whether request `rid` may stop waiting for its prefetch and be scheduled, at time `now_s`
+    /// (seconds, any fixed origin; the timeout runs from the first call). The prefetch policy
+    /// decides; when it stops, the landed pages are inserted as host-only nodes (a following
+    /// `match_prefix` reports them as a host hit) and the rest freed. A request without a
+    /// prefetch proceeds at once. Default: `true`.
+    fn check_prefetch_progress(&mut self, _rid: u64, _now_s: f64) -> Result<bool> {
+        Ok(true)
+    }
+    /// Forgets request `rid`'s prefetch (the request was aborted): frees what it holds (after
+    /// its copy's ack, if one is in flight). Default: nothing.
+    fn release_prefetch(&mut self, _rid: u64) -> Result<()> {
+        Ok(())
+    }
+    /// The host tier's counters and occupancy (`None`: no host tier).
+    fn tier_stats(&self) -> Option<TierStats> {
+        None
     }
 }
