@@ -13,7 +13,7 @@ use kv_pool::testing::{ImmediateController, LoggedOp};
 use kv_pool::tier::{Ack, CacheController, OpId, PageKey};
 use kv_pool::{Allocator, OwnershipCheck, PagedAllocator, Slot};
 use radix_cache::testing;
-use radix_cache::tiers::{HiCacheConfig, PrefetchPolicy, WritePolicy};
+use radix_cache::tiers::{HiCacheConfig, PrefetchPolicy, TierStats, WritePolicy};
 use radix_cache::{BuiltinPolicy, InsertOptions, PrefixCache, RadixCache};
 
 /// An [`ImmediateController`] the test keeps a handle on while the cache owns the box.
@@ -477,5 +477,235 @@ fn prefetch_policies_decide_when_to_stop() {
         s.check(policy.as_str());
         s.cache.release_prefetch(1).unwrap();
         s.check("release");
+    }
+}
+
+/// One operation of the tiered proptest; sequences index [`testing::base_sequences`].
+#[derive(Debug, Clone)]
+enum TierOp {
+    Insert(usize, usize),
+    /// Match, then load back what the match found on host (`quota`: the memory quota).
+    MatchLoad(usize, usize, usize),
+    Evict(usize),
+    EvictHost(usize),
+    Lock(usize, usize),
+    Unlock(usize),
+    Acks,
+    WriteBackPath(usize, usize),
+    Prefetch(usize, usize),
+    Progress(u64, u32),
+    Release(u64),
+    /// Evict everything evictable from both tiers (only storage remembers).
+    Flush,
+}
+
+fn tier_op() -> impl proptest::strategy::Strategy<Value = TierOp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::Insert(b, l)),
+        3 => (0usize..6, 0usize..24, 0usize..30).prop_map(|(b, l, q)| TierOp::MatchLoad(b, l, q)),
+        2 => (1usize..30).prop_map(TierOp::Evict),
+        1 => (1usize..20).prop_map(TierOp::EvictHost),
+        1 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::Lock(b, l)),
+        1 => (0usize..8).prop_map(TierOp::Unlock),
+        3 => Just(TierOp::Acks),
+        1 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::WriteBackPath(b, l)),
+        1 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::Prefetch(b, l)),
+        1 => (0u64..4, 0u32..4).prop_map(|(r, t)| TierOp::Progress(r, t)),
+        1 => (0u64..4).prop_map(TierOp::Release),
+        1 => Just(TierOp::Flush),
+    ]
+}
+
+/// Runs `ops` on a tiered cache, checking both partitions after every step and that every
+/// matched or loaded-back slot holds the row its prefix wrote.
+fn run_tier_ops(
+    page: u32,
+    write: WritePolicy,
+    prefetch: PrefetchPolicy,
+    ops: &[TierOp],
+) -> TierStats {
+    let p = page as usize;
+    let bases = testing::base_sequences();
+    let config = HiCacheConfig {
+        prefetch_policy: prefetch,
+        prefetch_threshold: 2 * p,
+        load_back_threshold: p,
+        prefetch_timeout_base_s: 1.0,
+        prefetch_max_host_share: 1.0,
+        ..cfg(write, 24 * p)
+    };
+    let ctl = ImmediateController::with_tags(32 * p + p, 24 * p + p, page).with_storage();
+    let mut s = Story::new(page, 32 * p, config, ctl);
+    let mut locks = Vec::new();
+    for (step, op) in ops.iter().enumerate() {
+        match *op {
+            TierOp::Insert(b, l) => {
+                let key = &bases[b][..l];
+                let mut slots = Vec::new();
+                let m = s.cache.match_prefix(key, None, &mut slots);
+                let need = (key.len() - m.len).div_ceil(p) * p;
+                if s.alloc.available_size() < need {
+                    let short = need - s.alloc.available_size();
+                    s.cache.evict(short, &mut s.alloc).unwrap();
+                }
+                // Eviction may have taken matched nodes: match again.
+                slots.clear();
+                let m = s.cache.match_prefix(key, None, &mut slots);
+                let mut fresh = Vec::new();
+                if s.alloc
+                    .alloc((key.len() - m.len).div_ceil(p) * p, &mut fresh)
+                    .is_err()
+                {
+                    continue;
+                }
+                for (k, slot) in fresh.iter().enumerate().take(key.len() - m.len) {
+                    s.ctl
+                        .lock()
+                        .set_device_tag(*slot, tag(&key[..m.len + k + 1]));
+                }
+                slots.extend_from_slice(&fresh[..key.len() - m.len]);
+                let r = s
+                    .cache
+                    .insert(key, None, &slots, InsertOptions::default())
+                    .unwrap();
+                assert_eq!(r.prefix_len, m.len);
+                let owned = r.prefix_len + r.inserted;
+                s.alloc.free(&fresh[owned - m.len..]).unwrap();
+            }
+            TierOp::MatchLoad(b, l, quota) => {
+                let key = &bases[b][..l];
+                let mut out = Vec::new();
+                let m = s.cache.match_prefix(key, None, &mut out);
+                assert_eq!(out.len(), m.len);
+                let lb = s
+                    .cache
+                    .init_load_back(m.last_host_node, &mut out, &mut s.alloc, quota * p)
+                    .unwrap();
+                assert!(lb.loaded == 0 || lb.loaded == m.host_hit_len);
+                assert!(lb.loaded <= quota * p);
+                let ctl = s.ctl.lock();
+                for (k, slot) in out.iter().enumerate() {
+                    assert_eq!(
+                        ctl.device[slot.index()],
+                        tag(&key[..k + 1]),
+                        "step {step} {op:?}: row {k} of {key:?} at {slot}"
+                    );
+                }
+            }
+            TierOp::Evict(n) => {
+                let before = s.cache.evictable_size();
+                let freed = s.cache.evict(n, &mut s.alloc).unwrap();
+                assert!(
+                    freed >= n.min(before) || freed == before,
+                    "{freed} {before} {n}"
+                );
+            }
+            TierOp::EvictHost(n) => {
+                s.cache.evict_host(n).unwrap();
+            }
+            TierOp::Lock(b, l) => {
+                let mut out = Vec::new();
+                let m = s.cache.match_prefix(&bases[b][..l], None, &mut out);
+                s.cache.inc_lock_ref(m.last_host_node).unwrap();
+                locks.push(m.last_host_node);
+            }
+            TierOp::Unlock(i) => {
+                if !locks.is_empty() {
+                    let n = locks.remove(i % locks.len());
+                    s.cache.dec_lock_ref(n).unwrap();
+                }
+            }
+            TierOp::Acks => s.acks(),
+            TierOp::WriteBackPath(b, l) => {
+                let mut out = Vec::new();
+                let m = s.cache.match_prefix(&bases[b][..l], None, &mut out);
+                s.cache.write_back_path(m.last_node).unwrap();
+            }
+            TierOp::Prefetch(b, l) => {
+                let rid = (b % 4) as u64;
+                s.cache
+                    .prefetch_from_storage(rid, &bases[b][..l], None)
+                    .unwrap();
+            }
+            TierOp::Progress(rid, t) => {
+                s.cache.check_prefetch_progress(rid, t as f64).unwrap();
+            }
+            TierOp::Release(rid) => s.cache.release_prefetch(rid).unwrap(),
+            TierOp::Flush => {
+                s.cache.evict(usize::MAX / 2, &mut s.alloc).unwrap();
+                s.cache.evict_host(usize::MAX / 2).unwrap();
+            }
+        }
+        s.check(&format!("step {step} {op:?}"));
+        if std::env::var("TIER_DEBUG").is_ok() {
+            eprintln!("{step} {op:?}\n{}", s.cache.render_with(&|t| t.to_string()));
+        }
+    }
+    for n in locks {
+        s.cache.dec_lock_ref(n).unwrap();
+    }
+    for rid in 0..4 {
+        s.cache.release_prefetch(rid).unwrap();
+    }
+    s.acks();
+    s.acks();
+    s.check("end");
+    let stats = s.cache.tier_stats().unwrap();
+    assert_eq!(s.cache.protected_size(), 0);
+    s.cache.reset(&mut s.alloc).unwrap();
+    assert_eq!(s.alloc.available_size(), s.alloc.size());
+    let st = s.cache.tier_stats().unwrap();
+    assert_eq!(st.host_slots_used, 0, "reset frees the host pool");
+    stats
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config {
+        cases: 256,
+        failure_persistence: None,
+        // Reproducible: the same cases on every machine.
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x7e5f),
+        ..proptest::test_runner::Config::default()
+    })]
+    #[test]
+    fn random_tier_ops_keep_both_partitions_and_rows(
+        page in proptest::sample::select(vec![1u32, 2, 4]),
+        write in proptest::sample::select(WritePolicy::ALL.to_vec()),
+        prefetch in proptest::sample::select(PrefetchPolicy::ALL.to_vec()),
+        ops in proptest::collection::vec(tier_op(), 1..80),
+    ) {
+        run_tier_ops(page, write, prefetch, &ops);
+    }
+}
+
+#[test]
+fn flushed_pages_come_back_from_storage() {
+    use TierOp::*;
+    for page in [1, 2, 4] {
+        for write in WritePolicy::ALL {
+            let ops = [
+                Insert(0, 24),
+                Insert(0, 24),
+                Acks,
+                Acks,
+                Flush,
+                Prefetch(0, 24),
+                Acks,
+                Acks,
+                Progress(0, 0),
+                MatchLoad(0, 24, 30),
+            ];
+            let st = run_tier_ops(page, write, PrefetchPolicy::WaitComplete, &ops);
+            // Write-back copies only on eviction, so nothing reached storage before the flush
+            // (and the flush could not host-evict the copy still pinned by its write).
+            let expected = if write == WritePolicy::WriteBack {
+                0
+            } else {
+                24
+            };
+            assert_eq!(st.storage_hit_tokens, expected, "P={page} {write}");
+            assert_eq!(st.host_hit_tokens, 24, "P={page} {write}: loaded back");
+        }
     }
 }
