@@ -709,3 +709,56 @@ fn flushed_pages_come_back_from_storage() {
         }
     }
 }
+
+#[test]
+fn a_node_split_before_its_write_ack_is_backed_up_whole_and_namespaces_seed_their_keys() {
+    use radix_cache::events::{chain_digests, digest_to_block_id, namespace_seed};
+    use radix_cache::KvEvent;
+    let ctl = ImmediateController::with_tags(34, 34, 2).with_storage();
+    let mut s = Story::new(2, 32, cfg(WritePolicy::WriteThrough, 32), ctl);
+    let key = toks("ABCDEF");
+    let mut slots = Vec::new();
+    s.alloc.alloc(6, &mut slots).unwrap();
+    s.cache
+        .insert(&key, Some("lora"), &slots, InsertOptions::default())
+        .unwrap();
+    // Split the node before the write's ack.
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&toks("ABCD"), Some("lora"), &mut out);
+    assert_eq!(m.len, 4);
+    s.acks();
+    s.check("write ack after a split");
+    let seed = namespace_seed(Some("lora"));
+    let digests = chain_digests(seed.as_ref(), &key, 2);
+    let ctl = s.ctl.lock();
+    let mut backed: Vec<PageKey> = ctl
+        .log
+        .iter()
+        .filter_map(|(_, op)| match op {
+            LoggedOp::Backup { keys, .. } => Some(keys.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    backed.sort();
+    let mut expected = digests.clone();
+    expected.sort();
+    assert_eq!(
+        backed, expected,
+        "both halves backed up, keys chained from the seed"
+    );
+    drop(ctl);
+    // Events chain from the same seed; the first page has no parent block.
+    let events = s.cache.take_events();
+    assert_eq!(
+        events[0],
+        KvEvent::BlockStored {
+            block_hashes: digests.iter().map(digest_to_block_id).collect(),
+            parent_block_hash: None,
+            token_ids: key.clone(),
+            block_size: 2,
+        }
+    );
+    s.acks();
+    s.check("backup acks");
+}

@@ -11,7 +11,7 @@ use kv_pool::Allocator;
 
 use crate::error::Result;
 use crate::policy::EvictionPolicy;
-use crate::radix::arena::RadixCache;
+use crate::radix::arena::{RadixCache, NONE};
 use crate::radix::host::{PendingOp, PrefetchStage};
 use crate::radix::lock::LockDelta;
 use crate::tiers::PrefetchPolicy;
@@ -35,7 +35,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
                 tier.stats.ops_failed += 1;
             }
             match pending {
-                PendingOp::Write { node, unlock } => {
+                PendingOp::Write { node, len, unlock } => {
                     tier.stats.writes_acked += 1;
                     if unlock {
                         self.unlock_node(node)?;
@@ -45,15 +45,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
                         continue;
                     }
                     let i = self.resolve(node)?;
-                    let tier = self.tier.as_ref().expect("a host tier");
-                    if tier.storage && !failed {
-                        // The pin moves to the backup.
-                        let keys = self.node_page_keys(i);
-                        let host = self.node_host_slots(i).to_vec();
-                        let tier = self.tier_mut();
-                        let op = tier.controller.backup(&host, &keys);
-                        tier.ops.insert(op, PendingOp::Backup { node });
-                        tier.stats.backups_queued += 1;
+                    let storage = self.tier.as_ref().is_some_and(|t| t.storage);
+                    if storage && !failed {
+                        self.backup_written(i, len);
                     } else {
                         self.unpin(i);
                     }
@@ -76,6 +70,29 @@ impl<P: EvictionPolicy> RadixCache<P> {
             }
         }
         Ok(())
+    }
+
+    /// Hands written node `i` to the L3 backup, with the upper halves of splits since the
+    /// write (together `len` tokens ending at `i`): one backup per node, each pinning it (the
+    /// write's pin on `i` moves to its backup).
+    fn backup_written(&mut self, i: u32, len: usize) {
+        let mut covered = 0;
+        let mut j = i;
+        while covered < len && self.nodes[j as usize].parent != NONE {
+            let keys = self.node_page_keys(j);
+            let host = self.node_host_slots(j).to_vec();
+            if j != i {
+                self.nodes[j as usize].host_ref += 1;
+                self.refresh(j);
+            }
+            let node = self.id(j);
+            let tier = self.tier_mut();
+            let op = tier.controller.backup(&host, &keys);
+            tier.ops.insert(op, PendingOp::Backup { node });
+            tier.stats.backups_queued += 1;
+            covered += self.nodes[j as usize].len;
+            j = self.nodes[j as usize].parent;
+        }
     }
 
     fn unlock_node(&mut self, node: NodeId) -> Result<()> {

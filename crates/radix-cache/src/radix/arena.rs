@@ -16,9 +16,10 @@ use kv_pool::Slot;
 use rustc_hash::{FxHashMap, FxHasher};
 
 use crate::error::{RadixCacheError, Result};
-use crate::events::{KvEvent, PageDigest};
+use crate::events::{namespace_seed, KvEvent, PageDigest};
 use crate::policy::{AnyEvictionPolicy, EvictionKey, EvictionPolicy, PATH_HASH_SEED};
 use crate::radix::host::HostTier;
+
 use crate::NodeId;
 
 /// The parent index of a root (roots have no parent).
@@ -71,7 +72,8 @@ pub(super) struct Node {
     /// policy wants path hashes).
     pub(super) start_hash: u64,
     pub(super) end_hash: u64,
-    /// SGLang block digests of the node's pages (only when events are enabled).
+    /// SGLang block digests of the node's pages (only when events are enabled); a
+    /// non-default namespace's root holds the namespace's seed, which its chains start from.
     pub(super) digests: Vec<PageDigest>,
     /// The node's key in the evictable index, if it is in it.
     pub(super) indexed: Option<EvictionKey>,
@@ -273,7 +275,11 @@ impl<P: EvictionPolicy> RadixCache<P> {
         if let Some(&r) = self.roots.get(&extra_key.map(str::to_string)) {
             return r;
         }
-        let r = self.alloc_node(Node::root(0));
+        let mut root = Node::root(0);
+        // Page digests (events, storage keys) of a namespace chain from its seed, so two
+        // namespaces never share a key; the default namespace has none (SGLang's hashes).
+        root.digests.extend(namespace_seed(extra_key));
+        let r = self.alloc_node(root);
         self.roots.insert(extra_key.map(str::to_string), r);
         r
     }

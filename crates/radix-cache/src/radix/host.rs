@@ -18,10 +18,16 @@ use crate::NodeId;
 /// What the cache does when an operation is acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PendingOp {
-    /// A device → host copy of `node`'s pages. The node's `host_ref` is pinned until the ack
-    /// (then handed to the L3 backup, if storage is on); `unlock`: the node's path is locked
-    /// until the ack (write-through; a write-back eviction waited for its copy instead).
-    Write { node: NodeId, unlock: bool },
+    /// A device → host copy of `node`'s pages (`len` tokens: if the node was split since,
+    /// the copy covers it and the upper halves above it). The node's `host_ref` is pinned
+    /// until the ack (then handed to the L3 backup, if storage is on); `unlock`: the node's
+    /// path is locked until the ack (write-through; a write-back eviction waited for its copy
+    /// instead).
+    Write {
+        node: NodeId,
+        len: usize,
+        unlock: bool,
+    },
     /// A host → device load-back ending at `node`, whose path is locked until the ack.
     Load { node: NodeId },
     /// A host → L3 backup of `node`'s pages; its `host_ref` is pinned until the ack.

@@ -310,9 +310,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         self.nodes[parent as usize].device_children += 1;
         if self.events_enabled {
             let p = self.page_size as usize;
-            let parent_block = self
-                .last_digest_above(parent)
-                .map(|d| digest_to_block_id(&d));
+            let parent_block = self.parent_block(parent);
             let n = &self.nodes[i as usize];
             self.events.push(KvEvent::BlockStored {
                 block_hashes: n.digests.iter().map(digest_to_block_id).collect(),
@@ -356,7 +354,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
                 .last()
                 .copied()
                 .or_else(|| self.last_digest_above(parent));
-            let parent_block = prev.as_ref().map(digest_to_block_id);
+            let parent_block = self.parent_block(parent);
             let mut d = Vec::with_capacity(key.len() / p);
             for page in key.chunks(p) {
                 let digest = page_digest(prev.as_ref(), page);
@@ -412,7 +410,17 @@ impl<P: EvictionPolicy> RadixCache<P> {
         leaf
     }
 
-    /// The block digest of the nearest page above node `i` (inclusive), for chaining events.
+    /// The block id an event reports as the parent of pages stored below node `i`: its last
+    /// page's, or none below a root (whose digest, if any, is only its namespace's seed).
+    fn parent_block(&self, i: u32) -> Option<i64> {
+        if self.nodes[i as usize].parent == NONE {
+            return None;
+        }
+        self.last_digest_above(i).map(|d| digest_to_block_id(&d))
+    }
+
+    /// The block digest of the nearest page above node `i` (inclusive), for chaining events (a
+    /// non-default namespace's root holds its seed).
     pub(super) fn last_digest_above(&self, mut i: u32) -> Option<PageDigest> {
         while i != NONE {
             if let Some(d) = self.nodes[i as usize].digests.last() {

@@ -10,11 +10,11 @@ use kv_pool::tier::AckOutcome;
 use kv_pool::{Allocator, Slot};
 
 use crate::error::Result;
+use crate::events::{chain_digests, namespace_seed};
 use crate::policy::EvictionPolicy;
 use crate::radix::arena::{RadixCache, NONE};
 use crate::radix::host::{PendingOp, Prefetch, PrefetchStage};
 use crate::radix::lock::LockDelta;
-use crate::radix::tier::{chain_keys, namespace_seed};
 use crate::InsertOptions;
 
 impl<P: EvictionPolicy> RadixCache<P> {
@@ -45,7 +45,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
         if rest == 0 || rest < threshold || (reserved + rest) as f64 > share * host_total as f64 {
             return Ok(());
         }
-        let keys = chain_keys(namespace_seed(extra_key), key, p)[walk.matched / p..].to_vec();
+        let keys =
+            chain_digests(namespace_seed(extra_key).as_ref(), key, p)[walk.matched / p..].to_vec();
         self.tick();
         self.lock_path(walk.node, LockDelta::Inc);
         let anchor = self.id(walk.node);

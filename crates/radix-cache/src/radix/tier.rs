@@ -6,35 +6,14 @@
 
 use kv_pool::tier::{CacheController, OpId, PageKey};
 use kv_pool::{Allocator, PagedAllocator, Slot};
-use sha2::{Digest, Sha256};
 
 use crate::error::{RadixCacheError, Result};
-use crate::events::page_digest;
+use crate::events::chain_digests;
 use crate::policy::EvictionPolicy;
 use crate::radix::arena::{Children, RadixCache, NONE};
 use crate::radix::host::{HostTier, PendingOp};
 use crate::radix::lock::LockDelta;
 use crate::tiers::{HiCacheConfig, TierStats};
-
-/// Storage page keys of `tokens` (whole pages), chained from `seed` (SGLang's page hash chain:
-/// [`crate::events::page_digest`] of each page after the previous page's digest).
-pub(super) fn chain_keys(seed: Option<PageKey>, tokens: &[u32], page_size: usize) -> Vec<PageKey> {
-    let mut prev = seed;
-    tokens
-        .chunks_exact(page_size)
-        .map(|page| {
-            let d = page_digest(prev.as_ref(), page);
-            prev = Some(d);
-            d
-        })
-        .collect()
-}
-
-/// The seed of a namespace's key chain: none for the default namespace (so its keys are
-/// SGLang's page hashes), `sha256(extra_key)` otherwise.
-pub(super) fn namespace_seed(extra_key: Option<&str>) -> Option<PageKey> {
-    extra_key.map(|k| Sha256::digest(k.as_bytes()).into())
-}
 
 impl<P: EvictionPolicy> RadixCache<P> {
     /// Gives an empty cache a host tier of `cfg.host_slots` host slots (a positive multiple of
@@ -209,7 +188,14 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let node = self.id(i);
         let tier = self.tier_mut();
         let op = tier.controller.write(&device, &host);
-        tier.ops.insert(op, PendingOp::Write { node, unlock: lock });
+        tier.ops.insert(
+            op,
+            PendingOp::Write {
+                node,
+                len,
+                unlock: lock,
+            },
+        );
         tier.stats.writes_queued += 1;
         let n = &mut self.nodes[i as usize];
         n.backed_up = true;
@@ -268,17 +254,12 @@ impl<P: EvictionPolicy> RadixCache<P> {
         Ok(())
     }
 
-    /// The root above node `i`, and the namespace's key-chain seed.
+    /// The key-chain seed of node `i`'s namespace (kept on its root).
     fn seed_of(&self, mut i: u32) -> Option<PageKey> {
         while self.nodes[i as usize].parent != NONE {
             i = self.nodes[i as usize].parent;
         }
-        let ns = self
-            .roots
-            .iter()
-            .find_map(|(ns, &r)| (r == i).then_some(ns.as_deref()))
-            .flatten();
-        namespace_seed(ns)
+        self.nodes[i as usize].digests.first().copied()
     }
 
     /// The storage keys of node `i`'s pages (the key chain through the whole path).
@@ -295,7 +276,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         for &j in path.iter().rev() {
             tokens.extend_from_slice(self.node_tokens(j));
         }
-        let keys = chain_keys(self.seed_of(i), &tokens, p);
+        let keys = chain_digests(self.seed_of(i).as_ref(), &tokens, p);
         keys[keys.len() - self.nodes[i as usize].len / p..].to_vec()
     }
 
