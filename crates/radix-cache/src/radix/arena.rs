@@ -87,8 +87,6 @@ pub(super) struct Node {
     pub(super) host_ref: u32,
     /// Children on device: the node is a device leaf when this is 0.
     pub(super) device_children: u32,
-    /// The node's key in the host-evictable index, if it is in it.
-    pub(super) host_indexed: Option<EvictionKey>,
 }
 
 impl Node {
@@ -114,7 +112,6 @@ impl Node {
             backed_up: false,
             host_ref: 0,
             device_children: 0,
-            host_indexed: None,
         }
     }
 }
@@ -304,6 +301,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         self.index.clear();
         if let Some(t) = self.tier.as_mut() {
             t.index.clear();
+            t.keys.clear();
         }
         self.evictable = 0;
         self.protected = 0;

@@ -82,6 +82,9 @@ pub(super) struct HostTier {
     /// Host-evictable nodes (host-only, childless, unlocked, `host_ref == 0`) ordered by
     /// (policy key, node index), as the device index.
     pub(super) index: BTreeSet<(EvictionKey, u32)>,
+    /// The key each host-indexed node sits under in `index` (kept here, not in the node, so
+    /// a tree without a host tier carries no host fields it never uses).
+    pub(super) keys: FxHashMap<u32, EvictionKey>,
     /// Operations awaiting their ack.
     pub(super) ops: FxHashMap<OpId, PendingOp>,
     /// Host slots of nodes dropped while a write or backup of them was in flight, freed at
@@ -121,6 +124,7 @@ impl HostTier {
             storage,
             host,
             index: BTreeSet::new(),
+            keys: FxHashMap::default(),
             ops: FxHashMap::default(),
             orphans: FxHashMap::default(),
             prefetches: BTreeMap::new(),

@@ -65,7 +65,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let Some(tier) = self.tier.as_mut() else {
             return;
         };
-        if let Some(old) = self.nodes[i as usize].host_indexed.take() {
+        if let Some(old) = tier.keys.remove(&i) {
             tier.index.remove(&(old, i));
         }
         if should {
@@ -73,8 +73,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
             let key = self.policy.key(&stats);
             if let Some(tier) = self.tier.as_mut() {
                 tier.index.insert((key, i));
+                tier.keys.insert(i, key);
             }
-            self.nodes[i as usize].host_indexed = Some(key);
         }
     }
 
@@ -93,7 +93,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         if let Some(p) = priority {
             n.priority = n.priority.max(p);
         }
-        if n.indexed.is_some() || n.host_indexed.is_some() {
+        if n.indexed.is_some() || !n.on_device {
             self.refresh(i);
         }
     }

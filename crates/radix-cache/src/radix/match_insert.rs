@@ -106,7 +106,6 @@ impl<P: EvictionPolicy> RadixCache<P> {
             // A pin protects the lower half from host eviction; the upper half has a child.
             host_ref: 0,
             device_children: 0,
-            host_indexed: None,
         };
         if !c.digests.is_empty() {
             upper.digests = c.digests[..at / p].to_vec();
@@ -127,7 +126,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         self.add_child(u, child);
         // The lower half keeps its place in the index, but its length and depth changed.
         let lower = &self.nodes[child as usize];
-        if lower.indexed.is_some() || lower.host_indexed.is_some() {
+        if lower.indexed.is_some() || self.tier.is_some() {
             self.refresh(child);
         }
         u
@@ -395,7 +394,6 @@ impl<P: EvictionPolicy> RadixCache<P> {
             backed_up: false,
             host_ref: 0,
             device_children: 0,
-            host_indexed: None,
         });
         self.add_child(parent, leaf);
         if on_device {
@@ -403,7 +401,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
         // The parent may have been an evictable leaf (of either index).
         let par = &self.nodes[parent as usize];
-        if par.indexed.is_some() || par.host_indexed.is_some() {
+        if par.indexed.is_some() || self.tier.is_some() {
             self.refresh(parent);
         }
         self.refresh(leaf);

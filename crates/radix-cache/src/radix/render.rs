@@ -114,7 +114,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
                 } else {
                     ""
                 },
-                if n.host_indexed.is_some() {
+                if self.tier.as_ref().is_some_and(|t| t.keys.contains_key(&c)) {
                     " host-evictable"
                 } else {
                     ""
@@ -201,16 +201,14 @@ impl<P: EvictionPolicy> RadixCache<P> {
                     return Err(format!("n{i} is backed up below a parent that is not"));
                 }
                 let should = self.is_host_leaf(i);
-                if should != n.host_indexed.is_some()
-                    || (should && !tier.index.contains(&(n.host_indexed.unwrap(), i)))
-                {
+                let key = tier.keys.get(&i);
+                if should != key.is_some() || key.is_some_and(|&k| !tier.index.contains(&(k, i))) {
                     return Err(format!(
-                        "n{i}: host leaf = {should}, host-indexed = {:?}",
-                        n.host_indexed
+                        "n{i}: host leaf = {should}, host-indexed = {key:?}"
                     ));
                 }
                 host_leaves += usize::from(should);
-            } else if n.backed_up || !n.on_device || n.host_indexed.is_some() {
+            } else if n.backed_up || !n.on_device {
                 return Err(format!("n{i} has host state in a tree without a host tier"));
             }
             if !n.on_device {

@@ -154,8 +154,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
     /// Removes node `i` (childless, out of both indexes' concerns) from the tree: unlinks it
     /// from its parent, retires its arena range and entry, refreshes the parent.
     pub(super) fn unlink(&mut self, i: u32) {
-        if let Some(key) = self.nodes[i as usize].host_indexed.take() {
-            self.tier_mut().index.remove(&(key, i));
+        let tier = self.tier_mut();
+        if let Some(key) = tier.keys.remove(&i) {
+            tier.index.remove(&(key, i));
         }
         if let Some(key) = self.nodes[i as usize].indexed.take() {
             self.index.remove(&(key, i));
