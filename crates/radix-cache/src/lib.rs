@@ -16,6 +16,14 @@
 //!   operation), so runs and snapshots are reproducible; the scheduler ranks its waiting queue
 //!   with [`PrefixCache::touch_prefix`], which refreshes access times as SGLang's
 //!   `match_prefix` does but splits no node.
+//! - A host tier (SGLang's `HiRadixCache`, HiCache): [`RadixCache::with_host_tier`] gives the
+//!   same tree a host pool whose bytes a [`kv_pool::tier::CacheController`] moves. Nodes are on
+//!   device, backed up to host, or host-only; [`tiers::WritePolicy`] decides when device pages
+//!   are copied to host; eviction demotes backed-up nodes instead of deleting them;
+//!   [`PrefixCache::init_load_back`] brings a matched host-only chain back; with an L3 store,
+//!   written pages are backed up to it and [`PrefixCache::prefetch_from_storage`] fetches a
+//!   request's pages ahead of admission. Without a tier none of it runs (one branch on an
+//!   `Option`).
 //! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, Belady's oracle, and
 //!   the [`policy::EvictionPolicy`] trait for your own; a capability a policy needs from the
 //!   tree (path hashes) is asked of the trait.
@@ -32,13 +40,22 @@
 //!   (`extra_key`) never share nodes.
 //! - `evictable_size + protected_size` = tokens held; a node's tokens count as protected iff its
 //!   lock count is positive; lock counts never go negative; a locked node is never evicted.
-//! - The evictable-leaf index holds exactly the unlocked childless non-root nodes.
+//! - The evictable-leaf index holds exactly the unlocked childless non-root nodes (with a host
+//!   tier: unlocked on-device nodes with no child on device; host-only nodes hold no device
+//!   tokens and count in neither size).
+//! - With a host tier: on-device nodes form a root-anchored subtree; a host-only node is backed
+//!   up; under write-through, backed-up nodes form a root-anchored prefix; every host page is
+//!   free, a backed-up node's, an in-flight prefetch's, or a dropped node's awaiting a copy's
+//!   ack, exactly once ([`PrefixCache::check_invariants`] proves it with a second ownership
+//!   check over the host allocator).
 //! - [`PrefixCache::claim_ownership`] hands every tree slot to the kv-pool ownership checker,
 //!   so tests prove that free pages, tree pages and request-private pages partition the pool.
 //!
 //! ## Where it sits
-//! Above kv-pool (allocators, request table, ownership checker); below the scheduler, which
-//! calls it through [`PrefixCache`] with a [`ReqView`] of its requests.
+//! Above kv-pool (allocators, request table, ownership checker, the tier seam
+//! `kv_pool::tier`); below the scheduler, which calls it through [`PrefixCache`] with a
+//! [`ReqView`] of its requests (and, with a host tier, `check_hicache_events` once per step).
+//! The engine builds the controller that moves the bytes (the `hicache` crate).
 
 // The embeddable crates document every public item; the engine, model and backends document
 // where a name does not already say it.
