@@ -267,7 +267,9 @@ pub trait PrefixCache: Send {
     }
     /// Loads the host-only chain ending at `last_host_node` (a match's
     /// [`MatchResult::last_host_node`]) back to device (SGLang's `init_load_back`): if it holds
-    /// at least `load_back_threshold` tokens and at most `mem_quota`, allocates device slots
+    /// at least `load_back_threshold` tokens and at most `mem_quota` (tokens the caller may
+    /// still use, evictable ones included; plus what locking the path takes out of the
+    /// evictable ones, as SGLang), allocates device slots
     /// through `alloc` (evicting device nodes if needed), queues the host → device copy,
     /// appends the new slots to `out` (after the match's device slots) and locks the chain
     /// until the load's ack. Nothing is loaded when it is too short, too long or there is no

@@ -39,14 +39,19 @@ impl<P: EvictionPolicy> RadixCache<P> {
             i = self.nodes[i as usize].parent;
         }
         let total: usize = chain.iter().map(|&c| self.nodes[c as usize].len).sum();
-        if total == 0 || total < threshold || total > mem_quota {
+        if total == 0 || total < threshold {
             return Ok(nothing);
         }
         // Lock the chain and its device ancestor while making room (host eviction must not
         // take the chain, device eviction not the ancestor); the lock stays until the load's
-        // ack.
+        // ack. The quota counts evictable tokens as room, so the ancestors' tokens this lock
+        // protects are added back to it (as SGLang's `mem_quota + delta`).
         self.tick();
-        self.lock_path(last, LockDelta::Inc);
+        let delta = self.lock_path(last, LockDelta::Inc);
+        if total > mem_quota.saturating_add(delta) {
+            self.lock_path(last, LockDelta::Dec);
+            return Ok(nothing);
+        }
         let avail = alloc.available_size();
         if avail < total {
             self.evict_tiered(total - avail, alloc)?;
