@@ -135,8 +135,10 @@ pub struct PrefixPeek {
 /// What an insert did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InsertResult {
-    /// Tokens of the (page-floored) key that were already cached: the caller's slots for them
-    /// are duplicates the caller still owns (and frees, beyond what it had protected).
+    /// Tokens of the (page-floored) key that were already cached on device: the caller's slots
+    /// for them are duplicates the caller still owns (and frees, beyond what it had protected).
+    /// Host-only nodes the key covers are revived with the caller's slots instead (counted in
+    /// `inserted`).
     pub prefix_len: usize,
     /// Tokens the cache took ownership of, right after `prefix_len`. The caller owns every slot
     /// it passed beyond `prefix_len + inserted` (the unaligned tail, or everything for a cache
