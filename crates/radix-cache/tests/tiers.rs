@@ -763,3 +763,36 @@ fn a_node_split_before_its_write_ack_is_backed_up_whole_and_namespaces_seed_thei
     s.acks();
     s.check("backup acks");
 }
+
+#[test]
+fn write_back_path_makes_eviction_demote_and_a_released_prefetch_frees_at_its_ack() {
+    let ctl = ImmediateController::with_tags(34, 34, 2).with_storage();
+    let mut s = Story::new(2, 32, cfg(WritePolicy::WriteThroughSelective, 32), ctl);
+    // Retraction to host: one insert (below the selective threshold), then write_back_path.
+    s.insert("ABCD");
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&toks("ABCD"), None, &mut out);
+    assert_eq!(s.cache.write_back_path(m.last_node).unwrap(), 4);
+    s.acks();
+    s.acks();
+    s.cache.evict(4, &mut s.alloc).unwrap();
+    s.check("evicted after write_back_path");
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&toks("ABCD"), None, &mut out);
+    assert_eq!((m.len, m.host_hit_len), (0, 4), "demoted, not deleted");
+    // Host-evict it: only storage has it now; prefetch it, and abort while the copy is in flight.
+    assert_eq!(s.cache.evict_host(4).unwrap(), 4);
+    let before = s.cache.tier_stats().unwrap().host_slots_used;
+    s.cache
+        .prefetch_from_storage(9, &toks("ABCDEF"), None)
+        .unwrap();
+    s.acks(); // the query's ack queues the copy
+    assert_eq!(s.cache.tier_stats().unwrap().host_slots_used, before + 4);
+    s.cache.release_prefetch(9).unwrap();
+    s.check("released while the copy is in flight: its pages stay held");
+    assert_eq!(s.cache.tier_stats().unwrap().host_slots_used, before + 4);
+    s.acks();
+    s.check("the copy's ack frees them");
+    assert_eq!(s.cache.tier_stats().unwrap().host_slots_used, before);
+    assert!(s.cache.check_prefetch_progress(9, 0.0).unwrap());
+}
