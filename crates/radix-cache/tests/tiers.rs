@@ -796,3 +796,42 @@ fn write_back_path_makes_eviction_demote_and_a_released_prefetch_frees_at_its_ac
     assert_eq!(s.cache.tier_stats().unwrap().host_slots_used, before);
     assert!(s.cache.check_prefetch_progress(9, 0.0).unwrap());
 }
+
+#[test]
+fn storage_keys_are_the_page_chain_with_events_off_too() {
+    use radix_cache::events::{chain_digests, namespace_seed};
+    for events in [false, true] {
+        let ctl = Shared(Arc::new(Mutex::new(
+            ImmediateController::with_tags(34, 34, 2).with_storage(),
+        )));
+        let mut cache = RadixCache::new(2, BuiltinPolicy::Lru)
+            .with_events(events)
+            .with_host_tier(cfg(WritePolicy::WriteThrough, 32), Box::new(ctl.clone()))
+            .unwrap();
+        let slots: Vec<Slot> = (2..10).map(Slot).collect();
+        let opts = InsertOptions::default();
+        cache
+            .insert(&toks("ABCD"), Some("ns"), &slots[..4], opts)
+            .unwrap();
+        cache
+            .insert(&toks("ABCDEFGH"), Some("ns"), &slots, opts)
+            .unwrap();
+        cache.check_hicache_events().unwrap();
+        let keys: Vec<PageKey> = ctl
+            .lock()
+            .log
+            .iter()
+            .filter_map(|(_, op)| match op {
+                LoggedOp::Backup { keys, .. } => Some(keys.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        let seed = namespace_seed(Some("ns"));
+        assert_eq!(
+            keys,
+            chain_digests(seed.as_ref(), &toks("ABCDEFGH"), 2),
+            "events {events}"
+        );
+    }
+}

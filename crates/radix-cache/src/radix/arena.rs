@@ -72,8 +72,8 @@ pub(super) struct Node {
     /// policy wants path hashes).
     pub(super) start_hash: u64,
     pub(super) end_hash: u64,
-    /// SGLang block digests of the node's pages (only when events are enabled); a
-    /// non-default namespace's root holds the namespace's seed, which its chains start from.
+    /// SGLang block digests of the node's pages (when events are on, or an L3 store: they are its
+    /// storage keys); a non-default namespace's root holds the seed its chains start from.
     pub(super) digests: Vec<PageDigest>,
     /// The node's key in the evictable index, if it is in it.
     pub(super) indexed: Option<EvictionKey>,

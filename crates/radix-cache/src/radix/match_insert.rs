@@ -347,7 +347,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
         } else {
             0
         };
-        let digests = if self.events_enabled {
+        // Digests serve events and, with an L3 store, storage keys.
+        let keep_digests = self.events_enabled || self.tier.as_ref().is_some_and(|t| t.storage);
+        let digests = if keep_digests {
             let mut prev = par
                 .digests
                 .last()
@@ -360,7 +362,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
                 d.push(digest);
                 prev = Some(digest);
             }
-            if on_device {
+            if on_device && self.events_enabled {
                 self.events.push(KvEvent::BlockStored {
                     block_hashes: d.iter().map(digest_to_block_id).collect(),
                     parent_block_hash: parent_block,

@@ -266,6 +266,11 @@ impl<P: EvictionPolicy> RadixCache<P> {
     /// The storage keys of node `i`'s pages (the key chain through the whole path).
     pub(super) fn node_page_keys(&self, i: u32) -> Vec<PageKey> {
         let p = self.page_size as usize;
+        // Kept on the node (events on, or storage on): the same chain, already computed.
+        let n = &self.nodes[i as usize];
+        if n.digests.len() * p == n.len {
+            return n.digests.clone();
+        }
         let mut path = Vec::new();
         let mut j = i;
         while self.nodes[j as usize].parent != NONE {
