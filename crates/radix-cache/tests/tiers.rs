@@ -59,6 +59,19 @@ impl CacheController for Shared {
     }
 }
 
+/// Every storage key the controller was asked to back up, in order.
+fn backup_keys(ctl: &Shared) -> Vec<PageKey> {
+    ctl.lock()
+        .log
+        .iter()
+        .filter_map(|(_, op)| match op {
+            LoggedOp::Backup { keys, .. } => Some(keys.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
 fn letter(t: u32) -> String {
     char::from(b'A' + (t as u8 - 1)).to_string()
 }
@@ -731,16 +744,7 @@ fn a_node_split_before_its_write_ack_is_backed_up_whole_and_namespaces_seed_thei
     s.check("write ack after a split");
     let seed = namespace_seed(Some("lora"));
     let digests = chain_digests(seed.as_ref(), &key, 2);
-    let ctl = s.ctl.lock();
-    let mut backed: Vec<PageKey> = ctl
-        .log
-        .iter()
-        .filter_map(|(_, op)| match op {
-            LoggedOp::Backup { keys, .. } => Some(keys.clone()),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let mut backed = backup_keys(&s.ctl);
     backed.sort();
     let mut expected = digests.clone();
     expected.sort();
@@ -748,7 +752,6 @@ fn a_node_split_before_its_write_ack_is_backed_up_whole_and_namespaces_seed_thei
         backed, expected,
         "both halves backed up, keys chained from the seed"
     );
-    drop(ctl);
     // Events chain from the same seed; the first page has no parent block.
     let events = s.cache.take_events();
     assert_eq!(
@@ -817,16 +820,7 @@ fn storage_keys_are_the_page_chain_with_events_off_too() {
             .insert(&toks("ABCDEFGH"), Some("ns"), &slots, opts)
             .unwrap();
         cache.check_hicache_events().unwrap();
-        let keys: Vec<PageKey> = ctl
-            .lock()
-            .log
-            .iter()
-            .filter_map(|(_, op)| match op {
-                LoggedOp::Backup { keys, .. } => Some(keys.clone()),
-                _ => None,
-            })
-            .flatten()
-            .collect();
+        let keys = backup_keys(&ctl);
         let seed = namespace_seed(Some("ns"));
         assert_eq!(
             keys,
