@@ -60,6 +60,8 @@ impl PrefixCache for ChunkCache {
         MatchResult {
             len: 0,
             last_node: ROOT,
+            host_hit_len: 0,
+            last_host_node: ROOT,
         }
     }
 

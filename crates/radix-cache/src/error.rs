@@ -33,6 +33,20 @@ pub enum RadixCacheError {
         /// The names accepted.
         known: String,
     },
+    /// A configuration name that is not known (a HiCache write or prefetch policy).
+    #[error("unknown {what} {name:?}; known: {known}")]
+    UnknownOption {
+        /// What was being parsed.
+        what: &'static str,
+        /// The name given.
+        name: String,
+        /// The names accepted.
+        known: String,
+    },
+    /// A host-tier operation that does not fit the cache's state (e.g. adding a host tier to a
+    /// cache that already holds nodes).
+    #[error("host tier: {0}")]
+    Tier(String),
     /// The request's state does not fit the operation (e.g. protected length past its tokens).
     #[error("invalid request state: {0}")]
     InvalidRequest(String),

@@ -23,6 +23,31 @@ pub fn page_digest(prev: Option<&PageDigest>, page: &[u32]) -> PageDigest {
     h.finalize().into()
 }
 
+/// The digests of the whole pages of `tokens` (pages of `page_size`), chained after `seed`
+/// (SGLang's page hash chain; storage page keys are these digests).
+pub fn chain_digests(
+    seed: Option<&PageDigest>,
+    tokens: &[u32],
+    page_size: usize,
+) -> Vec<PageDigest> {
+    let mut prev = seed.copied();
+    tokens
+        .chunks_exact(page_size.max(1))
+        .map(|page| {
+            let d = page_digest(prev.as_ref(), page);
+            prev = Some(d);
+            d
+        })
+        .collect()
+}
+
+/// The seed a namespace's page chain starts from: none for the default namespace (so its
+/// hashes are SGLang's), `sha256(extra_key)` otherwise, so two namespaces never share a page
+/// hash (events) or a storage key.
+pub fn namespace_seed(extra_key: Option<&str>) -> Option<PageDigest> {
+    extra_key.map(|k| Sha256::digest(k.as_bytes()).into())
+}
+
 /// SGLang's `hash_str_to_int64`: the first 16 hex digits as a signed 64-bit integer.
 pub fn digest_to_block_id(d: &PageDigest) -> i64 {
     i64::from_be_bytes(d[..8].try_into().expect("8 bytes"))

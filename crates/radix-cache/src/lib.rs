@@ -16,6 +16,14 @@
 //!   operation), so runs and snapshots are reproducible; the scheduler ranks its waiting queue
 //!   with [`PrefixCache::touch_prefix`], which refreshes access times as SGLang's
 //!   `match_prefix` does but splits no node.
+//! - A host tier (SGLang's `HiRadixCache`, HiCache): [`RadixCache::with_host_tier`] gives the
+//!   same tree a host pool whose bytes a [`kv_pool::tier::CacheController`] moves. Nodes are on
+//!   device, backed up to host, or host-only; [`tiers::WritePolicy`] decides when device pages
+//!   are copied to host; eviction demotes backed-up nodes instead of deleting them;
+//!   [`PrefixCache::init_load_back`] brings a matched host-only chain back; with an L3 store,
+//!   written pages are backed up to it and [`PrefixCache::prefetch_from_storage`] fetches a
+//!   request's pages ahead of admission. Without a tier none of it runs (one branch on an
+//!   `Option`).
 //! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, Belady's oracle, and
 //!   the [`policy::EvictionPolicy`] trait for your own; a capability a policy needs from the
 //!   tree (path hashes) is asked of the trait.
@@ -32,13 +40,22 @@
 //!   (`extra_key`) never share nodes.
 //! - `evictable_size + protected_size` = tokens held; a node's tokens count as protected iff its
 //!   lock count is positive; lock counts never go negative; a locked node is never evicted.
-//! - The evictable-leaf index holds exactly the unlocked childless non-root nodes.
+//! - The evictable-leaf index holds exactly the unlocked childless non-root nodes (with a host
+//!   tier: unlocked on-device nodes with no child on device; host-only nodes hold no device
+//!   tokens and count in neither size).
+//! - With a host tier: on-device nodes form a root-anchored subtree; a host-only node is backed
+//!   up; under write-through, backed-up nodes form a root-anchored prefix; every host page is
+//!   free, a backed-up node's, an in-flight prefetch's, or a dropped node's awaiting a copy's
+//!   ack, exactly once ([`PrefixCache::check_invariants`] proves it with a second ownership
+//!   check over the host allocator).
 //! - [`PrefixCache::claim_ownership`] hands every tree slot to the kv-pool ownership checker,
 //!   so tests prove that free pages, tree pages and request-private pages partition the pool.
 //!
 //! ## Where it sits
-//! Above kv-pool (allocators, request table, ownership checker); below the scheduler, which
-//! calls it through [`PrefixCache`] with a [`ReqView`] of its requests.
+//! Above kv-pool (allocators, request table, ownership checker, the tier seam
+//! `kv_pool::tier`); below the scheduler, which calls it through [`PrefixCache`] with a
+//! [`ReqView`] of its requests (and, with a host tier, `check_hicache_events` once per step).
+//! The engine builds the controller that moves the bytes (the `hicache` crate).
 
 // The embeddable crates document every public item; the engine, model and backends document
 // where a name does not already say it.
@@ -53,6 +70,7 @@ pub mod radix;
 pub mod request;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tiers;
 
 pub use any::AnyPrefixCache;
 pub use chunk::ChunkCache;
@@ -61,6 +79,7 @@ pub use events::KvEvent;
 pub use policy::{AnyEvictionPolicy, BuiltinPolicy, EvictionKey, EvictionPolicy, NodeStats};
 pub use radix::RadixCache;
 pub use request::{PrefixState, ReqView};
+pub use tiers::{HiCacheConfig, LoadBack, PrefetchPolicy, TierStats, WritePolicy};
 
 use std::fmt;
 
@@ -84,14 +103,22 @@ impl fmt::Display for NodeId {
     }
 }
 
-/// What a match found (SGLang's `MatchResult`, device part: the slots go to the caller's
-/// buffer instead of a returned tensor).
+/// What a match found (SGLang's `MatchResult`: the device slots go to the caller's buffer
+/// instead of a returned tensor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatchResult {
-    /// Tokens matched (a multiple of the page size); that many slots were appended to `out`.
+    /// Tokens matched on device (a multiple of the page size); that many slots were appended
+    /// to `out`.
     pub len: usize,
-    /// The deepest matched node (the namespace's root if nothing matched).
+    /// The deepest matched node on device (the namespace's root if nothing matched).
     pub last_node: NodeId,
+    /// Tokens of host-only nodes at the end of the matched path, right after `len` (SGLang's
+    /// `host_hit_length`); 0 without a host tier. [`PrefixCache::init_load_back`] brings them
+    /// back to device.
+    pub host_hit_len: usize,
+    /// The deepest matched node, host-only or not (SGLang's `last_host_node`); `last_node`
+    /// when `host_hit_len` is 0.
+    pub last_host_node: NodeId,
 }
 
 /// What a match that splits nothing found ([`PrefixCache::peek_prefix`],
@@ -108,8 +135,10 @@ pub struct PrefixPeek {
 /// What an insert did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InsertResult {
-    /// Tokens of the (page-floored) key that were already cached: the caller's slots for them
-    /// are duplicates the caller still owns (and frees, beyond what it had protected).
+    /// Tokens of the (page-floored) key that were already cached on device: the caller's slots
+    /// for them are duplicates the caller still owns (and frees, beyond what it had protected).
+    /// Host-only nodes the key covers are revived with the caller's slots instead (counted in
+    /// `inserted`).
     pub prefix_len: usize,
     /// Tokens the cache took ownership of, right after `prefix_len`. The caller owns every slot
     /// it passed beyond `prefix_len + inserted` (the unaligned tail, or everything for a cache
@@ -227,5 +256,73 @@ pub trait PrefixCache: Send {
     /// Default: nothing to check. The `testing` suites call it after every step.
     fn check_invariants(&self) -> std::result::Result<(), String> {
         Ok(())
+    }
+
+    // ---- The host tier (HiCache). Every default is right for a cache without one. ----
+
+    /// Processes the cache controller's acknowledgements (SGLang's `writing_check`,
+    /// `loading_check` and the storage ack checks); the scheduler calls it once per step,
+    /// before scheduling. Written nodes are unlocked (and handed to the L3 backup), loaded
+    /// chains unlocked, backed-up pages unpinned, prefetches advanced. Default: nothing.
+    fn check_hicache_events(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Loads the host-only chain ending at `last_host_node` (a match's
+    /// [`MatchResult::last_host_node`]) back to device (SGLang's `init_load_back`): if it holds
+    /// at least `load_back_threshold` tokens and at most `mem_quota` (tokens the caller may
+    /// still use, evictable ones included; plus what locking the path takes out of the
+    /// evictable ones, as SGLang), allocates device slots
+    /// through `alloc` (evicting device nodes if needed), queues the host → device copy,
+    /// appends the new slots to `out` (after the match's device slots) and locks the chain
+    /// until the load's ack. Nothing is loaded when it is too short, too long or there is no
+    /// room. Default: nothing loaded.
+    fn init_load_back(
+        &mut self,
+        last_host_node: NodeId,
+        _out: &mut Vec<Slot>,
+        _alloc: &mut dyn Allocator,
+        _mem_quota: usize,
+    ) -> Result<LoadBack> {
+        Ok(LoadBack {
+            loaded: 0,
+            last_node: last_host_node,
+        })
+    }
+    /// Backs up every node of the path root → `node` not yet on host, whatever its hit count
+    /// (retraction to host: insert the retracted request's committed pages, then call this so
+    /// eviction demotes them instead of deleting); returns the tokens queued. Default: 0.
+    fn write_back_path(&mut self, _node: NodeId) -> Result<usize> {
+        Ok(0)
+    }
+    /// Starts request `rid`'s L3 prefetch at its arrival (SGLang's `prefetch_from_storage`):
+    /// the page-aligned tokens of `key` beyond the device + host match are looked up in
+    /// storage, and the leading hits are copied to host memory. Skipped when storage is off,
+    /// when fewer than `prefetch_threshold` tokens would be asked for, or when in-flight
+    /// prefetches would reserve more than `prefetch_max_host_share` of the host pool.
+    /// Default: nothing.
+    fn prefetch_from_storage(
+        &mut self,
+        _rid: u64,
+        _key: &[u32],
+        _extra_key: Option<&str>,
+    ) -> Result<()> {
+        Ok(())
+    }
+    /// Whether request `rid` may stop waiting for its prefetch and be scheduled, at time `now_s`
+    /// (seconds, any fixed origin; the timeout runs from the first call). The prefetch policy
+    /// decides; when it stops, the landed pages are inserted as host-only nodes (a following
+    /// `match_prefix` reports them as a host hit) and the rest freed. A request without a
+    /// prefetch proceeds at once. Default: `true`.
+    fn check_prefetch_progress(&mut self, _rid: u64, _now_s: f64) -> Result<bool> {
+        Ok(true)
+    }
+    /// Forgets request `rid`'s prefetch (the request was aborted): frees what it holds (after
+    /// its copy's ack, if one is in flight). Default: nothing.
+    fn release_prefetch(&mut self, _rid: u64) -> Result<()> {
+        Ok(())
+    }
+    /// The host tier's counters and occupancy (`None`: no host tier).
+    fn tier_stats(&self) -> Option<TierStats> {
+        None
     }
 }

@@ -16,8 +16,10 @@ use kv_pool::Slot;
 use rustc_hash::{FxHashMap, FxHasher};
 
 use crate::error::{RadixCacheError, Result};
-use crate::events::{KvEvent, PageDigest};
+use crate::events::{namespace_seed, KvEvent, PageDigest};
 use crate::policy::{AnyEvictionPolicy, EvictionKey, EvictionPolicy, PATH_HASH_SEED};
+use crate::radix::host::HostTier;
+
 use crate::NodeId;
 
 /// The parent index of a root (roots have no parent).
@@ -70,10 +72,21 @@ pub(super) struct Node {
     /// policy wants path hashes).
     pub(super) start_hash: u64,
     pub(super) end_hash: u64,
-    /// SGLang block digests of the node's pages (only when events are enabled).
+    /// SGLang block digests of the node's pages (when events are on, or an L3 store: they are its
+    /// storage keys); a non-default namespace's root holds the seed its chains start from.
     pub(super) digests: Vec<PageDigest>,
     /// The node's key in the evictable index, if it is in it.
     pub(super) indexed: Option<EvictionKey>,
+    /// Its device slots are valid (always, without a host tier; roots are on device). The
+    /// on-device nodes form a root-anchored subtree.
+    pub(super) on_device: bool,
+    /// Its host slots (the `host_slots` arena) are valid (SGLang's `backuped`).
+    pub(super) backed_up: bool,
+    /// Copies reading the node's host pages in flight (SGLang's `host_ref_counter`): a
+    /// pinned node is never host-evicted.
+    pub(super) host_ref: u32,
+    /// Children on device: the node is a device leaf when this is 0.
+    pub(super) device_children: u32,
 }
 
 impl Node {
@@ -95,6 +108,10 @@ impl Node {
             end_hash: PATH_HASH_SEED,
             digests: Vec::new(),
             indexed: None,
+            on_device: true,
+            backed_up: false,
+            host_ref: 0,
+            device_children: 0,
         }
     }
 }
@@ -128,6 +145,9 @@ pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
     pub(super) roots: FxHashMap<Option<String>, u32>,
     pub(super) tokens: Vec<u32>,
     pub(super) slots: Vec<Slot>,
+    /// Host slots, parallel to `tokens` and `slots` (empty without a host tier); valid for
+    /// backed-up nodes.
+    pub(super) host_slots: Vec<Slot>,
     /// Arena tokens no live node covers (reclaimed by compaction).
     pub(super) dead_tokens: usize,
     /// The evictable leaves ordered by (policy key, node index): first goes first.
@@ -137,6 +157,9 @@ pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
     /// The logical clock: one tick per match, insert, lock change and eviction step.
     pub(super) clock: u64,
     pub(super) events: Vec<KvEvent>,
+    /// The host tier (`None`: a device-only tree, SGLang's `RadixCache`). Every tier check is
+    /// one branch on this.
+    pub(super) tier: Option<Box<HostTier>>,
 }
 
 impl RadixCache {
@@ -166,12 +189,14 @@ impl<P: EvictionPolicy> RadixCache<P> {
             roots: FxHashMap::default(),
             tokens: Vec::new(),
             slots: Vec::new(),
+            host_slots: Vec::new(),
             dead_tokens: 0,
             index: BTreeSet::new(),
             evictable: 0,
             protected: 0,
             clock: 0,
             events: Vec::new(),
+            tier: None,
         };
         cache.root_index(None);
         cache
@@ -247,7 +272,11 @@ impl<P: EvictionPolicy> RadixCache<P> {
         if let Some(&r) = self.roots.get(&extra_key.map(str::to_string)) {
             return r;
         }
-        let r = self.alloc_node(Node::root(0));
+        let mut root = Node::root(0);
+        // Page digests (events, storage keys) of a namespace chain from its seed, so two
+        // namespaces never share a key; the default namespace has none (SGLang's hashes).
+        root.digests.extend(namespace_seed(extra_key));
+        let r = self.alloc_node(root);
         self.roots.insert(extra_key.map(str::to_string), r);
         r
     }
@@ -267,8 +296,13 @@ impl<P: EvictionPolicy> RadixCache<P> {
         self.roots.clear();
         self.tokens.clear();
         self.slots.clear();
+        self.host_slots.clear();
         self.dead_tokens = 0;
         self.index.clear();
+        if let Some(t) = self.tier.as_mut() {
+            t.index.clear();
+            t.keys.clear();
+        }
         self.evictable = 0;
         self.protected = 0;
         self.root_index(None);
@@ -293,6 +327,12 @@ impl<P: EvictionPolicy> RadixCache<P> {
     pub(super) fn node_slots(&self, i: u32) -> &[Slot] {
         let n = &self.nodes[i as usize];
         &self.slots[n.start..n.start + n.len]
+    }
+
+    /// Node `i`'s host slots (valid when it is backed up; empty without a host tier).
+    pub(super) fn node_host_slots(&self, i: u32) -> &[Slot] {
+        let n = &self.nodes[i as usize];
+        self.host_slots.get(n.start..n.start + n.len).unwrap_or(&[])
     }
 
     fn page_key(&self, page: &[u32]) -> u64 {
@@ -320,6 +360,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
 
     pub(super) fn add_child(&mut self, parent: u32, child: u32) {
         let p = self.page_size as usize;
+        if self.nodes[child as usize].on_device {
+            self.nodes[parent as usize].device_children += 1;
+        }
         let key = self.page_key(&self.node_tokens(child)[..p]);
         let children = &mut self.nodes[parent as usize].children;
         if let std::collections::hash_map::Entry::Vacant(e) = children.by_first_page.entry(key) {
@@ -331,6 +374,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
 
     pub(super) fn remove_child(&mut self, parent: u32, child: u32) {
         let p = self.page_size as usize;
+        if self.nodes[child as usize].on_device {
+            self.nodes[parent as usize].device_children -= 1;
+        }
         let key = self.page_key(&self.node_tokens(child)[..p]);
         let children = &mut self.nodes[parent as usize].children;
         if children.by_first_page.get(&key) == Some(&child) {
@@ -338,7 +384,14 @@ impl<P: EvictionPolicy> RadixCache<P> {
             // Promote a colliding child into the map slot.
             if let Some(pos) = children.overflow.iter().position(|_| true) {
                 let other = children.overflow.swap_remove(pos);
-                self.add_child(parent, other);
+                let key = self.page_key(&self.node_tokens(other)[..p]);
+                let children = &mut self.nodes[parent as usize].children;
+                match children.by_first_page.entry(key) {
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(other);
+                    }
+                    std::collections::hash_map::Entry::Occupied(_) => children.overflow.push(other),
+                }
             }
         } else {
             children.overflow.retain(|&c| c != child);
@@ -382,11 +435,17 @@ impl<P: EvictionPolicy> RadixCache<P> {
             let len = self.nodes[i as usize].len;
             self.tokens.copy_within(start..start + len, w);
             self.slots.copy_within(start..start + len, w);
+            if self.tier.is_some() {
+                self.host_slots.copy_within(start..start + len, w);
+            }
             self.nodes[i as usize].start = w;
             w += len;
         }
         self.tokens.truncate(w);
         self.slots.truncate(w);
+        if self.tier.is_some() {
+            self.host_slots.truncate(w);
+        }
         self.dead_tokens = 0;
     }
 }

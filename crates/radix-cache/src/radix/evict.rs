@@ -41,7 +41,12 @@ impl<P: EvictionPolicy> RadixCache<P> {
     }
 
     /// Removes the last `n` tokens (whole pages) of evictable leaf `i`, or the whole leaf.
-    fn evict_from(&mut self, i: u32, n: usize, alloc: &mut dyn Allocator) -> Result<usize> {
+    pub(super) fn evict_from(
+        &mut self,
+        i: u32,
+        n: usize,
+        alloc: &mut dyn Allocator,
+    ) -> Result<usize> {
         let len = self.nodes[i as usize].len;
         let n = n.min(len);
         let start = self.nodes[i as usize].start;

@@ -23,10 +23,24 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
     }
 
-    /// Unlocked, childless and not a root: what the index must hold.
+    /// Unlocked, on device, with no child on device, and not a root: what the index must hold
+    /// (without a host tier every node is on device, so: unlocked and childless).
     pub(super) fn is_evictable_leaf(&self, i: u32) -> bool {
         let n = &self.nodes[i as usize];
-        n.live && n.parent != NONE && n.lock_ref == 0 && n.children.is_empty()
+        n.live && n.parent != NONE && n.lock_ref == 0 && n.device_children == 0 && n.on_device
+    }
+
+    /// Host-only, backed up, childless, unlocked, unpinned and not a root: what the host index
+    /// must hold (never true without a host tier).
+    pub(super) fn is_host_leaf(&self, i: u32) -> bool {
+        let n = &self.nodes[i as usize];
+        n.live
+            && n.parent != NONE
+            && !n.on_device
+            && n.backed_up
+            && n.lock_ref == 0
+            && n.host_ref == 0
+            && n.children.is_empty()
     }
 
     /// Re-derives `i`'s place in the evictable index after any change to it.
@@ -39,6 +53,28 @@ impl<P: EvictionPolicy> RadixCache<P> {
             let key = self.policy.key(&stats);
             self.index.insert((key, i));
             self.nodes[i as usize].indexed = Some(key);
+        }
+        if self.tier.is_some() {
+            self.refresh_host(i);
+        }
+    }
+
+    /// Re-derives `i`'s place in the host-evictable index (a cache with a host tier only).
+    fn refresh_host(&mut self, i: u32) {
+        let should = self.is_host_leaf(i);
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        if let Some(old) = tier.keys.remove(&i) {
+            tier.index.remove(&(old, i));
+        }
+        if should {
+            let stats = self.stats(i);
+            let key = self.policy.key(&stats);
+            if let Some(tier) = self.tier.as_mut() {
+                tier.index.insert((key, i));
+                tier.keys.insert(i, key);
+            }
         }
     }
 
@@ -57,7 +93,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         if let Some(p) = priority {
             n.priority = n.priority.max(p);
         }
-        if n.indexed.is_some() {
+        if n.indexed.is_some() || !n.on_device {
             self.refresh(i);
         }
     }

@@ -1,6 +1,7 @@
 //! Lock counts (SGLang's `inc_lock_ref` / `dec_lock_ref`): a lock covers the path from a node
 //! to its root (the root excluded); a node going 0 → 1 moves its tokens from evictable to
-//! protected and leaves the eviction index, and back. Builds on `arena` and `index`.
+//! protected and leaves the eviction index, and back (host-only nodes move no tokens: a lock
+//! keeps them from host eviction). Builds on `arena` and `index`.
 
 use crate::error::{RadixCacheError, Result};
 use crate::policy::EvictionPolicy;
@@ -21,7 +22,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let mut moved = 0;
         while self.nodes[i as usize].parent != NONE {
             let n = &mut self.nodes[i as usize];
-            let len = n.len;
+            // A host-only node holds no device tokens: its lock only keeps it from host
+            // eviction.
+            let len = if n.on_device { n.len } else { 0 };
             match delta {
                 LockDelta::Inc => {
                     n.lock_ref += 1;

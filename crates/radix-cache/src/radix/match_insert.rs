@@ -43,6 +43,19 @@ pub(super) struct Matched {
     pub(super) len: usize,
 }
 
+/// What [`RadixCache::match_impl`] found: the whole match, and its part on device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct TieredMatch {
+    /// The deepest matched node (on device or host-only).
+    pub(super) last: u32,
+    /// Tokens matched, host-only nodes included.
+    pub(super) len: usize,
+    /// The deepest matched node on device (`last` without a host tier).
+    pub(super) device: u32,
+    /// Tokens matched on device (`len` without a host tier); that many slots were appended.
+    pub(super) device_len: usize,
+}
+
 /// Longest common prefix of two token slices, compared 32 tokens at a time.
 fn lcp(a: &[u32], b: &[u32]) -> usize {
     const CHUNK: usize = 32;
@@ -88,6 +101,11 @@ impl<P: EvictionPolicy> RadixCache<P> {
             end_hash: upper_end_hash,
             digests: Vec::new(),
             indexed: None,
+            on_device: c.on_device,
+            backed_up: c.backed_up,
+            // A pin protects the lower half from host eviction; the upper half has a child.
+            host_ref: 0,
+            device_children: 0,
         };
         if !c.digests.is_empty() {
             upper.digests = c.digests[..at / p].to_vec();
@@ -107,7 +125,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
         self.add_child(u, child);
         // The lower half keeps its place in the index, but its length and depth changed.
-        if self.nodes[child as usize].indexed.is_some() {
+        let lower = &self.nodes[child as usize];
+        if lower.indexed.is_some() || self.tier.is_some() {
             self.refresh(child);
         }
         u
@@ -145,7 +164,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
     }
 
     /// Walks `key` (floored to pages here) from `root`, splitting a node matched part-way.
-    fn walk_and_split(&mut self, root: u32, key: &[u32]) -> Matched {
+    pub(super) fn walk_and_split(&mut self, root: u32, key: &[u32]) -> Matched {
         let walk = self.walk(root, key);
         match walk.partial {
             Some(PartialMatch { child, len }) => Matched {
@@ -159,24 +178,39 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
     }
 
-    /// SGLang's `match_prefix` under `root`: appends the matched slots to `out` (if given) and
-    /// refreshes the access time of the matched path.
+    /// The deepest node on device at or above `i`, and the tokens from the root through it.
+    pub(super) fn device_ancestor(&self, mut i: u32) -> (u32, usize) {
+        while !self.nodes[i as usize].on_device {
+            i = self.nodes[i as usize].parent;
+        }
+        let n = &self.nodes[i as usize];
+        (i, n.depth + n.len)
+    }
+
+    /// SGLang's `match_prefix` under `root`: appends the slots of the matched path's on-device
+    /// part to `out` (if given) and refreshes the access time of the whole matched path (host-only
+    /// nodes at its end included).
     pub(super) fn match_impl(
         &mut self,
         root: u32,
         key: &[u32],
         out: Option<&mut Vec<Slot>>,
-    ) -> Matched {
+    ) -> TieredMatch {
         let p = self.page_size as usize;
         let key = &key[..floor_to_page(key.len(), p)];
         self.tick();
         let m = self.walk_and_split(root, key);
+        let (device, device_len) = if self.tier.is_some() {
+            self.device_ancestor(m.last)
+        } else {
+            (m.last, m.len)
+        };
         // Visit the matched path bottom-up: access times, and the slots (collected in reverse).
         if let Some(out) = out {
             let base = out.len();
-            out.resize(base + m.len, Slot::PADDING);
-            let mut end = base + m.len;
-            let mut i = m.last;
+            out.resize(base + device_len, Slot::PADDING);
+            let mut end = base + device_len;
+            let mut i = device;
             while self.nodes[i as usize].parent != NONE {
                 let n = self.nodes[i as usize].len;
                 out[end - n..end].copy_from_slice(self.node_slots(i));
@@ -189,11 +223,17 @@ impl<P: EvictionPolicy> RadixCache<P> {
             self.touch(i, false, None);
             i = self.nodes[i as usize].parent;
         }
-        m
+        TieredMatch {
+            last: m.last,
+            len: m.len,
+            device,
+            device_len,
+        }
     }
 
     /// SGLang's `insert` under `root` (`key` is floored to pages here; `slots` has one entry per
-    /// key token).
+    /// key token). Host-only nodes on the matched path are revived: the caller's slots for them
+    /// become their device slots, so `prefix_len` counts only the tokens already on device.
     pub(super) fn insert_impl(
         &mut self,
         root: u32,
@@ -214,26 +254,91 @@ impl<P: EvictionPolicy> RadixCache<P> {
             self.touch(i, !opts.chunked, Some(opts.priority));
             i = self.nodes[i as usize].parent;
         }
+        let on_device = if self.tier.is_some() {
+            self.revive_path(node, slots)
+        } else {
+            pos
+        };
         if pos == key.len() {
             return InsertResult {
-                prefix_len: pos,
-                inserted: 0,
+                prefix_len: on_device,
+                inserted: pos - on_device,
                 last_node: self.id(node),
             };
         }
-        let leaf = self.new_leaf(node, &key[pos..], &slots[pos..key.len()], opts);
+        let leaf = self.new_leaf(node, &key[pos..], &slots[pos..key.len()], opts, true);
         InsertResult {
-            prefix_len: pos,
-            inserted: key.len() - pos,
+            prefix_len: on_device,
+            inserted: key.len() - on_device,
             last_node: self.id(leaf),
         }
     }
 
-    fn new_leaf(&mut self, parent: u32, key: &[u32], slots: &[Slot], opts: InsertOptions) -> u32 {
+    /// Revives the host-only nodes at the end of the path root → `last`: `slots` (one per token
+    /// from the root) become their device slots. Returns the tokens that were on device before.
+    fn revive_path(&mut self, last: u32, slots: &[Slot]) -> usize {
+        let (top, device_len) = self.device_ancestor(last);
+        let mut chain = Vec::new();
+        let mut i = last;
+        while i != top {
+            chain.push(i);
+            i = self.nodes[i as usize].parent;
+        }
+        for &i in chain.iter().rev() {
+            let n = &self.nodes[i as usize];
+            let (start, depth, len) = (n.start, n.depth, n.len);
+            self.slots[start..start + len].copy_from_slice(&slots[depth..depth + len]);
+            self.attach_device(i);
+        }
+        device_len
+    }
+
+    /// Makes host-only node `i` (whose parent is on device) an on-device node again, its device
+    /// slots already written to the arena: sizes, the parent's device-child count, both
+    /// indexes, and a `BlockStored` event.
+    pub(super) fn attach_device(&mut self, i: u32) {
+        let n = &mut self.nodes[i as usize];
+        debug_assert!(!n.on_device);
+        n.on_device = true;
+        let (parent, len, locked) = (n.parent, n.len, n.lock_ref > 0);
+        if locked {
+            self.protected += len;
+        } else {
+            self.evictable += len;
+        }
+        self.nodes[parent as usize].device_children += 1;
+        if self.events_enabled {
+            let p = self.page_size as usize;
+            let parent_block = self.parent_block(parent);
+            let n = &self.nodes[i as usize];
+            self.events.push(KvEvent::BlockStored {
+                block_hashes: n.digests.iter().map(digest_to_block_id).collect(),
+                parent_block_hash: parent_block,
+                token_ids: self.node_tokens(i).to_vec(),
+                block_size: p as u32,
+            });
+        }
+        self.refresh(i);
+        self.refresh(parent);
+    }
+
+    /// A new child of `parent` holding `key` with device `slots` (`on_device`), or a host-only
+    /// child whose host slots the caller writes (`!on_device`: no event, no device size).
+    pub(super) fn new_leaf(
+        &mut self,
+        parent: u32,
+        key: &[u32],
+        slots: &[Slot],
+        opts: InsertOptions,
+        on_device: bool,
+    ) -> u32 {
         let p = self.page_size as usize;
         let start = self.tokens.len();
         self.tokens.extend_from_slice(key);
         self.slots.extend_from_slice(slots);
+        if self.tier.is_some() {
+            self.host_slots.resize(self.tokens.len(), Slot::PADDING);
+        }
         let par = &self.nodes[parent as usize];
         let start_hash = par.end_hash;
         let depth = par.depth + par.len;
@@ -242,25 +347,29 @@ impl<P: EvictionPolicy> RadixCache<P> {
         } else {
             0
         };
-        let digests = if self.events_enabled {
+        // Digests serve events and, with an L3 store, storage keys.
+        let keep_digests = self.events_enabled || self.tier.as_ref().is_some_and(|t| t.storage);
+        let digests = if keep_digests {
             let mut prev = par
                 .digests
                 .last()
                 .copied()
                 .or_else(|| self.last_digest_above(parent));
-            let parent_block = prev.as_ref().map(digest_to_block_id);
+            let parent_block = self.parent_block(parent);
             let mut d = Vec::with_capacity(key.len() / p);
             for page in key.chunks(p) {
                 let digest = page_digest(prev.as_ref(), page);
                 d.push(digest);
                 prev = Some(digest);
             }
-            self.events.push(KvEvent::BlockStored {
-                block_hashes: d.iter().map(digest_to_block_id).collect(),
-                parent_block_hash: parent_block,
-                token_ids: key.to_vec(),
-                block_size: self.page_size,
-            });
+            if on_device && self.events_enabled {
+                self.events.push(KvEvent::BlockStored {
+                    block_hashes: d.iter().map(digest_to_block_id).collect(),
+                    parent_block_hash: parent_block,
+                    token_ids: key.to_vec(),
+                    block_size: self.page_size,
+                });
+            }
             d
         } else {
             Vec::new()
@@ -283,19 +392,36 @@ impl<P: EvictionPolicy> RadixCache<P> {
             end_hash,
             digests,
             indexed: None,
+            on_device,
+            backed_up: false,
+            host_ref: 0,
+            device_children: 0,
         });
         self.add_child(parent, leaf);
-        self.evictable += key.len();
-        // The parent may have been an evictable leaf.
-        if self.nodes[parent as usize].indexed.is_some() {
+        if on_device {
+            self.evictable += key.len();
+        }
+        // The parent may have been an evictable leaf (of either index).
+        let par = &self.nodes[parent as usize];
+        if par.indexed.is_some() || self.tier.is_some() {
             self.refresh(parent);
         }
         self.refresh(leaf);
         leaf
     }
 
-    /// The block digest of the nearest page above node `i` (inclusive), for chaining events.
-    fn last_digest_above(&self, mut i: u32) -> Option<PageDigest> {
+    /// The block id an event reports as the parent of pages stored below node `i`: its last
+    /// page's, or none below a root (whose digest, if any, is only its namespace's seed).
+    fn parent_block(&self, i: u32) -> Option<i64> {
+        if self.nodes[i as usize].parent == NONE {
+            return None;
+        }
+        self.last_digest_above(i).map(|d| digest_to_block_id(&d))
+    }
+
+    /// The block digest of the nearest page above node `i` (inclusive), for chaining events (a
+    /// non-default namespace's root holds its seed).
+    pub(super) fn last_digest_above(&self, mut i: u32) -> Option<PageDigest> {
         while i != NONE {
             if let Some(d) = self.nodes[i as usize].digests.last() {
                 return Some(*d);

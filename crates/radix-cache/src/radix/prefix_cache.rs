@@ -10,7 +10,9 @@ use crate::events::KvEvent;
 use crate::policy::EvictionPolicy;
 use crate::radix::arena::{RadixCache, NONE};
 use crate::radix::lock::LockDelta;
+use crate::radix::match_insert::Walk;
 use crate::request::ReqView;
+use crate::tiers::{LoadBack, TierStats};
 use crate::{InsertOptions, InsertResult, MatchResult, NodeId, PrefixCache, PrefixPeek};
 
 impl<P: EvictionPolicy> RadixCache<P> {
@@ -46,7 +48,31 @@ impl<P: EvictionPolicy> RadixCache<P> {
         if ins.prefix_len > protected {
             alloc.free(&slots[protected..ins.prefix_len])?;
         }
+        if self.tier.is_some() {
+            let last = self.resolve(ins.last_node)?;
+            self.write_through_after_insert(last, chunked)?;
+        }
         Ok(root)
+    }
+}
+
+impl<P: EvictionPolicy> RadixCache<P> {
+    /// A walk's on-device part, as `peek_prefix` reports it with a host tier: host-only nodes
+    /// are not a prefix the request can use without a load-back.
+    fn device_peek(&self, walk: Walk) -> PrefixPeek {
+        match walk.partial {
+            Some(partial) if self.nodes[partial.child as usize].on_device => PrefixPeek {
+                len: walk.len(),
+                deepest: Some(self.id(partial.child)),
+            },
+            _ => {
+                let (node, len) = self.device_ancestor(walk.node);
+                PrefixPeek {
+                    len,
+                    deepest: (len > 0).then(|| self.id(node)),
+                }
+            }
+        }
     }
 }
 
@@ -72,9 +98,14 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
     ) -> MatchResult {
         let root = self.root_index(extra_key);
         let m = self.match_impl(root, key, Some(out));
+        if let Some(tier) = self.tier.as_mut() {
+            tier.stats.device_hit_tokens += m.device_len as u64;
+        }
         MatchResult {
-            len: m.len,
-            last_node: self.id(m.last),
+            len: m.device_len,
+            last_node: self.id(m.device),
+            host_hit_len: m.len - m.device_len,
+            last_host_node: self.id(m.last),
         }
     }
 
@@ -84,6 +115,9 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         };
         let key = &key[..floor_to_page(key.len(), self.page_size as usize)];
         let walk = self.walk(root, key);
+        if self.tier.is_some() {
+            return self.device_peek(walk);
+        }
         // A node matched part-way counts as reached; nothing matched reaches no node.
         let deepest = match walk.partial {
             Some(partial) => Some(partial.child),
@@ -109,6 +143,9 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
             self.touch(i, false, None);
             i = self.nodes[i as usize].parent;
         }
+        if self.tier.is_some() {
+            return self.device_peek(walk);
+        }
         PrefixPeek {
             len: walk.len(),
             deepest: (walk.len() > 0).then(|| self.id(deepest)),
@@ -131,6 +168,10 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         crate::error::check_insert_lengths(key, slots)?;
         let root = self.root_index(extra_key);
         let r = self.insert_impl(root, key, slots, opts);
+        if self.tier.is_some() {
+            let last = self.resolve(r.last_node)?;
+            self.write_through_after_insert(last, opts.chunked)?;
+        }
         self.maybe_compact();
         Ok(r)
     }
@@ -152,14 +193,14 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         // Re-match for the tree's canonical slots and the new last node.
         let mut canonical = Vec::with_capacity(committed);
         let m = self.match_impl(root, &req.tokens[..aligned], Some(&mut canonical));
-        debug_assert_eq!(m.len, aligned);
+        debug_assert_eq!(m.device_len, aligned);
         rows.write(req.row, protected, &canonical[protected..aligned])?;
-        self.lock_path(m.last, LockDelta::Inc);
+        self.lock_path(m.device, LockDelta::Inc);
         let old = self.resolve(req.state.last_node)?;
         self.lock_path(old, LockDelta::Dec);
         canonical.extend_from_slice(&slots[aligned..committed]);
         req.state.cache_protected_len = aligned;
-        req.state.last_node = self.id(m.last);
+        req.state.last_node = self.id(m.device);
         req.state.prefix_slots = canonical;
         self.maybe_compact();
         Ok(())
@@ -198,6 +239,9 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
     }
 
     fn evict(&mut self, num_tokens: usize, alloc: &mut dyn Allocator) -> Result<usize> {
+        if self.tier.is_some() {
+            return self.evict_tiered(num_tokens, alloc);
+        }
         self.evict_tokens(num_tokens, alloc)
     }
 
@@ -230,13 +274,31 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
                 self.protected
             )));
         }
+        if let Some(tier) = self.tier.as_ref() {
+            if !tier.ops.is_empty() || !tier.prefetches.is_empty() {
+                return Err(RadixCacheError::InvalidRequest(format!(
+                    "reset while {} tier operations and {} prefetches are in flight",
+                    tier.ops.len(),
+                    tier.prefetches.len()
+                )));
+            }
+        }
         let mut all = Vec::with_capacity(self.evictable);
+        let mut host = Vec::new();
         for (i, n) in self.nodes.iter().enumerate() {
             if n.live && n.parent != NONE {
-                all.extend_from_slice(self.node_slots(i as u32));
+                if n.on_device {
+                    all.extend_from_slice(self.node_slots(i as u32));
+                }
+                if n.backed_up {
+                    host.extend_from_slice(self.node_host_slots(i as u32));
+                }
             }
         }
         alloc.free(&all)?;
+        if let Some(tier) = self.tier.as_mut() {
+            tier.host.free(&host)?;
+        }
         // The policy, the options, the clock and pending events survive a reset.
         self.clear_tree();
         if self.events_enabled {
@@ -251,7 +313,7 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
 
     fn claim_ownership(&self, check: &mut OwnershipCheck) {
         for (i, n) in self.nodes.iter().enumerate() {
-            if n.live && n.parent != NONE {
+            if n.live && n.parent != NONE && n.on_device {
                 check.claim(Owner::TreeNode(i as u64), self.node_slots(i as u32));
             }
         }
@@ -259,5 +321,44 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
 
     fn check_invariants(&self) -> std::result::Result<(), String> {
         RadixCache::check_invariants(self)
+    }
+
+    fn check_hicache_events(&mut self) -> Result<()> {
+        self.process_acks()
+    }
+
+    fn init_load_back(
+        &mut self,
+        last_host_node: NodeId,
+        out: &mut Vec<Slot>,
+        alloc: &mut dyn Allocator,
+        mem_quota: usize,
+    ) -> Result<LoadBack> {
+        self.init_load_back_impl(last_host_node, out, alloc, mem_quota)
+    }
+
+    fn write_back_path(&mut self, node: NodeId) -> Result<usize> {
+        self.write_back_path_impl(node)
+    }
+
+    fn prefetch_from_storage(
+        &mut self,
+        rid: u64,
+        key: &[u32],
+        extra_key: Option<&str>,
+    ) -> Result<()> {
+        self.prefetch_from_storage_impl(rid, key, extra_key)
+    }
+
+    fn check_prefetch_progress(&mut self, rid: u64, now_s: f64) -> Result<bool> {
+        self.check_prefetch_progress_impl(rid, now_s)
+    }
+
+    fn release_prefetch(&mut self, rid: u64) -> Result<()> {
+        self.release_prefetch_impl(rid)
+    }
+
+    fn tier_stats(&self) -> Option<TierStats> {
+        self.tier_stats_impl()
     }
 }

@@ -181,6 +181,10 @@ impl<C: PrefixCache> RequestHarness<C> {
     /// Checks the cache's invariants and proves the partition: free pages, the cache's pages
     /// and each live request's private slots `[protected, committed)`; then logs the step.
     pub fn step(&mut self, what: &str) {
+        // A cache with a host tier finishes its copies (a scheduler does this every step).
+        self.cache
+            .check_hicache_events()
+            .unwrap_or_else(|e| panic!("after {what}: hicache events: {e}"));
         if let Err(e) = self.cache.check_invariants() {
             panic!("after {what}: {e}");
         }

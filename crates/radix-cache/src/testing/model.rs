@@ -89,12 +89,7 @@ struct Model {
 }
 
 impl Model {
-    fn apply(
-        &mut self,
-        events: Vec<KvEvent>,
-        page: usize,
-        tokens_slots: &HashMap<Vec<u32>, Vec<Slot>>,
-    ) {
+    fn apply(&mut self, events: Vec<KvEvent>, page: usize, page_slots: &HashMap<i64, Vec<Slot>>) {
         for e in events {
             match e {
                 KvEvent::BlockStored {
@@ -102,13 +97,12 @@ impl Model {
                     token_ids,
                     ..
                 } => {
-                    // Look up the stored pages' slots from what we inserted.
-                    let slots = tokens_slots.get(&token_ids).cloned();
-                    for (k, h) in block_hashes.iter().enumerate() {
-                        let s = slots
-                            .as_ref()
-                            .map(|s| s[k * page..(k + 1) * page].to_vec())
-                            .unwrap_or_default();
+                    // Look up the stored pages' slots from what we inserted, page by page (a
+                    // run may be stored in parts: a cache with a host tier revives host-only
+                    // nodes inside an inserted run one node at a time).
+                    debug_assert_eq!(token_ids.len(), block_hashes.len() * page);
+                    for h in &block_hashes {
+                        let s = page_slots.get(h).cloned().unwrap_or_default();
                         assert!(self.pages.insert(*h, s).is_none(), "page stored twice");
                     }
                 }
@@ -174,8 +168,8 @@ pub(super) fn run_with<C: PrefixCache>(mut cache: C, ops: &[CacheOp], driver: &m
     let reuses = cache.reuses_prefixes();
     for (i, op) in ops.iter().enumerate() {
         driver.before_op(&mut cache, i);
-        // Stored run token ids → their slots, for the events of this op.
-        let mut stored: HashMap<Vec<u32>, Vec<Slot>> = HashMap::new();
+        // Block id of each page this op inserts → its slots, for the events of this op.
+        let mut stored: HashMap<i64, Vec<Slot>> = HashMap::new();
         match *op {
             CacheOp::Insert(b, l, prio) => {
                 let key = &bases[b][..l];
@@ -199,10 +193,14 @@ pub(super) fn run_with<C: PrefixCache>(mut cache: C, ops: &[CacheOp], driver: &m
                 }
                 prefix.extend_from_slice(&fresh);
                 let aligned = key.len() / p * p;
-                stored.insert(
-                    key[m.len..aligned].to_vec(),
-                    prefix[m.len..aligned].to_vec(),
-                );
+                let mut prev = None;
+                for (k, page_tokens) in key[..aligned].chunks_exact(p).enumerate() {
+                    let d = page_digest(prev.as_ref(), page_tokens);
+                    if k * p >= m.len {
+                        stored.insert(digest_to_block_id(&d), prefix[k * p..(k + 1) * p].to_vec());
+                    }
+                    prev = Some(d);
+                }
                 let opts = InsertOptions {
                     priority: prio,
                     chunked: false,
@@ -256,6 +254,8 @@ pub(super) fn run_with<C: PrefixCache>(mut cache: C, ops: &[CacheOp], driver: &m
                 );
             }
         }
+        // A cache with a host tier finishes its copies (a scheduler does this every step).
+        cache.check_hicache_events().expect("hicache events");
         model.apply(cache.take_events(), p, &stored);
         if let Err(e) = cache.check_invariants() {
             panic!("after {op:?}: {e}");

@@ -1,0 +1,158 @@
+//! Acknowledgements (SGLang's `HiRadixCache.writing_check` / `loading_check` and the storage
+//! ack queues), processed once per scheduler step by
+//! [`crate::PrefixCache::check_hicache_events`]: written nodes are unlocked and (with storage)
+//! handed to the L3 backup, loaded chains unlocked, backups unpin their host pages, prefetch
+//! queries and copies advance their prefetch. Also the prefetch stop decision
+//! (`check_prefetch_progress`), which may wait for a cancelled copy's ack. The top of the tier
+//! modules: builds on `arena`, `index`, `lock`, `tier` and `prefetch`.
+
+use kv_pool::tier::AckOutcome;
+use kv_pool::Allocator;
+
+use crate::error::Result;
+use crate::policy::EvictionPolicy;
+use crate::radix::arena::{RadixCache, NONE};
+use crate::radix::host::{PendingOp, PrefetchStage};
+use crate::radix::lock::LockDelta;
+use crate::tiers::PrefetchPolicy;
+use crate::NodeId;
+
+impl<P: EvictionPolicy> RadixCache<P> {
+    /// See [`crate::PrefixCache::check_hicache_events`].
+    pub(super) fn process_acks(&mut self) -> Result<()> {
+        let Some(tier) = self.tier.as_mut() else {
+            return Ok(());
+        };
+        let acks = tier.controller.poll_acks();
+        for ack in acks {
+            let tier = self.tier_mut();
+            let Some(pending) = tier.ops.remove(&ack.op) else {
+                // An op whose requester is gone (a prefetch query stopped early).
+                continue;
+            };
+            let failed = matches!(ack.outcome, AckOutcome::Failed(_));
+            if failed {
+                tier.stats.ops_failed += 1;
+            }
+            match pending {
+                PendingOp::Write { node, len, unlock } => {
+                    tier.stats.writes_acked += 1;
+                    if unlock {
+                        self.unlock_node(node)?;
+                    }
+                    if let Some(host) = self.tier_mut().orphans.remove(&ack.op) {
+                        self.tier_mut().host.free(&host)?;
+                        continue;
+                    }
+                    let i = self.resolve(node)?;
+                    let storage = self.tier.as_ref().is_some_and(|t| t.storage);
+                    if storage && !failed {
+                        self.backup_written(i, len);
+                    } else {
+                        self.unpin(i);
+                    }
+                }
+                PendingOp::Load { node } => {
+                    tier.stats.loads_acked += 1;
+                    self.unlock_node(node)?;
+                }
+                PendingOp::Backup { node } => {
+                    tier.stats.backups_acked += 1;
+                    if let Some(host) = tier.orphans.remove(&ack.op) {
+                        tier.host.free(&host)?;
+                        continue;
+                    }
+                    let i = self.resolve(node)?;
+                    self.unpin(i);
+                }
+                PendingOp::Query { rid } => self.on_query_ack(rid, &ack.outcome)?,
+                PendingOp::Prefetch { rid } => self.on_prefetch_ack(rid, &ack.outcome)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands written node `i` to the L3 backup, with the upper halves of splits since the
+    /// write (together `len` tokens ending at `i`): one backup per node, each pinning it (the
+    /// write's pin on `i` moves to its backup).
+    fn backup_written(&mut self, i: u32, len: usize) {
+        let mut covered = 0;
+        let mut j = i;
+        while covered < len && self.nodes[j as usize].parent != NONE {
+            let keys = self.node_page_keys(j);
+            let host = self.node_host_slots(j).to_vec();
+            if j != i {
+                self.nodes[j as usize].host_ref += 1;
+                self.refresh(j);
+            }
+            let node = self.id(j);
+            let tier = self.tier_mut();
+            let op = tier.controller.backup(&host, &keys);
+            tier.ops.insert(op, PendingOp::Backup { node });
+            tier.stats.backups_queued += 1;
+            covered += self.nodes[j as usize].len;
+            j = self.nodes[j as usize].parent;
+        }
+    }
+
+    fn unlock_node(&mut self, node: NodeId) -> Result<()> {
+        let i = self.resolve(node)?;
+        self.check_unlock(i)?;
+        self.lock_path(i, LockDelta::Dec);
+        Ok(())
+    }
+
+    fn unpin(&mut self, i: u32) {
+        let n = &mut self.nodes[i as usize];
+        n.host_ref = n.host_ref.saturating_sub(1);
+        self.refresh(i);
+    }
+
+    /// See [`crate::PrefixCache::check_prefetch_progress`].
+    pub(super) fn check_prefetch_progress_impl(&mut self, rid: u64, now_s: f64) -> Result<bool> {
+        let Some(tier) = self.tier.as_mut() else {
+            return Ok(true);
+        };
+        let policy = tier.cfg.prefetch_policy;
+        let Some(pf) = tier.prefetches.get_mut(&rid) else {
+            return Ok(true);
+        };
+        if pf.released {
+            return Ok(true);
+        }
+        let first = *pf.first_check_s.get_or_insert(now_s);
+        let timed_out = now_s - first >= tier.cfg.prefetch_timeout_s(pf.tokens.len());
+        let (op, acked) = match pf.stage {
+            PrefetchStage::Querying(op) => (op, false),
+            PrefetchStage::Fetching { op, landed, .. } => (op, landed.is_some()),
+        };
+        let stop = match policy {
+            PrefetchPolicy::BestEffort => true,
+            PrefetchPolicy::WaitComplete => acked,
+            PrefetchPolicy::Timeout => acked || timed_out,
+        };
+        if !stop {
+            return Ok(false);
+        }
+        if matches!(pf.stage, PrefetchStage::Querying(_)) {
+            // Nothing was fetched yet: drop it (the query's ack is ignored).
+            self.end_prefetch(rid)?;
+            return Ok(true);
+        }
+        if !acked {
+            tier.controller.cancel_prefetch(op);
+            tier.controller.wait(op);
+            self.process_acks()?;
+            let still = self
+                .tier
+                .as_ref()
+                .and_then(|t| t.prefetches.get(&rid))
+                .is_some_and(|pf| matches!(pf.stage, PrefetchStage::Fetching { landed: None, .. }));
+            if still {
+                return Ok(false);
+            }
+        }
+        self.finish_prefetch(rid)?;
+        Ok(true)
+    }
+}
