@@ -10,7 +10,9 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::error::{EngineError, Result};
-use crate::setup::{default_setup, parse_policy, BackendKind, EngineSetup, ModelSource};
+use crate::setup::{
+    default_setup, parse_policy, BackendKind, EngineSetup, HiCacheSetup, ModelSource,
+};
 use crate::sim::Arrivals;
 use crate::workload::{load_mooncake, GspConfig, MultiTurnConfig, RandomConfig, Workload};
 
@@ -23,6 +25,8 @@ pub struct Cli {
 }
 
 /// The subcommands.
+// Parsed once per process: the size of the largest variant (serve's flags) costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Replay a workload through the radix prefix cache and report hit rates per eviction
@@ -384,6 +388,109 @@ pub struct EngineArgs {
     /// Let running decodes ride along in prefill batches.
     #[arg(long, help_heading = "Engine")]
     pub enable_mixed_chunk: bool,
+    #[command(flatten)]
+    pub hicache: HiCacheArgs,
+}
+
+/// SGLang's hierarchical-cache flags (`--enable-hierarchical-cache` and the `--hicache-*`
+/// family), with SGLang's defaults.
+#[derive(Debug, Clone, Args)]
+pub struct HiCacheArgs {
+    /// Keep KV evicted from the device pool in a host pool (and, with a storage backend, in an
+    /// L3 store) and load it back on a hit.
+    #[arg(long, help_heading = "Hierarchical cache")]
+    pub enable_hierarchical_cache: bool,
+    /// Host pool size as a multiple of the device pool (ignored when --hicache-size is given).
+    #[arg(
+        long,
+        value_name = "X",
+        default_value_t = 2.0,
+        help_heading = "Hierarchical cache"
+    )]
+    pub hicache_ratio: f64,
+    /// Host pool size in GB (10^9 bytes); 0: use --hicache-ratio.
+    #[arg(
+        long,
+        value_name = "GB",
+        default_value_t = 0.0,
+        help_heading = "Hierarchical cache"
+    )]
+    pub hicache_size: f64,
+    /// When device KV is copied to the host: write_through (at the first hit),
+    /// write_through_selective (at the second), write_back (on eviction).
+    #[arg(
+        long,
+        default_value = "write_through",
+        help_heading = "Hierarchical cache"
+    )]
+    pub hicache_write_policy: String,
+    /// Host pool memory layout: layer_first, page_first, page_first_direct.
+    #[arg(
+        long,
+        default_value = "page_first",
+        help_heading = "Hierarchical cache"
+    )]
+    pub hicache_mem_layout: String,
+    /// L3 store behind the host pool: file (a directory) or redis.
+    #[arg(long, value_name = "BACKEND", help_heading = "Hierarchical cache")]
+    pub hicache_storage_backend: Option<String>,
+    /// When a prefetch from L3 stops: best_effort, wait_complete, timeout.
+    #[arg(long, default_value = "timeout", help_heading = "Hierarchical cache")]
+    pub hicache_storage_prefetch_policy: String,
+    /// The storage backend's settings as JSON (or @FILE): `file_path` for file, `url` or
+    /// `urls` (a cluster) for redis, SGLang's prefetch keys.
+    #[arg(long, value_name = "JSON", help_heading = "Hierarchical cache")]
+    pub hicache_storage_backend_extra_config: Option<String>,
+}
+
+impl HiCacheArgs {
+    /// The hierarchical cache these flags describe (`None` without
+    /// `--enable-hierarchical-cache`); every value is checked, naming its flag.
+    pub fn setup(&self) -> Result<Option<HiCacheSetup>> {
+        if !self.enable_hierarchical_cache {
+            if self.hicache_storage_backend.is_some() {
+                return Err(EngineError::arg(
+                    "--hicache-storage-backend",
+                    "an L3 store sits behind the host tier: add --enable-hierarchical-cache",
+                ));
+            }
+            return Ok(None);
+        }
+        let arg = |flag: &'static str| move |e: String| EngineError::arg(flag, e);
+        let storage_config = match &self.hicache_storage_backend_extra_config {
+            None => hicache::storage::StorageConfig::default(),
+            Some(text) => hicache::storage::StorageConfig::from_arg(text).map_err(|e| {
+                EngineError::arg("--hicache-storage-backend-extra-config", e.to_string())
+            })?,
+        };
+        Ok(Some(HiCacheSetup {
+            write_policy: self
+                .hicache_write_policy
+                .parse()
+                .map_err(|e: radix_cache::RadixCacheError| e.to_string())
+                .map_err(arg("--hicache-write-policy"))?,
+            mem_layout: self
+                .hicache_mem_layout
+                .parse()
+                .map_err(|e: kv_pool::KvPoolError| e.to_string())
+                .map_err(arg("--hicache-mem-layout"))?,
+            ratio: self.hicache_ratio,
+            size_gb: self.hicache_size,
+            storage: self
+                .hicache_storage_backend
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .map_err(|e: hicache::storage::StorageError| e.to_string())
+                .map_err(arg("--hicache-storage-backend"))?,
+            storage_config,
+            prefetch_policy: self
+                .hicache_storage_prefetch_policy
+                .parse()
+                .map_err(|e: radix_cache::RadixCacheError| e.to_string())
+                .map_err(arg("--hicache-storage-prefetch-policy"))?,
+        }))
+    }
 }
 
 impl EngineArgs {
@@ -420,6 +527,7 @@ impl EngineArgs {
             (self.chunked_prefill_size > 0).then_some(self.chunked_prefill_size as usize);
         setup.scheduler.max_prefill_tokens = self.max_prefill_tokens;
         setup.scheduler.schedule_policy = parse_policy(&self.schedule_policy)?;
+        setup.hicache = self.hicache.setup()?;
         Ok(setup)
     }
 }

@@ -163,6 +163,8 @@ pub struct EngineInfo {
     pub output_tokens: usize,
     /// A prefill or decode server's PD queues and transfer counters.
     pub disaggregation: Option<serde_json::Value>,
+    /// The hierarchical cache: hit tokens per tier, the host pool, the tiers' counters.
+    pub hicache: Option<serde_json::Value>,
 }
 
 /// A handle to a running engine loop.
@@ -291,6 +293,7 @@ fn info(s: &Scheduler, pd: Option<&PdSide>) -> EngineInfo {
         cached_tokens: s.stats.cached_tokens,
         output_tokens: s.stats.output_tokens,
         disaggregation: pd.map(|p| p.info(s)),
+        hicache: crate::engine_metrics::HiCacheMetrics::of(s).map(|h| h.to_json()),
     }
 }
 
@@ -306,6 +309,7 @@ fn run(
     mut pd: Option<PdSide>,
 ) {
     let mut live: LiveMap = HashMap::new();
+    let started = Instant::now();
     loop {
         metrics.publish(&s);
         if let Some(p) = &pd {
@@ -314,8 +318,10 @@ fn run(
         // Idle: block for work. Waiting on PD peers: wake often to poll them. Busy: take what
         // is there and go on stepping.
         let pd_work = pd.as_ref().is_some_and(PdSide::has_work);
-        let mut next = if s.is_idle() {
-            let wait = if pd_work {
+        // HiCache copies in flight with no request to run: poll their acks now and then.
+        let io_only = !s.has_requests() && s.has_cache_io();
+        let mut next = if !s.has_requests() {
+            let wait = if pd_work || io_only {
                 PD_POLL_INTERVAL
             } else {
                 Duration::from_secs(3600)
@@ -335,6 +341,7 @@ fn run(
                     _ => submit(&mut s, &mut exec, &mut live, *sub),
                 },
                 Command::Flush(reply) => {
+                    settle_cache_io(&mut s);
                     let r = if s.is_idle() && !pd_work {
                         s.flush_cache().map_err(|e| e.to_string())
                     } else {
@@ -343,6 +350,7 @@ fn run(
                     let _ = reply.send(r);
                 }
                 Command::Info(reply) => {
+                    settle_cache_io(&mut s);
                     let _ = reply.send(info(&s, pd.as_ref()));
                 }
                 Command::Shutdown => {
@@ -364,6 +372,7 @@ fn run(
         }
         if !s.is_idle() {
             metrics.publish(&s);
+            s.set_time(started.elapsed().as_secs_f64());
             if let Err(e) = step(&mut s, &mut exec) {
                 // A failed step is a bug; fail every request rather than hang them.
                 for (_, l) in live.drain() {
@@ -373,6 +382,21 @@ fn run(
             }
         }
         deliver(&mut s, &mut exec, &mut live, pd.as_mut());
+    }
+}
+
+/// How long a flush waits for HiCache copies in flight to be acknowledged.
+const SETTLE_CACHE_IO: Duration = Duration::from_secs(10);
+
+/// With no request running: takes the acks of HiCache copies in flight until there are none
+/// (or [`SETTLE_CACHE_IO`] passed), so an idle server's cache is unlocked and can be flushed.
+fn settle_cache_io(s: &mut Scheduler) {
+    let deadline = Instant::now() + SETTLE_CACHE_IO;
+    while !s.has_requests() && s.has_cache_io() && Instant::now() < deadline {
+        if s.poll_cache_events().is_err() {
+            return;
+        }
+        std::thread::sleep(PD_POLL_INTERVAL);
     }
 }
 

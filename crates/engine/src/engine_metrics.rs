@@ -31,6 +31,8 @@ pub struct EngineMetrics {
     recent: Mutex<VecDeque<(Instant, u64)>>,
     /// A prefill or decode server's PD queues and transfer counters.
     pd: Mutex<Option<PdMetrics>>,
+    /// The hierarchical cache, when on.
+    hicache: Mutex<Option<HiCacheMetrics>>,
 }
 
 /// A prefill or decode server's PD queues and transfer counters, as the loop last saw them.
@@ -40,6 +42,139 @@ pub struct PdMetrics {
     pub queues: Vec<(&'static str, u64)>,
     /// The transfer manager's counters.
     pub stats: transfer::pd::PdStats,
+}
+
+/// The hierarchical cache's state, as the loop last saw it: hit tokens per tier and the host
+/// pool (SGLang's HiCache metrics).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HiCacheMetrics {
+    /// Prompt tokens served from device memory (the radix tree's device prefix).
+    pub device_hit_tokens: u64,
+    /// Prompt tokens loaded back from the host tier.
+    pub host_hit_tokens: u64,
+    /// Of the loaded-back tokens, those that came from L3 storage by a prefetch (at most the
+    /// tokens prefetched and inserted).
+    pub storage_hit_tokens: u64,
+    /// The host pool: allocatable slots, slots in use, of those evictable.
+    pub host_slots_total: u64,
+    /// Host slots in use (backed-up nodes, prefetches, pinned pages).
+    pub host_slots_used: u64,
+    /// Host slots host eviction may free now.
+    pub host_slots_evictable: u64,
+    /// The tree's tier counters (copies queued / acknowledged, pages demoted, evicted, dropped).
+    pub tier: radix_cache::TierStats,
+}
+
+impl HiCacheMetrics {
+    /// The counters of the tree's tiers as `(name, help, value)`, for `/metrics` and
+    /// `/get_server_info` alike.
+    pub fn counters(&self) -> [(&'static str, &'static str, u64); 10] {
+        let t = &self.tier;
+        [
+            (
+                "hicache_device_hit_tokens_total",
+                "Prompt tokens served from device memory.",
+                self.device_hit_tokens,
+            ),
+            (
+                "hicache_host_hit_tokens_total",
+                "Prompt tokens loaded back from the host tier.",
+                self.host_hit_tokens,
+            ),
+            (
+                "hicache_storage_hit_tokens_total",
+                "Prompt tokens loaded back after an L3 prefetch brought them to the host tier.",
+                self.storage_hit_tokens,
+            ),
+            (
+                "hicache_writes_total",
+                "Device to host copies (write-through, write-back, retraction).",
+                t.writes_acked,
+            ),
+            (
+                "hicache_loads_total",
+                "Host to device load-backs.",
+                t.loads_acked,
+            ),
+            (
+                "hicache_backups_total",
+                "Host to L3 backups.",
+                t.backups_acked,
+            ),
+            (
+                "hicache_prefetches_total",
+                "L3 to host prefetches.",
+                t.prefetches_acked,
+            ),
+            (
+                "hicache_pages_demoted_total",
+                "Pages evicted from device memory that stayed on the host tier.",
+                t.pages_demoted,
+            ),
+            (
+                "hicache_pages_host_evicted_total",
+                "Pages evicted from the host tier.",
+                t.pages_host_evicted,
+            ),
+            (
+                "hicache_ops_failed_total",
+                "Copies the cache controller reported as failed (L3 failures are misses).",
+                t.ops_failed,
+            ),
+        ]
+    }
+
+    /// The host pool's gauges as `(name, help, value)`.
+    pub fn gauges(&self) -> [(&'static str, &'static str, u64); 3] {
+        [
+            (
+                "hicache_host_slots_total",
+                "Host KV pool size in tokens.",
+                self.host_slots_total,
+            ),
+            (
+                "hicache_host_slots_used",
+                "Host KV pool tokens in use.",
+                self.host_slots_used,
+            ),
+            (
+                "hicache_host_slots_evictable",
+                "Host KV pool tokens host eviction may free now.",
+                self.host_slots_evictable,
+            ),
+        ]
+    }
+
+    /// Every counter and gauge by name (without the `_total` suffix), for `/get_server_info`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        for (name, _, v) in self.counters() {
+            let key = name
+                .trim_start_matches("hicache_")
+                .trim_end_matches("_total");
+            m.insert(key.to_string(), v.into());
+        }
+        for (name, _, v) in self.gauges() {
+            m.insert(name.trim_start_matches("hicache_").to_string(), v.into());
+        }
+        serde_json::Value::Object(m)
+    }
+
+    /// From the scheduler's totals and the tree's tier statistics (`None` without a tier).
+    pub fn of(s: &Scheduler) -> Option<Self> {
+        let t = s.cache().tier_stats()?;
+        let loaded = s.stats.host_hit_tokens as u64;
+        let storage = t.storage_hit_tokens.min(loaded);
+        Some(HiCacheMetrics {
+            device_hit_tokens: (s.stats.cached_tokens as u64).saturating_sub(loaded),
+            host_hit_tokens: loaded - storage,
+            storage_hit_tokens: storage,
+            host_slots_total: t.host_slots_total as u64,
+            host_slots_used: t.host_slots_used as u64,
+            host_slots_evictable: t.host_slots_evictable as u64,
+            tier: t,
+        })
+    }
 }
 
 /// A copy of [`EngineMetrics`] at one moment.
@@ -94,6 +229,7 @@ impl Default for EngineMetrics {
             generation_tokens: AtomicU64::new(0),
             recent: Mutex::new(VecDeque::new()),
             pd: Mutex::new(None),
+            hicache: Mutex::new(None),
         }
     }
 }
@@ -111,6 +247,9 @@ impl EngineMetrics {
             .store(s.stats.prompt_tokens as u64, Relaxed);
         self.cached_tokens
             .store(s.stats.cached_tokens as u64, Relaxed);
+        if let Some(h) = HiCacheMetrics::of(s) {
+            *self.hicache.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+        }
         let generated = s.stats.output_tokens as u64;
         let new = generated.saturating_sub(self.generation_tokens.swap(generated, Relaxed));
         if new > 0 {
@@ -129,6 +268,14 @@ impl EngineMetrics {
     /// The PD queues and counters last published (`None` on a `null`-mode server).
     pub fn pd_snapshot(&self) -> Option<PdMetrics> {
         self.pd.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The hierarchical cache's state last published (`None` without HiCache).
+    pub fn hicache_snapshot(&self) -> Option<HiCacheMetrics> {
+        self.hicache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The current values.

@@ -181,6 +181,7 @@ pub fn run_one(
         cfg.radix,
         &cfg.eviction_policy,
         capacity,
+        None,
     )?;
     let mut exec = SimExecutor {
         cost: cfg.cost.clone(),

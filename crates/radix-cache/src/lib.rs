@@ -288,9 +288,10 @@ pub trait PrefixCache: Send {
             last_node: last_host_node,
         })
     }
-    /// Backs up every node of the path root → `node` not yet on host, whatever its hit count
-    /// (retraction to host: insert the retracted request's committed pages, then call this so
-    /// eviction demotes them instead of deleting); returns the tokens queued. Default: 0.
+    /// Backs up every node of the path root → `node` not yet on host, whatever its hit count,
+    /// and waits for the copies (retraction to host: insert the retracted request's committed
+    /// pages, then call this, so eviction demotes them at once instead of deleting them; the
+    /// nodes are not locked). Returns the tokens copied. Default: 0.
     fn write_back_path(&mut self, _node: NodeId) -> Result<usize> {
         Ok(0)
     }

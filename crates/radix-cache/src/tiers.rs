@@ -245,6 +245,17 @@ pub struct TierStats {
     pub ops_failed: u64,
 }
 
+impl TierStats {
+    /// Copies queued and not yet acknowledged (writes, loads, backups, prefetches): while any
+    /// is, nodes stay locked or pinned, so a scheduler is not idle.
+    pub fn in_flight(&self) -> u64 {
+        (self.writes_queued - self.writes_acked)
+            + (self.loads_queued - self.loads_acked)
+            + (self.backups_queued - self.backups_acked)
+            + (self.prefetches_queued - self.prefetches_acked)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

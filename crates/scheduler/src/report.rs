@@ -131,8 +131,10 @@ pub struct SchedulerStats {
     /// Prompt tokens of admitted requests (a re-admission after retraction counts again, over
     /// prompt + outputs so far).
     pub prompt_tokens: usize,
-    /// Of those, tokens served from the prefix cache.
+    /// Of those, tokens served from the prefix cache (every tier).
     pub cached_tokens: usize,
+    /// Of those, tokens loaded back from the host tier (HiCache).
+    pub host_hit_tokens: usize,
     /// Tokens computed by prefill passes.
     pub prefill_tokens: usize,
     /// Tokens generated.

@@ -94,8 +94,14 @@ pub struct Req {
     pub prefix: PrefixState,
     /// Positions of the current forward pass: `[committed_len, extend_end)`.
     pub extend_end: usize,
-    /// Prompt tokens served from the cache at its (last) admission.
+    /// Prompt tokens served from the cache at its (last) admission (every tier: device, host
+    /// loaded back, storage prefetched).
     pub cached_tokens: usize,
+    /// HiCache: tokens of host-only nodes at the end of its last match (loaded back at
+    /// admission when worth it; 0 without a host tier).
+    pub host_hit_len: usize,
+    /// HiCache: the deepest node of its last match, host-only ones included.
+    pub last_host_node: radix_cache::NodeId,
     /// Times it was retracted (or preempted) and re-queued.
     pub retractions: u32,
     /// Why it finished, once it has.

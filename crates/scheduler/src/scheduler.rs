@@ -19,6 +19,7 @@
 mod checks;
 mod disagg_decode;
 mod disagg_prefill;
+mod hicache;
 mod lifecycle;
 mod output_processor;
 mod preempt;
@@ -83,6 +84,9 @@ pub struct Scheduler<C: PrefixCache = AnyPrefixCache, A: Allocator = AnyAllocato
     steps: u64,
     /// The random policy's generator, seeded from the config.
     rng: SplitMix64,
+    /// Wall-clock seconds the engine last gave ([`Scheduler::set_time`]): what HiCache's
+    /// prefetch timeout measures against (0 unless set).
+    now_s: f64,
     /// Totals since start.
     pub stats: SchedulerStats,
 }
@@ -126,6 +130,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 cfg.new_token_ratio_decay_steps,
             ),
             rng: SplitMix64::new(cfg.seed),
+            now_s: 0.0,
             cfg,
             cache,
             alloc,
@@ -190,7 +195,13 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// [`commit_transferred`](Self::commit_transferred). An engine loop keeps polling while
     /// [`has_pd_work`](Self::has_pd_work).
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty() && self.chunked.is_none()
+        !self.has_requests() && !self.has_cache_io()
+    }
+
+    /// Whether a request waits, runs or is mid-chunk (what a step can make progress on; an
+    /// idle scheduler has none and no HiCache copy in flight).
+    pub fn has_requests(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty() || self.chunked.is_some()
     }
 
     /// Whether PD disaggregation still has requests in its queues: held KV (prefill),
@@ -228,6 +239,8 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             ..StepReport::default()
         };
         let evicted_before = self.stats.evicted_tokens;
+        // HiCache: copies that completed since the last step unlock their nodes first.
+        self.poll_cache_events()?;
         let batch = self.get_next_batch_to_run(&mut report)?;
         if let Some(batch) = batch {
             let out = exec.forward(&batch, &self.rows).and_then(|out| {
@@ -396,11 +409,18 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         let mut retried = None;
         // Admission takes the queue's head each time: an admitted request leaves the queue, a
         // rejected one ends the pass.
+        // Requests whose L3 prefetch may not stop yet sit this pass out, in order.
+        let mut prefetching = Vec::new();
         while state == AddResult::Continue && admitted_new < allocatable {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
+            if !self.prefetch_ready(id)? {
+                prefetching.push(self.waiting.pop_front().expect("the head"));
+                continue;
+            }
             self.match_prefix(id);
+            self.load_back(id)?;
             let c = self.candidate(id);
             match adder.add_one_req(c, &mut self.cache, &self.alloc) {
                 Admission::Admitted {
@@ -439,6 +459,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                     state = why;
                 }
             }
+        }
+        for id in prefetching.into_iter().rev() {
+            self.waiting.push_front(id);
         }
         if state == AddResult::NoToken {
             self.batch_is_full = true;
@@ -512,6 +535,8 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             prefix_slots: slots,
         };
         r.committed_len = m.len;
+        r.host_hit_len = m.host_hit_len;
+        r.last_host_node = m.last_host_node;
     }
 
     /// Forgets a rejected request's match (it was never locked).

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::engine_metrics::{EngineMetricsSnapshot, PdMetrics};
+use crate::engine_metrics::{EngineMetricsSnapshot, HiCacheMetrics, PdMetrics};
 
 /// Metric name prefix.
 pub const PREFIX: &str = "kvserve:";
@@ -139,6 +139,17 @@ fn render_pd(out: &mut String, pd: &PdMetrics) {
     }
 }
 
+fn render_hicache(out: &mut String, h: &HiCacheMetrics) {
+    for (name, help, v) in h.gauges() {
+        header(out, name, help, "gauge");
+        let _ = writeln!(out, "{PREFIX}{name} {v}");
+    }
+    for (name, help, v) in h.counters() {
+        header(out, name, help, "counter");
+        let _ = writeln!(out, "{PREFIX}{name} {v}");
+    }
+}
+
 /// What the HTTP layer counts.
 #[derive(Debug)]
 pub struct ServerMetrics {
@@ -188,10 +199,18 @@ impl ServerMetrics {
 
     /// The exposition text; with `pd`, a prefill or decode server's queues and transfer
     /// counters too.
-    pub fn render(&self, e: &EngineMetricsSnapshot, pd: Option<&PdMetrics>) -> String {
+    pub fn render(
+        &self,
+        e: &EngineMetricsSnapshot,
+        pd: Option<&PdMetrics>,
+        hicache: Option<&HiCacheMetrics>,
+    ) -> String {
         let mut out = String::with_capacity(8192);
         if let Some(pd) = pd {
             render_pd(&mut out, pd);
+        }
+        if let Some(h) = hicache {
+            render_hicache(&mut out, h);
         }
         let gauges: [(&str, &str, f64); 7] = [
             (

@@ -82,6 +82,7 @@ async fn prometheus(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         s.metrics.render(
             &s.engine.metrics().snapshot(),
             s.engine.metrics().pd_snapshot().as_ref(),
+            s.engine.metrics().hicache_snapshot().as_ref(),
         ),
     )
 }

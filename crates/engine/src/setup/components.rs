@@ -126,11 +126,19 @@ pub fn build_scheduler(
     radix: bool,
     eviction_policy: &str,
     capacity: usize,
+    tier: Option<super::hicache::HiCacheParts>,
 ) -> Result<Scheduler> {
     let p = config.page_size;
     let cache = if radix {
         let policy = AnyEvictionPolicy::from_name(eviction_policy)?;
-        AnyPrefixCache::Radix(RadixCache::new(p, policy))
+        let tree = RadixCache::new(p, policy);
+        let tree = match tier {
+            None => tree,
+            Some(t) => tree
+                .with_host_tier(t.config, Box::new(t.controller))
+                .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?,
+        };
+        AnyPrefixCache::Radix(tree)
     } else {
         AnyPrefixCache::Chunk(ChunkCache::new(p))
     };

@@ -28,6 +28,8 @@ pub struct EngineSetup {
     /// Put the KV store in shared memory (a PD decode server on the `shm` transfer backend:
     /// prefill servers on this host write into it). CPU backend only.
     pub shared_kv: bool,
+    /// The hierarchical cache (`--enable-hierarchical-cache`), if on.
+    pub hicache: Option<super::hicache::HiCacheSetup>,
 }
 
 /// Parses `--schedule-policy` for the bench (one policy).
@@ -57,5 +59,6 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         threads: 1,
         seed: 0,
         shared_kv: false,
+        hicache: None,
     }
 }

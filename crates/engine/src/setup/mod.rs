@@ -15,6 +15,7 @@
 pub mod backend;
 pub mod components;
 pub mod engine_setup;
+pub mod hicache;
 pub mod model_exec;
 pub mod pool;
 pub mod source;
@@ -24,6 +25,7 @@ use scheduler::Scheduler;
 pub use backend::BackendKind;
 pub use components::{build_scheduler, AnyRunner, Inventory};
 pub use engine_setup::{default_setup, parse_policy, EngineSetup};
+pub use hicache::HiCacheSetup;
 pub use model_exec::ModelExecutor;
 pub use source::ModelSource;
 
@@ -61,12 +63,25 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
         }
     };
     let capacity = pool::whole_pages(tokens, p)?;
-    let exec = ModelExecutor::new(AnyRunner::build(setup, capacity)?, setup.seed);
+    let mut exec = ModelExecutor::new(AnyRunner::build(setup, capacity)?, setup.seed);
+    let tier = match &setup.hicache {
+        Some(h) if radix => {
+            let parts = hicache::build_hicache(h, setup, exec.runner(), capacity)?;
+            exec.set_hicache(parts.controller.handle());
+            Some(parts)
+        }
+        Some(_) => return Err(EngineError::arg(
+            "--enable-hierarchical-cache",
+            "the host tier keeps radix-tree nodes: it cannot be used with --disable-radix-cache",
+        )),
+        None => None,
+    };
     let sched = build_scheduler(
         setup.scheduler.clone(),
         radix,
         &setup.eviction_policy,
         capacity,
+        tier,
     )?;
     Ok((sched, exec))
 }

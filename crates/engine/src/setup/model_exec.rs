@@ -11,7 +11,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use kv_pool::ReqToTokenPool;
+use hicache::controller::{ControllerHandle, LoadGate};
+use kv_pool::{LayerWait, ReqToTokenPool};
 use model::{AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Sampler, SamplingParams};
 
 use super::components::{AnyRunner, ModelForward};
@@ -26,6 +27,10 @@ struct ReqSampling {
 /// The scheduler's executor over a model runner on any compiled backend.
 #[doc(alias = "TpModelWorker")]
 pub struct ModelExecutor {
+    /// The hierarchical cache's controller, when HiCache is on: load-backs start before each
+    /// forward pass, which waits for them layer by layer. Stopped before `runner` (whose KV
+    /// store its IO thread copies from) is dropped.
+    hicache: Option<ControllerHandle>,
     runner: AnyRunner,
     sampling: HashMap<ReqId, ReqSampling>,
     default_seed: u64,
@@ -44,10 +49,17 @@ impl ModelExecutor {
     /// An executor over `runner`; `default_seed` seeds requests that give no seed.
     pub fn new(runner: impl Into<AnyRunner>, default_seed: u64) -> Self {
         ModelExecutor {
+            hicache: None,
             runner: runner.into(),
             sampling: HashMap::new(),
             default_seed,
         }
+    }
+
+    /// Starts the hierarchical cache's queued load-backs before every forward pass and makes
+    /// the pass wait for them layer by layer.
+    pub fn set_hicache(&mut self, handle: ControllerHandle) {
+        self.hicache = Some(handle);
     }
 
     /// Gives request `id` its sampling parameters and prompt.
@@ -80,6 +92,16 @@ impl ModelExecutor {
     }
 }
 
+impl Drop for ModelExecutor {
+    fn drop(&mut self) {
+        // The controller may outlive this executor (it lives in the scheduler's cache): its IO
+        // thread must be done with the runner's KV store before the store is freed.
+        if let Some(h) = &self.hicache {
+            h.stop_io();
+        }
+    }
+}
+
 impl Executor for ModelExecutor {
     fn forward(
         &mut self,
@@ -105,13 +127,15 @@ impl Executor for ModelExecutor {
         } else {
             AttentionMode::Extend
         };
+        // Load-backs queued at admission start now; the pass waits for each layer.
+        let gate: Option<LoadGate> = self.hicache.as_ref().map(ControllerHandle::start_loads);
         let out = self
             .runner
             .forward(&ForwardInput {
                 mode,
                 requests,
                 logits: LogitsMode::LastToken,
-                layer_wait: None,
+                layer_wait: gate.as_ref().map(|g| g as &dyn LayerWait),
             })
             .map_err(|e| e.to_string())?;
         let mut next_tokens = Vec::with_capacity(batch.len());

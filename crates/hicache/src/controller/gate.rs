@@ -30,6 +30,15 @@ impl ControllerHandle {
             progress: self.shared.io.start_loads(self.shared.layers),
         }
     }
+
+    /// Stops the IO thread after the batches already handed to it and returns once it has
+    /// stopped: from then on nothing touches the device store's memory, which may be freed.
+    /// The owner of the store calls it before dropping the store (the controller itself may
+    /// live longer, in the cache); operations queued afterwards are never run.
+    pub fn stop_io(&self) {
+        self.shared.io.flush_writes();
+        self.shared.io.stop_and_wait();
+    }
 }
 
 /// What a forward pass waits on while load-backs land (SGLang's `LayerDoneCounter`):

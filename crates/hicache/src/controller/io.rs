@@ -85,6 +85,8 @@ struct IoState {
     /// in order, so it finishing layer `i` means every earlier batch finished).
     latest_load: Option<Arc<LoadProgress>>,
     shutdown: bool,
+    /// The thread has returned: it touches device memory no more.
+    stopped: bool,
 }
 
 /// The IO thread's queues, shared by the controller, the engine's handle and the thread.
@@ -139,6 +141,17 @@ impl IoQueue {
         self.work.notify_all();
     }
 
+    /// Shuts the thread down and blocks until it has returned (after the queued batches), so
+    /// the device memory may be freed. Operations queued later are never run.
+    pub(crate) fn stop_and_wait(&self) {
+        let mut s = self.lock();
+        s.shutdown = true;
+        self.work.notify_all();
+        while !s.stopped {
+            s = self.work.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     fn pop_load(&self) -> Option<(Vec<CopyOp>, Arc<LoadProgress>)> {
         self.lock().loads.pop_front()
     }
@@ -161,6 +174,9 @@ pub(crate) fn run(shared: &Shared) {
                 break;
             }
             if s.shutdown {
+                s.stopped = true;
+                drop(s);
+                shared.io.work.notify_all();
                 return;
             }
             s = shared.io.work.wait(s).unwrap_or_else(|e| e.into_inner());

@@ -94,6 +94,13 @@ impl<P: EvictionPolicy> RadixCache<P> {
             return Ok(0);
         }
         self.tick();
-        self.backup_path(i)
+        // Synchronous, as write-back eviction: retraction frees memory now, so the copies must
+        // have landed before eviction may demote the nodes (which are therefore not locked).
+        let (queued, ops) = self.backup_path_with(i, false)?;
+        let tier = self.tier_mut();
+        for op in ops {
+            tier.controller.wait(op);
+        }
+        Ok(queued)
     }
 }

@@ -211,6 +211,12 @@ impl<P: EvictionPolicy> RadixCache<P> {
     /// stay a root-anchored prefix; stops at the first node without host room. Returns the
     /// tokens queued.
     pub(super) fn backup_path(&mut self, i: u32) -> Result<usize> {
+        self.backup_path_with(i, true).map(|(queued, _)| queued)
+    }
+
+    /// [`backup_path`](Self::backup_path), locking each node until its write ack (`lock`) or
+    /// not (the caller waits for the returned ops before anything may demote the nodes).
+    pub(super) fn backup_path_with(&mut self, i: u32, lock: bool) -> Result<(usize, Vec<OpId>)> {
         let mut chain = Vec::new();
         let mut j = i;
         while self.nodes[j as usize].parent != NONE {
@@ -220,13 +226,15 @@ impl<P: EvictionPolicy> RadixCache<P> {
             j = self.nodes[j as usize].parent;
         }
         let mut queued = 0;
+        let mut ops = Vec::new();
         for &j in chain.iter().rev() {
-            if self.backup_node(j, true)?.is_none() {
+            let Some(op) = self.backup_node(j, lock)? else {
                 break;
-            }
+            };
+            ops.push(op);
             queued += self.nodes[j as usize].len;
         }
-        Ok(queued)
+        Ok((queued, ops))
     }
 
     /// After an insert ending at `last`: write-through backs up the deepest node of the path

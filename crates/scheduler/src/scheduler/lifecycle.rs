@@ -45,6 +45,12 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     ) -> Result<ReqId> {
         let id = self.new_req(input_ids, limits, priority, extra_key, self.waiting.len())?;
         self.waiting.push_back(id);
+        // HiCache with L3: fetch what storage holds beyond the local hit while it waits.
+        if let Err(e) = self.start_prefetch(id) {
+            self.waiting.pop_back();
+            self.reqs.remove(&id);
+            return Err(e);
+        }
         Ok(id)
     }
 
@@ -100,6 +106,8 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             prefix: PrefixState::new(root),
             extend_end: 0,
             cached_tokens: 0,
+            host_hit_len: 0,
+            last_host_node: root,
             retractions: 0,
             finish: None,
         };
@@ -145,6 +153,11 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// Moves a request out with `reason` (its KV already released).
     pub(super) fn finish(&mut self, id: ReqId, reason: FinishReason) {
         self.hold_at_finish.remove(&id);
+        // A prefetch still holding host pages for it lets them go (at its ack if in flight).
+        // Only a tier bug can fail here; the request finishes regardless.
+        if let Err(e) = self.cache.release_prefetch(id.0) {
+            debug_assert!(false, "release_prefetch: {e}");
+        }
         if let Some(r) = self.reqs.remove(&id) {
             self.finished.push(finished_req(&r, reason, false));
         }

@@ -225,10 +225,15 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     }
 
     /// Releases a running request's KV without inserting it (as SGLang) and re-queues it; it
-    /// will be prefilled again over prompt + outputs.
+    /// will be prefilled again over prompt + outputs. With a host tier its committed KV is
+    /// inserted and backed up to host instead, so the prefill finds it there.
     pub(super) fn retract(&mut self, id: ReqId, report: &mut StepReport) -> Result<()> {
         self.running.retain(|&r| r != id);
-        self.release_kv(id, false)?;
+        // With a host tier its KV moves to host memory and it resumes with a load-back;
+        // otherwise (SGLang) it is recomputed.
+        if !self.retract_to_host(id)? {
+            self.release_kv(id, false)?;
+        }
         let root = self.cache.root(self.reqs[&id].extra_key.as_deref());
         let r = self.reqs.get_mut(&id).expect("request");
         r.committed_len = 0;

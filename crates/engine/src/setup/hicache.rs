@@ -1,0 +1,144 @@
+//! The hierarchical cache's set-up (SGLang's `--enable-hierarchical-cache` and `--hicache-*`
+//! flags): the host pool sized as SGLang sizes it, the cache controller over the CPU runner's
+//! KV store, the L3 store, and the tree's [`HiCacheConfig`].
+//!
+//! The controller copies with the host CPU, so HiCache needs a KV store in host memory: the
+//! `cpu` backend (wgpu's buffers would be copied by the device: not written yet, refused with
+//! an error naming `--backend`).
+
+use std::fmt;
+
+use hicache::controller::CpuCacheController;
+use hicache::storage::{open_storage, StorageConfig, StorageKind, StorageNamespace};
+use kv_pool::host_pool::{HostKvPool, HostLayout, HostPoolSize, HostPoolSizeInput};
+use kv_pool::KvStore;
+use radix_cache::tiers::{HiCacheConfig, PrefetchPolicy, WritePolicy};
+
+use super::components::AnyRunner;
+use super::engine_setup::EngineSetup;
+use crate::error::{EngineError, Result};
+
+/// The hierarchical cache's settings, validated from the flags.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HiCacheSetup {
+    /// `--hicache-write-policy`.
+    pub write_policy: WritePolicy,
+    /// `--hicache-mem-layout`.
+    pub mem_layout: HostLayout,
+    /// `--hicache-ratio`.
+    pub ratio: f64,
+    /// `--hicache-size` (GB; 0 uses the ratio).
+    pub size_gb: f64,
+    /// `--hicache-storage-backend` and its extra config.
+    pub storage: Option<StorageKind>,
+    /// `--hicache-storage-backend-extra-config`, parsed (its prefetch keys apply with or
+    /// without a backend).
+    pub storage_config: StorageConfig,
+    /// `--hicache-storage-prefetch-policy`.
+    pub prefetch_policy: PrefetchPolicy,
+}
+
+impl fmt::Display for HiCacheSetup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} ", self.write_policy, self.mem_layout)?;
+        if self.size_gb > 0.0 {
+            write!(f, "{} GB", self.size_gb)?;
+        } else {
+            write!(f, "×{}", self.ratio)?;
+        }
+        match self.storage {
+            Some(kind) => write!(f, ", L3 {kind} ({})", self.prefetch_policy),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Host memory left to everything else: SGLang's 10 GiB, or a quarter of the machine's memory
+/// where that is less (SGLang refuses any host pool on a machine with under 10 GiB free).
+pub fn host_reserve_bytes(mem_total: u64) -> u64 {
+    kv_pool::host_pool::HOST_MEMORY_RESERVE_BYTES.min(mem_total / 4)
+}
+
+/// What [`build_hicache`] made: the tree's configuration and the controller it will own.
+pub struct HiCacheParts {
+    /// For `RadixCache::with_host_tier`.
+    pub config: HiCacheConfig,
+    /// The controller (the tree owns it; the executor keeps its handle).
+    pub controller: CpuCacheController,
+    /// The host pool's size, for the start-up line.
+    pub size: HostPoolSize,
+}
+
+/// Builds the host pool, the L3 store and the controller over `runner`'s KV store of
+/// `device_slots` slots.
+pub fn build_hicache(
+    h: &HiCacheSetup,
+    setup: &EngineSetup,
+    runner: &AnyRunner,
+    device_slots: usize,
+) -> Result<HiCacheParts> {
+    let AnyRunner::Cpu(cpu) = runner else {
+        return Err(EngineError::arg(
+            "--enable-hierarchical-cache",
+            format!(
+                "the host tier copies with the CPU, so it needs --backend cpu (got {})",
+                setup.backend
+            ),
+        ));
+    };
+    let store = cpu.kv_store();
+    let layout = store.layout();
+    let p = layout.page_size;
+    let (mem_total, mem_available) = super::pool::host_memory()?;
+    let size = HostPoolSize::compute(HostPoolSizeInput {
+        device_slots,
+        page_size: p,
+        bytes_per_token: layout.shape.slot_bytes(),
+        hicache_ratio: h.ratio,
+        hicache_size_gb: h.size_gb,
+        mem_available_bytes: mem_available,
+        reserve_bytes: host_reserve_bytes(mem_total),
+    })
+    .map_err(|e| EngineError::arg("--hicache-ratio", e.to_string()))?;
+    if size.warn_not_larger_than_device {
+        eprintln!(
+            "warning: the host KV pool ({} tokens) is not larger than the device pool ({device_slots}): it can hold little the device does not",
+            size.slots
+        );
+    }
+    let pool = HostKvPool::new(layout.shape, p, size.slots, h.mem_layout)
+        .map_err(|e| EngineError::arg("--hicache-size", e.to_string()))?;
+    let storage = match h.storage {
+        None => None,
+        Some(kind) => {
+            let ns = StorageNamespace::new(&setup.model.name(), &layout.shape, p);
+            let s = open_storage(kind, &h.storage_config, &ns, layout.page_bytes())
+                .map_err(|e| EngineError::arg("--hicache-storage-backend", e.to_string()))?;
+            Some(s)
+        }
+    };
+    // SAFETY: the CPU runner's store is a `HostKvStore` (host addresses) owned by the runner,
+    // which the `ModelExecutor` owns; the executor stops the controller's IO thread
+    // (`ControllerHandle::stop_io`) in its `Drop`, before the runner and its store go. The
+    // scheduler keeps the contract on rows: the tree locks a written node until its write ack
+    // and a loaded node until its load ack, and a forward pass reads a loaded layer only after
+    // the pass's `LoadGate` released it.
+    let controller = unsafe { CpuCacheController::new(store, pool, storage) }
+        .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?;
+    let c = &h.storage_config;
+    let config = HiCacheConfig {
+        write_policy: h.write_policy,
+        host_slots: size.slots,
+        prefetch_threshold: c.prefetch_threshold,
+        prefetch_policy: h.prefetch_policy,
+        prefetch_timeout_base_s: c.prefetch_timeout_base_s,
+        prefetch_timeout_per_ki_token_s: c.prefetch_timeout_per_ki_token_s,
+        prefetch_timeout_max_s: c.prefetch_timeout_max_s,
+        ..HiCacheConfig::default()
+    };
+    Ok(HiCacheParts {
+        config,
+        controller,
+        size,
+    })
+}

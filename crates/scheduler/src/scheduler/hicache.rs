@@ -1,0 +1,112 @@
+//! The scheduler's side of the hierarchical cache (SGLang's HiCache calls in `scheduler.py`
+//! and `schedule_policy.py`): acknowledging the cache controller's completed copies once per
+//! step, loading a host-tier hit back into device slots at admission, L3 prefetch at arrival
+//! and its stop check in the admission scan, and retraction to the host tier.
+//!
+//! Every call is a no-op on a cache without a host tier (their `PrefixCache` defaults), so a
+//! scheduler without HiCache decides exactly as before.
+
+use kv_pool::Allocator;
+use radix_cache::{PrefixCache, PrefixState};
+
+use super::Scheduler;
+use crate::error::Result;
+use crate::req::ReqId;
+
+impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
+    /// Processes the cache controller's acknowledgements (SGLang's `check_hicache_events`):
+    /// unlocks nodes whose device → host copy or load-back finished, hands backed-up pages to
+    /// L3, takes in prefetch answers. Called at the start of every step; also by an idle engine
+    /// so that copies in flight settle.
+    pub fn poll_cache_events(&mut self) -> Result<()> {
+        self.cache.check_hicache_events()?;
+        Ok(())
+    }
+
+    /// Whether the cache has copies in flight (a scheduler with copies in flight is not idle:
+    /// their nodes stay locked until [`poll_cache_events`](Self::poll_cache_events) takes
+    /// their acks).
+    pub fn has_cache_io(&self) -> bool {
+        self.cache.tier_stats().is_some_and(|t| t.in_flight() > 0)
+    }
+
+    /// Sets the wall-clock time (seconds since any fixed origin) the prefetch timeout policy
+    /// measures against; the engine calls it before every step. Without it the time is 0, so a
+    /// `timeout` prefetch ends only when it completes.
+    pub fn set_time(&mut self, now_s: f64) {
+        self.now_s = now_s;
+    }
+
+    /// At arrival: starts an L3 prefetch of the prompt beyond its device + host hit, if the
+    /// cache has storage (SGLang's `prefetch_from_storage`).
+    pub(super) fn start_prefetch(&mut self, id: ReqId) -> Result<()> {
+        let r = &self.reqs[&id];
+        let key = &r.tokens[..r.tokens.len() - 1];
+        self.cache
+            .prefetch_from_storage(id.0, key, r.extra_key.as_deref())?;
+        Ok(())
+    }
+
+    /// In the admission scan: whether a waiting request's prefetch lets it proceed (its stop
+    /// policy); a stopped prefetch's pages join the host tier first.
+    pub(super) fn prefetch_ready(&mut self, id: ReqId) -> Result<bool> {
+        Ok(self.cache.check_prefetch_progress(id.0, self.now_s)?)
+    }
+
+    /// After a request's match: loads its host-tier hit back into device slots (SGLang's
+    /// `init_load_back` in `PrefillAdder.add_one_req`), when the chain is long enough and the
+    /// pool can hold it and the request's own needs. The loaded tokens join its prefix.
+    pub(super) fn load_back(&mut self, id: ReqId) -> Result<()> {
+        let r = &self.reqs[&id];
+        if r.host_hit_len == 0 {
+            return Ok(());
+        }
+        let need = r.extend_input_len() - r.host_hit_len
+            + r.remaining_new_tokens().min(self.cfg.clip_max_new_tokens);
+        let quota =
+            (self.alloc.available_size() + self.cache.evictable_size()).saturating_sub(need);
+        let r = self.reqs.get_mut(&id).expect("request");
+        let mut slots = std::mem::take(&mut r.prefix.prefix_slots);
+        let last_host_node = r.last_host_node;
+        let loaded = self
+            .cache
+            .init_load_back(last_host_node, &mut slots, &mut self.alloc, quota);
+        let r = self.reqs.get_mut(&id).expect("request");
+        match loaded {
+            Ok(lb) => {
+                r.prefix = PrefixState {
+                    cache_protected_len: r.prefix.cache_protected_len + lb.loaded,
+                    last_node: lb.last_node,
+                    prefix_slots: slots,
+                };
+                r.committed_len += lb.loaded;
+                r.host_hit_len = 0;
+                self.stats.host_hit_tokens += lb.loaded;
+                Ok(())
+            }
+            Err(e) => {
+                r.prefix.prefix_slots = slots;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Retraction to the host tier (beyond SGLang, which recomputes): a retracted request's
+    /// committed tokens enter the cache and are backed up to host now, so eviction demotes
+    /// them instead of dropping them and the request resumes with a load-back. Returns whether
+    /// the cache has a host tier (otherwise the caller releases as SGLang does).
+    pub(super) fn retract_to_host(&mut self, id: ReqId) -> Result<bool> {
+        if self.cache.tier_stats().is_none() {
+            return Ok(false);
+        }
+        self.release_kv(id, true)?;
+        let r = &self.reqs[&id];
+        let peek = self
+            .cache
+            .peek_prefix(&r.tokens[..r.committed_len], r.extra_key.as_deref());
+        if let Some(node) = peek.deepest {
+            self.cache.write_back_path(node)?;
+        }
+        Ok(true)
+    }
+}
