@@ -161,6 +161,10 @@ pub struct EngineInfo {
     pub cached_tokens: usize,
     /// Tokens generated since start.
     pub output_tokens: usize,
+    /// Tokens computed by prefill passes since start.
+    pub prefill_tokens: usize,
+    /// Requests retracted (or preempted) and re-queued since start.
+    pub retractions: usize,
     /// A prefill or decode server's PD queues and transfer counters.
     pub disaggregation: Option<serde_json::Value>,
     /// The hierarchical cache: hit tokens per tier, the host pool, the tiers' counters.
@@ -292,6 +296,8 @@ fn info(s: &Scheduler, pd: Option<&PdSide>) -> EngineInfo {
         prompt_tokens: s.stats.prompt_tokens,
         cached_tokens: s.stats.cached_tokens,
         output_tokens: s.stats.output_tokens,
+        prefill_tokens: s.stats.prefill_tokens,
+        retractions: s.stats.retractions,
         disaggregation: pd.map(|p| p.info(s)),
         hicache: crate::engine_metrics::HiCacheMetrics::of(s).map(|h| h.to_json()),
     }

@@ -6,7 +6,11 @@
 
 mod common;
 
-use common::{get, post, start, wait_idle};
+use std::path::PathBuf;
+use std::thread;
+
+use common::redis::Redis;
+use common::{assert_kv_freed, get, post, start, wait_idle};
 use serde_json::{json, Value};
 
 /// A prompt of `n` tokens unique to `seed`.
@@ -111,5 +115,166 @@ fn a_prompt_evicted_from_device_is_served_from_host_and_not_prefilled() {
             .as_u64()
             .unwrap()
             >= 512
+    );
+}
+
+/// A fresh directory for a `file` L3 store, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let d = std::env::temp_dir().join(format!("kvserve-hicache-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Flags of a server with a host tier over an L3 store configured by `extra` (JSON).
+fn l3_flags(backend: &str, extra: &Value) -> Vec<String> {
+    [
+        "--max-total-tokens",
+        "1024",
+        "--page-size",
+        "16",
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        backend,
+        "--hicache-storage-backend-extra-config",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([extra.to_string()])
+    .collect()
+}
+
+fn start_with(flags: &[String]) -> common::Server {
+    start(&flags.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+#[test]
+fn a_restarted_server_serves_prefixes_from_its_file_store() {
+    let dir = TempDir::new("restart");
+    let flags = l3_flags(
+        "file",
+        &json!({"file_path": dir.0, "prefetch_threshold": 64}),
+    );
+    let a = prompt(5, 320);
+    let want = {
+        let srv = start_with(&flags);
+        let r = generate(srv.port, &a, 6);
+        assert_eq!(r["meta_info"]["cached_tokens"], 0);
+        // Idle means every write and L3 backup was acknowledged.
+        let t = tiers(srv.port);
+        assert!(t["backups"].as_u64().unwrap() > 0, "{t}");
+        r["output_ids"].clone()
+    };
+    let srv = start_with(&flags);
+    let r = generate(srv.port, &a, 6);
+    assert_eq!(r["output_ids"], want);
+    // 319 tokens are matched at most (the last is computed): 19 whole pages from storage.
+    assert_eq!(r["meta_info"]["cached_tokens"], 304, "{r}");
+    let t = tiers(srv.port);
+    assert_eq!(t["storage_hit_tokens"], 304, "{t}");
+    assert_eq!(t["device_hit_tokens"], 0, "{t}");
+}
+
+#[test]
+fn redis_serves_after_a_flush_and_a_dead_redis_fails_no_request() {
+    let Some(mut redis) = Redis::start() else {
+        return;
+    };
+    let extra = json!({"url": redis.url(), "prefetch_threshold": 64, "io_timeout_ms": 500, "connect_timeout_ms": 200});
+    let srv = start_with(&l3_flags("redis", &extra));
+    let a = prompt(6, 320);
+    let want = generate(srv.port, &a, 6)["output_ids"].clone();
+    assert!(tiers(srv.port)["backups"].as_u64().unwrap() > 0);
+    // Device and host emptied: only Redis holds the prefix now.
+    assert_eq!(post(srv.port, "/flush_cache", json!({})).0, 200);
+    let r = generate(srv.port, &a, 6);
+    assert_eq!(r["output_ids"], want);
+    assert_eq!(r["meta_info"]["cached_tokens"], 304, "{r}");
+    assert_eq!(tiers(srv.port)["storage_hit_tokens"], 304);
+
+    // Redis dies while requests with fresh prompts (backups, prefetch queries) are in flight:
+    // every request still succeeds, and nothing is left locked or leaked.
+    let port = srv.port;
+    let clients: Vec<_> = (0..8)
+        .map(|k| {
+            thread::spawn(move || {
+                let ids = prompt(100 + k, 300);
+                generate(port, &ids, 8)["output_ids"]
+                    .as_array()
+                    .unwrap()
+                    .len()
+            })
+        })
+        .collect();
+    thread::sleep(std::time::Duration::from_millis(30));
+    redis.kill();
+    for c in clients {
+        assert_eq!(c.join().unwrap(), 8);
+    }
+    let r = generate(srv.port, &prompt(200, 300), 4);
+    assert_eq!(r["output_ids"].as_array().unwrap().len(), 4);
+    assert_kv_freed(srv.port);
+}
+
+/// Eight long generations arriving a few milliseconds apart on a pool that cannot hold them
+/// all: each is admitted beside running requests whose future growth admission discounts
+/// (`--schedule-conservativeness 0.1`), so together they outgrow the pool and the scheduler
+/// retracts.
+fn retracting_run(extra: &[&str]) -> (Vec<Value>, Value) {
+    let mut flags = vec![
+        "--max-total-tokens",
+        "512",
+        "--page-size",
+        "16",
+        "--max-running-requests",
+        "8",
+        "--schedule-conservativeness",
+        "0.1",
+    ];
+    flags.extend(extra);
+    let srv = start(&flags);
+    let port = srv.port;
+    let clients: Vec<_> = (0..8)
+        .map(|k| {
+            thread::sleep(std::time::Duration::from_millis(15));
+            thread::spawn(move || generate(port, &prompt(300 + k, 48), 200)["output_ids"].clone())
+        })
+        .collect();
+    let outs = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let info = wait_idle(port);
+    (outs, info["engine"].clone())
+}
+
+#[test]
+fn retraction_to_host_keeps_greedy_output_and_loads_back_instead_of_recomputing() {
+    let (want, plain) = retracting_run(&[]);
+    let (got, tiered) = retracting_run(&["--enable-hierarchical-cache"]);
+    assert_eq!(got, want);
+    assert!(plain["retractions"].as_u64().unwrap() > 0, "{plain}");
+    assert!(tiered["retractions"].as_u64().unwrap() > 0, "{tiered}");
+    // A retracted request comes back to prompt + outputs so far; what the host tier loads
+    // back is not prefilled again (recompute prefills all of it but its device-cached prompt).
+    let n = |e: &Value, k: &str| e[k].as_u64().unwrap();
+    let h = &tiered["hicache"];
+    assert!(n(h, "host_hit_tokens") > 0, "{tiered}");
+    assert_eq!(
+        n(&tiered, "prefill_tokens") + n(&tiered, "cached_tokens"),
+        n(&tiered, "prompt_tokens"),
+        "{tiered}"
+    );
+    let resumed = n(&tiered, "prompt_tokens") - 8 * 48;
+    assert!(
+        n(&tiered, "prefill_tokens") - 8 * 48 < resumed,
+        "resumed requests prefilled all {resumed} of their tokens: {tiered}"
     );
 }

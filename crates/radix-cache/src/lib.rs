@@ -295,6 +295,18 @@ pub trait PrefixCache: Send {
     fn write_back_path(&mut self, _node: NodeId) -> Result<usize> {
         Ok(0)
     }
+    /// Keeps `node`'s host pages from host eviction until [`unpin_host`](Self::unpin_host)
+    /// (a retracted request's KV, backed up by [`write_back_path`](Self::write_back_path),
+    /// stays in host memory until the request resumes; host eviction only takes childless
+    /// nodes, so pinning the deepest node keeps the whole path). Returns whether it pinned:
+    /// a node not backed up (the host pool was full) is not. Default: false.
+    fn pin_host(&mut self, _node: NodeId) -> Result<bool> {
+        Ok(false)
+    }
+    /// Drops a pin [`pin_host`](Self::pin_host) took (a node without one is an error).
+    fn unpin_host(&mut self, _node: NodeId) -> Result<()> {
+        Ok(())
+    }
     /// Starts request `rid`'s L3 prefetch at its arrival (SGLang's `prefetch_from_storage`):
     /// the page-aligned tokens of `key` beyond the device + host match are looked up in
     /// storage, and the leading hits are copied to host memory. Skipped when storage is off,

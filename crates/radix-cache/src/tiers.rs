@@ -243,16 +243,16 @@ pub struct TierStats {
     pub pages_dropped: u64,
     /// Operations the controller reported as failed.
     pub ops_failed: u64,
+    /// Operations queued and not yet acknowledged (every kind, existence queries included),
+    /// plus prefetches not yet stopped.
+    pub ops_in_flight: usize,
 }
 
 impl TierStats {
-    /// Copies queued and not yet acknowledged (writes, loads, backups, prefetches): while any
-    /// is, nodes stay locked or pinned, so a scheduler is not idle.
-    pub fn in_flight(&self) -> u64 {
-        (self.writes_queued - self.writes_acked)
-            + (self.loads_queued - self.loads_acked)
-            + (self.backups_queued - self.backups_acked)
-            + (self.prefetches_queued - self.prefetches_acked)
+    /// Operations in flight ([`ops_in_flight`](Self::ops_in_flight)): while any is, nodes stay
+    /// locked or pinned, so a scheduler is not idle (and `reset` is refused).
+    pub fn in_flight(&self) -> usize {
+        self.ops_in_flight
     }
 }
 

@@ -829,3 +829,31 @@ fn storage_keys_are_the_page_chain_with_events_off_too() {
         );
     }
 }
+
+#[test]
+fn a_host_pin_keeps_a_retracted_path_from_host_eviction_until_unpinned() {
+    let ctl = ImmediateController::with_tags(34, 34, 2);
+    let mut s = Story::new(2, 32, cfg(WritePolicy::WriteThroughSelective, 32), ctl);
+    s.insert("ABCD");
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&toks("ABCD"), None, &mut out);
+    // Without a backup there is nothing on host to pin.
+    assert!(!s.cache.pin_host(m.last_node).unwrap());
+    assert_eq!(s.cache.write_back_path(m.last_node).unwrap(), 4);
+    assert!(s.cache.pin_host(m.last_node).unwrap());
+    s.acks();
+    s.cache.evict(4, &mut s.alloc).unwrap();
+    s.check("demoted while pinned");
+    assert_eq!(
+        s.cache.evict_host(4).unwrap(),
+        0,
+        "a pinned path stays on host"
+    );
+    s.cache.unpin_host(m.last_node).unwrap();
+    assert!(
+        s.cache.unpin_host(m.last_node).is_err(),
+        "a second unpin is refused"
+    );
+    assert_eq!(s.cache.evict_host(4).unwrap(), 4);
+    s.check("host-evicted after the unpin");
+}

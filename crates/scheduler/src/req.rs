@@ -102,6 +102,9 @@ pub struct Req {
     pub host_hit_len: usize,
     /// HiCache: the deepest node of its last match, host-only ones included.
     pub last_host_node: radix_cache::NodeId,
+    /// HiCache: the node whose host pages hold its KV since it was retracted to host, pinned
+    /// until it is admitted again (or ends).
+    pub host_pin: Option<radix_cache::NodeId>,
     /// Times it was retracted (or preempted) and re-queued.
     pub retractions: u32,
     /// Why it finished, once it has.

@@ -437,6 +437,8 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                     self.stats.cached_tokens += r.committed_len;
                     report.cached_tokens += r.committed_len;
                     self.waiting.pop_front();
+                    // A retracted request's KV was loaded back (or recomputed): unpin it.
+                    self.release_host_pin(id)?;
                     chosen.push(id);
                     admitted_new += 1;
                     state = next;

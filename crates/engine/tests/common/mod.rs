@@ -148,3 +148,4 @@ pub fn assert_kv_freed(port: u16) {
 }
 pub mod pd;
 pub mod proc;
+pub mod redis;

@@ -87,6 +87,29 @@ impl<P: EvictionPolicy> RadixCache<P> {
         })
     }
 
+    /// See [`crate::PrefixCache::pin_host`] (`pin`) and [`crate::PrefixCache::unpin_host`].
+    pub(super) fn pin_host_impl(&mut self, node: NodeId, pin: bool) -> Result<bool> {
+        if self.tier.is_none() {
+            return Ok(false);
+        }
+        let i = self.resolve(node)?;
+        let n = &mut self.nodes[i as usize];
+        if pin && !n.backed_up {
+            return Ok(false);
+        }
+        if pin {
+            n.host_ref += 1;
+        } else if n.host_ref == 0 {
+            return Err(crate::RadixCacheError::InvalidRequest(format!(
+                "unpin_host of {node}, which holds no pin"
+            )));
+        } else {
+            n.host_ref -= 1;
+        }
+        self.refresh(i);
+        Ok(true)
+    }
+
     /// See [`crate::PrefixCache::write_back_path`].
     pub(super) fn write_back_path_impl(&mut self, node: NodeId) -> Result<usize> {
         let i = self.resolve(node)?;

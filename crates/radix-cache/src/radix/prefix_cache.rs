@@ -341,6 +341,14 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         self.write_back_path_impl(node)
     }
 
+    fn pin_host(&mut self, node: NodeId) -> Result<bool> {
+        self.pin_host_impl(node, true)
+    }
+
+    fn unpin_host(&mut self, node: NodeId) -> Result<()> {
+        self.pin_host_impl(node, false).map(|_| ())
+    }
+
     fn prefetch_from_storage(
         &mut self,
         rid: u64,

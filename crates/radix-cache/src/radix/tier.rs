@@ -306,6 +306,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             .map(|&(_, i)| self.nodes[i as usize].len)
             .sum();
         s.host_slots_protected = s.host_slots_used - s.host_slots_evictable;
+        s.ops_in_flight = tier.ops.len() + tier.prefetches.len();
         Some(s)
     }
 }

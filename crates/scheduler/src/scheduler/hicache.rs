@@ -106,7 +106,20 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             .peek_prefix(&r.tokens[..r.committed_len], r.extra_key.as_deref());
         if let Some(node) = peek.deepest {
             self.cache.write_back_path(node)?;
+            // Its KV must still be in host memory when it resumes.
+            if self.cache.pin_host(node)? {
+                self.reqs.get_mut(&id).expect("request").host_pin = Some(node);
+            }
         }
         Ok(true)
+    }
+
+    /// Drops the pin a retraction to host took on a request's KV (it was admitted again, or it
+    /// ended).
+    pub(super) fn release_host_pin(&mut self, id: ReqId) -> radix_cache::Result<()> {
+        match self.reqs.get_mut(&id).and_then(|r| r.host_pin.take()) {
+            Some(node) => self.cache.unpin_host(node),
+            None => Ok(()),
+        }
     }
 }

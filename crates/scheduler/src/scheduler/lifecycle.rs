@@ -108,6 +108,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             cached_tokens: 0,
             host_hit_len: 0,
             last_host_node: root,
+            host_pin: None,
             retractions: 0,
             finish: None,
         };
@@ -153,10 +154,15 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// Moves a request out with `reason` (its KV already released).
     pub(super) fn finish(&mut self, id: ReqId, reason: FinishReason) {
         self.hold_at_finish.remove(&id);
-        // A prefetch still holding host pages for it lets them go (at its ack if in flight).
-        // Only a tier bug can fail here; the request finishes regardless.
-        if let Err(e) = self.cache.release_prefetch(id.0) {
-            debug_assert!(false, "release_prefetch: {e}");
+        // A prefetch still holding host pages for it lets them go (at its ack if in flight),
+        // and so does a pin from a retraction to host. Only a tier bug can fail here; the
+        // request finishes regardless.
+        if let Err(e) = self
+            .cache
+            .release_prefetch(id.0)
+            .and_then(|()| self.release_host_pin(id))
+        {
+            debug_assert!(false, "releasing the host tier's hold: {e}");
         }
         if let Some(r) = self.reqs.remove(&id) {
             self.finished.push(finished_req(&r, reason, false));
