@@ -278,3 +278,103 @@ fn retraction_to_host_keeps_greedy_output_and_loads_back_instead_of_recomputing(
         "resumed requests prefilled all {resumed} of their tokens: {tiered}"
     );
 }
+
+fn kvserve(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kvserve"))
+        .args(args)
+        .output()
+        .expect("run kvserve")
+}
+
+#[test]
+fn bench_reports_cached_tokens_per_tier_on_a_multi_turn_workload() {
+    let dir = TempDir::new("bench");
+    let json = dir.0.join("bench.json");
+    let extra = json!({"file_path": dir.0.join("l3"), "prefetch_threshold": 64}).to_string();
+    let o = kvserve(&[
+        "bench",
+        "--workload",
+        "multiturn",
+        "--mt-sessions",
+        "6",
+        "--mt-turns",
+        "3",
+        "--mt-input-len",
+        "64",
+        "--mt-output-len",
+        "16",
+        "--max-concurrency",
+        "2",
+        "--max-total-tokens",
+        "512",
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-storage-backend-extra-config",
+        &extra,
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        dir.0.join("bench.png").to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        text.contains("[radix] cached tokens by tier: device "),
+        "{text}"
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let t = &v[0]["tier_hit_tokens"];
+    let sum: u64 = ["device", "host", "storage"]
+        .iter()
+        .map(|k| t[k].as_u64().unwrap())
+        .sum();
+    assert_eq!(sum, v[0]["cached_tokens"].as_u64().unwrap(), "{v}");
+    assert!(sum > 0, "{v}");
+}
+
+#[test]
+fn bad_hicache_flags_exit_with_code_2_naming_the_flag() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--hicache-write-policy", "sometimes"],
+            "--hicache-write-policy",
+        ),
+        (
+            &["--hicache-mem-layout", "diagonal"],
+            "--hicache-mem-layout",
+        ),
+        (
+            &["--hicache-storage-backend", "s3"],
+            "--hicache-storage-backend",
+        ),
+        (
+            &["--hicache-storage-prefetch-policy", "never"],
+            "--hicache-storage-prefetch-policy",
+        ),
+        (
+            &["--hicache-storage-backend-extra-config", "{\"bogus\": 1}"],
+            "bogus",
+        ),
+        (
+            &["--hicache-storage-backend-extra-config", "{not json"],
+            "--hicache-storage-backend-extra-config",
+        ),
+        (&["--hicache-ratio=-1"], "hicache-ratio"),
+        (&["--disable-radix-cache"], "--disable-radix-cache"),
+    ];
+    for (flags, needle) in cases {
+        let mut args = vec!["bench", "--quiet", "--enable-hierarchical-cache"];
+        args.extend_from_slice(flags);
+        let o = kvserve(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    // An L3 store without the host tier it sits behind.
+    let o = kvserve(&["bench", "--quiet", "--hicache-storage-backend", "file"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--enable-hierarchical-cache"));
+}

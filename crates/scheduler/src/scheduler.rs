@@ -420,7 +420,10 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 continue;
             }
             self.match_prefix(id);
-            self.load_back(id)?;
+            // A load-back takes device slots now: only from what this pass has not promised to
+            // the requests admitted before it (SGLang's quota from `rem_total_tokens`).
+            let room = adder.rem_total_tokens(&self.cache, &self.alloc);
+            self.load_back(id, room)?;
             let c = self.candidate(id);
             match adder.add_one_req(c, &mut self.cache, &self.alloc) {
                 Admission::Admitted {

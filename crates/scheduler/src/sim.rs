@@ -419,6 +419,7 @@ pub fn replay<C: PrefixCache, A: Allocator>(
             continue;
         }
         let started = std::time::Instant::now();
+        scheduler.set_time(now);
         let step = scheduler.step(exec)?;
         now += match config.clock {
             Clock::Charged => step.elapsed_s,
@@ -429,6 +430,14 @@ pub fn replay<C: PrefixCache, A: Allocator>(
         } else {
             0
         };
+        // HiCache copies in flight (a prefetch the admission waits for): progress comes from
+        // the controller's threads, not from steps; give them time.
+        if stalled > 0 && scheduler.has_cache_io() {
+            stalled = 0;
+            if config.clock == Clock::Wall {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        }
         // Stalled with nothing left to admit (all arrived, or the concurrency limit holds the
         // rest back): no step will ever change anything.
         if stalled > 2 && (next == order.len() || timing.len() >= limit) {

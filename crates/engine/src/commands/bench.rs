@@ -15,6 +15,7 @@ use serde::Serialize;
 use super::{progress_bar, write_out};
 use crate::bench_client::{run_remote, RemoteTarget};
 use crate::cli::{BenchArgs, WorkloadDefaults};
+use crate::engine_metrics::HiCacheMetrics;
 use crate::error::{EngineError, Result};
 use crate::setup::{build, EngineSetup};
 use crate::sim::sim_requests;
@@ -55,9 +56,23 @@ pub struct BenchOutcome {
     pub output_tokens: usize,
     pub retractions: usize,
     pub steps: u64,
+    /// With HiCache: the cached tokens per tier (device, host, storage); `None` without it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier_hit_tokens: Option<TierHits>,
     /// Every request's TTFT, sorted.
     #[serde(skip)]
     pub ttft_s: Vec<f64>,
+}
+
+/// Cached prompt tokens by the tier they came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TierHits {
+    /// Matched on device.
+    pub device: u64,
+    /// Loaded back from the host tier.
+    pub host: u64,
+    /// Loaded back after an L3 prefetch brought them to the host tier.
+    pub storage: u64,
 }
 
 impl BenchOutcome {
@@ -83,6 +98,7 @@ impl BenchOutcome {
             output_tokens: r.output_tokens,
             retractions: r.retractions,
             steps: r.steps,
+            tier_hit_tokens: None,
             ttft_s: r.ttft_s,
         }
     }
@@ -110,11 +126,17 @@ pub fn run_bench(
             after: "the bench".into(),
             message,
         })?;
-    Ok(BenchOutcome::new(
+    let mut outcome = BenchOutcome::new(
         if radix { "radix" } else { "no-cache" },
         report,
         ideal_hit_rate,
-    ))
+    );
+    outcome.tier_hit_tokens = HiCacheMetrics::of(&sched).map(|h| TierHits {
+        device: h.device_hit_tokens,
+        host: h.host_hit_tokens,
+        storage: h.storage_hit_tokens,
+    });
+    Ok(outcome)
 }
 
 /// A readable report of one or two runs (the second, if any, without the cache).
@@ -137,6 +159,12 @@ pub fn render(outcomes: &[BenchOutcome], wall_s: f64) -> String {
             o.prefill_tokens,
             o.retractions
         );
+        if let Some(t) = o.tier_hit_tokens {
+            out += &format!(
+                "[{}] cached tokens by tier: device {} | host {} | storage {}\n",
+                o.cache, t.device, t.host, t.storage
+            );
+        }
     }
     if let [with, without] = outcomes {
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };

@@ -56,15 +56,19 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// After a request's match: loads its host-tier hit back into device slots (SGLang's
     /// `init_load_back` in `PrefillAdder.add_one_req`), when the chain is long enough and the
     /// pool can hold it and the request's own needs. The loaded tokens join its prefix.
-    pub(super) fn load_back(&mut self, id: ReqId) -> Result<()> {
+    ///
+    /// `room` is the prefill budget's `rem_total_tokens` (free + evictable tokens not promised
+    /// to requests admitted earlier in the pass): the chain is loaded only if it leaves room for
+    /// the request's own extend, reserved output and a page.
+    pub(super) fn load_back(&mut self, id: ReqId, room: f64) -> Result<()> {
         let r = &self.reqs[&id];
         if r.host_hit_len == 0 {
             return Ok(());
         }
         let need = r.extend_input_len() - r.host_hit_len
-            + r.remaining_new_tokens().min(self.cfg.clip_max_new_tokens);
-        let quota =
-            (self.alloc.available_size() + self.cache.evictable_size()).saturating_sub(need);
+            + r.remaining_new_tokens().min(self.cfg.clip_max_new_tokens)
+            + self.cfg.page_size as usize;
+        let quota = (room.max(0.0) as usize).saturating_sub(need);
         let r = self.reqs.get_mut(&id).expect("request");
         let mut slots = std::mem::take(&mut r.prefix.prefix_slots);
         let last_host_node = r.last_host_node;
