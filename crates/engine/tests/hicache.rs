@@ -378,3 +378,43 @@ fn bad_hicache_flags_exit_with_code_2_naming_the_flag() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--enable-hierarchical-cache"));
 }
+
+/// Twelve clients at once, three rounds, prompts sharing three prefixes, on a device pool that
+/// holds about two of them: load-backs, demotions and write-through copies interleave with
+/// admission under pressure.
+fn concurrent_rounds(extra: &[&str]) -> (Vec<Value>, common::Server) {
+    let mut flags = vec!["--max-total-tokens", "768", "--page-size", "16"];
+    flags.extend(extra);
+    let srv = start(&flags);
+    let port = srv.port;
+    let mut outs = Vec::new();
+    for round in 0..3u32 {
+        let clients: Vec<_> = (0..12u32)
+            .map(|k| {
+                thread::spawn(move || {
+                    let mut ids = prompt(400 + k % 3, 224);
+                    ids.extend(prompt(500 + k + 12 * round, 16 + 16 * (k % 4)));
+                    generate(port, &ids, 8)["output_ids"].clone()
+                })
+            })
+            .collect();
+        outs.extend(clients.into_iter().map(|c| c.join().unwrap()));
+    }
+    (outs, srv)
+}
+
+#[test]
+fn concurrent_clients_get_the_same_tokens_and_leave_both_tiers_consistent() {
+    let (want, _plain) = concurrent_rounds(&[]);
+    for policy in ["write_through", "write_back"] {
+        let (got, srv) = concurrent_rounds(&[
+            "--enable-hierarchical-cache",
+            "--hicache-write-policy",
+            policy,
+        ]);
+        assert_eq!(got, want, "{policy}");
+        assert_kv_freed(srv.port);
+        let t = tiers(srv.port);
+        assert!(t["host_hit_tokens"].as_u64().unwrap() > 0, "{policy}: {t}");
+    }
+}
