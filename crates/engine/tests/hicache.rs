@@ -418,3 +418,16 @@ fn concurrent_clients_get_the_same_tokens_and_leave_both_tiers_consistent() {
         assert!(t["host_hit_tokens"].as_u64().unwrap() > 0, "{policy}: {t}");
     }
 }
+
+#[test]
+fn info_lists_the_hierarchical_cache_choices() {
+    let o = kvserve(&["info"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success());
+    assert!(
+        text.contains("hicache policies:   write_through, write_through_selective, write_back"),
+        "{text}"
+    );
+    assert!(text.contains("hicache layouts:    layer_first, page_first, page_first_direct"));
+    assert!(text.contains("hicache storage:    file, redis"), "{text}");
+}

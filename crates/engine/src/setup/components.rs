@@ -267,6 +267,12 @@ pub struct Inventory {
     pub kv_cache_dtypes: Vec<&'static str>,
     /// Model architectures (`architectures` in config.json) the model crate loads.
     pub architectures: Vec<&'static str>,
+    /// `--hicache-write-policy` values.
+    pub hicache_write_policies: Vec<String>,
+    /// `--hicache-mem-layout` values.
+    pub hicache_mem_layouts: Vec<String>,
+    /// `--hicache-storage-backend` values, and whether this build has each.
+    pub hicache_storage_backends: Vec<String>,
     /// The device each compiled device backend opens (filled by [`Inventory::probe`]).
     pub devices: Vec<(BackendKind, String)>,
 }
@@ -316,6 +322,22 @@ impl Inventory {
                 .chain(kv_pool::KvDtype::ALL.iter().map(|d| d.name()))
                 .collect(),
             architectures: model::Architecture::ALL.iter().map(|(_, n)| *n).collect(),
+            hicache_write_policies: radix_cache::WritePolicy::ALL
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            hicache_mem_layouts: kv_pool::host_pool::HostLayout::ALL
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            hicache_storage_backends: vec![
+                "file".into(),
+                if cfg!(feature = "redis") {
+                    "redis".into()
+                } else {
+                    "redis (not compiled; feature `redis`)".into()
+                },
+            ],
             devices: Vec::new(),
         }
     }
@@ -366,7 +388,22 @@ impl fmt::Display for Inventory {
             self.schedule_policies.join(", ")
         )?;
         writeln!(f, "kv cache dtypes:    {}", self.kv_cache_dtypes.join(", "))?;
-        write!(f, "architectures:      {}", self.architectures.join(", "))?;
+        writeln!(f, "architectures:      {}", self.architectures.join(", "))?;
+        writeln!(
+            f,
+            "hicache policies:   {}",
+            self.hicache_write_policies.join(", ")
+        )?;
+        writeln!(
+            f,
+            "hicache layouts:    {}",
+            self.hicache_mem_layouts.join(", ")
+        )?;
+        write!(
+            f,
+            "hicache storage:    {}",
+            self.hicache_storage_backends.join(", ")
+        )?;
         for (kind, device) in &self.devices {
             write!(f, "\n{:<20}{device}", format!("{kind} device:"))?;
         }
