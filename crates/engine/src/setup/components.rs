@@ -12,9 +12,9 @@ use std::fmt;
 
 use attention::{Backend, CpuBackend, CpuConfig};
 use enum_dispatch::enum_dispatch;
-use kv_pool::{AnyAllocator, HostKvStore, KvLayout, KvStore, MemoryRegion};
+use kv_pool::{AnyAllocator, CacheController, HostKvStore, KvLayout, KvStore, MemoryRegion};
 use model::{ForwardInput, LogitsOutput, Model, ModelRunner};
-use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, RadixCache};
+use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, HiCacheConfig, RadixCache};
 use scheduler::{Scheduler, SchedulerConfig};
 use serde::Serialize;
 
@@ -126,7 +126,7 @@ pub fn build_scheduler(
     radix: bool,
     eviction_policy: &str,
     capacity: usize,
-    tier: Option<super::hicache::HiCacheParts>,
+    tier: Option<(HiCacheConfig, Box<dyn CacheController>)>,
 ) -> Result<Scheduler> {
     let p = config.page_size;
     let cache = if radix {
@@ -134,8 +134,8 @@ pub fn build_scheduler(
         let tree = RadixCache::new(p, policy);
         let tree = match tier {
             None => tree,
-            Some(t) => tree
-                .with_host_tier(t.config, Box::new(t.controller))
+            Some((config, controller)) => tree
+                .with_host_tier(config, controller)
                 .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?,
         };
         AnyPrefixCache::Radix(tree)

@@ -1,6 +1,11 @@
 //! [`EngineSetup`]: everything `bench` and `serve` decide before building an engine.
 
+use std::fmt;
+
+use hicache::storage::{StorageConfig, StorageKind};
+use kv_pool::host_pool::HostLayout;
 use kv_pool::KvDtype;
+use radix_cache::tiers::{PrefetchPolicy, WritePolicy};
 use scheduler::{SchedulePolicy, SchedulerConfig};
 
 use super::backend::BackendKind;
@@ -29,7 +34,7 @@ pub struct EngineSetup {
     /// prefill servers on this host write into it). CPU backend only.
     pub shared_kv: bool,
     /// The hierarchical cache (`--enable-hierarchical-cache`), if on.
-    pub hicache: Option<super::hicache::HiCacheSetup>,
+    pub hicache: Option<HiCacheSetup>,
 }
 
 /// Parses `--schedule-policy` for the bench (one policy).
@@ -60,5 +65,40 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         seed: 0,
         shared_kv: false,
         hicache: None,
+    }
+}
+
+/// The hierarchical cache's settings, validated from the flags.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HiCacheSetup {
+    /// `--hicache-write-policy`.
+    pub write_policy: WritePolicy,
+    /// `--hicache-mem-layout`.
+    pub mem_layout: HostLayout,
+    /// `--hicache-ratio`.
+    pub ratio: f64,
+    /// `--hicache-size` (GB; 0 uses the ratio).
+    pub size_gb: f64,
+    /// `--hicache-storage-backend` and its extra config.
+    pub storage: Option<StorageKind>,
+    /// `--hicache-storage-backend-extra-config`, parsed (its prefetch keys apply with or
+    /// without a backend).
+    pub storage_config: StorageConfig,
+    /// `--hicache-storage-prefetch-policy`.
+    pub prefetch_policy: PrefetchPolicy,
+}
+
+impl fmt::Display for HiCacheSetup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} ", self.write_policy, self.mem_layout)?;
+        if self.size_gb > 0.0 {
+            write!(f, "{} GB", self.size_gb)?;
+        } else {
+            write!(f, "×{}", self.ratio)?;
+        }
+        match self.storage {
+            Some(kind) => write!(f, ", L3 {kind} ({})", self.prefetch_policy),
+            None => Ok(()),
+        }
     }
 }

@@ -6,52 +6,15 @@
 //! `cpu` backend (wgpu's buffers would be copied by the device: not written yet, refused with
 //! an error naming `--backend`).
 
-use std::fmt;
-
 use hicache::controller::CpuCacheController;
-use hicache::storage::{open_storage, StorageConfig, StorageKind, StorageNamespace};
-use kv_pool::host_pool::{HostKvPool, HostLayout, HostPoolSize, HostPoolSizeInput};
+use hicache::storage::{open_storage, StorageNamespace};
+use kv_pool::host_pool::{HostKvPool, HostPoolSize, HostPoolSizeInput};
 use kv_pool::KvStore;
-use radix_cache::tiers::{HiCacheConfig, PrefetchPolicy, WritePolicy};
+use radix_cache::tiers::HiCacheConfig;
 
 use super::components::AnyRunner;
-use super::engine_setup::EngineSetup;
+use super::engine_setup::{EngineSetup, HiCacheSetup};
 use crate::error::{EngineError, Result};
-
-/// The hierarchical cache's settings, validated from the flags.
-#[derive(Debug, Clone, PartialEq)]
-pub struct HiCacheSetup {
-    /// `--hicache-write-policy`.
-    pub write_policy: WritePolicy,
-    /// `--hicache-mem-layout`.
-    pub mem_layout: HostLayout,
-    /// `--hicache-ratio`.
-    pub ratio: f64,
-    /// `--hicache-size` (GB; 0 uses the ratio).
-    pub size_gb: f64,
-    /// `--hicache-storage-backend` and its extra config.
-    pub storage: Option<StorageKind>,
-    /// `--hicache-storage-backend-extra-config`, parsed (its prefetch keys apply with or
-    /// without a backend).
-    pub storage_config: StorageConfig,
-    /// `--hicache-storage-prefetch-policy`.
-    pub prefetch_policy: PrefetchPolicy,
-}
-
-impl fmt::Display for HiCacheSetup {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {} ", self.write_policy, self.mem_layout)?;
-        if self.size_gb > 0.0 {
-            write!(f, "{} GB", self.size_gb)?;
-        } else {
-            write!(f, "×{}", self.ratio)?;
-        }
-        match self.storage {
-            Some(kind) => write!(f, ", L3 {kind} ({})", self.prefetch_policy),
-            None => Ok(()),
-        }
-    }
-}
 
 /// Host memory left to everything else: SGLang's 10 GiB, or a quarter of the machine's memory
 /// where that is less (SGLang refuses any host pool on a machine with under 10 GiB free).

@@ -24,8 +24,7 @@ use scheduler::Scheduler;
 
 pub use backend::BackendKind;
 pub use components::{build_scheduler, AnyRunner, Inventory};
-pub use engine_setup::{default_setup, parse_policy, EngineSetup};
-pub use hicache::HiCacheSetup;
+pub use engine_setup::{default_setup, parse_policy, EngineSetup, HiCacheSetup};
 pub use model_exec::ModelExecutor;
 pub use source::ModelSource;
 
@@ -76,6 +75,12 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
         )),
         None => None,
     };
+    let tier = tier.map(|t| {
+        (
+            t.config,
+            Box::new(t.controller) as Box<dyn kv_pool::CacheController>,
+        )
+    });
     let sched = build_scheduler(
         setup.scheduler.clone(),
         radix,
