@@ -1,6 +1,13 @@
 //! `kvserve sim`: a workload through the real scheduler, prefix cache and allocator, with the
 //! scheduler's cost-model executor on a simulated clock (see `scheduler::sim`). Sweeps schedule
 //! policies × eviction policies × pool sizes; each configuration is one [`SimOutcome`].
+//!
+//! With a host tier ([`SimConfig::tier`], `--enable-hierarchical-cache`) the radix tree gets a
+//! simulated host tier and L3 store (`crate::sim_tier`): the scheduler loads host hits back at
+//! admission and prefetches from L3 at arrival as it does when serving, and the cost model
+//! charges each pass its load-back bytes at the accelerator's host link (overlapped with the
+//! pass) and its L3 bytes at the storage bandwidth (added); see `scheduler::sim`. The outcome
+//! then reports the hit tokens per tier.
 
 use std::time::Instant;
 
@@ -13,7 +20,9 @@ use serde::Serialize;
 
 use crate::error::{EngineError, Result};
 use crate::setup::build_scheduler;
+use crate::setup::components::TreeTier;
 use crate::setup::pool::whole_pages;
+use crate::sim_tier::{SimController, SimTier};
 use crate::workload::Workload;
 
 /// How requests arrive.
@@ -94,6 +103,8 @@ pub struct SimConfig {
     pub cost: CostModel,
     /// `--max-concurrency`: requests in flight at most (`None`: no limit).
     pub max_concurrency: Option<usize>,
+    /// A simulated host tier (and L3 store) behind the radix tree.
+    pub tier: Option<SimTier>,
 }
 
 /// The figures of one configuration (the JSON line of `--format json`).
@@ -135,10 +146,26 @@ pub struct SimOutcome {
     pub steps: u64,
     /// Wall time of the simulation.
     pub seconds: f64,
+    /// With a host tier: the hits per tier (their fields join the JSON line; absent without).
+    #[serde(flatten)]
+    pub tiers: Option<SimTierHits>,
+}
+
+/// A simulation's prompt tokens served per tier (`cached_tokens` = device + host + storage).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimTierHits {
+    /// Host tier size in tokens.
+    pub host_capacity_tokens: usize,
+    /// Served from the device pool (matched there).
+    pub device_hit_tokens: usize,
+    /// Loaded back from the host tier (not counting storage hits).
+    pub host_hit_tokens: usize,
+    /// Prefetched from L3 storage (then loaded back).
+    pub storage_hit_tokens: usize,
 }
 
 impl SimOutcome {
-    fn new(cfg: &SimConfig, r: &SimReport, seconds: f64) -> Self {
+    fn new(cfg: &SimConfig, r: &SimReport, seconds: f64, host_slots: Option<usize>) -> Self {
         SimOutcome {
             schedule_policy: cfg.scheduler.schedule_policy.to_string(),
             eviction_policy: if cfg.radix {
@@ -165,6 +192,15 @@ impl SimOutcome {
             simulated_s: r.duration_s,
             steps: r.steps,
             seconds,
+            tiers: host_slots.map(|host| {
+                let storage = r.storage_hit_tokens.min(r.host_hit_tokens);
+                SimTierHits {
+                    host_capacity_tokens: host,
+                    device_hit_tokens: r.cached_tokens - r.host_hit_tokens,
+                    host_hit_tokens: r.host_hit_tokens - storage,
+                    storage_hit_tokens: storage,
+                }
+            }),
         }
     }
 }
@@ -175,13 +211,34 @@ pub fn run_one(
     cfg: &SimConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimOutcome> {
-    let capacity = whole_pages(cfg.capacity_tokens, cfg.scheduler.page_size)?;
+    let p = cfg.scheduler.page_size;
+    let capacity = whole_pages(cfg.capacity_tokens, p)?;
+    let (tier, host_slots) = match &cfg.tier {
+        None => (None, None),
+        Some(_) if !cfg.radix => {
+            return Err(EngineError::arg(
+                "--enable-hierarchical-cache",
+                "the host tier keeps radix-tree nodes: it cannot be used with \
+                 --disable-radix-cache",
+            ))
+        }
+        Some(t) => {
+            // SGLang sizes each rank's host pool with the rank's share of a token's KV.
+            let per_rank = (cfg.cost.model.kv_bytes_per_token / cfg.cost.tp as usize).max(1);
+            let host = t.host_slots(capacity, p, Some(per_rank))?;
+            let tier = TreeTier {
+                config: t.setup.tree_config(host),
+                controller: Box::new(SimController::new(t.has_storage())),
+            };
+            (Some(tier), Some(host))
+        }
+    };
     let mut sched = build_scheduler(
         cfg.scheduler.clone(),
         cfg.radix,
         &cfg.eviction_policy,
         capacity,
-        None,
+        tier,
     )?;
     let mut exec = SimExecutor {
         cost: cfg.cost.clone(),
@@ -201,6 +258,7 @@ pub fn run_one(
         &cfg,
         &report,
         start.elapsed().as_secs_f64(),
+        host_slots,
     ))
 }
 
@@ -264,6 +322,11 @@ pub fn render_table(outcomes: &[SimOutcome], timings: bool) -> String {
         "aborted".into(),
         "peak_pool".into(),
     ]];
+    // With a host tier, the prompt tokens served per tier (the columns appear only then).
+    let tiered = outcomes.iter().any(|o| o.tiers.is_some());
+    if tiered {
+        rows[0].extend(["host_pool", "device_hit", "host_hit", "storage_hit"].map(String::from));
+    }
     if timings {
         rows[0].push("wall_s".into());
     }
@@ -283,6 +346,17 @@ pub fn render_table(outcomes: &[SimOutcome], timings: bool) -> String {
             o.aborted.to_string(),
             o.peak_used_tokens.to_string(),
         ];
+        if tiered {
+            match &o.tiers {
+                Some(t) => row.extend([
+                    t.host_capacity_tokens.to_string(),
+                    t.device_hit_tokens.to_string(),
+                    t.host_hit_tokens.to_string(),
+                    t.storage_hit_tokens.to_string(),
+                ]),
+                None => row.extend(["-"; 4].map(String::from)),
+            }
+        }
         if timings {
             row.push(format!("{:.2}", o.seconds));
         }
@@ -356,6 +430,7 @@ mod tests {
             capacity_tokens: capacity,
             cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
             max_concurrency: None,
+            tier: None,
         }
     }
 

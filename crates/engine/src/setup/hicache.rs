@@ -53,6 +53,25 @@ impl fmt::Display for HiCacheSetup {
     }
 }
 
+impl HiCacheSetup {
+    /// The tree's configuration for a host tier of `host_slots` slots: the write policy, the
+    /// prefetch stop policy and SGLang's prefetch keys from the extra config, SGLang's defaults
+    /// for the rest. (The simulators build their tiers from it too.)
+    pub fn tree_config(&self, host_slots: usize) -> HiCacheConfig {
+        let c = &self.storage_config;
+        HiCacheConfig {
+            write_policy: self.write_policy,
+            host_slots,
+            prefetch_threshold: c.prefetch_threshold,
+            prefetch_policy: self.prefetch_policy,
+            prefetch_timeout_base_s: c.prefetch_timeout_base_s,
+            prefetch_timeout_per_ki_token_s: c.prefetch_timeout_per_ki_token_s,
+            prefetch_timeout_max_s: c.prefetch_timeout_max_s,
+            ..HiCacheConfig::default()
+        }
+    }
+}
+
 /// Host memory left to everything else: SGLang's 10 GiB, or a quarter of the machine's memory
 /// where that is less (SGLang refuses any host pool on a machine with under 10 GiB free).
 pub fn host_reserve_bytes(mem_total: u64) -> u64 {
@@ -125,17 +144,7 @@ pub fn build_hicache(
     // the pass's `LoadGate` released it.
     let controller = unsafe { CpuCacheController::new(store, pool, storage) }
         .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?;
-    let c = &h.storage_config;
-    let config = HiCacheConfig {
-        write_policy: h.write_policy,
-        host_slots: size.slots,
-        prefetch_threshold: c.prefetch_threshold,
-        prefetch_policy: h.prefetch_policy,
-        prefetch_timeout_base_s: c.prefetch_timeout_base_s,
-        prefetch_timeout_per_ki_token_s: c.prefetch_timeout_per_ki_token_s,
-        prefetch_timeout_max_s: c.prefetch_timeout_max_s,
-        ..HiCacheConfig::default()
-    };
+    let config = h.tree_config(size.slots);
     Ok(HiCacheParts {
         config,
         controller,
