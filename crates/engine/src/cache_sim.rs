@@ -385,6 +385,17 @@ impl<A: Allocator> Replay<A> {
             node: m.last_node,
         };
         if m.host_hit_len > 0 {
+            // Room for the load-back first, evicting as step 4 does (so `evicted_tokens` counts
+            // it), with the matched path locked so the eviction cannot take it.
+            let available = self.alloc.available_size();
+            if m.host_hit_len > available {
+                self.cache.inc_lock_ref(m.last_node)?;
+                let freed = self
+                    .cache
+                    .evict(m.host_hit_len - available, &mut self.alloc);
+                self.cache.dec_lock_ref(m.last_node)?;
+                self.evicted_tokens += freed? as u64;
+            }
             let rest = pages_needed.saturating_sub(m.len + m.host_hit_len);
             let quota =
                 (self.alloc.available_size() + self.cache.evictable_size()).saturating_sub(rest);

@@ -500,6 +500,77 @@ mod tests {
         assert_eq!(table.lines().count(), 3);
     }
 
+    /// A pool that holds about one group's prefix: with a host tier the evicted system prompts
+    /// come back from host instead of being recomputed, and the cost model charges the
+    /// load-backs (the run is not free: its passes are at least as long as the compute).
+    #[test]
+    fn a_host_tier_serves_what_the_pool_cannot_hold() {
+        use radix_cache::tiers::WritePolicy;
+        let w = gsp();
+        let reqs = sim_requests(&w, Arrivals::Poisson { rate: 2.0, seed: 1 }).unwrap();
+        let plain = run_one(&reqs, &config(SchedulePolicy::Fcfs, 512), &mut |_, _| {}).unwrap();
+        assert_eq!(plain.tiers, None);
+        for policy in WritePolicy::ALL {
+            let cfg = SimConfig {
+                tier: Some(SimTier::with_policy(policy, 4.0, None)),
+                ..config(SchedulePolicy::Fcfs, 512)
+            };
+            let o = run_one(&reqs, &cfg, &mut |_, _| {}).unwrap();
+            let t = o.tiers.clone().expect("tiered");
+            assert_eq!((o.requests, o.aborted), (16, 0), "{policy}");
+            assert_eq!(t.host_capacity_tokens, 2064);
+            assert_eq!(
+                o.cached_tokens,
+                t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens
+            );
+            assert!(t.host_hit_tokens > 0, "{policy}: {o:?}");
+            assert!(o.cached_tokens > plain.cached_tokens, "{policy}: {o:?}");
+            assert_eq!(o.prefill_tokens, o.prompt_tokens - o.cached_tokens);
+        }
+        // Every loaded-back and prefetched token reaches the executor on some pass, so the cost
+        // model charges each once.
+        struct Tally(SimExecutor, usize, usize);
+        impl scheduler::Executor for Tally {
+            fn forward(
+                &mut self,
+                batch: &scheduler::ForwardBatch,
+                rows: &kv_pool::ReqToTokenPool,
+            ) -> std::result::Result<scheduler::BatchResult, String> {
+                self.1 += batch.load_back_tokens;
+                self.2 += batch.prefetch_tokens;
+                self.0.forward(batch, rows)
+            }
+        }
+        let base = config(SchedulePolicy::Fcfs, 512);
+        let tier = SimTier::with_policy(
+            WritePolicy::WriteThrough,
+            2.0,
+            Some(hicache::storage::StorageKind::File),
+        );
+        let host = tier.host_slots(512, 16, None).unwrap();
+        let tree_tier = TreeTier {
+            config: tier.setup.tree_config(host),
+            controller: Box::new(SimController::new(true)),
+        };
+        let mut sched =
+            build_scheduler(base.scheduler.clone(), true, "lru", 512, Some(tree_tier)).unwrap();
+        let mut exec = Tally(SimExecutor { cost: base.cost }, 0, 0);
+        let r = scheduler::simulate(&reqs, &mut sched, &mut exec, &mut |_, _| {}).unwrap();
+        assert!(
+            r.tiered && r.host_hit_tokens > 0 && r.storage_hit_tokens > 0,
+            "{r}"
+        );
+        assert_eq!((exec.1, exec.2), (r.host_hit_tokens, r.storage_hit_tokens));
+
+        // The chunk cache has no nodes to keep in host.
+        let cfg = SimConfig {
+            radix: false,
+            tier: Some(SimTier::with_policy(WritePolicy::WriteBack, 2.0, None)),
+            ..config(SchedulePolicy::Fcfs, 512)
+        };
+        assert!(run_one(&reqs, &cfg, &mut |_, _| {}).is_err());
+    }
+
     #[test]
     fn a_tiny_pool_is_an_error_and_oversized_requests_abort() {
         let w = Workload {

@@ -9,11 +9,12 @@
 //! Used by `crate::cache_sim` (per-tier hit rates of a replay) and `crate::sim` (the scheduler
 //! with a tiered tree, charging the copies in its cost model).
 
-use hicache::storage::StorageKind;
-use kv_pool::host_pool::{HostPoolSize, HostPoolSizeInput};
+use hicache::storage::{StorageConfig, StorageKind};
+use kv_pool::host_pool::{HostLayout, HostPoolSize, HostPoolSizeInput};
 use kv_pool::testing::ImmediateController;
 use kv_pool::tier::{Ack, CacheController, OpId, PageKey};
 use kv_pool::Slot;
+use radix_cache::tiers::{PrefetchPolicy, WritePolicy};
 use radix_cache::RadixCache;
 use scheduler::CostModel;
 
@@ -89,6 +90,25 @@ impl SimTier {
     /// The flags' tier.
     pub fn new(setup: HiCacheSetup) -> Self {
         SimTier { setup }
+    }
+
+    /// A tier of `ratio` × the device pool with `write_policy`, an L3 store of `storage`'s
+    /// kind if given, and the flags' defaults for the rest (`best_effort` prefetch, SGLang's
+    /// prefetch thresholds): what the library's users and tests need without flags.
+    pub fn with_policy(
+        write_policy: WritePolicy,
+        ratio: f64,
+        storage: Option<StorageKind>,
+    ) -> Self {
+        SimTier::new(HiCacheSetup {
+            write_policy,
+            mem_layout: HostLayout::default(),
+            ratio,
+            size_gb: 0.0,
+            storage,
+            storage_config: StorageConfig::default(),
+            prefetch_policy: PrefetchPolicy::BestEffort,
+        })
     }
 
     /// Whether an L3 store sits behind the host tier.

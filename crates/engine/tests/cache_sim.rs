@@ -457,16 +457,8 @@ fn plot_writes_a_png() {
 /// A simulated host tier with `write_policy`, `ratio` × the capacity, and an L3 store if
 /// `storage`.
 fn tier(write_policy: &str, ratio: f64, storage: bool) -> engine::sim_tier::SimTier {
-    use hicache::storage::{StorageConfig, StorageKind};
-    engine::sim_tier::SimTier::new(engine::setup::HiCacheSetup {
-        write_policy: write_policy.parse().unwrap(),
-        mem_layout: kv_pool::host_pool::HostLayout::PageFirst,
-        ratio,
-        size_gb: 0.0,
-        storage: storage.then_some(StorageKind::File),
-        storage_config: StorageConfig::default(),
-        prefetch_policy: "best_effort".parse().unwrap(),
-    })
+    let kind = storage.then_some(hicache::storage::StorageKind::File);
+    engine::sim_tier::SimTier::with_policy(write_policy.parse().unwrap(), ratio, kind)
 }
 
 fn run_tiered(

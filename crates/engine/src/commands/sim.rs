@@ -36,6 +36,12 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
         }
         None => {}
     }
+    if tier.is_some() && args.disable_radix_cache {
+        return Err(EngineError::arg(
+            "--enable-hierarchical-cache",
+            "the host tier keeps radix-tree nodes: it cannot be used with --disable-radix-cache",
+        ));
+    }
     if !(args.mem_fraction_static > 0.0 && args.mem_fraction_static <= 1.0) {
         return Err(EngineError::arg(
             "--mem-fraction-static",
