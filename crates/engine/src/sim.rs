@@ -510,6 +510,11 @@ mod tests {
         let reqs = sim_requests(&w, Arrivals::Poisson { rate: 2.0, seed: 1 }).unwrap();
         let plain = run_one(&reqs, &config(SchedulePolicy::Fcfs, 512), &mut |_, _| {}).unwrap();
         assert_eq!(plain.tiers, None);
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(
+            json.get("host_hit_tokens").is_none(),
+            "no tier fields without a tier"
+        );
         for policy in WritePolicy::ALL {
             let cfg = SimConfig {
                 tier: Some(SimTier::with_policy(policy, 4.0, None)),
@@ -526,6 +531,8 @@ mod tests {
             assert!(t.host_hit_tokens > 0, "{policy}: {o:?}");
             assert!(o.cached_tokens > plain.cached_tokens, "{policy}: {o:?}");
             assert_eq!(o.prefill_tokens, o.prompt_tokens - o.cached_tokens);
+            let json = serde_json::to_value(&o).unwrap();
+            assert_eq!(json["host_hit_tokens"], t.host_hit_tokens);
         }
         // Every loaded-back and prefetched token reaches the executor on some pass, so the cost
         // model charges each once.
