@@ -542,6 +542,28 @@ fn the_l3_store_serves_what_the_host_evicted() {
     assert!(!json.contains("hit_tokens"), "{json}");
 }
 
+/// The plot of a tiered sweep draws each policy's device-only hit rate beside its total.
+#[test]
+fn a_tiered_sweep_plots() {
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| run_of(i * 1000, 64)).collect();
+    let order: Vec<&[u32]> = (0..12).map(|i| prompts[i % 4].as_slice()).collect();
+    let cfg = SweepConfig {
+        policies: vec!["lru".into()],
+        capacities: vec![64, 128],
+        page_size: 16,
+        check: true,
+        jobs: 1,
+        tier: Some(tier("write_through", 4.0, false)),
+    };
+    let results = run_sweep(&requests(&order), &cfg, &|_| {}).unwrap();
+    assert!(results
+        .iter()
+        .all(|r| r.tiers.as_ref().unwrap().host_hit_tokens > 0));
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tiered_hit_rates.png");
+    engine::plot::plot_hit_rates(&results, "tiered", &path).unwrap();
+    assert!(std::fs::read(&path).unwrap().starts_with(b"\x89PNG"));
+}
+
 /// On a multi-turn workload every turn repeats the session so far: with a small device the
 /// tiers serve what it cannot hold, and the replay's checks (accounting after every request,
 /// both partitions at the end) hold for every write policy, with and without L3.
