@@ -18,6 +18,19 @@
 //!
 //! Counters: `prompt_tokens` counts every request (also skipped ones, so hit rates at different
 //! capacities share a denominator); `cached_tokens` only served ones.
+//!
+//! ## With a host tier (`--enable-hierarchical-cache`)
+//! The tree gets a simulated host tier (`crate::sim_tier`: SGLang's write policies, demotion
+//! on eviction, no bytes moved) of `--hicache-ratio` × the capacity, and with
+//! `--hicache-storage-backend` an unbounded L3 store. Per request, before step 3: with
+//! storage, prefetch the prompt beyond its device + host match (`prefetch_from_storage`),
+//! take the query's answer (`check_hicache_events`) and poll `check_prefetch_progress` until
+//! the stop policy lets the request go (every copy lands at the next poll, so each policy
+//! ends with everything that was found). Step 3 then loads a host hit back
+//! (`init_load_back`, SGLang's threshold of 10 tokens) and locks the deepest device node;
+//! after step 6 the copies' acknowledgements are taken (`check_hicache_events`). A request's
+//! cached tokens split into the *device* hit (its match), the *storage* hit (tokens its
+//! prefetch brought, then loaded back) and the *host* hit (the rest of the load-back).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -25,12 +38,15 @@ use std::time::Instant;
 
 use kv_pool::{Allocator, ExtendRequest, OwnershipCheck, PagedAllocator, Slot, TokenAllocator};
 use radix_cache::policy::{policy_from_name, Belady, BuiltinPolicy, CostAware, FutureIndex};
-use radix_cache::{AnyEvictionPolicy, EvictionPolicy, InsertOptions, PrefixCache, RadixCache};
+use radix_cache::{
+    AnyEvictionPolicy, EvictionPolicy, InsertOptions, NodeId, PrefixCache, RadixCache,
+};
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
 use scheduler::summary::ratio;
 
+use crate::sim_tier::SimTier;
 use crate::workload::Request;
 
 /// Name of the oracle policy (needs the whole workload in advance).
@@ -133,6 +149,32 @@ pub struct ReplayResult {
     pub seconds: f64,
     /// `prompt_tokens / seconds`.
     pub tokens_per_s: f64,
+    /// With a host tier: the hits per tier (their fields join the JSON line; absent without).
+    #[serde(flatten)]
+    pub tiers: Option<TierHits>,
+}
+
+/// A replay's hits per tier (`cached_tokens` = device + host + storage).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TierHits {
+    /// `--hicache-write-policy`.
+    pub write_policy: String,
+    /// Host tier size in tokens (`--hicache-ratio` × capacity, SGLang's rounding).
+    pub host_capacity_tokens: usize,
+    /// Whether an L3 store was behind the host tier.
+    pub storage: bool,
+    /// Prompt tokens matched on the device.
+    pub device_hit_tokens: u64,
+    /// Prompt tokens loaded back from the host tier (not counting storage hits).
+    pub host_hit_tokens: u64,
+    /// Prompt tokens prefetched from L3 storage and loaded back.
+    pub storage_hit_tokens: u64,
+    /// `device_hit_tokens / prompt_tokens`.
+    pub device_hit_rate: f64,
+    /// `host_hit_tokens / prompt_tokens`.
+    pub host_hit_rate: f64,
+    /// `storage_hit_tokens / prompt_tokens`.
+    pub storage_hit_rate: f64,
 }
 
 /// What a replay checks when asked (`--check`).
@@ -157,6 +199,28 @@ pub fn replay_through_cache(
     opts: ReplayOptions,
     progress: &dyn Fn(u64),
 ) -> Result<ReplayResult> {
+    replay_through_tiers(
+        requests,
+        policy,
+        capacity_tokens,
+        page_size,
+        None,
+        opts,
+        progress,
+    )
+}
+
+/// [`replay_through_cache`] with an optional host tier (and L3 store) behind the cache: see
+/// the module documentation.
+pub fn replay_through_tiers(
+    requests: &[Request],
+    policy: AnyEvictionPolicy,
+    capacity_tokens: usize,
+    page_size: u32,
+    tier: Option<&SimTier>,
+    opts: ReplayOptions,
+    progress: &dyn Fn(u64),
+) -> Result<ReplayResult> {
     let aligned = page_align_capacity(capacity_tokens, page_size)?;
     if aligned != capacity_tokens {
         return Err(EngineError::arg(
@@ -164,12 +228,29 @@ pub fn replay_through_cache(
             format!("{capacity_tokens} is not a multiple of the page size {page_size}"),
         ));
     }
+    let mut cache = RadixCache::new(page_size, policy);
+    let mut hits = None;
+    if let Some(t) = tier {
+        let host = t.host_slots(capacity_tokens, page_size, None)?;
+        cache = t.attach(cache, host)?;
+        hits = Some(TierHits {
+            write_policy: t.setup.write_policy.to_string(),
+            host_capacity_tokens: host,
+            storage: t.has_storage(),
+            device_hit_tokens: 0,
+            host_hit_tokens: 0,
+            storage_hit_tokens: 0,
+            device_hit_rate: 0.0,
+            host_hit_rate: 0.0,
+            storage_hit_rate: 0.0,
+        });
+    }
     if page_size == 1 {
         let alloc = TokenAllocator::new(capacity_tokens)?;
-        Replay::new(alloc, policy, page_size, opts).run(requests, progress)
+        Replay::new(alloc, cache, hits, opts).run(requests, progress)
     } else {
         let alloc = PagedAllocator::new(capacity_tokens, page_size)?;
-        Replay::new(alloc, policy, page_size, opts).run(requests, progress)
+        Replay::new(alloc, cache, hits, opts).run(requests, progress)
     }
 }
 
@@ -184,15 +265,18 @@ struct Replay<A: Allocator> {
     prompt_tokens: u64,
     cached_tokens: u64,
     evicted_tokens: u64,
+    /// With a host tier: the hits per tier so far.
+    tiers: Option<TierHits>,
 }
 
 impl<A: Allocator> Replay<A> {
-    fn new(alloc: A, policy: AnyEvictionPolicy, page_size: u32, opts: ReplayOptions) -> Self {
+    fn new(alloc: A, cache: RadixCache, tiers: Option<TierHits>, opts: ReplayOptions) -> Self {
         Replay {
             capacity: alloc.size(),
             alloc,
-            cache: RadixCache::new(page_size, policy),
-            page: page_size as usize,
+            page: cache.page_size() as usize,
+            cache,
+            tiers,
             opts,
             slots: Vec::new(),
             skipped: 0,
@@ -207,7 +291,10 @@ impl<A: Allocator> Replay<A> {
         let start = Instant::now();
         for (i, req) in requests.iter().enumerate() {
             self.cache.policy_mut().advance_to(i as u64);
-            self.serve(&req.tokens)?;
+            self.serve(i as u64, &req.tokens)?;
+            // The copies this request started are acknowledged (SGLang's per-step
+            // `check_hicache_events`): written nodes unlock, loads finish.
+            self.cache.check_hicache_events()?;
             if self.opts.check {
                 self.check_accounting(&format!("request {i}"))?;
             }
@@ -217,6 +304,7 @@ impl<A: Allocator> Replay<A> {
         }
         progress((requests.len() % PROGRESS_EVERY) as u64);
         let seconds = start.elapsed().as_secs_f64();
+        self.settle()?;
         if self.opts.check {
             self.check_ownership()?;
         }
@@ -236,11 +324,95 @@ impl<A: Allocator> Replay<A> {
             } else {
                 0.0
             },
+            tiers: self.tiers.map(|mut t| {
+                let prompt = self.prompt_tokens as f64;
+                t.device_hit_rate = ratio(t.device_hit_tokens as f64, prompt);
+                t.host_hit_rate = ratio(t.host_hit_tokens as f64, prompt);
+                t.storage_hit_rate = ratio(t.storage_hit_tokens as f64, prompt);
+                t
+            }),
         })
     }
 
+    /// With a host tier: takes acknowledgements until no copy is in flight (backups to L3
+    /// queued by the last request's acks), so the final checks see a settled tree.
+    fn settle(&mut self) -> Result<()> {
+        for _ in 0..4 {
+            match self.cache.tier_stats() {
+                Some(t) if t.in_flight() > 0 => self.cache.check_hicache_events()?,
+                _ => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// With storage: the L3 prefetch of request `rid` at its arrival, polled until its stop
+    /// policy lets it go. Returns the tokens it brought into the host tier.
+    fn prefetch(&mut self, rid: u64, tokens: &[u32]) -> Result<u64> {
+        const MAX_POLLS: usize = 8;
+        if !self.tiers.as_ref().is_some_and(|t| t.storage) {
+            return Ok(0);
+        }
+        let Some(before) = self.cache.tier_stats() else {
+            return Ok(0);
+        };
+        self.cache.prefetch_from_storage(rid, tokens, None)?;
+        // The query's answer starts the prefetch of the pages found.
+        self.cache.check_hicache_events()?;
+        let mut polls = 0;
+        while !self.cache.check_prefetch_progress(rid, 0.0)? {
+            polls += 1;
+            if polls > MAX_POLLS {
+                return Err(EngineError::CheckFailed {
+                    after: format!("request {rid}'s prefetch"),
+                    message: format!("still waiting after {MAX_POLLS} polls"),
+                });
+            }
+            self.cache.check_hicache_events()?;
+        }
+        let after = self.cache.tier_stats().unwrap_or(before);
+        Ok(after.storage_hit_tokens - before.storage_hit_tokens)
+    }
+
+    /// The match of step 3 with a host tier: a host hit is loaded back into device slots
+    /// (appended to `self.slots`) when it is long enough and the pool can hold it beside the
+    /// rest of the prompt. Returns the tokens now on device and the node to lock.
+    fn match_and_load_back(&mut self, tokens: &[u32], pages_needed: usize) -> Result<Hit> {
+        let m = self.cache.match_prefix(tokens, None, &mut self.slots);
+        let mut hit = Hit {
+            device: m.len,
+            loaded: 0,
+            node: m.last_node,
+        };
+        if m.host_hit_len > 0 {
+            // Room for the load-back first, evicting as step 4 does (so `evicted_tokens` counts
+            // it), with the matched path locked so the eviction cannot take it.
+            let available = self.alloc.available_size();
+            if m.host_hit_len > available {
+                self.cache.inc_lock_ref(m.last_node)?;
+                let freed = self
+                    .cache
+                    .evict(m.host_hit_len - available, &mut self.alloc);
+                self.cache.dec_lock_ref(m.last_node)?;
+                self.evicted_tokens += freed? as u64;
+            }
+            let rest = pages_needed.saturating_sub(m.len + m.host_hit_len);
+            let quota =
+                (self.alloc.available_size() + self.cache.evictable_size()).saturating_sub(rest);
+            let lb = self.cache.init_load_back(
+                m.last_host_node,
+                &mut self.slots,
+                &mut self.alloc,
+                quota,
+            )?;
+            hit.loaded = lb.loaded;
+            hit.node = lb.last_node;
+        }
+        Ok(hit)
+    }
+
     /// Serves one prompt (steps 2–6 of the module documentation).
-    fn serve(&mut self, tokens: &[u32]) -> Result<()> {
+    fn serve(&mut self, rid: u64, tokens: &[u32]) -> Result<()> {
         let p = self.page;
         let len = tokens.len();
         self.prompt_tokens += len as u64;
@@ -249,12 +421,20 @@ impl<A: Allocator> Replay<A> {
             self.skipped += 1;
             return Ok(());
         }
+        let fetched = self.prefetch(rid, tokens)?;
         self.slots.clear();
-        let m = self.cache.match_prefix(tokens, None, &mut self.slots);
-        self.cached_tokens += m.len as u64;
-        self.cache.inc_lock_ref(m.last_node)?;
+        let hit = self.match_and_load_back(tokens, pages_needed)?;
+        let cached = hit.device + hit.loaded;
+        self.cached_tokens += cached as u64;
+        if let Some(t) = self.tiers.as_mut() {
+            let from_storage = fetched.min(hit.loaded as u64);
+            t.device_hit_tokens += hit.device as u64;
+            t.storage_hit_tokens += from_storage;
+            t.host_hit_tokens += hit.loaded as u64 - from_storage;
+        }
+        self.cache.inc_lock_ref(hit.node)?;
         // New slots: the missed pages (the match is page-aligned).
-        let need = pages_needed - m.len;
+        let need = pages_needed - cached;
         let available = self.alloc.available_size();
         if need > available {
             self.evicted_tokens += self.cache.evict(need - available, &mut self.alloc)? as u64;
@@ -272,9 +452,9 @@ impl<A: Allocator> Replay<A> {
                 });
             }
         }
-        if len > m.len {
+        if len > cached {
             let extend = ExtendRequest {
-                prefix_len: m.len,
+                prefix_len: cached,
                 seq_len: len,
                 last_loc: self.slots.last().copied(),
             };
@@ -288,14 +468,14 @@ impl<A: Allocator> Replay<A> {
             &self.slots[..aligned],
             InsertOptions::default(),
         )?;
-        if ins.prefix_len > m.len {
-            self.alloc.free(&self.slots[m.len..ins.prefix_len])?;
+        if ins.prefix_len > cached {
+            self.alloc.free(&self.slots[cached..ins.prefix_len])?;
         }
         let owned_to = ins.prefix_len + ins.inserted;
         if len > owned_to {
             self.alloc.free(&self.slots[owned_to..len])?;
         }
-        self.cache.dec_lock_ref(m.last_node)?;
+        self.cache.dec_lock_ref(hit.node)?;
         Ok(())
     }
 
@@ -329,8 +509,16 @@ impl<A: Allocator> Replay<A> {
     }
 }
 
+/// What step 3 found: tokens matched on device, tokens loaded back from host after them, and
+/// the deepest device node (to lock).
+struct Hit {
+    device: usize,
+    loaded: usize,
+    node: NodeId,
+}
+
 /// A sweep: every policy at every capacity, over one workload.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SweepConfig {
     /// Policy names (see [`parse_policies`]).
     pub policies: Vec<String>,
@@ -341,6 +529,8 @@ pub struct SweepConfig {
     pub check: bool,
     /// Replays run at once on threads (at least 1).
     pub jobs: usize,
+    /// A host tier (and L3 store) behind every replay's cache (`--enable-hierarchical-cache`).
+    pub tier: Option<SimTier>,
 }
 
 /// Runs every (policy, capacity) replay of `cfg`, `cfg.jobs` at a time on scoped threads.
@@ -376,7 +566,15 @@ pub fn run_sweep(
         let k = next.fetch_add(1, Ordering::Relaxed);
         let Some(job) = jobs.get(k) else { break };
         let (policy, capacity) = lock(job).take().expect("each job is taken once");
-        let r = replay_through_cache(requests, policy, capacity, cfg.page_size, opts, progress);
+        let r = replay_through_tiers(
+            requests,
+            policy,
+            capacity,
+            cfg.page_size,
+            cfg.tier.as_ref(),
+            opts,
+            progress,
+        );
         *lock(&results[k]) = Some(r);
     };
     let threads = cfg.jobs.clamp(1, jobs.len().max(1));

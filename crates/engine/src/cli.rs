@@ -228,6 +228,11 @@ pub struct CacheSimArgs {
     /// or all (SGLang's seven).
     #[arg(long, value_name = "P1,P2,...", default_value = "lru")]
     pub policy: String,
+    /// A simulated host tier (and L3 store) behind every replay's cache: hit rate per tier.
+    /// The host tier is --hicache-ratio × each capacity (--hicache-size needs a model: refused);
+    /// the L3 store is an unbounded in-memory map whatever the backend.
+    #[command(flatten)]
+    pub hicache: HiCacheArgs,
 
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
@@ -723,6 +728,15 @@ pub struct SimArgs {
     /// Tensor-parallel degree (accelerators per replica).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Cost model")]
     pub tp: u32,
+    /// L3 storage → host bandwidth per rank in GB/s, with --hicache-storage-backend (default:
+    /// 10 for file, 2 for redis).
+    #[arg(long, value_name = "GB/S", help_heading = "Cost model")]
+    pub storage_bandwidth: Option<f64>,
+    /// A simulated host tier (and L3 store) behind the tree: the scheduler loads host hits
+    /// back and prefetches from L3, the cost model charges the copies. The L3 store is an
+    /// unbounded in-memory map whatever the backend.
+    #[command(flatten)]
+    pub hicache: HiCacheArgs,
 
     /// Schedule policies to compare (comma-separated): fcfs, lpm, dfs-weight, lof, random.
     #[arg(

@@ -32,6 +32,8 @@
 //! - [`cache_sim`] (trace replay through the radix cache for every eviction policy and capacity
 //!   of a sweep) and [`sim`] (the real scheduler over a cost model): the libraries of
 //!   `kvserve cache-sim` and `kvserve sim`.
+//! - [`sim_tier`]: the simulated host tier and L3 store both simulators put behind the tree
+//!   with `--enable-hierarchical-cache` (a bookkeeping cache controller; no bytes move).
 //! - [`report`] (aligned table, JSON lines) and [`plot`] (PNG, fonts embedded); [`runtime`]
 //!   (the tokio runtime of `serve` and `bench --url`).
 //!
@@ -56,6 +58,7 @@
 //!     page_size: 16,
 //!     check: true,
 //!     jobs: 1,
+//!     tier: None,
 //! };
 //! let results = run_sweep(&workload.requests, &cfg, &|_| {})?;
 //! // Each group's later two requests reuse its 2,048-token system prompt.
@@ -79,6 +82,7 @@ pub mod runtime;
 pub mod server;
 pub mod setup;
 pub mod sim;
+pub mod sim_tier;
 pub mod workload;
 
 pub use cache_sim::{replay_through_cache, run_sweep, ReplayOptions, ReplayResult, SweepConfig};

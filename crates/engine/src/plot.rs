@@ -61,6 +61,18 @@ pub fn plot_hit_rates(results: &[ReplayResult], title: &str, path: &Path) -> Res
             .map(|r| (r.capacity_tokens as f64, 100.0 * r.hit_rate))
             .collect();
         series.push((name.to_string(), points));
+        // With a host tier the total counts every tier; the device's own share beside it.
+        let device: Vec<(f64, f64)> = results
+            .iter()
+            .filter(|r| r.policy == name)
+            .filter_map(|r| {
+                let t = r.tiers.as_ref()?;
+                Some((r.capacity_tokens as f64, 100.0 * t.device_hit_rate))
+            })
+            .collect();
+        if !device.is_empty() {
+            series.push((format!("{name} (device only)"), device));
+        }
     }
     let page = results.first().map_or(1, |r| r.page_size);
     plot_lines(

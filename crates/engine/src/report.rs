@@ -41,6 +41,11 @@ pub fn render_table(results: &[ReplayResult], opts: TableOptions<'_>) -> String 
         "evicted_tokens",
         "skipped",
     ];
+    // With a host tier, the hit rate per tier (the columns appear only then).
+    let tiered = results.iter().any(|r| r.tiers.is_some());
+    if tiered {
+        header.extend(["host_tokens", "device_hit", "host_hit", "storage_hit"]);
+    }
     if opts.timings {
         header.extend(["seconds", "Mtok/s"]);
     }
@@ -56,6 +61,17 @@ pub fn render_table(results: &[ReplayResult], opts: TableOptions<'_>) -> String 
                 r.evicted_tokens.to_string(),
                 r.skipped_requests.to_string(),
             ];
+            if tiered {
+                match &r.tiers {
+                    Some(t) => row.extend([
+                        t.host_capacity_tokens.to_string(),
+                        format!("{:.2}%", 100.0 * t.device_hit_rate),
+                        format!("{:.2}%", 100.0 * t.host_hit_rate),
+                        format!("{:.2}%", 100.0 * t.storage_hit_rate),
+                    ]),
+                    None => row.extend(["-"; 4].map(String::from)),
+                }
+            }
             if opts.timings {
                 row.push(format!("{:.3}", r.seconds));
                 row.push(format!("{:.1}", r.tokens_per_s / 1e6));
@@ -122,6 +138,7 @@ mod tests {
             evicted_tokens: 32,
             seconds: 0.5,
             tokens_per_s: 2000.0,
+            tiers: None,
         }
     }
 

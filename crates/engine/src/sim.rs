@@ -1,6 +1,13 @@
 //! `kvserve sim`: a workload through the real scheduler, prefix cache and allocator, with the
 //! scheduler's cost-model executor on a simulated clock (see `scheduler::sim`). Sweeps schedule
 //! policies × eviction policies × pool sizes; each configuration is one [`SimOutcome`].
+//!
+//! With a host tier ([`SimConfig::tier`], `--enable-hierarchical-cache`) the radix tree gets a
+//! simulated host tier and L3 store (`crate::sim_tier`): the scheduler loads host hits back at
+//! admission and prefetches from L3 at arrival as it does when serving, and the cost model
+//! charges each pass its load-back bytes at the accelerator's host link (overlapped with the
+//! pass) and its L3 bytes at the storage bandwidth (added); see `scheduler::sim`. The outcome
+//! then reports the hit tokens per tier.
 
 use std::time::Instant;
 
@@ -13,7 +20,9 @@ use serde::Serialize;
 
 use crate::error::{EngineError, Result};
 use crate::setup::build_scheduler;
+use crate::setup::components::TreeTier;
 use crate::setup::pool::whole_pages;
+use crate::sim_tier::{SimController, SimTier};
 use crate::workload::Workload;
 
 /// How requests arrive.
@@ -94,6 +103,8 @@ pub struct SimConfig {
     pub cost: CostModel,
     /// `--max-concurrency`: requests in flight at most (`None`: no limit).
     pub max_concurrency: Option<usize>,
+    /// A simulated host tier (and L3 store) behind the radix tree.
+    pub tier: Option<SimTier>,
 }
 
 /// The figures of one configuration (the JSON line of `--format json`).
@@ -135,10 +146,26 @@ pub struct SimOutcome {
     pub steps: u64,
     /// Wall time of the simulation.
     pub seconds: f64,
+    /// With a host tier: the hits per tier (their fields join the JSON line; absent without).
+    #[serde(flatten)]
+    pub tiers: Option<SimTierHits>,
+}
+
+/// A simulation's prompt tokens served per tier (`cached_tokens` = device + host + storage).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimTierHits {
+    /// Host tier size in tokens.
+    pub host_capacity_tokens: usize,
+    /// Served from the device pool (matched there).
+    pub device_hit_tokens: usize,
+    /// Loaded back from the host tier (not counting storage hits).
+    pub host_hit_tokens: usize,
+    /// Prefetched from L3 storage (then loaded back).
+    pub storage_hit_tokens: usize,
 }
 
 impl SimOutcome {
-    fn new(cfg: &SimConfig, r: &SimReport, seconds: f64) -> Self {
+    fn new(cfg: &SimConfig, r: &SimReport, seconds: f64, host_slots: Option<usize>) -> Self {
         SimOutcome {
             schedule_policy: cfg.scheduler.schedule_policy.to_string(),
             eviction_policy: if cfg.radix {
@@ -165,6 +192,17 @@ impl SimOutcome {
             simulated_s: r.duration_s,
             steps: r.steps,
             seconds,
+            tiers: host_slots.map(|host| {
+                let storage = r.storage_hit_tokens.min(r.host_hit_tokens);
+                SimTierHits {
+                    host_capacity_tokens: host,
+                    // A load-back counts when it runs; a request rejected after it counts the
+                    // same tokens as a device hit when admitted, so keep the split in range.
+                    device_hit_tokens: r.cached_tokens.saturating_sub(r.host_hit_tokens),
+                    host_hit_tokens: r.host_hit_tokens - storage,
+                    storage_hit_tokens: storage,
+                }
+            }),
         }
     }
 }
@@ -175,13 +213,34 @@ pub fn run_one(
     cfg: &SimConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimOutcome> {
-    let capacity = whole_pages(cfg.capacity_tokens, cfg.scheduler.page_size)?;
+    let p = cfg.scheduler.page_size;
+    let capacity = whole_pages(cfg.capacity_tokens, p)?;
+    let (tier, host_slots) = match &cfg.tier {
+        None => (None, None),
+        Some(_) if !cfg.radix => {
+            return Err(EngineError::arg(
+                "--enable-hierarchical-cache",
+                "the host tier keeps radix-tree nodes: it cannot be used with \
+                 --disable-radix-cache",
+            ))
+        }
+        Some(t) => {
+            // SGLang sizes each rank's host pool with the rank's share of a token's KV.
+            let per_rank = (cfg.cost.model.kv_bytes_per_token / cfg.cost.tp as usize).max(1);
+            let host = t.host_slots(capacity, p, Some(per_rank))?;
+            let tier = TreeTier {
+                config: t.setup.tree_config(host),
+                controller: Box::new(SimController::new(t.has_storage())),
+            };
+            (Some(tier), Some(host))
+        }
+    };
     let mut sched = build_scheduler(
         cfg.scheduler.clone(),
         cfg.radix,
         &cfg.eviction_policy,
         capacity,
-        None,
+        tier,
     )?;
     let mut exec = SimExecutor {
         cost: cfg.cost.clone(),
@@ -201,6 +260,7 @@ pub fn run_one(
         &cfg,
         &report,
         start.elapsed().as_secs_f64(),
+        host_slots,
     ))
 }
 
@@ -264,6 +324,11 @@ pub fn render_table(outcomes: &[SimOutcome], timings: bool) -> String {
         "aborted".into(),
         "peak_pool".into(),
     ]];
+    // With a host tier, the prompt tokens served per tier (the columns appear only then).
+    let tiered = outcomes.iter().any(|o| o.tiers.is_some());
+    if tiered {
+        rows[0].extend(["host_pool", "device_hit", "host_hit", "storage_hit"].map(String::from));
+    }
     if timings {
         rows[0].push("wall_s".into());
     }
@@ -283,6 +348,17 @@ pub fn render_table(outcomes: &[SimOutcome], timings: bool) -> String {
             o.aborted.to_string(),
             o.peak_used_tokens.to_string(),
         ];
+        if tiered {
+            match &o.tiers {
+                Some(t) => row.extend([
+                    t.host_capacity_tokens.to_string(),
+                    t.device_hit_tokens.to_string(),
+                    t.host_hit_tokens.to_string(),
+                    t.storage_hit_tokens.to_string(),
+                ]),
+                None => row.extend(["-"; 4].map(String::from)),
+            }
+        }
         if timings {
             row.push(format!("{:.2}", o.seconds));
         }
@@ -356,6 +432,7 @@ mod tests {
             capacity_tokens: capacity,
             cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
             max_concurrency: None,
+            tier: None,
         }
     }
 
@@ -423,6 +500,112 @@ mod tests {
             "{table}"
         );
         assert_eq!(table.lines().count(), 3);
+    }
+
+    /// A pool that holds about one group's prefix: with a host tier the evicted system prompts
+    /// come back from host instead of being recomputed, and the cost model charges the
+    /// load-backs (the run is not free: its passes are at least as long as the compute).
+    #[test]
+    fn a_host_tier_serves_what_the_pool_cannot_hold() {
+        use radix_cache::tiers::WritePolicy;
+        let w = gsp();
+        let reqs = sim_requests(&w, Arrivals::Poisson { rate: 2.0, seed: 1 }).unwrap();
+        let plain = run_one(&reqs, &config(SchedulePolicy::Fcfs, 512), &mut |_, _| {}).unwrap();
+        assert_eq!(plain.tiers, None);
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(
+            json.get("host_hit_tokens").is_none(),
+            "no tier fields without a tier"
+        );
+        for policy in WritePolicy::ALL {
+            let cfg = SimConfig {
+                tier: Some(SimTier::with_policy(policy, 4.0, None)),
+                ..config(SchedulePolicy::Fcfs, 512)
+            };
+            let o = run_one(&reqs, &cfg, &mut |_, _| {}).unwrap();
+            let t = o.tiers.clone().expect("tiered");
+            assert_eq!((o.requests, o.aborted), (16, 0), "{policy}");
+            assert_eq!(t.host_capacity_tokens, 2064);
+            assert_eq!(
+                o.cached_tokens,
+                t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens
+            );
+            assert!(t.host_hit_tokens > 0, "{policy}: {o:?}");
+            assert!(o.cached_tokens > plain.cached_tokens, "{policy}: {o:?}");
+            assert_eq!(o.prefill_tokens, o.prompt_tokens - o.cached_tokens);
+            let json = serde_json::to_value(&o).unwrap();
+            assert_eq!(json["host_hit_tokens"], t.host_hit_tokens);
+        }
+        // Every loaded-back and prefetched token reaches the executor on some pass, so the cost
+        // model charges each once.
+        struct Tally(SimExecutor, usize, usize);
+        impl scheduler::Executor for Tally {
+            fn forward(
+                &mut self,
+                batch: &scheduler::ForwardBatch,
+                rows: &kv_pool::ReqToTokenPool,
+            ) -> std::result::Result<scheduler::BatchResult, String> {
+                self.1 += batch.load_back_tokens;
+                self.2 += batch.prefetch_tokens;
+                self.0.forward(batch, rows)
+            }
+        }
+        let base = config(SchedulePolicy::Fcfs, 512);
+        let tier = SimTier::with_policy(
+            WritePolicy::WriteThrough,
+            2.0,
+            Some(hicache::storage::StorageKind::File),
+        );
+        let host = tier.host_slots(512, 16, None).unwrap();
+        let tree_tier = TreeTier {
+            config: tier.setup.tree_config(host),
+            controller: Box::new(SimController::new(true)),
+        };
+        let mut sched =
+            build_scheduler(base.scheduler.clone(), true, "lru", 512, Some(tree_tier)).unwrap();
+        let mut exec = Tally(SimExecutor { cost: base.cost }, 0, 0);
+        let r = scheduler::simulate(&reqs, &mut sched, &mut exec, &mut |_, _| {}).unwrap();
+        assert!(
+            r.tiered && r.host_hit_tokens > 0 && r.storage_hit_tokens > 0,
+            "{r}"
+        );
+        assert_eq!((exec.1, exec.2), (r.host_hit_tokens, r.storage_hit_tokens));
+
+        // The chunk cache has no nodes to keep in host.
+        let cfg = SimConfig {
+            radix: false,
+            tier: Some(SimTier::with_policy(WritePolicy::WriteBack, 2.0, None)),
+            ..config(SchedulePolicy::Fcfs, 512)
+        };
+        assert!(run_one(&reqs, &cfg, &mut |_, _| {}).is_err());
+    }
+
+    /// Under load a load-back must leave room for what this pass already admitted: its quota
+    /// is the prefill budget's `rem_total_tokens` (which counts the requests admitted before
+    /// it) minus the request's own need. With `available + evictable − need` the load-back
+    /// evicted the slots they were promised and `prepare_for_extend` failed with "out of KV
+    /// memory: requested 544 tokens, 512 available".
+    #[test]
+    fn a_load_back_leaves_room_for_the_requests_admitted_before_it() {
+        use radix_cache::tiers::WritePolicy;
+        let w = GspConfig {
+            num_groups: 4,
+            prompts_per_group: 4,
+            system_prompt_len: 512,
+            question_len: 32,
+            output_len: 32,
+            seed: 1,
+            vocab_size: 32_000,
+        }
+        .generate()
+        .unwrap();
+        let reqs = sim_requests(&w, Arrivals::Poisson { rate: 8.0, seed: 1 }).unwrap();
+        let cfg = SimConfig {
+            tier: Some(SimTier::with_policy(WritePolicy::WriteThrough, 2.0, None)),
+            ..config(SchedulePolicy::Fcfs, 1024)
+        };
+        let o = run_one(&reqs, &cfg, &mut |_, _| {});
+        assert!(o.is_ok(), "{o:?}");
     }
 
     #[test]

@@ -33,6 +33,7 @@ fn run(reqs: &[Request], policy: &str, capacity: usize, page_size: u32) -> Repla
         page_size,
         check: true,
         jobs: 1,
+        tier: None,
     };
     run_sweep(reqs, &cfg, &|_| {}).unwrap().remove(0)
 }
@@ -329,6 +330,7 @@ fn sweeps_run_in_parallel_with_the_same_results() {
         page_size: 16,
         check: true,
         jobs: 1,
+        tier: None,
     };
     let serial = run_sweep(&w.requests, &cfg, &|_| {}).unwrap();
     cfg.jobs = 3;
@@ -404,6 +406,7 @@ fn bad_input_is_a_typed_error() {
         page_size: 1,
         check: false,
         jobs: 1,
+        tier: None,
     };
     assert!(run_sweep(&reqs, &cfg, &|_| {}).is_err());
     // A policy the sweep cannot build is refused before any replay.
@@ -439,6 +442,7 @@ fn plot_writes_a_png() {
         page_size: 8,
         check: false,
         jobs: 2,
+        tier: None,
     };
     let results = run_sweep(&w.requests, &cfg, &|_| {}).unwrap();
     let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hit_rates.png");
@@ -448,4 +452,147 @@ fn plot_writes_a_png() {
     let bad =
         engine::plot::plot_hit_rates(&results, "x", std::path::Path::new("/nonexistent/x.png"));
     assert!(matches!(bad, Err(EngineError::Plot { .. })), "{bad:?}");
+}
+
+/// A simulated host tier with `write_policy`, `ratio` × the capacity, and an L3 store if
+/// `storage`.
+fn tier(write_policy: &str, ratio: f64, storage: bool) -> engine::sim_tier::SimTier {
+    let kind = storage.then_some(hicache::storage::StorageKind::File);
+    engine::sim_tier::SimTier::with_policy(write_policy.parse().unwrap(), ratio, kind)
+}
+
+fn run_tiered(
+    reqs: &[Request],
+    capacity: usize,
+    page_size: u32,
+    tier: engine::sim_tier::SimTier,
+) -> ReplayResult {
+    let cfg = SweepConfig {
+        policies: vec!["lru".into()],
+        capacities: vec![capacity],
+        page_size,
+        check: true,
+        jobs: 1,
+        tier: Some(tier),
+    };
+    run_sweep(reqs, &cfg, &|_| {}).unwrap().remove(0)
+}
+
+/// A, B, A on a device that holds one prompt: without a tier the second A misses; with one,
+/// A was demoted to host (write-through backed it up at its insert, write-back at its
+/// eviction) and loads back; write-through-selective backs up only at a second hit, so A was
+/// deleted.
+#[test]
+fn the_host_tier_serves_what_the_device_evicted() {
+    let (a, b) = (run_of(0, 64), run_of(1000, 64));
+    let reqs = requests(&[&a, &b, &a]);
+    let plain = run(&reqs, "lru", 64, 16);
+    assert_eq!((plain.cached_tokens, plain.tiers), (0, None));
+    for (policy, host_hit) in [
+        ("write_through", 64),
+        ("write_back", 64),
+        ("write_through_selective", 0),
+    ] {
+        let r = run_tiered(&reqs, 64, 16, tier(policy, 2.0, false));
+        let t = r.tiers.clone().unwrap();
+        assert_eq!(t.write_policy, policy);
+        // SGLang's host sizing: (64 × 2 // 16 + 1) × 16.
+        assert_eq!(t.host_capacity_tokens, 144);
+        assert_eq!(
+            (t.device_hit_tokens, t.host_hit_tokens, t.storage_hit_tokens),
+            (0, host_hit, 0),
+            "{policy}"
+        );
+        assert_eq!(r.cached_tokens, host_hit, "{policy}");
+        assert_eq!(t.host_hit_rate, host_hit as f64 / 192.0);
+    }
+}
+
+/// Six 512-token prompts, then the first again, on a device holding one and a host holding
+/// four: the first prompt left the host too, so only the L3 store still has it; the prefetch
+/// at its arrival brings it back to host and the load-back to the device.
+#[test]
+fn the_l3_store_serves_what_the_host_evicted() {
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| run_of(i * 10_000, 512)).collect();
+    let mut order: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    order.push(&prompts[0]);
+    let reqs = requests(&order);
+    let host_only = run_tiered(&reqs, 512, 16, tier("write_through", 4.0, false));
+    let t = host_only.tiers.clone().unwrap();
+    assert_eq!(t.host_capacity_tokens, 2064);
+    assert_eq!(host_only.cached_tokens, 0);
+    let with_l3 = run_tiered(&reqs, 512, 16, tier("write_through", 4.0, true));
+    let t = with_l3.tiers.clone().unwrap();
+    assert!(t.storage);
+    assert_eq!(
+        (t.device_hit_tokens, t.host_hit_tokens, t.storage_hit_tokens),
+        (0, 0, 512)
+    );
+    assert_eq!(with_l3.cached_tokens, 512);
+    // The JSON line carries the tier fields; a replay without a tier has none of them.
+    let json = engine::report::render_json_lines(&[with_l3, host_only.clone()]);
+    let lines: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["storage_hit_tokens"], 512);
+    assert_eq!(lines[0]["write_policy"], "write_through");
+    let plain = run(&reqs, "lru", 512, 16);
+    let json = engine::report::render_json_lines(&[plain]);
+    assert!(!json.contains("hit_tokens"), "{json}");
+}
+
+/// The plot of a tiered sweep draws each policy's device-only hit rate beside its total.
+#[test]
+fn a_tiered_sweep_plots() {
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| run_of(i * 1000, 64)).collect();
+    let order: Vec<&[u32]> = (0..12).map(|i| prompts[i % 4].as_slice()).collect();
+    let cfg = SweepConfig {
+        policies: vec!["lru".into()],
+        capacities: vec![64, 128],
+        page_size: 16,
+        check: true,
+        jobs: 1,
+        tier: Some(tier("write_through", 4.0, false)),
+    };
+    let results = run_sweep(&requests(&order), &cfg, &|_| {}).unwrap();
+    assert!(results
+        .iter()
+        .all(|r| r.tiers.as_ref().unwrap().host_hit_tokens > 0));
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tiered_hit_rates.png");
+    engine::plot::plot_hit_rates(&results, "tiered", &path).unwrap();
+    assert!(std::fs::read(&path).unwrap().starts_with(b"\x89PNG"));
+}
+
+/// On a multi-turn workload every turn repeats the session so far: with a small device the
+/// tiers serve what it cannot hold, and the replay's checks (accounting after every request,
+/// both partitions at the end) hold for every write policy, with and without L3.
+#[test]
+fn tiered_replays_of_a_multiturn_workload_keep_every_invariant() {
+    let w = MultiTurnConfig {
+        sessions: 6,
+        turns: 4,
+        input_len: 100,
+        output_len: 20,
+        ..MultiTurnConfig::default()
+    }
+    .generate()
+    .unwrap();
+    let plain = run(&w.requests, "lru", 512, 16);
+    for policy in ["write_through", "write_through_selective", "write_back"] {
+        for storage in [false, true] {
+            let r = run_tiered(&w.requests, 512, 16, tier(policy, 2.0, storage));
+            let t = r.tiers.clone().unwrap();
+            assert_eq!(
+                r.cached_tokens,
+                t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens
+            );
+            assert!(r.cached_tokens >= plain.cached_tokens, "{policy} {storage}");
+            assert!(t.host_hit_tokens > 0, "{policy} {storage}: {t:?}");
+            // Write-through-selective backs up only what was hit twice: none of it reached L3
+            // before the host let it go.
+            let l3 = storage && policy != "write_through_selective";
+            assert_eq!(t.storage_hit_tokens > 0, l3, "{policy} {storage}: {t:?}");
+        }
+    }
 }

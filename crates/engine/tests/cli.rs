@@ -25,6 +25,16 @@ fn stderr(o: &Output) -> String {
     String::from_utf8(o.stderr.clone()).unwrap()
 }
 
+/// Runs `args` with `--check --no-timings --quiet` (a reproducible table) and returns stdout,
+/// asserting success.
+fn checked_table(args: &[&str]) -> String {
+    let mut args = args.to_vec();
+    args.extend(["--check", "--no-timings", "--quiet"]);
+    let o = kvserve(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
+}
+
 /// Asserts a clean failure: exit code 2, every `needles` in stderr, no panic.
 fn assert_fails(args: &[&str], needles: &[&str]) {
     let o = kvserve(args);
@@ -283,13 +293,8 @@ fn sim_table_snapshot() {
         "lru,lfu",
         "--max-total-tokens",
         "1024,4096",
-        "--check",
-        "--no-timings",
-        "--quiet",
     ]);
-    let o = kvserve(&args);
-    assert!(o.status.success(), "{}", stderr(&o));
-    insta::assert_snapshot!(stdout(&o));
+    insta::assert_snapshot!(checked_table(&args));
 }
 
 #[test]
@@ -331,6 +336,76 @@ fn sim_json_lines_carry_every_field_and_no_cache_reuses_nothing() {
     assert_eq!(v["eviction_policy"], "disabled");
     assert_eq!(v["hit_rate"], 0.0);
     assert_eq!(v["requests"], 16);
+}
+
+/// `sim` with the HiCache flags: a pool too small for the four system prompts, a host tier
+/// behind it and an L3 store behind that; the table adds the prompt tokens per tier, and the
+/// flags are checked as `serve` checks them.
+#[test]
+fn sim_tiers_table_snapshot() {
+    let mut args = vec!["sim"];
+    args.extend(SMALL_GSP);
+    args.extend([
+        "--request-rate",
+        "2",
+        "--max-total-tokens",
+        "1024,2048",
+        "--enable-hierarchical-cache",
+        "--hicache-write-policy",
+        "write_back",
+        "--hicache-storage-backend",
+        "file",
+    ]);
+    insta::assert_snapshot!(checked_table(&args));
+    assert_fails(
+        &["sim", "--storage-bandwidth", "5"],
+        &["--storage-bandwidth", "--enable-hierarchical-cache"],
+    );
+    assert_fails(
+        &[
+            "sim",
+            "--enable-hierarchical-cache",
+            "--disable-radix-cache",
+        ],
+        &["--disable-radix-cache"],
+    );
+    assert_fails(
+        &[
+            "sim",
+            "--enable-hierarchical-cache",
+            "--hicache-write-policy",
+            "sometimes",
+        ],
+        &["--hicache-write-policy", "sometimes"],
+    );
+}
+
+/// `cache-sim` with the HiCache flags: hit rate per tier for each policy and capacity.
+#[test]
+fn cache_sim_tiers_table_snapshot() {
+    let mut args = vec!["cache-sim"];
+    args.extend(SMALL_GSP);
+    args.extend([
+        "--policy",
+        "lru,belady",
+        "--capacity-tokens",
+        "576,1024",
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        "2",
+        "--hicache-storage-backend",
+        "file",
+    ]);
+    insta::assert_snapshot!(checked_table(&args));
+    assert_fails(
+        &[
+            "cache-sim",
+            "--enable-hierarchical-cache",
+            "--hicache-size",
+            "4",
+        ],
+        &["--hicache-size", "--hicache-ratio"],
+    );
 }
 
 #[test]

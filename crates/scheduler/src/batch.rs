@@ -48,6 +48,14 @@ pub struct ForwardBatch {
     pub out_cache_loc: Vec<Slot>,
     /// Whether each request samples a token (false for a middle prefill chunk).
     pub sample: Vec<bool>,
+    /// HiCache: tokens loaded back from the host tier into device slots for this pass (the
+    /// host → device copies its admissions started; SGLang's `init_load_back`). 0 without a
+    /// host tier. A cost model charges their bytes at the host link's bandwidth.
+    pub load_back_tokens: usize,
+    /// HiCache: tokens prefetched from L3 storage into the host tier for requests since the
+    /// previous pass (the prefetches that stopped in this pass's admission scan). 0 without
+    /// storage. A cost model charges their bytes at the storage bandwidth.
+    pub prefetch_tokens: usize,
 }
 
 impl ForwardBatch {
@@ -64,6 +72,8 @@ impl ForwardBatch {
             extend_lens: Vec::new(),
             out_cache_loc: Vec::new(),
             sample: Vec::new(),
+            load_back_tokens: 0,
+            prefetch_tokens: 0,
         }
     }
 

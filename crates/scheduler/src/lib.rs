@@ -30,7 +30,8 @@
 //!   the next step). [`SchedulerConfig::need_sort`] puts the allocator in sorted-release mode.
 //! - [`Executor`]: `forward(&ForwardBatch) → next token per request`, implemented by the model
 //!   runner, by [`FakeExecutor`] in tests, and by [`SimExecutor`], which charges a roofline
-//!   cost model's time instead of computing; [`simulate`] replays timed requests on a simulated
+//!   cost model's time instead of computing (with HiCache, also the pass's load-back and L3
+//!   prefetch bytes, which [`ForwardBatch`] carries); [`simulate`] replays timed requests on a simulated
 //!   clock and reports hit rate, throughput, TTFT and inter-token latency through
 //!   [`summary::RunSummary`], the one place those figures are computed.
 //!

@@ -87,6 +87,9 @@ pub struct Scheduler<C: PrefixCache = AnyPrefixCache, A: Allocator = AnyAllocato
     /// Wall-clock seconds the engine last gave ([`Scheduler::set_time`]): what HiCache's
     /// prefetch timeout measures against (0 unless set).
     now_s: f64,
+    /// HiCache tokens loaded back (host → device) and prefetched (L3 → host) since the last
+    /// pass ran: the next [`ForwardBatch`] carries them for the executor's cost model.
+    io_pending: (usize, usize),
     /// Totals since start.
     pub stats: SchedulerStats,
 }
@@ -131,6 +134,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             ),
             rng: SplitMix64::new(cfg.seed),
             now_s: 0.0,
+            io_pending: (0, 0),
             cfg,
             cache,
             alloc,
@@ -241,7 +245,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         let evicted_before = self.stats.evicted_tokens;
         // HiCache: copies that completed since the last step unlock their nodes first.
         self.poll_cache_events()?;
-        let batch = self.get_next_batch_to_run(&mut report)?;
+        let batch = self.next_batch_with_io(&mut report)?;
         if let Some(batch) = batch {
             let out = exec.forward(&batch, &self.rows).and_then(|out| {
                 if out.next_tokens.len() == batch.len() {
@@ -276,6 +280,20 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         self.stats.peak_used_tokens = self.stats.peak_used_tokens.max(report.used_tokens);
         self.strict_check()?;
         Ok(report)
+    }
+
+    /// [`get_next_batch_to_run`](Self::get_next_batch_to_run), with the HiCache copies its
+    /// admissions started (and any from passes that admitted nothing) recorded on the batch.
+    fn next_batch_with_io(&mut self, report: &mut StepReport) -> Result<Option<ForwardBatch>> {
+        let storage = |s: &Self| s.cache.tier_stats().map_or(0, |t| t.storage_hit_tokens);
+        let (loaded, stored) = (self.stats.host_hit_tokens, storage(self));
+        let batch = self.get_next_batch_to_run(report)?;
+        self.io_pending.0 += self.stats.host_hit_tokens - loaded;
+        self.io_pending.1 += (storage(self) - stored) as usize;
+        Ok(batch.map(|mut b| {
+            (b.load_back_tokens, b.prefetch_tokens) = std::mem::take(&mut self.io_pending);
+            b
+        }))
     }
 
     /// Runs until idle or `max_steps`; returns every step's report.

@@ -12,11 +12,22 @@
 //! - bytes: the weights once per pass (`params × weight_bytes`), plus the KV read (every
 //!   request's context × `kv_bytes_per_token`) and written (new tokens × `kv_bytes_per_token`).
 //!
+//! - HiCache (a tree with a host tier): the pass's load-back bytes
+//!   ([`ForwardBatch::load_back_tokens`] × `kv_bytes_per_token`) cross the host link at
+//!   [`Accelerator::host_link_bw`]; as SGLang loads layer by layer while the forward pass
+//!   computes the layers already loaded, that time *overlaps* the pass: the pass takes
+//!   `max(compute, memory, load)`, not their sum. Bytes prefetched from L3 storage
+//!   ([`ForwardBatch::prefetch_tokens`]) are *added* at [`CostModel::storage_bw`]: the requests
+//!   that waited for them are admitted in this pass (a bound from above: SGLang prefetches
+//!   while the request waits, overlapped with other requests' passes). Both are split over the
+//!   `tp` ranks (each loads its share of the KV heads).
+//!
 //! Prefill is compute-bound for long extends and decode is bandwidth-bound, as on real
 //! hardware. Presets (public figures): Llama-3-8B (8.03 B params, 32 layers, 32 query / 8 KV
 //! heads of 128, bf16: 128 KiB of KV per token) and Llama-3-70B (70.6 B, 80 layers, 64 / 8
 //! heads of 128: 320 KiB per token); H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s, 80 GB) and
-//! A100 SXM 80 GB (312 TFLOP/s, 2.039 TB/s, 80 GB). Efficiencies default to 60 % of peak FLOP/s
+//! A100 SXM 80 GB (312 TFLOP/s, 2.039 TB/s, 80 GB), with a host link of PCIe 5 × 16 (64 GB/s)
+//! and PCIe 4 × 16 (32 GB/s). Efficiencies default to 60 % of peak FLOP/s
 //! and 80 % of peak bandwidth, and a 2 ms per-pass overhead for the CPU side and launches.
 
 use std::collections::HashMap;
@@ -108,6 +119,8 @@ pub struct Accelerator {
     pub mem_bw: f64,
     /// Memory in bytes.
     pub mem_bytes: f64,
+    /// Host ↔ device bandwidth in bytes/s (the PCIe link HiCache's load-back crosses).
+    pub host_link_bw: f64,
 }
 
 impl Accelerator {
@@ -117,6 +130,7 @@ impl Accelerator {
         peak_flops: 989e12,
         mem_bw: 3.35e12,
         mem_bytes: 80e9,
+        host_link_bw: 64e9,
     };
     /// NVIDIA A100 SXM 80 GB.
     pub const A100: Accelerator = Accelerator {
@@ -124,6 +138,7 @@ impl Accelerator {
         peak_flops: 312e12,
         mem_bw: 2.039e12,
         mem_bytes: 80e9,
+        host_link_bw: 32e9,
     };
     /// Every preset.
     pub const PRESETS: [Accelerator; 2] = [Self::H100, Self::A100];
@@ -159,10 +174,19 @@ pub struct CostModel {
     pub bw_efficiency: f64,
     /// Fixed time per pass (scheduling, launches).
     pub step_overhead_s: f64,
+    /// HiCache: L3 storage → host bandwidth in bytes/s, per rank (default
+    /// [`CostModel::FILE_STORAGE_BW`]).
+    pub storage_bw: f64,
 }
 
 impl CostModel {
-    /// A cost model with the default efficiencies (60 % FLOP/s, 80 % bandwidth, 2 ms per pass).
+    /// L3 bandwidth of a local file store (an NVMe array), bytes/s: 10 GB/s.
+    pub const FILE_STORAGE_BW: f64 = 10e9;
+    /// L3 bandwidth of a networked key-value store (Redis over a 25 GbE link), bytes/s: 2 GB/s.
+    pub const REMOTE_STORAGE_BW: f64 = 2e9;
+
+    /// A cost model with the default efficiencies (60 % FLOP/s, 80 % bandwidth, 2 ms per pass)
+    /// and a file store's L3 bandwidth.
     pub fn new(model: ModelShape, accel: Accelerator, tp: u32) -> Self {
         CostModel {
             model,
@@ -171,11 +195,12 @@ impl CostModel {
             flops_efficiency: 0.6,
             bw_efficiency: 0.8,
             step_overhead_s: 0.002,
+            storage_bw: Self::FILE_STORAGE_BW,
         }
     }
 
-    /// The time of one pass in seconds: the roofline maximum of compute and memory time, plus
-    /// the per-pass overhead.
+    /// The time of one pass in seconds: the roofline maximum of compute, memory and host
+    /// load-back time, plus the L3 prefetch time and the per-pass overhead.
     pub fn batch_time(&self, batch: &ForwardBatch) -> f64 {
         let m = &self.model;
         let attn_per_pair = 4.0 * m.layers as f64 * m.q_heads as f64 * m.head_dim as f64;
@@ -190,7 +215,9 @@ impl CostModel {
         let tp = self.tp as f64;
         let compute = flops / (self.accel.peak_flops * self.flops_efficiency * tp);
         let memory = bytes / (self.accel.mem_bw * self.bw_efficiency * tp);
-        compute.max(memory) + self.step_overhead_s
+        let load = kv * batch.load_back_tokens as f64 / (self.accel.host_link_bw * tp);
+        let prefetch = kv * batch.prefetch_tokens as f64 / (self.storage_bw * tp);
+        compute.max(memory).max(load) + prefetch + self.step_overhead_s
     }
 }
 
@@ -235,8 +262,14 @@ pub struct SimReport {
     pub aborted: usize,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: usize,
-    /// Of those, served from the prefix cache.
+    /// Of those, served from the prefix cache (every tier).
     pub cached_tokens: usize,
+    /// HiCache: whether the cache had a host tier (the tier figures below are 0 without).
+    pub tiered: bool,
+    /// Of `cached_tokens`, loaded back from the host tier (also those L3 prefetched first).
+    pub host_hit_tokens: usize,
+    /// Tokens prefetched from L3 storage into the host tier.
+    pub storage_hit_tokens: usize,
     /// `cached_tokens / prompt_tokens`.
     pub hit_rate: f64,
     /// Tokens computed by prefill passes.
@@ -305,7 +338,15 @@ impl fmt::Display for SimReport {
             self.peak_used_tokens,
             self.capacity_tokens,
             self.duration_s
-        )
+        )?;
+        if self.tiered {
+            write!(
+                f,
+                " | host hit {} tokens, storage hit {} tokens",
+                self.host_hit_tokens, self.storage_hit_tokens
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -491,6 +532,11 @@ pub fn replay<C: PrefixCache, A: Allocator>(
     report.prefill_tokens = stats.prefill_tokens;
     report.retractions = stats.retractions;
     report.peak_used_tokens = stats.peak_used_tokens;
+    report.host_hit_tokens = stats.host_hit_tokens;
+    if let Some(t) = scheduler.cache().tier_stats() {
+        report.tiered = true;
+        report.storage_hit_tokens = t.storage_hit_tokens as usize;
+    }
     report.set_summary(RunSummary::new(totals, ttft, itl));
     report.steps = scheduler.steps();
     Ok(report)
@@ -542,6 +588,30 @@ mod tests {
         // Two accelerators halve both terms.
         let c2 = CostModel { tp: 2, ..c.clone() };
         assert!((c2.batch_time(&batch(ForwardMode::Decode, &[(1000, 1)])) - d / 2.0).abs() < 1e-12);
+    }
+
+    /// A load-back overlaps the pass (the longer of the two counts); an L3 prefetch adds.
+    #[test]
+    fn load_back_overlaps_and_prefetch_adds() {
+        let c = CostModel {
+            step_overhead_s: 0.0,
+            ..CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1)
+        };
+        let plain = batch(ForwardMode::Extend, &[(4096, 16)]);
+        let t = c.batch_time(&plain);
+        let kv = 131072.0;
+        // A short load hides under the pass.
+        let mut b = plain.clone();
+        b.load_back_tokens = 16;
+        assert_eq!(c.batch_time(&b), t);
+        // A long one is the pass: 4096 tokens × 128 KiB over 64 GB/s.
+        b.load_back_tokens = 4096;
+        let load = 4096.0 * kv / 64e9;
+        assert!(load > t && (c.batch_time(&b) - load).abs() < 1e-12);
+        // A prefetch is added, at 10 GB/s by default.
+        b.prefetch_tokens = 1024;
+        let fetch = 1024.0 * kv / 10e9;
+        assert!((c.batch_time(&b) - load - fetch).abs() < 1e-12);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `kvserve cache-sim`: replay a workload through the prefix cache for every eviction policy and
 //! capacity asked for (`crate::cache_sim` runs the replays); print a table or JSON lines,
-//! optionally plot hit rate against capacity.
+//! optionally plot hit rate against capacity. With `--enable-hierarchical-cache`, every replay
+//! has a simulated host tier (and L3 store) and reports its hit rate per tier.
 
 use std::io::Write;
 use std::time::Instant;
@@ -11,6 +12,7 @@ use crate::cli::{CacheSimArgs, Capacity, OutputFormat, WorkloadDefaults};
 use crate::error::Result;
 use crate::plot::plot_hit_rates;
 use crate::report::{render_json_lines, render_table, TableOptions};
+use crate::sim_tier::SimTier;
 
 fn note(args: &CacheSimArgs, msg: &str) {
     if !args.quiet {
@@ -21,6 +23,7 @@ fn note(args: &CacheSimArgs, msg: &str) {
 /// `kvserve cache-sim`.
 pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
     let policies = parse_policies(&args.policy)?;
+    let tier = args.hicache.setup()?.map(SimTier::new);
     let p = args.page_size;
     let load_start = Instant::now();
     let workload = args.source.load(WorkloadDefaults::SGLANG)?;
@@ -85,6 +88,7 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
         page_size: p,
         check: args.check,
         jobs,
+        tier,
     };
     let total = (cfg.policies.len() * cfg.capacities.len() * workload.requests.len()) as u64;
     let bar = progress_bar(args.quiet, total, PROGRESS);

@@ -1,6 +1,7 @@
 //! `kvserve sim`: the serving simulation swept over schedule policies × eviction policies × pool
 //! sizes (`crate::sim` runs it); print a table or JSON lines, optionally plot output throughput
-//! against pool size.
+//! against pool size. With `--enable-hierarchical-cache` the tree has a simulated host tier
+//! (and L3 store) and the table adds the prompt tokens served per tier.
 
 use std::io::Write;
 use std::time::Instant;
@@ -14,6 +15,7 @@ use crate::cli::{OutputFormat, SimArgs, WorkloadDefaults};
 use crate::error::{EngineError, Result};
 use crate::setup::pool::{cost_model_kv_shape, given_pool_plan, simulated_plan};
 use crate::sim::{parse_schedule_policies, render_table, run_sweep, sim_requests, SimConfig};
+use crate::sim_tier::SimTier;
 
 /// `kvserve sim`.
 pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
@@ -21,7 +23,25 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
         |flag: &'static str, e: scheduler::SchedulerError| EngineError::arg(flag, e.to_string());
     let model = ModelShape::preset(&args.model).map_err(|e| bad("--model", e))?;
     let accel = Accelerator::preset(&args.accelerator).map_err(|e| bad("--accelerator", e))?;
-    let cost = CostModel::new(model, accel, args.tp);
+    let tier = args.hicache.setup()?.map(SimTier::new);
+    let mut cost = CostModel::new(model, accel, args.tp);
+    match &tier {
+        Some(t) => cost.storage_bw = t.storage_bw(args.storage_bandwidth)?,
+        None if args.storage_bandwidth.is_some() => {
+            return Err(EngineError::arg(
+                "--storage-bandwidth",
+                "the L3 store's bandwidth needs --enable-hierarchical-cache and \
+                 --hicache-storage-backend",
+            ))
+        }
+        None => {}
+    }
+    if tier.is_some() && args.disable_radix_cache {
+        return Err(EngineError::arg(
+            "--enable-hierarchical-cache",
+            "the host tier keeps radix-tree nodes: it cannot be used with --disable-radix-cache",
+        ));
+    }
     if !(args.mem_fraction_static > 0.0 && args.mem_fraction_static <= 1.0) {
         return Err(EngineError::arg(
             "--mem-fraction-static",
@@ -95,6 +115,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
                     capacity_tokens: plan.max_total_num_tokens(),
                     cost: cost.clone(),
                     max_concurrency: args.arrivals.max_concurrency.map(|n| n as usize),
+                    tier: tier.clone(),
                 });
             }
         }

@@ -12,9 +12,11 @@ use std::fmt;
 
 use attention::{Backend, CpuBackend, CpuConfig};
 use enum_dispatch::enum_dispatch;
-use kv_pool::{AnyAllocator, CacheController, HostKvStore, KvLayout, KvStore, MemoryRegion};
+use kv_pool::tier::CacheController;
+use kv_pool::{AnyAllocator, HostKvStore, KvLayout, KvStore, MemoryRegion};
 use model::{ForwardInput, LogitsOutput, Model, ModelRunner};
-use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, HiCacheConfig, RadixCache};
+use radix_cache::tiers::HiCacheConfig;
+use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, RadixCache};
 use scheduler::{Scheduler, SchedulerConfig};
 use serde::Serialize;
 
@@ -118,6 +120,15 @@ impl AnyRunner {
     }
 }
 
+/// A host tier for [`build_scheduler`]'s radix tree: its configuration and the controller the
+/// tree will own (`serve` / `bench`: the CPU cache controller; `sim`: a bookkeeping one).
+pub struct TreeTier {
+    /// For `RadixCache::with_host_tier`.
+    pub config: HiCacheConfig,
+    /// The controller moving (or, in a simulation, pretending to move) the pages.
+    pub controller: Box<dyn CacheController>,
+}
+
 /// The scheduler over the prefix cache (radix with `eviction_policy`, or the chunk cache) and
 /// allocator ([`AnyAllocator::for_page_size`]) of a `capacity`-token pool: the composition
 /// `bench`, `serve` and `sim` share.
@@ -126,7 +137,7 @@ pub fn build_scheduler(
     radix: bool,
     eviction_policy: &str,
     capacity: usize,
-    tier: Option<(HiCacheConfig, Box<dyn CacheController>)>,
+    tier: Option<TreeTier>,
 ) -> Result<Scheduler> {
     let p = config.page_size;
     let cache = if radix {
@@ -134,8 +145,8 @@ pub fn build_scheduler(
         let tree = RadixCache::new(p, policy);
         let tree = match tier {
             None => tree,
-            Some((config, controller)) => tree
-                .with_host_tier(config, controller)
+            Some(t) => tree
+                .with_host_tier(t.config, t.controller)
                 .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?,
         };
         AnyPrefixCache::Radix(tree)

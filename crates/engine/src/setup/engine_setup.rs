@@ -5,7 +5,7 @@ use std::fmt;
 use hicache::storage::{StorageConfig, StorageKind};
 use kv_pool::host_pool::HostLayout;
 use kv_pool::KvDtype;
-use radix_cache::tiers::{PrefetchPolicy, WritePolicy};
+use radix_cache::tiers::{HiCacheConfig, PrefetchPolicy, WritePolicy};
 use scheduler::{SchedulePolicy, SchedulerConfig};
 
 use super::backend::BackendKind;
@@ -99,6 +99,25 @@ impl fmt::Display for HiCacheSetup {
         match self.storage {
             Some(kind) => write!(f, ", L3 {kind} ({})", self.prefetch_policy),
             None => Ok(()),
+        }
+    }
+}
+
+impl HiCacheSetup {
+    /// The tree's configuration for a host tier of `host_slots` slots: the write policy, the
+    /// prefetch stop policy and SGLang's prefetch keys from the extra config, SGLang's defaults
+    /// for the rest. (The simulators build their tiers from it too.)
+    pub fn tree_config(&self, host_slots: usize) -> HiCacheConfig {
+        let c = &self.storage_config;
+        HiCacheConfig {
+            write_policy: self.write_policy,
+            host_slots,
+            prefetch_threshold: c.prefetch_threshold,
+            prefetch_policy: self.prefetch_policy,
+            prefetch_timeout_base_s: c.prefetch_timeout_base_s,
+            prefetch_timeout_per_ki_token_s: c.prefetch_timeout_per_ki_token_s,
+            prefetch_timeout_max_s: c.prefetch_timeout_max_s,
+            ..HiCacheConfig::default()
         }
     }
 }

@@ -88,17 +88,7 @@ pub fn build_hicache(
     // the pass's `LoadGate` released it.
     let controller = unsafe { CpuCacheController::new(store, pool, storage) }
         .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?;
-    let c = &h.storage_config;
-    let config = HiCacheConfig {
-        write_policy: h.write_policy,
-        host_slots: size.slots,
-        prefetch_threshold: c.prefetch_threshold,
-        prefetch_policy: h.prefetch_policy,
-        prefetch_timeout_base_s: c.prefetch_timeout_base_s,
-        prefetch_timeout_per_ki_token_s: c.prefetch_timeout_per_ki_token_s,
-        prefetch_timeout_max_s: c.prefetch_timeout_max_s,
-        ..HiCacheConfig::default()
-    };
+    let config = h.tree_config(size.slots);
     Ok(HiCacheParts {
         config,
         controller,

@@ -67,7 +67,10 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
         Some(h) if radix => {
             let parts = hicache::build_hicache(h, setup, exec.runner(), capacity)?;
             exec.set_hicache(parts.controller.handle());
-            Some(parts)
+            Some(components::TreeTier {
+                config: parts.config,
+                controller: Box::new(parts.controller),
+            })
         }
         Some(_) => return Err(EngineError::arg(
             "--enable-hierarchical-cache",
@@ -75,12 +78,6 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
         )),
         None => None,
     };
-    let tier = tier.map(|t| {
-        (
-            t.config,
-            Box::new(t.controller) as Box<dyn kv_pool::CacheController>,
-        )
-    });
     let sched = build_scheduler(
         setup.scheduler.clone(),
         radix,
