@@ -1,7 +1,9 @@
 //! The scheduler's side of the hierarchical cache (SGLang's HiCache calls in `scheduler.py`
 //! and `schedule_policy.py`): acknowledging the cache controller's completed copies once per
 //! step, loading a host-tier hit back into device slots at admission, L3 prefetch at arrival
-//! and its stop check in the admission scan, and retraction to the host tier.
+//! and its stop check in the admission scan, stopping waiting requests' prefetches whose locks
+//! hold memory a running request or a blocked queue head needs, and retraction to the host
+//! tier.
 //!
 //! Every call is a no-op on a cache without a host tier (their `PrefixCache` defaults), so a
 //! scheduler without HiCache decides exactly as before.
