@@ -37,6 +37,8 @@ struct Ctl {
     held: Vec<Ack>,
     /// Held acks that were waited for: delivered by the next poll whatever `hold_prefetch`.
     ready: Vec<Ack>,
+    /// Loads put their rows at the wrong device slots (to show the tag check catches it).
+    misroute_loads: bool,
 }
 
 /// The tree owns a `Box<dyn CacheController>`; this one delegates to a shared
@@ -74,7 +76,14 @@ impl CacheController for SharedCtl {
         self.lock().inner.write(device, host)
     }
     fn load(&mut self, host: &[Slot], device: &[Slot]) -> OpId {
-        self.lock().inner.load(host, device)
+        let mut c = self.lock();
+        if c.misroute_loads {
+            // A broken controller: every row of the load lands one slot off (rotated).
+            let mut wrong = device.to_vec();
+            wrong.rotate_right(1);
+            return c.inner.load(host, &wrong);
+        }
+        c.inner.load(host, device)
     }
     fn wait(&mut self, op: OpId) {
         // A held-back prefetch completes when waited for (the contract: acked at the next poll).
@@ -331,15 +340,26 @@ fn check_outputs(s: &mut Scheduler, prompts: &HashMap<ReqId, (Vec<u32>, Sampling
 
 #[test]
 fn snapshot_load_back_at_admission() {
-    // A's 40 prompt tokens are written through to host; B needs the pool, so A's nodes are
-    // demoted to host; C = A + 8 tokens matches 40 host tokens, loads them back at admission
-    // and computes only its last 8.
+    insta::assert_snapshot!(load_back_story(false));
+}
+
+#[test]
+#[should_panic(expected = "holds the wrong row")]
+fn the_tag_check_catches_a_load_back_to_the_wrong_slots() {
+    load_back_story(true);
+}
+
+/// A's 40 prompt tokens are written through to host; B needs the pool, so A's nodes are
+/// demoted to host; C = A + 8 tokens matches 40 host tokens, loads them back at admission and
+/// computes only its last 8. Returns the trace.
+fn load_back_story(misroute_loads: bool) -> String {
     let c = SchedulerConfig {
         page_size: 4,
         ..cfg()
     };
     let (pool, host) = (64, 128);
     let ctl = SharedCtl::new(4, pool, host, None);
+    ctl.lock().misroute_loads = misroute_loads;
     let mut s = sched(c, pool, Some((hc(WritePolicy::WriteThrough, host), &ctl)));
     let mut e = TagExec::new(&ctl);
     let mut log = String::new();
@@ -385,7 +405,7 @@ fn snapshot_load_back_at_admission() {
     );
     assert!(e.checked >= 40);
     check_idle_and_flush(&mut s);
-    insta::assert_snapshot!(log);
+    log
 }
 
 #[test]
