@@ -768,6 +768,31 @@ fn a_node_split_before_its_write_ack_is_backed_up_whole_and_namespaces_seed_thei
 }
 
 #[test]
+fn write_back_path_takes_the_ack_of_the_write_through_its_insert_queued() {
+    // Retraction to host under write-through: the retracted request's insert backs its path
+    // up, locked until the write's ack; write_back_path waits for that copy and takes its ack,
+    // so the retracted KV can be evicted (demoted) at once, as retraction needs.
+    let ctl = ImmediateController::with_tags(34, 34, 2);
+    let mut s = Story::new(2, 32, cfg(WritePolicy::WriteThrough, 32), ctl);
+    s.insert("ABCD");
+    assert_eq!(s.cache.protected_size(), 4, "locked until the write's ack");
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&toks("ABCD"), None, &mut out);
+    assert_eq!(
+        s.cache.write_back_path(m.last_node).unwrap(),
+        0,
+        "already queued"
+    );
+    assert_eq!(s.cache.protected_size(), 0);
+    s.check("write_back_path after a write-through insert");
+    assert_eq!(s.cache.evict(4, &mut s.alloc).unwrap(), 4);
+    s.check("evicted in the same step");
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&toks("ABCD"), None, &mut out);
+    assert_eq!((m.len, m.host_hit_len), (0, 4), "demoted, not deleted");
+}
+
+#[test]
 fn write_back_path_makes_eviction_demote_and_a_released_prefetch_frees_at_its_ack() {
     let ctl = ImmediateController::with_tags(34, 34, 2).with_storage();
     let mut s = Story::new(2, 32, cfg(WritePolicy::WriteThroughSelective, 32), ctl);

@@ -438,10 +438,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 continue;
             }
             self.match_prefix(id);
-            // A load-back takes device slots now: only from what this pass has not promised to
-            // the requests admitted before it (SGLang's quota from `rem_total_tokens`).
-            let room = adder.rem_total_tokens(&self.cache, &self.alloc);
-            self.load_back(id, room)?;
+            // A load-back takes device slots now: only when the pass's budget (what it has not
+            // promised to the requests admitted before) would admit the request.
+            self.load_back(id, &adder)?;
             let c = self.candidate(id);
             match adder.add_one_req(c, &mut self.cache, &self.alloc) {
                 Admission::Admitted {
@@ -494,6 +493,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         }
         if chosen.is_empty() {
             if self.running.is_empty() && self.chunked.is_none() {
+                if state == AddResult::NoToken {
+                    self.release_blocking_prefetches()?;
+                }
                 self.abort_unfittable_head(report);
             }
             return Ok(None);

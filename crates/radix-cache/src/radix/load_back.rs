@@ -6,7 +6,7 @@ use kv_pool::{Allocator, Slot};
 
 use crate::error::Result;
 use crate::policy::EvictionPolicy;
-use crate::radix::arena::RadixCache;
+use crate::radix::arena::{RadixCache, NONE};
 use crate::radix::host::PendingOp;
 use crate::radix::lock::LockDelta;
 use crate::tiers::LoadBack;
@@ -120,9 +120,31 @@ impl<P: EvictionPolicy> RadixCache<P> {
         // Synchronous, as write-back eviction: retraction frees memory now, so the copies must
         // have landed before eviction may demote the nodes (which are therefore not locked).
         let (queued, ops) = self.backup_path_with(i, false)?;
+        // The insert that preceded this call may have queued write-through copies of the same
+        // path, which lock their nodes until their acks: wait for those too and take their
+        // acks now, or the retracted KV could not be evicted until the next step.
+        let mut path = Vec::new();
+        let mut j = i;
+        while self.nodes[j as usize].parent != NONE {
+            path.push(self.id(j));
+            j = self.nodes[j as usize].parent;
+        }
         let tier = self.tier_mut();
-        for op in ops {
+        let locked: Vec<_> = tier
+            .ops
+            .iter()
+            .filter_map(|(&op, p)| match p {
+                PendingOp::Write {
+                    node, unlock: true, ..
+                } if path.contains(node) => Some(op),
+                _ => None,
+            })
+            .collect();
+        for &op in ops.iter().chain(&locked) {
             tier.controller.wait(op);
+        }
+        if !locked.is_empty() {
+            self.process_acks()?;
         }
         Ok(queued)
     }

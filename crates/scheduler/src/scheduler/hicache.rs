@@ -1,17 +1,20 @@
 //! The scheduler's side of the hierarchical cache (SGLang's HiCache calls in `scheduler.py`
 //! and `schedule_policy.py`): acknowledging the cache controller's completed copies once per
 //! step, loading a host-tier hit back into device slots at admission, L3 prefetch at arrival
-//! and its stop check in the admission scan, and retraction to the host tier.
+//! and its stop check in the admission scan, stopping waiting requests' prefetches whose locks
+//! hold memory a running request or a blocked queue head needs, and retraction to the host
+//! tier.
 //!
 //! Every call is a no-op on a cache without a host tier (their `PrefixCache` defaults), so a
 //! scheduler without HiCache decides exactly as before.
 
-use kv_pool::Allocator;
+use kv_pool::{ceil_to_page, Allocator};
 use radix_cache::{PrefixCache, PrefixState};
 
 use super::Scheduler;
 use crate::error::Result;
 use crate::req::ReqId;
+use crate::schedule_policy::PrefillAdder;
 
 impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// Processes the cache controller's acknowledgements (SGLang's `check_hicache_events`):
@@ -53,21 +56,81 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         Ok(self.cache.check_prefetch_progress(id.0, self.now_s)?)
     }
 
+    /// Admission is stuck: nothing runs and the queue's head is out of tokens. If the cache's
+    /// protected tokens are then only prefetch anchors (no write or load-back in flight locks
+    /// nodes), waiting requests' L3 prefetches hold memory the head needs and would hold it
+    /// until each of them is scanned, which the head blocks: stop them (see
+    /// [`release_waiting_prefetches`](Self::release_waiting_prefetches)).
+    pub(super) fn release_blocking_prefetches(&mut self) -> Result<()> {
+        let Some(t) = self.cache.tier_stats() else {
+            return Ok(());
+        };
+        if t.writes_queued == t.writes_acked && t.loads_queued == t.loads_acked {
+            self.release_waiting_prefetches()?;
+        }
+        Ok(())
+    }
+
+    /// Stops every waiting request's L3 prefetch (its request goes on without the storage
+    /// hit), unlocking the cached prefixes their anchors hold: memory a running request or
+    /// the queue's head needs (beyond SGLang, whose scheduler can stall or abort the last
+    /// running request there). Returns whether that unlocked anything.
+    pub(super) fn release_waiting_prefetches(&mut self) -> Result<bool> {
+        let before = self.cache.protected_size();
+        if before == 0 || self.cache.tier_stats().is_none() {
+            return Ok(false);
+        }
+        let waiting: Vec<ReqId> = self.waiting.iter().copied().collect();
+        for id in waiting {
+            self.cache.release_prefetch(id.0)?;
+        }
+        Ok(self.cache.protected_size() < before)
+    }
+
     /// After a request's match: loads its host-tier hit back into device slots (SGLang's
     /// `init_load_back` in `PrefillAdder.add_one_req`), when the chain is long enough and the
     /// pool can hold it and the request's own needs. The loaded tokens join its prefix.
     ///
-    /// `room` is the prefill budget's `rem_total_tokens` (free + evictable tokens not promised
-    /// to requests admitted earlier in the pass): the chain is loaded only if it leaves room for
-    /// the request's own extend, reserved output and a page.
-    pub(super) fn load_back(&mut self, id: ReqId, room: f64) -> Result<()> {
+    /// As SGLang, only when `adder` would admit the request (its budget checks come before the
+    /// load-back there, with the matched prefix locked): a chain loaded for a request that is
+    /// then rejected stays locked until the load's ack, and memory it holds could cost a
+    /// running request its decode step. The chain then takes only the budget's
+    /// `rem_total_tokens` (free + evictable tokens not promised to requests admitted earlier in
+    /// the pass) less the request's own extend, reserved output and a page.
+    pub(super) fn load_back(&mut self, id: ReqId, adder: &PrefillAdder) -> Result<()> {
         let r = &self.reqs[&id];
         if r.host_hit_len == 0 {
             return Ok(());
         }
-        let need = r.extend_input_len() - r.host_hit_len
-            + r.remaining_new_tokens().min(self.cfg.clip_max_new_tokens)
-            + self.cfg.page_size as usize;
+        let p = self.cfg.page_size as usize;
+        let reserve = r.remaining_new_tokens().min(self.cfg.clip_max_new_tokens);
+        // SGLang: `total_tokens >= rem_total_tokens` → NO_TOKEN (the host hit counted as input);
+        // `real_input_tokens >= rem_input_tokens` with others admitted → OTHER.
+        // Checked with the device prefix locked (SGLang's `_lock_node(req.last_node)`), so its
+        // tokens no longer count as free.
+        let total = (r.extend_input_len() + reserve + p) as f64;
+        let real_input = ceil_to_page(r.extend_input_len() - r.host_hit_len, p) as i64;
+        let prefix_node = r.prefix.last_node;
+        self.cache.inc_lock_ref(prefix_node)?;
+        if total >= adder.rem_total_tokens(&self.cache, &self.alloc)
+            || (adder.rem_chunk_tokens.is_none()
+                && adder.admitted > 0
+                && real_input >= adder.rem_input_tokens)
+        {
+            self.cache.dec_lock_ref(prefix_node)?;
+            return Ok(());
+        }
+        let room = adder.rem_total_tokens(&self.cache, &self.alloc);
+        let loaded = self.load_back_locked(id, reserve, room);
+        self.cache.dec_lock_ref(prefix_node)?;
+        loaded
+    }
+
+    /// [`load_back`](Self::load_back) once the budget allows it (the prefix locked), within
+    /// `room` (the budget's `rem_total_tokens`).
+    fn load_back_locked(&mut self, id: ReqId, reserve: usize, room: f64) -> Result<()> {
+        let r = &self.reqs[&id];
+        let need = r.extend_input_len() - r.host_hit_len + reserve + self.cfg.page_size as usize;
         let quota = (room.max(0.0) as usize).saturating_sub(need);
         let r = self.reqs.get_mut(&id).expect("request");
         let mut slots = std::mem::take(&mut r.prefix.prefix_slots);

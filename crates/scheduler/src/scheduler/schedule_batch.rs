@@ -183,6 +183,10 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             std::cmp::Reverse((r.generated(), std::cmp::Reverse(r.input_len)))
         });
         while !self.check_decode_mem()? {
+            // HiCache: waiting requests' prefetches may lock what the running ones need.
+            if self.release_waiting_prefetches()? {
+                continue;
+            }
             if self.running.len() == 1 {
                 let id = self.running.remove(0);
                 let (need, pool) = (self.cfg.page_size as usize, self.alloc.size());
