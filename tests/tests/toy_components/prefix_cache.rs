@@ -294,9 +294,13 @@ impl PrefixCache for HashedPages {
         for &i in &path {
             out.extend_from_slice(&self.nodes[i as usize].slots);
         }
+        let last_node = self.id(child_or(&path, root));
+        // No host tier: everything matched is on device.
         MatchResult {
             len: path.len() * self.p(),
-            last_node: self.id(child_or(&path, root)),
+            last_node,
+            host_hit_len: 0,
+            last_host_node: last_node,
         }
     }
 
