@@ -362,6 +362,8 @@ fn bad_hicache_flags_exit_with_code_2_naming_the_flag() {
             "--hicache-storage-backend-extra-config",
         ),
         (&["--hicache-ratio=-1"], "hicache-ratio"),
+        // More host memory than this machine has (or than slot ids can name).
+        (&["--hicache-size", "100000"], "--hicache-size"),
         (&["--disable-radix-cache"], "--disable-radix-cache"),
     ];
     for (flags, needle) in cases {

@@ -62,7 +62,14 @@ pub fn build_hicache(
         mem_available_bytes: mem_available,
         reserve_bytes: host_reserve_bytes(mem_total),
     })
-    .map_err(|e| EngineError::arg("--hicache-ratio", e.to_string()))?;
+    .map_err(|e| {
+        let flag = if h.size_gb > 0.0 {
+            "--hicache-size"
+        } else {
+            "--hicache-ratio"
+        };
+        EngineError::arg(flag, e.to_string())
+    })?;
     if size.warn_not_larger_than_device {
         eprintln!(
             "warning: the host KV pool ({} tokens) is not larger than the device pool ({device_slots}): it can hold little the device does not",
