@@ -334,6 +334,12 @@ pub trait PrefixCache: Send {
     fn release_prefetch(&mut self, _rid: u64) -> Result<()> {
         Ok(())
     }
+    /// Operations queued on the cache controller and not yet acknowledged, plus prefetches
+    /// not yet stopped ([`TierStats::ops_in_flight`], in O(1)): while any is, nodes stay
+    /// locked or pinned. Default: 0.
+    fn tier_ops_in_flight(&self) -> usize {
+        0
+    }
     /// The host tier's counters and occupancy (`None`: no host tier).
     fn tier_stats(&self) -> Option<TierStats> {
         None

@@ -92,7 +92,11 @@ pub fn build_hicache(
     // (`ControllerHandle::stop_io`) in its `Drop`, before the runner and its store go. The
     // scheduler keeps the contract on rows: the tree locks a written node until its write ack
     // and a loaded node until its load ack, and a forward pass reads a loaded layer only after
-    // the pass's `LoadGate` released it.
+    // the pass's `LoadGate` released it, so no byte is read and written at once. What this
+    // does not give is Rust's aliasing rule: the forward pass borrows a layer buffer mutably
+    // as a whole while the IO thread touches other rows of it through the raw addresses (as
+    // transfer's shm engine does); closing that needs the store to hand out rows through raw
+    // pointers only.
     let controller = unsafe { CpuCacheController::new(store, pool, storage) }
         .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?;
     let config = h.tree_config(size.slots);

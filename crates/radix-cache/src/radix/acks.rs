@@ -140,17 +140,10 @@ impl<P: EvictionPolicy> RadixCache<P> {
             return Ok(true);
         }
         if !acked {
+            // Stop the copy and take what landed at its ack, at a later step: waiting here would
+            // hold the scheduler behind every storage operation queued before it.
             tier.controller.cancel_prefetch(op);
-            tier.controller.wait(op);
-            self.process_acks()?;
-            let still = self
-                .tier
-                .as_ref()
-                .and_then(|t| t.prefetches.get(&rid))
-                .is_some_and(|pf| matches!(pf.stage, PrefetchStage::Fetching { landed: None, .. }));
-            if still {
-                return Ok(false);
-            }
+            return Ok(false);
         }
         self.finish_prefetch(rid)?;
         Ok(true)

@@ -366,6 +366,12 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         self.release_prefetch_impl(rid)
     }
 
+    fn tier_ops_in_flight(&self) -> usize {
+        self.tier
+            .as_ref()
+            .map_or(0, |t| t.ops.len() + t.prefetches.len())
+    }
+
     fn tier_stats(&self) -> Option<TierStats> {
         self.tier_stats_impl()
     }

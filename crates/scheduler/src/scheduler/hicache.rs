@@ -30,7 +30,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// their nodes stay locked until [`poll_cache_events`](Self::poll_cache_events) takes
     /// their acks).
     pub fn has_cache_io(&self) -> bool {
-        self.cache.tier_stats().is_some_and(|t| t.in_flight() > 0)
+        self.cache.tier_ops_in_flight() > 0
     }
 
     /// Sets the wall-clock time (seconds since any fixed origin) the prefetch timeout policy

@@ -157,11 +157,8 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         // A prefetch still holding host pages for it lets them go (at its ack if in flight),
         // and so does a pin from a retraction to host. Only a tier bug can fail here; the
         // request finishes regardless.
-        if let Err(e) = self
-            .cache
-            .release_prefetch(id.0)
-            .and_then(|()| self.release_host_pin(id))
-        {
+        let released = [self.cache.release_prefetch(id.0), self.release_host_pin(id)];
+        for e in released.into_iter().filter_map(|r| r.err()) {
             debug_assert!(false, "releasing the host tier's hold: {e}");
         }
         if let Some(r) = self.reqs.remove(&id) {
