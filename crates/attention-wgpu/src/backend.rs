@@ -105,7 +105,7 @@ impl WgpuBackend {
 
     /// Checks that a store was made by this backend's device.
     fn check_device(&self, store: &WgpuKvStore) -> Result<()> {
-        if !Arc::ptr_eq(&store.runner, &self.runner) {
+        if !Arc::ptr_eq(store.runner(), &self.runner) {
             return Err(AttentionError::InvalidConfig {
                 field: "store",
                 reason: "the KV store belongs to another wgpu backend (device)".into(),

@@ -14,7 +14,9 @@
 //!   where the adapter has f16 shaders), byte-compatible with the host store, per-layer
 //!   buffers split into chunks when they exceed the binding limit (the chunks grow, within
 //!   that limit, until an attention kernel's bindings fit the adapter's storage-buffer count:
-//!   16 on GL).
+//!   16 on GL). [`WgpuKvRows`] is a handle on its rows for another thread (kv-pool's
+//!   `DeviceKvRows`): the hierarchical cache's controller copies through it, ordered with
+//!   the forward passes by the device queue.
 //! - [`kernels`]: the WGSL generator. Every kernel is specialised by shape, dtype and chunking
 //!   with the constants baked in; pipelines are cached by source.
 //! - Paged attention: one kernel for extend and decode (causal over prefix plus new tokens,
@@ -50,7 +52,7 @@ pub mod test_support;
 pub use backend::WgpuBackend;
 pub use device::{DeviceReport, WgpuConfig, WgpuError};
 pub use plan::WgpuPlan;
-pub use store::WgpuKvStore;
+pub use store::{WgpuKvRows, WgpuKvStore};
 pub use tensor::WgpuTensor;
 
 // The engine runs a model on its own thread: the backend, its tensors, stores and plans must
@@ -62,6 +64,7 @@ const _: () = {
         send_sync::<WgpuBackend>();
         send_sync::<WgpuTensor>();
         send_sync::<WgpuKvStore>();
+        send_sync::<WgpuKvRows>();
         send_sync::<WgpuPlan>();
     }
 };

@@ -11,6 +11,10 @@
 //! first, so bad input gets the host store's errors and leaves the store untouched. Writes
 //! run as kernels (converting f32 to the store dtype, or copying raw bits), reads gather rows
 //! on the device into a compact buffer and map it.
+//!
+//! [`WgpuKvStore::device_rows`] hands out a [`WgpuKvRows`]: the same buffers (shared, freed with
+//! the last holder) for another thread to read and write raw rows through the same queue, so
+//! its copies are ordered with the store owner's kernels.
 
 use std::fmt;
 use std::sync::Arc;
@@ -18,7 +22,9 @@ use std::sync::Arc;
 use attention::AttentionError;
 use kv_pool::dtype::decode_to_f32;
 use kv_pool::store::check;
-use kv_pool::{KvBuffer, KvDtype, KvLayout, KvStore, MemoryRegion, Page, Result, Slot};
+use kv_pool::{
+    DeviceKvRows, KvBuffer, KvDtype, KvLayout, KvStore, MemoryRegion, Page, Result, Slot,
+};
 
 use crate::device::WgpuError;
 use crate::dispatch::{Dispatch, Runner};
@@ -40,23 +46,44 @@ impl LayerBuffer {
     }
 }
 
-/// A KV store in device memory (see the [module docs](self)).
-pub struct WgpuKvStore {
+/// A store's device buffers and the operations on their rows that need no `&mut`: shared by
+/// the [`WgpuKvStore`] and the [`WgpuKvRows`] handles it hands out, and freed with the last.
+pub(crate) struct StoreBuffers {
     pub(crate) runner: Arc<Runner>,
     layout: KvLayout,
     /// Buffer `b` (index in `shape.buffers()`) of layer `l` is `buffers[l × nbuf + b]`.
     buffers: Vec<LayerBuffer>,
+}
+
+/// A KV store in device memory (see the [module docs](self)).
+pub struct WgpuKvStore {
+    inner: Arc<StoreBuffers>,
     scales: Vec<(f32, f32)>,
+}
+
+/// A handle on a [`WgpuKvStore`]'s rows for another thread (kv-pool's [`DeviceKvRows`]): the
+/// hierarchical cache's controller copies rows between the device and its host pool through
+/// it while the store's owner runs forward passes. Reads and writes are kernels and copies on
+/// the store's own queue, so they are ordered with the owner's work (the queue runs
+/// submissions in order); the buffers live as long as the store or any handle.
+#[derive(Clone)]
+pub struct WgpuKvRows {
+    inner: Arc<StoreBuffers>,
 }
 
 impl fmt::Debug for WgpuKvStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("WgpuKvStore")
-            .field("layout", &self.layout)
-            .field(
-                "chunks_per_buffer",
-                &self.buffers.first().map(|b| b.chunks.len()),
-            )
+            .field("layout", &self.inner.layout)
+            .field("chunks_per_buffer", &self.chunks_per_buffer())
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for WgpuKvRows {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WgpuKvRows")
+            .field("layout", &self.inner.layout)
             .finish_non_exhaustive()
     }
 }
@@ -150,26 +177,73 @@ impl WgpuKvStore {
             }
         }
         Ok(WgpuKvStore {
-            runner,
-            layout,
-            buffers,
+            inner: Arc::new(StoreBuffers {
+                runner,
+                layout,
+                buffers,
+            }),
             scales: vec![(1.0, 1.0); shape.layers as usize],
         })
     }
 
+    /// The device the store lives on.
+    pub(crate) fn runner(&self) -> &Arc<Runner> {
+        &self.inner.runner
+    }
+
     /// The device buffer of a validated layer and kind.
     pub(crate) fn buffer(&self, layer: usize, buffer: KvBuffer) -> &LayerBuffer {
+        self.inner.buffer(layer, buffer)
+    }
+
+    /// How many wgpu buffers each per-layer buffer is split into.
+    pub fn chunks_per_buffer(&self) -> usize {
+        self.inner.buffers.first().map_or(0, |b| b.chunks.len())
+    }
+
+    /// A handle on the store's rows for another thread (see [`WgpuKvRows`]).
+    pub fn device_rows(&self) -> WgpuKvRows {
+        WgpuKvRows {
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// The parts of one page in the canonical packed format, in order: `(layer, buffer,
+    /// offset within the page, bytes)`.
+    fn page_parts(&self) -> Vec<(usize, KvBuffer, usize, usize)> {
+        let shape = self.inner.layout.shape;
+        let p = self.inner.layout.page_size as usize;
+        let mut parts = Vec::new();
+        let mut off = 0;
+        for layer in 0..shape.layers as usize {
+            for &b in shape.buffers() {
+                let n = p * shape.row_bytes(b);
+                parts.push((layer, b, off, n));
+                off += n;
+            }
+        }
+        parts
+    }
+
+    /// The slots of `pages`, each page's `P` rows in order.
+    fn page_slots(&self, pages: &[Page]) -> Vec<Slot> {
+        let p = self.inner.layout.page_size;
+        pages
+            .iter()
+            .flat_map(|pg| (0..p).map(move |i| Slot(pg.0 * p + i)))
+            .collect()
+    }
+}
+
+impl StoreBuffers {
+    /// The device buffer of a validated layer and kind.
+    fn buffer(&self, layer: usize, buffer: KvBuffer) -> &LayerBuffer {
         let bufs = self.layout.shape.buffers();
         let b = bufs
             .iter()
             .position(|&x| x == buffer)
             .expect("buffer validated before use");
         &self.buffers[layer * bufs.len() + b]
-    }
-
-    /// How many wgpu buffers each per-layer buffer is split into.
-    pub fn chunks_per_buffer(&self) -> usize {
-        self.buffers.first().map_or(0, |b| b.chunks.len())
     }
 
     /// Writes f32 rows `src` (device, `[n, row_elems]`) at `slots` through the converting
@@ -239,6 +313,21 @@ impl WgpuKvStore {
         Ok(())
     }
 
+    /// Raw rows `bytes` of validated input at `slots`.
+    fn write_raw_unchecked(
+        &self,
+        layer: usize,
+        buffer: KvBuffer,
+        slots: &[Slot],
+        bytes: &[u8],
+    ) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let src = self.runner.upload_bytes("kv raw rows", bytes)?;
+        self.scatter(layer, buffer, slots, &src)
+    }
+
     /// Raw rows of validated input into `out`.
     fn read_raw_unchecked(
         &self,
@@ -255,62 +344,36 @@ impl WgpuKvStore {
         out.copy_from_slice(&bytes);
         Ok(())
     }
-
-    /// The parts of one page in the canonical packed format, in order: `(layer, buffer,
-    /// offset within the page, bytes)`.
-    fn page_parts(&self) -> Vec<(usize, KvBuffer, usize, usize)> {
-        let shape = self.layout.shape;
-        let p = self.layout.page_size as usize;
-        let mut parts = Vec::new();
-        let mut off = 0;
-        for layer in 0..shape.layers as usize {
-            for &b in shape.buffers() {
-                let n = p * shape.row_bytes(b);
-                parts.push((layer, b, off, n));
-                off += n;
-            }
-        }
-        parts
-    }
-
-    /// The slots of `pages`, each page's `P` rows in order.
-    fn page_slots(&self, pages: &[Page]) -> Vec<Slot> {
-        let p = self.layout.page_size;
-        pages
-            .iter()
-            .flat_map(|pg| (0..p).map(move |i| Slot(pg.0 * p + i)))
-            .collect()
-    }
 }
 
 impl KvStore for WgpuKvStore {
     fn layout(&self) -> &KvLayout {
-        &self.layout
+        &self.inner.layout
     }
 
     fn scales(&self, layer: usize) -> Result<(f32, f32)> {
-        check::layer(&self.layout, layer)?;
+        check::layer(&self.inner.layout, layer)?;
         Ok(self.scales[layer])
     }
 
     fn set_scales(&mut self, layer: usize, k_scale: f32, v_scale: f32) -> Result<()> {
-        check::set_scales(&self.layout, layer, k_scale, v_scale)?;
+        check::set_scales(&self.inner.layout, layer, k_scale, v_scale)?;
         self.scales[layer] = (k_scale, v_scale);
         Ok(())
     }
 
     fn write_kv(&mut self, layer: usize, slots: &[Slot], k: &[f32], v: &[f32]) -> Result<()> {
-        check::write_kv(&self.layout, layer, slots, k.len(), v.len())?;
-        self.write_f32(layer, KvBuffer::Key, slots, k)?;
-        if self.layout.shape.has_buffer(KvBuffer::Value) {
-            self.write_f32(layer, KvBuffer::Value, slots, v)?;
+        check::write_kv(&self.inner.layout, layer, slots, k.len(), v.len())?;
+        self.inner.write_f32(layer, KvBuffer::Key, slots, k)?;
+        if self.inner.layout.shape.has_buffer(KvBuffer::Value) {
+            self.inner.write_f32(layer, KvBuffer::Value, slots, v)?;
         }
         Ok(())
     }
 
     fn write_labels(&mut self, layer: usize, slots: &[Slot], labels: &[f32]) -> Result<()> {
-        check::write_labels(&self.layout, layer, slots, labels.len())?;
-        self.write_f32(layer, KvBuffer::Label, slots, labels)
+        check::write_labels(&self.inner.layout, layer, slots, labels.len())?;
+        self.inner.write_f32(layer, KvBuffer::Label, slots, labels)
     }
 
     fn write_raw(
@@ -320,12 +383,15 @@ impl KvStore for WgpuKvStore {
         slots: &[Slot],
         bytes: &[u8],
     ) -> Result<()> {
-        check::raw(&self.layout, layer, buffer, slots, "bytes", bytes.len())?;
-        if slots.is_empty() {
-            return Ok(());
-        }
-        let src = self.runner.upload_bytes("kv raw rows", bytes)?;
-        self.scatter(layer, buffer, slots, &src)
+        check::raw(
+            &self.inner.layout,
+            layer,
+            buffer,
+            slots,
+            "bytes",
+            bytes.len(),
+        )?;
+        self.inner.write_raw_unchecked(layer, buffer, slots, bytes)
     }
 
     fn read_f32(
@@ -335,15 +401,16 @@ impl KvStore for WgpuKvStore {
         slots: &[Slot],
         out: &mut [f32],
     ) -> Result<()> {
-        check::read_f32(&self.layout, layer, buffer, slots, out.len())?;
-        let mut raw = vec![0u8; slots.len() * self.layout.shape.row_bytes(buffer)];
-        self.read_raw_unchecked(layer, buffer, slots, &mut raw)?;
+        check::read_f32(&self.inner.layout, layer, buffer, slots, out.len())?;
+        let mut raw = vec![0u8; slots.len() * self.inner.layout.shape.row_bytes(buffer)];
+        self.inner
+            .read_raw_unchecked(layer, buffer, slots, &mut raw)?;
         let scale = match buffer {
             KvBuffer::Key => self.scales[layer].0,
             KvBuffer::Value => self.scales[layer].1,
             KvBuffer::Label => 1.0,
         };
-        decode_to_f32(self.layout.shape.dtype, &raw, scale, out);
+        decode_to_f32(self.inner.layout.shape.dtype, &raw, scale, out);
         Ok(())
     }
 
@@ -354,32 +421,32 @@ impl KvStore for WgpuKvStore {
         slots: &[Slot],
         out: &mut [u8],
     ) -> Result<()> {
-        check::raw(&self.layout, layer, buffer, slots, "out", out.len())?;
-        self.read_raw_unchecked(layer, buffer, slots, out)
+        check::raw(&self.inner.layout, layer, buffer, slots, "out", out.len())?;
+        self.inner.read_raw_unchecked(layer, buffer, slots, out)
     }
 
     fn copy_slots(&mut self, src: &[Slot], dst: &[Slot]) -> Result<()> {
-        check::copy_slots(&self.layout, src, dst)?;
+        check::copy_slots(&self.inner.layout, src, dst)?;
         if src.is_empty() {
             return Ok(());
         }
         // Every source row is gathered before any write, so overlapping sets see old rows.
-        for layer in 0..self.layout.shape.layers as usize {
-            for &b in self.layout.shape.buffers() {
-                let rows = self.gather(layer, b, src)?;
-                self.scatter(layer, b, dst, &rows)?;
+        for layer in 0..self.inner.layout.shape.layers as usize {
+            for &b in self.inner.layout.shape.buffers() {
+                let rows = self.inner.gather(layer, b, src)?;
+                self.inner.scatter(layer, b, dst, &rows)?;
             }
         }
         Ok(())
     }
 
     fn read_pages(&self, pages: &[Page], out: &mut [u8]) -> Result<()> {
-        check::page_data(&self.layout, pages, "out", out.len())?;
-        let page_bytes = self.layout.page_bytes();
+        check::page_data(&self.inner.layout, pages, "out", out.len())?;
+        let page_bytes = self.inner.layout.page_bytes();
         let slots = self.page_slots(pages);
         for (layer, b, off, n) in self.page_parts() {
             let mut rows = vec![0u8; pages.len() * n];
-            self.read_raw_unchecked(layer, b, &slots, &mut rows)?;
+            self.inner.read_raw_unchecked(layer, b, &slots, &mut rows)?;
             for (i, chunk) in rows.chunks_exact(n.max(1)).enumerate() {
                 out[i * page_bytes + off..][..n].copy_from_slice(chunk);
             }
@@ -388,19 +455,19 @@ impl KvStore for WgpuKvStore {
     }
 
     fn write_pages(&mut self, pages: &[Page], data: &[u8]) -> Result<()> {
-        check::page_data(&self.layout, pages, "data", data.len())?;
+        check::page_data(&self.inner.layout, pages, "data", data.len())?;
         if pages.is_empty() {
             return Ok(());
         }
-        let page_bytes = self.layout.page_bytes();
+        let page_bytes = self.inner.layout.page_bytes();
         let slots = self.page_slots(pages);
         for (layer, b, off, n) in self.page_parts() {
             let mut rows = Vec::with_capacity(pages.len() * n);
             for i in 0..pages.len() {
                 rows.extend_from_slice(&data[i * page_bytes + off..][..n]);
             }
-            let src = self.runner.upload_bytes("kv pages", &rows)?;
-            self.scatter(layer, b, &slots, &src)?;
+            let src = self.inner.runner.upload_bytes("kv pages", &rows)?;
+            self.inner.scatter(layer, b, &slots, &src)?;
         }
         Ok(())
     }
@@ -410,22 +477,57 @@ impl KvStore for WgpuKvStore {
     /// and aligned to 4 KiB. The addresses are bookkeeping only (nothing can dereference
     /// them); moving KV in and out of a wgpu store goes through `read_pages` / `write_pages`.
     fn memory_regions(&self) -> Vec<MemoryRegion> {
-        let shape = &self.layout.shape;
-        let mut regions = Vec::with_capacity(self.buffers.len());
+        let shape = &self.inner.layout.shape;
+        let mut regions = Vec::with_capacity(self.inner.buffers.len());
         let mut addr = 4096usize;
         for &b in shape.buffers() {
             for layer in 0..shape.layers as usize {
-                let len = self.layout.buffer_bytes(b);
+                let len = self.inner.layout.buffer_bytes(b);
                 regions.push(MemoryRegion {
                     layer,
                     buffer: b,
                     addr,
                     len_bytes: len,
-                    item_len: self.layout.page_bytes_per_layer(b),
+                    item_len: self.inner.layout.page_bytes_per_layer(b),
                 });
                 addr += len.div_ceil(4096) * 4096;
             }
         }
         regions
+    }
+}
+
+impl DeviceKvRows for WgpuKvRows {
+    fn layout(&self) -> &KvLayout {
+        &self.inner.layout
+    }
+
+    fn read_rows(
+        &self,
+        layer: usize,
+        buffer: KvBuffer,
+        slots: &[Slot],
+        out: &mut [u8],
+    ) -> Result<()> {
+        check::raw(&self.inner.layout, layer, buffer, slots, "out", out.len())?;
+        self.inner.read_raw_unchecked(layer, buffer, slots, out)
+    }
+
+    fn write_rows(
+        &self,
+        layer: usize,
+        buffer: KvBuffer,
+        slots: &[Slot],
+        bytes: &[u8],
+    ) -> Result<()> {
+        check::raw(
+            &self.inner.layout,
+            layer,
+            buffer,
+            slots,
+            "bytes",
+            bytes.len(),
+        )?;
+        self.inner.write_raw_unchecked(layer, buffer, slots, bytes)
     }
 }

@@ -64,3 +64,56 @@ fn wgpu_serves_the_same_greedy_tokens_as_the_cpu() {
     let info = wait_idle(gpu.port);
     assert_eq!(info["engine"]["ownership_ok"], true, "{info}");
 }
+
+/// HiCache on wgpu: two 160-token prompts take turns (twice each) on a 256-token device pool, so
+/// each evicts the other and every reuse after the first pair comes back from the host tier through the
+/// store's device-rows handle (kernels and readbacks on the device queue). Greedy tokens equal
+/// those of the same server without the host tier, for a write-through and the write-back
+/// policy and two host layouts; the host tier served the reuses, and both pools are
+/// consistent afterwards.
+#[test]
+fn wgpu_hicache_loads_back_from_host_with_the_same_greedy_tokens() {
+    if !has_adapter() {
+        return;
+    }
+    let a: Vec<u32> = (0..160).map(|i| 100 + (7919 + i * 31) % 30000).collect();
+    let b: Vec<u32> = (0..160)
+        .map(|i| 100 + (2 * 7919 + i * 31) % 30000)
+        .collect();
+    let run = |extra: &[&str]| {
+        let mut flags = vec![
+            "--backend",
+            "wgpu",
+            "--max-total-tokens",
+            "256",
+            "--page-size",
+            "16",
+        ];
+        flags.extend_from_slice(extra);
+        let srv = start(&flags);
+        let outs: Vec<Vec<u64>> = (0..4)
+            .map(|turn| greedy(srv.port, if turn % 2 == 0 { &a } else { &b }).0)
+            .collect();
+        let info = wait_idle(srv.port);
+        assert_eq!(info["engine"]["ownership_ok"], true, "{extra:?}: {info}");
+        (outs, info["engine"]["hicache"].clone())
+    };
+    let (want, _) = run(&[]);
+    for (policy, layout) in [
+        ("write_through", "layer_first"),
+        ("write_back", "page_first"),
+    ] {
+        let (got, tiers) = run(&[
+            "--enable-hierarchical-cache",
+            "--hicache-write-policy",
+            policy,
+            "--hicache-mem-layout",
+            layout,
+        ]);
+        assert_eq!(got, want, "{policy} {layout}");
+        assert!(
+            tiers["host_hit_tokens"].as_u64().unwrap() >= 2 * 144,
+            "{policy} {layout}: {tiers}"
+        );
+    }
+}

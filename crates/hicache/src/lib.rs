@@ -4,8 +4,10 @@
 //! [`kv_pool::CacheController`] whenever bytes must move. This crate is that controller and
 //! what it moves bytes to:
 //!
-//! - [`controller`]: `CpuCacheController`, SGLang's `HiCacheController` for stores whose
-//!   memory the host can address (the CPU backend): device ↔ host copies on an IO thread, each
+//! - [`controller`]: `HiCacheController`, SGLang's `HiCacheController`, for stores whose
+//!   memory the host can address (the CPU backend: raw copies) and for stores reached through a
+//!   [`kv_pool::DeviceKvRows`] handle (wgpu: copies on the device's queue, ordered with the
+//!   forward passes): device ↔ host copies on an IO thread, each
 //!   step's writes merged into one operation, load-backs copied layer by layer while the
 //!   forward pass waits per layer on the `LoadGate` ([`kv_pool::LayerWait`]) that the engine's
 //!   `ControllerHandle::start_loads` returns; host → L3 backups and L3 → host prefetches on a
@@ -25,7 +27,8 @@
 //!   never a failed request.
 //!
 //! ## Where it sits
-//! Above kv-pool (slots, the host pool, the store's memory regions, the controller trait); the
+//! Above kv-pool (slots, the host pool, the store's memory regions or its `DeviceKvRows`
+//! handle, the controller trait); the
 //! engine builds it and hands it to radix-cache's tree, which knows only the trait.
 
 #![warn(missing_docs)]

@@ -1,65 +1,20 @@
-//! `CpuCacheController`: bytes land exactly (every host layout, MHA / MLA / DoubleSparse, P 1
+//! `HiCacheController`: bytes land exactly (every host layout, MHA / MLA / DoubleSparse, P 1
 //! and 16), the layer gate orders a pass after its loads, L3 operations through a mock store
 //! (and a failing one), and every ack arrives exactly once, in queue order per kind.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use hicache::controller::{ControllerError, CpuCacheController, BATCH_PAGES};
+mod common;
+
+use common::{packed, pick_pages, poll_n, pool_packed, shapes, slots_of};
+use hicache::controller::{ControllerError, HiCacheController, BATCH_PAGES};
 use hicache::storage::{HiCacheStorage, StorageError, StorageStats};
 use kv_pool::{
     Ack, AckOutcome, CacheController, HostKvPool, HostKvStore, HostLayout, KvDtype, KvLayout,
     KvShape, KvStore, LayerWait, OpId, Page, PageKey, Slot, SplitMix64, TierOpKind,
 };
-
-fn shapes() -> Vec<KvShape> {
-    vec![
-        KvShape::mha(2, 8, 4, 3, KvDtype::Bf16).unwrap(),
-        KvShape::mla(12, 4, 2, KvDtype::F16).unwrap(),
-        KvShape::double_sparse(2, 8, 4, 3, 2, KvDtype::Fp8E4m3).unwrap(),
-    ]
-}
-
-/// `n` distinct random pages of `1..=pages` (sorted half the time, so long runs occur).
-fn pick_pages(n: usize, pages: usize, seed: &mut SplitMix64) -> Vec<Page> {
-    let mut all: Vec<u32> = (1..=pages as u32).collect();
-    seed.shuffle(&mut all);
-    all.truncate(n);
-    if seed.next_u64() & 1 == 0 {
-        all.sort_unstable();
-    }
-    all.into_iter().map(Page).collect()
-}
-
-fn slots_of(pages: &[Page], p: u32) -> Vec<Slot> {
-    pages.iter().flat_map(|pg| pg.slots(p)).collect()
-}
-
-fn packed(store: &dyn KvStore, pages: &[Page]) -> Vec<u8> {
-    let mut out = vec![0u8; pages.len() * store.layout().page_bytes()];
-    store.read_pages(pages, &mut out).unwrap();
-    out
-}
-
-fn pool_packed(pool: &HostKvPool, pages: &[Page]) -> Vec<u8> {
-    let mut out = vec![0u8; pages.len() * pool.layout().page_bytes()];
-    pool.read_pages(pages, &mut out).unwrap();
-    out
-}
-
-/// Polls until `want` acks arrived (10 s at most).
-fn poll_n(c: &mut dyn CacheController, want: usize) -> Vec<Ack> {
-    let start = Instant::now();
-    let mut got = Vec::new();
-    while got.len() < want {
-        got.extend(c.poll_acks());
-        assert!(start.elapsed() < Duration::from_secs(10), "acks: {got:?}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(got.len() == want, "{got:?}");
-    got
-}
 
 /// # Safety
 /// `store` must outlive the controller and stay untouched while operations are in flight.
@@ -68,7 +23,7 @@ unsafe fn controller(
     host_pages: usize,
     layout: HostLayout,
     storage: Option<Arc<dyn HiCacheStorage>>,
-) -> CpuCacheController {
+) -> HiCacheController {
     let l = store.layout();
     let pool = HostKvPool::new(
         l.shape,
@@ -78,7 +33,7 @@ unsafe fn controller(
     )
     .unwrap();
     // SAFETY: the caller's contract.
-    unsafe { CpuCacheController::new(store, pool, storage) }.unwrap()
+    unsafe { HiCacheController::new(store, pool, storage) }.unwrap()
 }
 
 #[test]
@@ -116,7 +71,7 @@ fn bytes_moved_device_to_host_to_device_land_exactly() {
                     pool
                 };
                 // SAFETY: as above.
-                let mut c = unsafe { CpuCacheController::new(&dst, pool, None) }.unwrap();
+                let mut c = unsafe { HiCacheController::new(&dst, pool, None) }.unwrap();
                 let tpages = pick_pages(n, 24, &mut seed);
                 let op = c.load(&h, &slots_of(&tpages, p));
                 let gate = c.handle().start_loads();
@@ -151,7 +106,7 @@ fn a_pass_waiting_per_layer_sees_each_layer_loaded() {
     src = HostKvStore::new(layout).unwrap();
     // SAFETY: `src` outlives the controller; it is read per layer only after the gate
     // released that layer (each layer is its own buffer, which the IO thread no longer writes).
-    let mut c = unsafe { CpuCacheController::new(&src, pool, None) }.unwrap();
+    let mut c = unsafe { HiCacheController::new(&src, pool, None) }.unwrap();
     c.load(&slots, &slots);
     let gate = c.handle().start_loads();
     let rb = shape.row_bytes(kv_pool::KvBuffer::Key);
@@ -462,7 +417,7 @@ fn mismatched_pool_or_storage_is_refused() {
     let store = HostKvStore::new(KvLayout::new(shape, 2, 8).unwrap()).unwrap();
     let pool = HostKvPool::new(shape, 4, 8, HostLayout::LayerFirst).unwrap();
     // SAFETY: `store` outlives the (refused) controller.
-    let err = unsafe { CpuCacheController::new(&store, pool, None) }.unwrap_err();
+    let err = unsafe { HiCacheController::new(&store, pool, None) }.unwrap_err();
     assert!(
         matches!(err, ControllerError::Mismatch(ref m) if m.contains("page size 4")),
         "{err}"
@@ -470,7 +425,7 @@ fn mismatched_pool_or_storage_is_refused() {
     let pool = HostKvPool::new(shape, 2, 8, HostLayout::LayerFirst).unwrap();
     let storage: Arc<dyn HiCacheStorage> = Arc::new(FailingStorage(3));
     // SAFETY: as above.
-    let err = unsafe { CpuCacheController::new(&store, pool, Some(storage)) }.unwrap_err();
+    let err = unsafe { HiCacheController::new(&store, pool, Some(storage)) }.unwrap_err();
     assert!(err.to_string().contains("pages of 3 bytes"), "{err}");
 }
 

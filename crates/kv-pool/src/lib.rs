@@ -72,4 +72,6 @@ pub use ownership::{Owner, OwnershipCheck, OwnershipViolation};
 pub use req_to_token::ReqToTokenPool;
 pub use rng::SplitMix64;
 pub use store::{HostKvStore, KvStore, MemoryRegion};
-pub use tier::{Ack, AckOutcome, CacheController, LayerWait, OpId, PageKey, TierOpKind};
+pub use tier::{
+    Ack, AckOutcome, CacheController, DeviceKvRows, LayerWait, OpId, PageKey, TierOpKind,
+};

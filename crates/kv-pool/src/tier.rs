@@ -22,10 +22,17 @@
 //!
 //! The model's forward waits per layer for queued load-backs through [`LayerWait`], so layer
 //! `i + 1` loads while layer `i` computes (SGLang's `LayerDoneCounter`).
+//!
+//! A controller reaches the device store in one of two ways: through its memory regions, when
+//! they are host addresses (the CPU backend's `HostKvStore`), or through a [`DeviceKvRows`]
+//! handle, which a store whose memory the host cannot address (wgpu's buffers) hands out so
+//! another thread can copy rows while the store's owner runs forward passes.
 
 use std::fmt;
 
+use crate::error::Result;
 use crate::ids::Slot;
+use crate::layout::{KvBuffer, KvLayout};
 
 /// A storage (L3) page key: the chained SHA-256 digest of the page's tokens after every page
 /// before it (SGLang's page hash chain, seeded by the namespace), as radix-cache computes it.
@@ -129,4 +136,38 @@ pub trait LayerWait: Sync {
     /// Blocks until every load-back this pass depends on has written layer `layer`. `Err`
     /// (a failed copy) fails the pass.
     fn wait_layer(&self, layer: usize) -> std::result::Result<(), String>;
+}
+
+/// A device KV store's rows as a cache controller's IO thread copies them, concurrently with
+/// the store's owner (the model runner). A store whose memory the host cannot address (wgpu's
+/// buffers) hands one out; the copies go through the device's own queue, so they are ordered
+/// with the owner's work: a read sees every write the owner submitted before it, and a row
+/// written here is seen by every pass the owner submits after the call returned.
+///
+/// Rows are raw bytes in the store's row format (`layout().shape.row_bytes(buffer)` bytes each),
+/// as [`crate::KvStore::read_raw`] / [`crate::KvStore::write_raw`] move them. The caller keeps
+/// the rules a [`CacheController`] keeps: nobody writes the rows a read names, or reads the
+/// rows a write names, until the copy is acknowledged.
+pub trait DeviceKvRows: Send + Sync {
+    /// The store's layout.
+    fn layout(&self) -> &KvLayout;
+    /// Copies the rows of `slots` in `layer`'s `buffer` into `out` (row `i` for `slots[i]`).
+    /// Validated as `read_raw` (layer, buffer, slots in range, `out`'s length); blocks until
+    /// the bytes are on the host.
+    fn read_rows(
+        &self,
+        layer: usize,
+        buffer: KvBuffer,
+        slots: &[Slot],
+        out: &mut [u8],
+    ) -> Result<()>;
+    /// Writes `bytes` (row `i` for `slots[i]`) into `layer`'s `buffer`. Validated as
+    /// `write_raw`; returns once the copy is queued on the device ahead of any later work.
+    fn write_rows(
+        &self,
+        layer: usize,
+        buffer: KvBuffer,
+        slots: &[Slot],
+        bytes: &[u8],
+    ) -> Result<()>;
 }

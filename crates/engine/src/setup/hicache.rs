@@ -1,15 +1,18 @@
 //! The hierarchical cache's set-up (SGLang's `--enable-hierarchical-cache` and `--hicache-*`
-//! flags): the host pool sized as SGLang sizes it, the cache controller over the CPU runner's
-//! KV store, the L3 store, and the tree's [`HiCacheConfig`].
+//! flags): the host pool sized as SGLang sizes it, the cache controller over the runner's KV
+//! store, the L3 store, and the tree's [`HiCacheConfig`].
 //!
-//! The controller copies with the host CPU, so HiCache needs a KV store in host memory: the
-//! `cpu` backend (wgpu's buffers would be copied by the device: not written yet, refused with
-//! an error naming `--backend`).
+//! On the `cpu` backend the controller copies the store's host memory directly; on `wgpu` it
+//! copies through the store's `WgpuKvRows` handle (kernels and readbacks on the device's queue,
+//! ordered with the forward passes). Other backends are refused with an error naming
+//! `--backend`.
 
-use hicache::controller::CpuCacheController;
+use std::sync::Arc;
+
+use hicache::controller::HiCacheController;
 use hicache::storage::{open_storage, StorageNamespace};
 use kv_pool::host_pool::{HostKvPool, HostPoolSize, HostPoolSizeInput};
-use kv_pool::KvStore;
+use kv_pool::{DeviceKvRows, KvLayout, KvStore};
 use radix_cache::tiers::HiCacheConfig;
 
 use super::components::AnyRunner;
@@ -27,9 +30,43 @@ pub struct HiCacheParts {
     /// For `RadixCache::with_host_tier`.
     pub config: HiCacheConfig,
     /// The controller (the tree owns it; the executor keeps its handle).
-    pub controller: CpuCacheController,
+    pub controller: HiCacheController,
     /// The host pool's size, for the start-up line.
     pub size: HostPoolSize,
+}
+
+/// How the controller reaches the runner's KV store.
+enum StoreAccess<'a> {
+    /// The store's memory, in host addresses (the `cpu` backend).
+    Memory(&'a dyn KvStore),
+    /// A handle copying through the device's queue (`wgpu`).
+    Rows(Arc<dyn DeviceKvRows>),
+}
+
+impl<'a> StoreAccess<'a> {
+    /// The access `runner`'s backend gives, or an error naming `--backend`.
+    fn of(runner: &'a AnyRunner, setup: &EngineSetup) -> Result<Self> {
+        match runner {
+            AnyRunner::Cpu(cpu) => Ok(StoreAccess::Memory(cpu.kv_store())),
+            #[cfg(feature = "wgpu")]
+            AnyRunner::Wgpu(wgpu) => Ok(StoreAccess::Rows(Arc::new(wgpu.kv_store().device_rows()))),
+            #[allow(unreachable_patterns)]
+            _ => Err(EngineError::arg(
+                "--enable-hierarchical-cache",
+                format!(
+                    "the host tier needs --backend cpu or wgpu (got {})",
+                    setup.backend
+                ),
+            )),
+        }
+    }
+
+    fn layout(&self) -> &KvLayout {
+        match self {
+            StoreAccess::Memory(store) => store.layout(),
+            StoreAccess::Rows(rows) => rows.layout(),
+        }
+    }
 }
 
 /// Builds the host pool, the L3 store and the controller over `runner`'s KV store of
@@ -40,17 +77,8 @@ pub fn build_hicache(
     runner: &AnyRunner,
     device_slots: usize,
 ) -> Result<HiCacheParts> {
-    let AnyRunner::Cpu(cpu) = runner else {
-        return Err(EngineError::arg(
-            "--enable-hierarchical-cache",
-            format!(
-                "the host tier copies with the CPU, so it needs --backend cpu (got {})",
-                setup.backend
-            ),
-        ));
-    };
-    let store = cpu.kv_store();
-    let layout = store.layout();
+    let access = StoreAccess::of(runner, setup)?;
+    let layout = *access.layout();
     let p = layout.page_size;
     let (mem_total, mem_available) = super::pool::host_memory()?;
     let size = HostPoolSize::compute(HostPoolSizeInput {
@@ -87,18 +115,21 @@ pub fn build_hicache(
             Some(s)
         }
     };
-    // SAFETY: the CPU runner's store is a `HostKvStore` (host addresses) owned by the runner,
-    // which the `ModelExecutor` owns; the executor stops the controller's IO thread
-    // (`ControllerHandle::stop_io`) in its `Drop`, before the runner and its store go. The
-    // scheduler keeps the contract on rows: the tree locks a written node until its write ack
-    // and a loaded node until its load ack, and a forward pass reads a loaded layer only after
-    // the pass's `LoadGate` released it, so no byte is read and written at once. What this
-    // does not give is Rust's aliasing rule: the forward pass borrows a layer buffer mutably
-    // as a whole while the IO thread touches other rows of it through the raw addresses (as
-    // transfer's shm engine does); closing that needs the store to hand out rows through raw
-    // pointers only.
-    let controller = unsafe { CpuCacheController::new(store, pool, storage) }
-        .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?;
+    let controller = match access {
+        // SAFETY: the CPU runner's store is a `HostKvStore` (host addresses) owned by the
+        // runner, which the `ModelExecutor` owns; the executor stops the controller's IO thread
+        // (`ControllerHandle::stop_io`) in its `Drop`, before the runner and its store go. The
+        // scheduler keeps the contract on rows: the tree locks a written node until its write
+        // ack and a loaded node until its load ack, and a forward pass reads a loaded layer
+        // only after the pass's `LoadGate` released it, so no byte is read and written at once.
+        // What this does not give is Rust's aliasing rule: the forward pass borrows a layer
+        // buffer mutably as a whole while the IO thread touches other rows of it through the
+        // raw addresses (as transfer's shm engine does); closing that needs the store to hand
+        // out rows through raw pointers only.
+        StoreAccess::Memory(store) => unsafe { HiCacheController::new(store, pool, storage) },
+        StoreAccess::Rows(rows) => HiCacheController::with_device_rows(rows, pool, storage),
+    }
+    .map_err(|e| EngineError::arg("--enable-hierarchical-cache", e.to_string()))?;
     let config = h.tree_config(size.slots);
     Ok(HiCacheParts {
         config,

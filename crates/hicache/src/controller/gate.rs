@@ -8,7 +8,7 @@ use kv_pool::LayerWait;
 use super::io::LoadProgress;
 use super::Shared;
 
-/// A handle on a [`CpuCacheController`](super::CpuCacheController) for the engine's executor
+/// A handle on a [`HiCacheController`](super::HiCacheController) for the engine's executor
 /// (the controller itself lives in the cache): cheap to clone, `Send + Sync`.
 #[derive(Clone)]
 pub struct ControllerHandle {

@@ -195,12 +195,14 @@ fn concat(ops: &[CopyOp]) -> (Vec<Slot>, Vec<Slot>) {
     (device, host)
 }
 
-/// Acks every op of a batch in queue order.
-fn ack_all(shared: &Shared, ops: Vec<CopyOp>, kind: TierOpKind) {
+/// Acks every op of a batch in queue order: `Done`, or `Failed` for an op refused at queue
+/// time or, when the copy failed (`failure`), for every op.
+fn ack_all(shared: &Shared, ops: Vec<CopyOp>, kind: TierOpKind, failure: Option<&str>) {
     for o in ops {
-        let outcome = match o.invalid {
-            None => AckOutcome::Done,
-            Some(reason) => AckOutcome::Failed(reason),
+        let outcome = match (o.invalid, failure) {
+            (Some(reason), _) => AckOutcome::Failed(reason),
+            (None, Some(reason)) => AckOutcome::Failed(reason.to_string()),
+            (None, None) => AckOutcome::Done,
         };
         shared.acks.complete(Ack {
             op: o.op,
@@ -211,25 +213,28 @@ fn ack_all(shared: &Shared, ops: Vec<CopyOp>, kind: TierOpKind) {
 }
 
 /// Copies every layer of a batch's valid ops in `dir`, calling `before(layer)` before each
-/// layer and `after(layer)` after it.
+/// layer and `after(layer)` after it. Stops at the first layer whose copy failed (a device
+/// error through a `DeviceKvRows` handle) and returns why.
 fn copy_batch(
     shared: &Shared,
     ops: &[CopyOp],
     dir: Direction,
     mut before: impl FnMut(usize),
     mut after: impl FnMut(usize),
-) {
+) -> Result<(), String> {
     let (device, host) = concat(ops);
     let segs = segments(&shared.pool, &device, &host);
     for layer in 0..shared.layers {
         before(layer);
-        // SAFETY: `Shared::device` is the store's live memory (`CpuCacheController::new`'s
-        // contract) and the slots were validated at queue time. The cache keeps a load's device
-        // slots unread until this layer's progress and its host slots unwritten until its ack;
-        // a write's device slots unwritten and its host slots unread until its ack.
-        unsafe { copy_layer(&shared.device, &shared.pool, layer, &segs, dir) };
+        // SAFETY: `Shared::device` is the store's live memory (`HiCacheController::new`'s
+        // contract) or a handle, and the slots were validated at queue time. The cache keeps a
+        // load's device slots unread until this layer's progress and its host slots unwritten
+        // until its ack; a write's device slots unwritten and its host slots unread until its
+        // ack.
+        unsafe { copy_layer(&shared.device, &shared.pool, layer, &segs, dir) }?;
         after(layer);
     }
+    Ok(())
 }
 
 fn run_loads(shared: &Shared, ops: Vec<CopyOp>, progress: &Arc<LoadProgress>) {
@@ -237,13 +242,16 @@ fn run_loads(shared: &Shared, ops: Vec<CopyOp>, progress: &Arc<LoadProgress>) {
         // The pass that depends on this batch cannot use it; the valid loads still land.
         progress.fail(format!("a load-back of this pass was refused: {bad}"));
     }
-    copy_batch(
+    let result = copy_batch(
         shared,
         &ops,
         Direction::ToDevice,
         |_| {},
         |layer| progress.advance(layer + 1),
     );
+    if let Err(reason) = &result {
+        progress.fail(format!("a load-back of this pass failed: {reason}"));
+    }
     {
         let mut s = shared.io.lock();
         if s.latest_load
@@ -253,7 +261,7 @@ fn run_loads(shared: &Shared, ops: Vec<CopyOp>, progress: &Arc<LoadProgress>) {
             s.latest_load = None;
         }
     }
-    ack_all(shared, ops, TierOpKind::Load);
+    ack_all(shared, ops, TierOpKind::Load, result.err().as_deref());
 }
 
 fn run_writes(shared: &Shared, ops: Vec<CopyOp>) {
@@ -264,6 +272,6 @@ fn run_writes(shared: &Shared, ops: Vec<CopyOp>) {
             run_loads(shared, batch, &progress);
         }
     };
-    copy_batch(shared, &ops, Direction::ToHost, loads_first, |_| {});
-    ack_all(shared, ops, TierOpKind::Write);
+    let result = copy_batch(shared, &ops, Direction::ToHost, loads_first, |_| {});
+    ack_all(shared, ops, TierOpKind::Write, result.err().as_deref());
 }

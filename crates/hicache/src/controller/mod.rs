@@ -1,13 +1,17 @@
 //! The cache controller (SGLang's `HiCacheController`, `managers/cache_controller.py`):
-//! [`CpuCacheController`] moves KV pages between the device store, the host pool and an L3
+//! [`HiCacheController`] moves KV pages between the device store, the host pool and an L3
 //! store for radix-cache's tree, which calls it through [`kv_pool::CacheController`].
 //!
 //! - Device ↔ host on the IO thread (module `io`): writes queued between two polls merged into
 //!   one batch; loads merged when the engine calls [`ControllerHandle::start_loads`] before a
 //!   forward pass (or, if nobody did, at the next poll) and copied layer by layer, the pass
-//!   waiting per layer on the returned [`LoadGate`]. The copies are raw `copy_nonoverlapping`s
-//!   between the store's memory regions and the [`kv_pool::HostKvPool`], one per run of slots
-//!   consecutive on both sides (module `copy`).
+//!   waiting per layer on the returned [`LoadGate`]. Over a store in host memory (the CPU
+//!   backend; [`HiCacheController::new`]) the copies are raw `copy_nonoverlapping`s between
+//!   the store's memory regions and the [`kv_pool::HostKvPool`], one per run of slots
+//!   consecutive on both sides; over any other store (wgpu;
+//!   [`HiCacheController::with_device_rows`]) they go through the store's
+//!   [`kv_pool::DeviceKvRows`] handle, one read or write per layer and buffer, ordered with
+//!   the forward passes by the device's queue (module `copy`).
 //! - Host ↔ L3 on the storage thread (module `storage_ops`): backups, queries and
 //!   prefetches in batches of [`BATCH_PAGES`] pages, a prefetch's progress readable and
 //!   cancellable while it runs.
@@ -30,15 +34,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use kv_pool::{
-    Ack, AckOutcome, CacheController, HostKvPool, KvPoolError, KvStore, OpId, Page, PageKey, Slot,
-    TierOpKind,
+    Ack, AckOutcome, CacheController, DeviceKvRows, HostKvPool, KvLayout, KvPoolError, KvStore,
+    OpId, Page, PageKey, Slot, TierOpKind,
 };
 
 pub use gate::{ControllerHandle, LoadGate};
 pub use storage_ops::BATCH_PAGES;
 
 use acks::AckSink;
-use copy::DeviceRegions;
+use copy::{DeviceRegions, DeviceSide};
 use io::{CopyOp, IoQueue};
 use storage_ops::{PrefetchState, StorageQueue, StorageTask};
 
@@ -68,17 +72,18 @@ pub enum ControllerError {
 /// What the controller's threads share.
 pub(crate) struct Shared {
     pub(crate) pool: HostKvPool,
-    pub(crate) device: DeviceRegions,
+    pub(crate) device: DeviceSide,
     pub(crate) layers: usize,
     pub(crate) acks: AckSink,
     pub(crate) io: IoQueue,
     pub(crate) storage: StorageQueue,
 }
 
-/// SGLang's `HiCacheController` for a device store whose memory the host addresses (the CPU
-/// backend's `HostKvStore`). See the [module docs](self).
-#[doc(alias = "HiCacheController")]
-pub struct CpuCacheController {
+/// SGLang's `HiCacheController`: over a device store whose memory the host addresses (the CPU
+/// backend's `HostKvStore`, [`new`](Self::new)) or one reached through a
+/// [`DeviceKvRows`] handle (wgpu, [`with_device_rows`](Self::with_device_rows)). See the
+/// [module docs](self).
+pub struct HiCacheController {
     shared: Arc<Shared>,
     storage: Option<Arc<dyn HiCacheStorage>>,
     next: u64,
@@ -87,9 +92,9 @@ pub struct CpuCacheController {
     threads: Vec<JoinHandle<()>>,
 }
 
-impl std::fmt::Debug for CpuCacheController {
+impl std::fmt::Debug for HiCacheController {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuCacheController")
+        f.debug_struct("HiCacheController")
             .field("host_pool", &self.shared.pool)
             .field("storage", &self.storage.as_ref().map(|s| s.name()))
             .field("next_op", &self.next)
@@ -97,7 +102,7 @@ impl std::fmt::Debug for CpuCacheController {
     }
 }
 
-impl CpuCacheController {
+impl HiCacheController {
     /// A controller copying between `store`'s memory and `pool`, and between `pool` and
     /// `storage` when given; starts its IO thread (and storage thread). The pool must hold the
     /// store's shape at its page size, and the storage's `page_bytes` must be the layout's
@@ -115,7 +120,36 @@ impl CpuCacheController {
         pool: HostKvPool,
         storage: Option<Arc<dyn HiCacheStorage>>,
     ) -> Result<Self, ControllerError> {
-        let d = store.layout();
+        let layout = *store.layout();
+        Self::check_fit(&layout, &pool, storage.as_deref())?;
+        let device = DeviceSide::Regions(DeviceRegions::new(store)?);
+        Self::start(device, &layout, pool, storage)
+    }
+
+    /// A controller copying between the store behind `rows` and `pool` (and between `pool` and
+    /// `storage` when given), for a store whose memory the host cannot address (wgpu's
+    /// [`DeviceKvRows`] handle, whose copies are ordered with the store owner's forward passes
+    /// by the device's queue); starts its IO thread (and storage thread). The same fit rules
+    /// as [`new`](Self::new). The store's owner keeps the operation contract on rows (a
+    /// write's device rows unwritten until its ack; a load's device rows not read before the
+    /// pass's [`LoadGate`] released their layer); nothing here can break memory safety.
+    pub fn with_device_rows(
+        rows: Arc<dyn DeviceKvRows>,
+        pool: HostKvPool,
+        storage: Option<Arc<dyn HiCacheStorage>>,
+    ) -> Result<Self, ControllerError> {
+        let layout = *rows.layout();
+        Self::check_fit(&layout, &pool, storage.as_deref())?;
+        Self::start(DeviceSide::Rows(rows), &layout, pool, storage)
+    }
+
+    /// The pool must hold the store's shape at its page size; the storage's `page_bytes` must
+    /// be the layout's.
+    fn check_fit(
+        d: &KvLayout,
+        pool: &HostKvPool,
+        storage: Option<&dyn HiCacheStorage>,
+    ) -> Result<(), ControllerError> {
         let h = pool.layout();
         if d.shape != h.shape || d.page_size != h.page_size {
             return Err(ControllerError::Mismatch(format!(
@@ -123,7 +157,7 @@ impl CpuCacheController {
                 d.shape, d.page_size, h.shape, h.page_size
             )));
         }
-        if let Some(s) = &storage {
+        if let Some(s) = storage {
             if s.page_bytes() != h.page_bytes() {
                 return Err(ControllerError::Mismatch(format!(
                     "the {} storage moves pages of {} bytes, the KV layout's pages are {} bytes",
@@ -133,15 +167,25 @@ impl CpuCacheController {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Shares `device` and `pool` with a new IO thread (and a storage thread).
+    fn start(
+        device: DeviceSide,
+        d: &KvLayout,
+        pool: HostKvPool,
+        storage: Option<Arc<dyn HiCacheStorage>>,
+    ) -> Result<Self, ControllerError> {
         let shared = Arc::new(Shared {
             layers: d.shape.layers as usize,
-            device: DeviceRegions::new(store)?,
+            device,
             pool,
             acks: AckSink::default(),
             io: IoQueue::default(),
             storage: StorageQueue::default(),
         });
-        let mut me = CpuCacheController {
+        let mut me = HiCacheController {
             shared: shared.clone(),
             storage: storage.clone(),
             next: 0,
@@ -264,7 +308,7 @@ impl CpuCacheController {
     }
 }
 
-impl CacheController for CpuCacheController {
+impl CacheController for HiCacheController {
     fn write(&mut self, device: &[Slot], host: &[Slot]) -> OpId {
         let op = self.copy_op(device, host);
         let id = op.op;
@@ -374,7 +418,7 @@ impl CacheController for CpuCacheController {
     }
 }
 
-impl Drop for CpuCacheController {
+impl Drop for HiCacheController {
     fn drop(&mut self) {
         // Loads nobody started still land (their pages are the cache's until the ack).
         self.shared.io.flush_writes();

@@ -47,12 +47,14 @@
 //! [`Op`] sequence, so a property-testing framework can generate and shrink its own.
 
 mod controller;
+mod device_rows;
 mod model;
 mod reference;
 mod scripted;
 mod trace;
 
 pub use controller::{ImmediateController, LoggedOp};
+pub use device_rows::LockedStoreRows;
 pub use model::{
     check_position_rule, decode_requests, extend_requests, random_ops, run_ops, Op, OwnershipModel,
 };
