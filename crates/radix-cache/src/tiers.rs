@@ -227,6 +227,9 @@ pub struct TierStats {
     pub loads_queued: u64,
     /// Host → device load-backs acknowledged.
     pub loads_acked: u64,
+    /// Load-backs queued again after their copy failed (counted in `loads_acked` once per
+    /// attempt; `loads_queued` counts the first).
+    pub loads_retried: u64,
     /// Host → L3 backups queued.
     pub backups_queued: u64,
     /// Host → L3 backups acknowledged.

@@ -499,6 +499,9 @@ enum TierOp {
     Insert(usize, usize),
     /// Match, then load back what the match found on host (`quota`: the memory quota).
     MatchLoad(usize, usize, usize),
+    /// As `MatchLoad`, but the load-back's copy fails; the next poll (taken at once here)
+    /// queues it again, and that copy lands.
+    MatchLoadFailing(usize, usize, usize),
     Evict(usize),
     EvictHost(usize),
     Lock(usize, usize),
@@ -517,6 +520,8 @@ fn tier_op() -> impl proptest::strategy::Strategy<Value = TierOp> {
     prop_oneof![
         4 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::Insert(b, l)),
         3 => (0usize..6, 0usize..24, 0usize..30).prop_map(|(b, l, q)| TierOp::MatchLoad(b, l, q)),
+        1 => (0usize..6, 0usize..24, 0usize..30)
+            .prop_map(|(b, l, q)| TierOp::MatchLoadFailing(b, l, q)),
         2 => (1usize..30).prop_map(TierOp::Evict),
         1 => (1usize..20).prop_map(TierOp::EvictHost),
         1 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::Lock(b, l)),
@@ -586,7 +591,9 @@ fn run_tier_ops(
                 let owned = r.prefix_len + r.inserted;
                 s.alloc.free(&fresh[owned - m.len..]).unwrap();
             }
-            TierOp::MatchLoad(b, l, quota) => {
+            TierOp::MatchLoad(b, l, quota) | TierOp::MatchLoadFailing(b, l, quota) => {
+                let failing = matches!(op, TierOp::MatchLoadFailing(..));
+                s.ctl.lock().loads_fail = failing;
                 let key = &bases[b][..l];
                 let mut out = Vec::new();
                 let m = s.cache.match_prefix(key, None, &mut out);
@@ -598,6 +605,12 @@ fn run_tier_ops(
                 assert!(lb.loaded == 0 || lb.loaded == m.host_hit_len);
                 // The quota gets back what locking the matched path took from the evictable.
                 assert!(lb.loaded <= quota * p + m.len);
+                if failing {
+                    // The failed ack queues the copy again; with the device back, it lands
+                    // (a pass would wait for it), so the rows check below holds.
+                    s.ctl.lock().loads_fail = false;
+                    s.acks();
+                }
                 let ctl = s.ctl.lock();
                 for (k, slot) in out.iter().enumerate() {
                     assert_eq!(
@@ -881,4 +894,70 @@ fn a_host_pin_keeps_a_retracted_path_from_host_eviction_until_unpinned() {
     );
     assert_eq!(s.cache.evict_host(4).unwrap(), 4);
     s.check("host-evicted after the unpin");
+}
+
+/// A load-back whose copy failed leaves its device rows undefined: its ack queues the same
+/// copy again and keeps the chain locked, so a pass reading the chain waits for the retry, and
+/// once a retry lands the rows are the prefix's.
+#[test]
+fn a_failed_load_back_is_queued_again_until_it_lands() {
+    let mut s = Story::new(
+        1,
+        32,
+        cfg(WritePolicy::WriteThrough, 32),
+        ImmediateController::with_tags(33, 33, 1),
+    );
+    let key = "ABCDEFGHIJKL";
+    s.insert(key);
+    s.acks();
+    assert_eq!(s.cache.evict(12, &mut s.alloc).unwrap(), 12);
+    s.step("ABCDEFGHIJKL demoted");
+
+    s.ctl.lock().loads_fail = true;
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&toks(key), None, &mut out);
+    assert_eq!((m.len, m.host_hit_len), (0, 12));
+    let lb = s
+        .cache
+        .init_load_back(m.last_host_node, &mut out, &mut s.alloc, 1000)
+        .unwrap();
+    assert_eq!(lb.loaded, 12);
+    let garbage = |s: &Story, out: &[Slot]| {
+        let ctl = s.ctl.lock();
+        out.iter()
+            .all(|d| ctl.device[d.index()] == ImmediateController::GARBAGE)
+    };
+    assert!(garbage(&s, &out));
+    s.step("load-back queued; its copy fails");
+    // The failed ack queues the copy again (it fails again: the device is still failing).
+    s.acks();
+    s.step("failed ack: the same copy queued again, the chain still locked");
+    assert!(garbage(&s, &out));
+    assert_eq!(s.cache.protected_size(), 12, "the chain stays locked");
+    s.ctl.lock().loads_fail = false;
+    s.acks();
+    s.step("failed again: queued again; this copy lands");
+    s.acks();
+    s.step("ack: unlocked");
+    let t = s.cache.tier_stats().unwrap();
+    assert_eq!((t.loads_queued, t.loads_retried, t.loads_acked), (1, 2, 3));
+    assert_eq!(t.ops_failed, 2);
+    assert_eq!(s.cache.protected_size(), 0);
+    let mut again = Vec::new();
+    let m = s.cache.match_prefix(&toks(key), None, &mut again);
+    assert_eq!(
+        (m.len, again),
+        (12, out.clone()),
+        "a device hit on the same slots"
+    );
+    let ctl = s.ctl.lock();
+    for (k, slot) in out.iter().enumerate() {
+        assert_eq!(
+            ctl.device[slot.index()],
+            tag(&toks(key)[..k + 1]),
+            "row {k}"
+        );
+    }
+    drop(ctl);
+    insta::assert_snapshot!(s.log);
 }

@@ -249,9 +249,6 @@ fn run_loads(shared: &Shared, ops: Vec<CopyOp>, progress: &Arc<LoadProgress>) {
         |_| {},
         |layer| progress.advance(layer + 1),
     );
-    if let Err(reason) = &result {
-        progress.fail(format!("a load-back of this pass failed: {reason}"));
-    }
     {
         let mut s = shared.io.lock();
         if s.latest_load
@@ -261,7 +258,13 @@ fn run_loads(shared: &Shared, ops: Vec<CopyOp>, progress: &Arc<LoadProgress>) {
             s.latest_load = None;
         }
     }
-    ack_all(shared, ops, TierOpKind::Load, result.err().as_deref());
+    let failure = result.err();
+    // The acks go before the pass hears of a failure, so the scheduler's next poll takes
+    // them (and the cache takes the failed chain off the device) before any later admission.
+    ack_all(shared, ops, TierOpKind::Load, failure.as_deref());
+    if let Some(reason) = failure {
+        progress.fail(format!("a load-back of this pass failed: {reason}"));
+    }
 }
 
 fn run_writes(shared: &Shared, ops: Vec<CopyOp>) {

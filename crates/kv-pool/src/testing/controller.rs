@@ -64,10 +64,16 @@ pub struct ImmediateController {
     pub storage: Option<HashMap<PageKey, Vec<u64>>>,
     /// When set, every L3 operation fails (an unreachable store).
     pub storage_down: bool,
+    /// When set, every load-back fails, leaving its device rows tagged [`Self::GARBAGE`] (a
+    /// device that lost the copy half-way).
+    pub loads_fail: bool,
     page_size: usize,
 }
 
 impl ImmediateController {
+    /// The tag a failed load leaves in its device rows.
+    pub const GARBAGE: u64 = u64::MAX;
+
     /// A controller that only logs and acknowledges (no tags, no storage).
     pub fn new() -> Self {
         Self::default()
@@ -137,12 +143,20 @@ impl CacheController for ImmediateController {
     }
 
     fn load(&mut self, host: &[Slot], device: &[Slot]) -> OpId {
-        Self::copy(&self.host, &mut self.device, host, device);
+        let outcome = if self.loads_fail {
+            for d in device {
+                self.set_device_tag(*d, Self::GARBAGE);
+            }
+            AckOutcome::Failed("the device lost the copy".into())
+        } else {
+            Self::copy(&self.host, &mut self.device, host, device);
+            AckOutcome::Done
+        };
         let op = LoggedOp::Load {
             host: host.to_vec(),
             device: device.to_vec(),
         };
-        self.queue(TierOpKind::Load, AckOutcome::Done, op)
+        self.queue(TierOpKind::Load, outcome, op)
     }
 
     fn wait(&mut self, _op: OpId) {}

@@ -52,9 +52,13 @@ impl<P: EvictionPolicy> RadixCache<P> {
                         self.unpin(i);
                     }
                 }
-                PendingOp::Load { node } => {
+                PendingOp::Load { node, len } => {
                     tier.stats.loads_acked += 1;
-                    self.unlock_node(node)?;
+                    if failed {
+                        self.retry_load(node, len)?;
+                    } else {
+                        self.unlock_node(node)?;
+                    }
                 }
                 PendingOp::Backup { node } => {
                     tier.stats.backups_acked += 1;
@@ -93,6 +97,34 @@ impl<P: EvictionPolicy> RadixCache<P> {
             covered += self.nodes[j as usize].len;
             j = self.nodes[j as usize].parent;
         }
+    }
+
+    /// Queues a failed load-back of the `len` tokens ending at `node` again, over the same
+    /// host and device slots (nodes split since are walked by tokens), keeping the chain
+    /// locked. The failed copy left the device rows undefined while the tree holds the chain
+    /// as on device: the retry is what a pass matching it waits for, layer by layer, so no
+    /// match serves rows the failed copy left behind.
+    fn retry_load(&mut self, node: NodeId, len: usize) -> Result<()> {
+        let last = self.resolve(node)?;
+        let mut chain = Vec::new();
+        let (mut j, mut covered) = (last, 0);
+        while covered < len && self.nodes[j as usize].parent != NONE {
+            chain.push(j);
+            covered += self.nodes[j as usize].len;
+            j = self.nodes[j as usize].parent;
+        }
+        chain.reverse();
+        let mut host = Vec::with_capacity(len);
+        let mut device = Vec::with_capacity(len);
+        for &c in &chain {
+            host.extend_from_slice(self.node_host_slots(c));
+            device.extend_from_slice(self.node_slots(c));
+        }
+        let tier = self.tier_mut();
+        let op = tier.controller.load(&host, &device);
+        tier.ops.insert(op, PendingOp::Load { node, len });
+        tier.stats.loads_retried += 1;
+        Ok(())
     }
 
     fn unlock_node(&mut self, node: NodeId) -> Result<()> {

@@ -28,8 +28,10 @@ pub(super) enum PendingOp {
         len: usize,
         unlock: bool,
     },
-    /// A host → device load-back ending at `node`, whose path is locked until the ack.
-    Load { node: NodeId },
+    /// A host → device load-back of the `len` tokens ending at `node`, whose path is locked
+    /// until the ack. A failed copy is queued again (the host copy is intact; the device rows
+    /// are not, and a pass reading them waits for the retry's layers).
+    Load { node: NodeId, len: usize },
     /// A host → L3 backup of `node`'s pages; its `host_ref` is pinned until the ack.
     Backup { node: NodeId },
     /// The L3 existence query of request `rid`'s prefetch.

@@ -77,7 +77,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let node = self.id(last);
         let tier = self.tier_mut();
         let op = tier.controller.load(&host, &device);
-        tier.ops.insert(op, PendingOp::Load { node });
+        tier.ops.insert(op, PendingOp::Load { node, len: total });
         tier.stats.loads_queued += 1;
         tier.stats.host_hit_tokens += total as u64;
         out.extend_from_slice(&device);
