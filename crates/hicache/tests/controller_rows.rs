@@ -125,10 +125,12 @@ fn a_pass_waiting_per_layer_sees_each_layer_loaded() {
     assert_eq!(poll_n(&mut c, 1)[0].outcome, AckOutcome::Done);
 }
 
-/// A handle whose device fails from layer `fail_from` on (a lost device on wgpu).
+/// A handle whose device fails from layer `fail_from` on (a lost device on wgpu), or panics
+/// there (`panics`: a bug in a handle).
 struct FailingRows {
     inner: LockedStoreRows<HostKvStore>,
     fail_from: usize,
+    panics: bool,
     calls: AtomicUsize,
 }
 
@@ -136,6 +138,7 @@ impl FailingRows {
     fn check(&self, layer: usize) -> kv_pool::Result<()> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         if layer >= self.fail_from {
+            assert!(!self.panics, "a bug at layer {layer}");
             return Err(KvPoolError::Device(format!("device lost at layer {layer}")));
         }
         Ok(())
@@ -178,6 +181,7 @@ fn a_failing_device_fails_the_acks_and_the_pass_from_its_layer() {
     let rows = Arc::new(FailingRows {
         inner: LockedStoreRows::new(kv_pool::testing::random_host_store(layout, &mut seed)),
         fail_from: 1,
+        panics: false,
         calls: AtomicUsize::new(0),
     });
     let mut c = HiCacheController::with_device_rows(
@@ -206,4 +210,39 @@ fn a_failing_device_fails_the_acks_and_the_pass_from_its_layer() {
     // The copy stopped at the failing layer: layer 0 and layer 1 once each, per direction
     // (K and V of layer 0, then K of layer 1).
     assert_eq!(rows.calls.load(Ordering::Relaxed), 6);
+}
+
+#[test]
+fn a_panicking_copy_fails_its_batch_and_the_thread_goes_on() {
+    let shape = KvShape::mha(2, 4, 4, 2, KvDtype::F16).unwrap();
+    let layout = KvLayout::new(shape, 4, 64).unwrap();
+    let mut seed = SplitMix64::new(10);
+    let rows = Arc::new(FailingRows {
+        inner: LockedStoreRows::new(kv_pool::testing::random_host_store(layout, &mut seed)),
+        fail_from: 1,
+        panics: true,
+        calls: AtomicUsize::new(0),
+    });
+    let mut c = HiCacheController::with_device_rows(
+        rows.clone(),
+        pool(&layout, 8, HostLayout::PageFirst),
+        None,
+    )
+    .unwrap();
+    let s: Vec<Slot> = (4..8).map(Slot).collect();
+    let l = c.load(&s, &s);
+    let gate = c.handle().start_loads();
+    let err = gate.wait_layer(1).unwrap_err();
+    assert!(err.contains("the copy panicked: a bug at layer 1"), "{err}");
+    let a = &poll_n(&mut c, 1)[0];
+    assert_eq!(a.op, l);
+    assert!(
+        matches!(&a.outcome, AckOutcome::Failed(r) if r.contains("panicked")),
+        "{a:?}"
+    );
+    // The IO thread still runs: a write is copied, waited for and acknowledged.
+    let w = c.write(&s, &s);
+    c.wait(w);
+    let a = &poll_n(&mut c, 1)[0];
+    assert_eq!(a.op, w);
 }

@@ -223,6 +223,9 @@ pub struct TierStats {
     pub writes_queued: u64,
     /// Device → host copies acknowledged.
     pub writes_acked: u64,
+    /// Write-through copies queued again after their copy failed (counted in `writes_acked`
+    /// once per attempt; `writes_queued` counts the first).
+    pub writes_retried: u64,
     /// Host → device load-backs queued.
     pub loads_queued: u64,
     /// Host → device load-backs acknowledged.

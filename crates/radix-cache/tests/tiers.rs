@@ -497,6 +497,9 @@ fn prefetch_policies_decide_when_to_stop() {
 #[derive(Debug, Clone)]
 enum TierOp {
     Insert(usize, usize),
+    /// As `Insert`, but the write-through copies it queues fail; the next poll (taken at once
+    /// here) queues them again, and those land.
+    InsertFailingWrites(usize, usize),
     /// Match, then load back what the match found on host (`quota`: the memory quota).
     MatchLoad(usize, usize, usize),
     /// As `MatchLoad`, but the load-back's copy fails; the next poll (taken at once here)
@@ -519,6 +522,7 @@ fn tier_op() -> impl proptest::strategy::Strategy<Value = TierOp> {
     use proptest::prelude::*;
     prop_oneof![
         4 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::Insert(b, l)),
+        1 => (0usize..6, 1usize..24).prop_map(|(b, l)| TierOp::InsertFailingWrites(b, l)),
         3 => (0usize..6, 0usize..24, 0usize..30).prop_map(|(b, l, q)| TierOp::MatchLoad(b, l, q)),
         1 => (0usize..6, 0usize..24, 0usize..30)
             .prop_map(|(b, l, q)| TierOp::MatchLoadFailing(b, l, q)),
@@ -558,7 +562,9 @@ fn run_tier_ops(
     let mut locks = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         match *op {
-            TierOp::Insert(b, l) => {
+            TierOp::Insert(b, l) | TierOp::InsertFailingWrites(b, l) => {
+                let failing = matches!(op, TierOp::InsertFailingWrites(..));
+                s.ctl.lock().writes_fail = failing;
                 let key = &bases[b][..l];
                 let mut slots = Vec::new();
                 let m = s.cache.match_prefix(key, None, &mut slots);
@@ -590,6 +596,10 @@ fn run_tier_ops(
                 assert_eq!(r.prefix_len, m.len);
                 let owned = r.prefix_len + r.inserted;
                 s.alloc.free(&fresh[owned - m.len..]).unwrap();
+                if failing {
+                    s.ctl.lock().writes_fail = false;
+                    s.acks();
+                }
             }
             TierOp::MatchLoad(b, l, quota) | TierOp::MatchLoadFailing(b, l, quota) => {
                 let failing = matches!(op, TierOp::MatchLoadFailing(..));

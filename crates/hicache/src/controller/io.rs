@@ -226,15 +226,30 @@ fn copy_batch(
     let segs = segments(&shared.pool, &device, &host);
     for layer in 0..shared.layers {
         before(layer);
-        // SAFETY: `Shared::device` is the store's live memory (`HiCacheController::new`'s
-        // contract) or a handle, and the slots were validated at queue time. The cache keeps a
-        // load's device slots unread until this layer's progress and its host slots unwritten
-        // until its ack; a write's device slots unwritten and its host slots unread until its
-        // ack.
-        unsafe { copy_layer(&shared.device, &shared.pool, layer, &segs, dir) }?;
+        // A panic in a copy (a bug) fails the batch like a device error instead of killing the
+        // thread, which would leave every waiter on its acks and layers blocked for good.
+        let copied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: `Shared::device` is the store's live memory (`HiCacheController::new`'s
+            // contract) or a handle, and the slots were validated at queue time. The cache
+            // keeps a load's device slots unread until this layer's progress and its host
+            // slots unwritten until its ack; a write's device slots unwritten and its host
+            // slots unread until its ack.
+            unsafe { copy_layer(&shared.device, &shared.pool, layer, &segs, dir) }
+        }));
+        copied
+            .unwrap_or_else(|panic| Err(format!("the copy panicked: {}", panic_text(&*panic))))?;
         after(layer);
     }
     Ok(())
+}
+
+/// A panic's message, when it has one.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 fn run_loads(shared: &Shared, ops: Vec<CopyOp>, progress: &Arc<LoadProgress>) {

@@ -67,11 +67,14 @@ pub struct ImmediateController {
     /// When set, every load-back fails, leaving its device rows tagged [`Self::GARBAGE`] (a
     /// device that lost the copy half-way).
     pub loads_fail: bool,
+    /// When set, every device → host write fails, leaving its host rows tagged
+    /// [`Self::GARBAGE`].
+    pub writes_fail: bool,
     page_size: usize,
 }
 
 impl ImmediateController {
-    /// The tag a failed load leaves in its device rows.
+    /// The tag a failed copy leaves in its destination rows.
     pub const GARBAGE: u64 = u64::MAX;
 
     /// A controller that only logs and acknowledges (no tags, no storage).
@@ -134,12 +137,22 @@ impl ImmediateController {
 
 impl CacheController for ImmediateController {
     fn write(&mut self, device: &[Slot], host: &[Slot]) -> OpId {
-        Self::copy(&self.device, &mut self.host, device, host);
+        let outcome = if self.writes_fail {
+            for h in host {
+                if let Some(t) = self.host.get_mut(h.index()) {
+                    *t = Self::GARBAGE;
+                }
+            }
+            AckOutcome::Failed("the device lost the copy".into())
+        } else {
+            Self::copy(&self.device, &mut self.host, device, host);
+            AckOutcome::Done
+        };
         let op = LoggedOp::Write {
             device: device.to_vec(),
             host: host.to_vec(),
         };
-        self.queue(TierOpKind::Write, AckOutcome::Done, op)
+        self.queue(TierOpKind::Write, outcome, op)
     }
 
     fn load(&mut self, host: &[Slot], device: &[Slot]) -> OpId {

@@ -37,6 +37,12 @@ impl<P: EvictionPolicy> RadixCache<P> {
             match pending {
                 PendingOp::Write { node, len, unlock } => {
                     tier.stats.writes_acked += 1;
+                    if failed && unlock && !tier.orphans.contains_key(&ack.op) {
+                        // A write-through copy: its device rows are intact (locked until the
+                        // ack), its host rows undefined. Copy again, still locked and pinned.
+                        self.retry_copy(node, len, true)?;
+                        continue;
+                    }
                     if unlock {
                         self.unlock_node(node)?;
                     }
@@ -55,7 +61,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
                 PendingOp::Load { node, len } => {
                     tier.stats.loads_acked += 1;
                     if failed {
-                        self.retry_load(node, len)?;
+                        self.retry_copy(node, len, false)?;
                     } else {
                         self.unlock_node(node)?;
                     }
@@ -99,12 +105,14 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
     }
 
-    /// Queues a failed load-back of the `len` tokens ending at `node` again, over the same
-    /// host and device slots (nodes split since are walked by tokens), keeping the chain
-    /// locked. The failed copy left the device rows undefined while the tree holds the chain
-    /// as on device: the retry is what a pass matching it waits for, layer by layer, so no
-    /// match serves rows the failed copy left behind.
-    fn retry_load(&mut self, node: NodeId, len: usize) -> Result<()> {
+    /// Queues a failed copy of the `len` tokens ending at `node` again, over the same host and
+    /// device slots (nodes split since are walked by tokens), keeping what the first copy
+    /// held (its lock, and for a write its pin). A failed load-back left device rows
+    /// undefined while the tree holds the chain as on device: the retry is what a pass
+    /// matching it waits for, layer by layer, so no match serves rows the failed copy left
+    /// behind. A failed write-through left host rows undefined while the tree holds the
+    /// node as backed up: the retry lands before anything may demote it (it is locked).
+    fn retry_copy(&mut self, node: NodeId, len: usize, write: bool) -> Result<()> {
         let last = self.resolve(node)?;
         let mut chain = Vec::new();
         let (mut j, mut covered) = (last, 0);
@@ -121,9 +129,16 @@ impl<P: EvictionPolicy> RadixCache<P> {
             device.extend_from_slice(self.node_slots(c));
         }
         let tier = self.tier_mut();
-        let op = tier.controller.load(&host, &device);
-        tier.ops.insert(op, PendingOp::Load { node, len });
-        tier.stats.loads_retried += 1;
+        if write {
+            let op = tier.controller.write(&device, &host);
+            let unlock = true;
+            tier.ops.insert(op, PendingOp::Write { node, len, unlock });
+            tier.stats.writes_retried += 1;
+        } else {
+            let op = tier.controller.load(&host, &device);
+            tier.ops.insert(op, PendingOp::Load { node, len });
+            tier.stats.loads_retried += 1;
+        }
         Ok(())
     }
 

@@ -65,7 +65,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         let Some(t) = self.cache.tier_stats() else {
             return Ok(());
         };
-        if t.writes_queued == t.writes_acked && t.loads_queued + t.loads_retried == t.loads_acked {
+        if t.writes_queued + t.writes_retried == t.writes_acked
+            && t.loads_queued + t.loads_retried == t.loads_acked
+        {
             self.release_waiting_prefetches()?;
         }
         Ok(())
