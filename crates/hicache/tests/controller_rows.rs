@@ -246,3 +246,39 @@ fn a_panicking_copy_fails_its_batch_and_the_thread_goes_on() {
     let a = &poll_n(&mut c, 1)[0];
     assert_eq!(a.op, w);
 }
+
+#[test]
+fn copies_queued_after_stop_io_fail_at_once_and_wait_returns() {
+    let shape = KvShape::mha(2, 4, 4, 2, KvDtype::F16).unwrap();
+    let layout = KvLayout::new(shape, 4, 64).unwrap();
+    let rows = LockedStoreRows::new(HostKvStore::new(layout).unwrap());
+    let mut c = HiCacheController::with_device_rows(
+        Arc::new(rows),
+        pool(&layout, 8, HostLayout::LayerFirst),
+        None,
+    )
+    .unwrap();
+    let s: Vec<Slot> = (4..8).map(Slot).collect();
+    let before = c.write(&s, &s);
+    c.handle().stop_io();
+    let w = c.write(&s, &s);
+    let l = c.load(&s, &s);
+    c.wait(w);
+    c.wait(l);
+    assert_eq!(c.handle().start_loads().wait_layer(1), Ok(()));
+    let acks = poll_n(&mut c, 3);
+    for a in acks {
+        if a.op == before {
+            assert_eq!(
+                a.outcome,
+                AckOutcome::Done,
+                "queued before the stop: copied"
+            );
+        } else {
+            assert!(
+                matches!(&a.outcome, AckOutcome::Failed(r) if r.contains("has stopped")),
+                "{a:?}"
+            );
+        }
+    }
+}

@@ -101,12 +101,24 @@ impl IoQueue {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn push_write(&self, op: CopyOp) {
-        self.lock().pending_writes.push(op);
+    /// Queues a write; after shutdown (no thread would run it) hands it back.
+    pub(crate) fn push_write(&self, op: CopyOp) -> Result<(), CopyOp> {
+        let mut s = self.lock();
+        if s.shutdown {
+            return Err(op);
+        }
+        s.pending_writes.push(op);
+        Ok(())
     }
 
-    pub(crate) fn push_load(&self, op: CopyOp) {
-        self.lock().pending_loads.push(op);
+    /// Queues a load; after shutdown (no thread would run it) hands it back.
+    pub(crate) fn push_load(&self, op: CopyOp) -> Result<(), CopyOp> {
+        let mut s = self.lock();
+        if s.shutdown {
+            return Err(op);
+        }
+        s.pending_loads.push(op);
+        Ok(())
     }
 
     /// Hands the writes queued since the last flush to the thread as one batch.

@@ -69,6 +69,10 @@ pub enum ControllerError {
     },
 }
 
+/// Why a copy queued after `ControllerHandle::stop_io` fails (no thread would run it, and a
+/// `wait` for it must not block).
+const IO_STOPPED: &str = "the cache controller's IO thread has stopped (the KV store is gone)";
+
 /// What the controller's threads share.
 pub(crate) struct Shared {
     pub(crate) pool: HostKvPool,
@@ -312,14 +316,18 @@ impl CacheController for HiCacheController {
     fn write(&mut self, device: &[Slot], host: &[Slot]) -> OpId {
         let op = self.copy_op(device, host);
         let id = op.op;
-        self.shared.io.push_write(op);
+        if self.shared.io.push_write(op).is_err() {
+            self.complete_now(id, TierOpKind::Write, AckOutcome::Failed(IO_STOPPED.into()));
+        }
         id
     }
 
     fn load(&mut self, host: &[Slot], device: &[Slot]) -> OpId {
         let op = self.copy_op(device, host);
         let id = op.op;
-        self.shared.io.push_load(op);
+        if self.shared.io.push_load(op).is_err() {
+            self.complete_now(id, TierOpKind::Load, AckOutcome::Failed(IO_STOPPED.into()));
+        }
         id
     }
 
