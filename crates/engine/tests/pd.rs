@@ -178,3 +178,49 @@ fn a_request_the_decode_pool_can_never_hold_fails_on_both_sides() {
     assert_eq!(ps, 500, "the prefill side is told: {pr}");
     assert_nothing_held(&p);
 }
+
+/// HiCache on both servers of a PD pair: five 160-token prompts, then the first again, on a
+/// 256-token prefill pool (each prompt evicts the one before) and a 704-token decode pool (the
+/// decode side reserves 512 tokens for decoding, so the fifth prompt evicts the first): the
+/// repeat comes back from the host tier on both sides, and the decode side loads its host hit
+/// back instead of receiving it. Greedy tokens equal one plain server's,
+/// the host tiers (4 × the device pool, so they hold all five) served the repeat, and neither
+/// side holds anything afterwards.
+#[test]
+fn hicache_on_both_sides_of_a_pair_matches_one_server() {
+    let prompts: Vec<Vec<u32>> = (5..10).map(|s| prompt(160, s)).collect();
+    let want = single_server_outputs(&prompts, 6);
+    let with_pool = |pool: &'static str| {
+        [
+            "--max-total-tokens",
+            pool,
+            "--page-size",
+            "16",
+            "--enable-hierarchical-cache",
+            "--hicache-ratio",
+            "4",
+        ]
+    };
+    let p = pair("tcp", &with_pool("256"), &with_pool("704"));
+    let mut moved = 0;
+    for (turn, i) in [0usize, 1, 2, 3, 4, 0].into_iter().enumerate() {
+        let room = 3000 + turn as u64;
+        let before = transferred_bytes(&p);
+        let ((ps, pr), (ds, dr)) = send(&p, "/generate", &greedy(&prompts[i], 6), room);
+        assert_eq!(ps, 200, "prefill: {pr}");
+        assert_eq!(ds, 200, "decode: {dr}");
+        assert_eq!(dr["output_ids"], want[i], "turn {turn}");
+        moved = transferred_bytes(&p) - before;
+    }
+    // The repeat moved only the pages after the decode side's host hit (144 tokens).
+    assert_eq!(moved, page_bytes(&p), "the last page only");
+    assert_nothing_held(&p);
+    for (side, port) in [("prefill", p.prefill.port), ("decode", p.decode.port)] {
+        let info = common::get(port, "/get_server_info");
+        let t = &info["engine"]["hicache"];
+        assert!(
+            t["host_hit_tokens"].as_u64().unwrap() >= 144,
+            "{side}: the repeat came back from host: {t}"
+        );
+    }
+}

@@ -138,6 +138,8 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 break;
             }
             self.match_prefix(id);
+            // With a host tier: the host hit comes back from host memory, not over the wire.
+            allocatable -= self.prealloc_load_back(id, allocatable)? as i64;
             let need = self.prealloc_need(id, budget.retractable);
             if need.need() > allocatable {
                 self.unmatch(id);

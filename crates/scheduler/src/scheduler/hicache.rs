@@ -130,7 +130,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
 
     /// [`load_back`](Self::load_back) once the budget allows it (the prefix locked), within
     /// `room` (the budget's `rem_total_tokens`).
-    fn load_back_locked(&mut self, id: ReqId, reserve: usize, room: f64) -> Result<()> {
+    pub(super) fn load_back_locked(&mut self, id: ReqId, reserve: usize, room: f64) -> Result<()> {
         let r = &self.reqs[&id];
         let need = r.extend_input_len() - r.host_hit_len + reserve + self.cfg.page_size as usize;
         let quota = (room.max(0.0) as usize).saturating_sub(need);
@@ -158,6 +158,25 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
                 Err(e.into())
             }
         }
+    }
+
+    /// A PD decode server's load-back at preallocation (beyond SGLang, whose decode side has
+    /// no host tier to hit): a matched request's host hit is loaded back when the pass's
+    /// `allocatable` budget holds it besides the rest of the request's need (its delta and the
+    /// decode reserve), so only the tokens after it are transferred. Returns the tokens loaded.
+    pub(super) fn prealloc_load_back(&mut self, id: ReqId, allocatable: i64) -> Result<usize> {
+        let r = &self.reqs[&id];
+        if r.host_hit_len == 0 || allocatable <= 0 {
+            return Ok(0);
+        }
+        let before = r.committed_len;
+        let prefix_node = r.prefix.last_node;
+        self.cache.inc_lock_ref(prefix_node)?;
+        let reserve = self.cfg.num_reserved_decode_tokens;
+        let loaded = self.load_back_locked(id, reserve, allocatable as f64);
+        self.cache.dec_lock_ref(prefix_node)?;
+        loaded?;
+        Ok(self.reqs[&id].committed_len - before)
     }
 
     /// Retraction to the host tier (beyond SGLang, which recomputes): a retracted request's
