@@ -43,6 +43,19 @@ pub enum RadixCacheError {
         /// The names accepted.
         known: String,
     },
+    /// A device ↔ host copy failed every time it was tried (a device that keeps failing):
+    /// the node's rows on one tier are undefined, so the cache stops instead of serving them.
+    #[error("the {kind} copy of {node} failed {attempts} times, last: {reason}")]
+    CopyFailed {
+        /// `write` (device → host) or `load` (host → device).
+        kind: &'static str,
+        /// The node the copy ends at.
+        node: NodeId,
+        /// Attempts made.
+        attempts: u32,
+        /// The controller's last reason.
+        reason: String,
+    },
     /// A host-tier operation that does not fit the cache's state (e.g. adding a host tier to a
     /// cache that already holds nodes).
     #[error("host tier: {0}")]

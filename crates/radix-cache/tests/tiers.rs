@@ -971,3 +971,35 @@ fn a_failed_load_back_is_queued_again_until_it_lands() {
     drop(ctl);
     insta::assert_snapshot!(s.log);
 }
+
+/// A device that keeps failing: after four attempts of the same load-back the cache stops
+/// with `CopyFailed` instead of retrying for ever.
+#[test]
+fn a_copy_that_keeps_failing_stops_with_an_error() {
+    let mut s = Story::new(
+        1,
+        32,
+        cfg(WritePolicy::WriteThrough, 32),
+        ImmediateController::with_tags(33, 33, 1),
+    );
+    let key = toks("ABCDEFGHIJKL");
+    s.insert("ABCDEFGHIJKL");
+    s.acks();
+    s.cache.evict(12, &mut s.alloc).unwrap();
+    s.ctl.lock().loads_fail = true;
+    let mut out = Vec::new();
+    let m = s.cache.match_prefix(&key, None, &mut out);
+    s.cache
+        .init_load_back(m.last_host_node, &mut out, &mut s.alloc, 1000)
+        .unwrap();
+    for attempt in 1..4 {
+        s.cache
+            .check_hicache_events()
+            .unwrap_or_else(|e| panic!("attempt {attempt}: {e}"));
+    }
+    let err = s.cache.check_hicache_events().unwrap_err().to_string();
+    assert!(
+        err.contains("the load copy of") && err.contains("failed 4 times") && err.contains("lost"),
+        "{err}"
+    );
+}

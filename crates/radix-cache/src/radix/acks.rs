@@ -17,6 +17,9 @@ use crate::radix::lock::LockDelta;
 use crate::tiers::PrefetchPolicy;
 use crate::NodeId;
 
+/// Tries of one device ↔ host copy before the cache gives up (the first and three retries).
+const MAX_COPY_ATTEMPTS: u32 = 4;
+
 impl<P: EvictionPolicy> RadixCache<P> {
     /// See [`crate::PrefixCache::check_hicache_events`].
     pub(super) fn process_acks(&mut self) -> Result<()> {
@@ -31,6 +34,10 @@ impl<P: EvictionPolicy> RadixCache<P> {
                 continue;
             };
             let failed = matches!(ack.outcome, AckOutcome::Failed(_));
+            let reason = match &ack.outcome {
+                AckOutcome::Failed(r) => r.as_str(),
+                _ => "",
+            };
             if failed {
                 tier.stats.ops_failed += 1;
             }
@@ -40,9 +47,10 @@ impl<P: EvictionPolicy> RadixCache<P> {
                     if failed && unlock && !tier.orphans.contains_key(&ack.op) {
                         // A write-through copy: its device rows are intact (locked until the
                         // ack), its host rows undefined. Copy again, still locked and pinned.
-                        self.retry_copy(node, len, true)?;
+                        self.retry_copy(node, len, true, reason)?;
                         continue;
                     }
+                    tier.copy_attempts.remove(&node);
                     if unlock {
                         self.unlock_node(node)?;
                     }
@@ -61,8 +69,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
                 PendingOp::Load { node, len } => {
                     tier.stats.loads_acked += 1;
                     if failed {
-                        self.retry_copy(node, len, false)?;
+                        self.retry_copy(node, len, false, reason)?;
                     } else {
+                        tier.copy_attempts.remove(&node);
                         self.unlock_node(node)?;
                     }
                 }
@@ -112,7 +121,20 @@ impl<P: EvictionPolicy> RadixCache<P> {
     /// matching it waits for, layer by layer, so no match serves rows the failed copy left
     /// behind. A failed write-through left host rows undefined while the tree holds the
     /// node as backed up: the retry lands before anything may demote it (it is locked).
-    fn retry_copy(&mut self, node: NodeId, len: usize, write: bool) -> Result<()> {
+    /// After `MAX_COPY_ATTEMPTS` failures in a row it gives up with
+    /// [`RadixCacheError::CopyFailed`](crate::RadixCacheError::CopyFailed).
+    fn retry_copy(&mut self, node: NodeId, len: usize, write: bool, reason: &str) -> Result<()> {
+        let attempts = self.tier_mut().copy_attempts.entry(node).or_insert(0);
+        *attempts += 1;
+        if *attempts >= MAX_COPY_ATTEMPTS {
+            let attempts = *attempts;
+            return Err(crate::RadixCacheError::CopyFailed {
+                kind: if write { "write" } else { "load" },
+                node,
+                attempts,
+                reason: reason.to_string(),
+            });
+        }
         let last = self.resolve(node)?;
         let mut chain = Vec::new();
         let (mut j, mut covered) = (last, 0);

@@ -92,6 +92,10 @@ pub(super) struct HostTier {
     /// Host slots of nodes dropped while a write or backup of them was in flight, freed at
     /// that operation's ack.
     pub(super) orphans: FxHashMap<OpId, Vec<Slot>>,
+    /// Failed attempts of the copy of each node whose write-through or load-back is being
+    /// retried (cleared when a copy of it lands); past `MAX_COPY_ATTEMPTS` the cache gives up
+    /// with an error instead of retrying for ever.
+    pub(super) copy_attempts: FxHashMap<NodeId, u32>,
     /// Prefetches by request id (ordered, so iteration is deterministic).
     pub(super) prefetches: BTreeMap<u64, Prefetch>,
     /// Host tokens reserved by prefetches that have not ended.
@@ -129,6 +133,7 @@ impl HostTier {
             keys: FxHashMap::default(),
             ops: FxHashMap::default(),
             orphans: FxHashMap::default(),
+            copy_attempts: FxHashMap::default(),
             prefetches: BTreeMap::new(),
             prefetch_reserved: 0,
             stats: TierStats::default(),
