@@ -254,9 +254,18 @@ impl Worker {
                     continue;
                 }
             };
+            // Kept for replay before it is sent (a subscriber that sees it may ask for it at
+            // once), and even if the send fails.
+            if self.buffer_steps > 0 {
+                let mut buf = buffer.lock().unwrap_or_else(|p| p.into_inner());
+                if buf.len() == self.buffer_steps {
+                    buf.pop_front();
+                }
+                buf.push_back((batch.seq, payload.clone()));
+            }
             let mut msg = ZmqMessage::from(self.topic.clone());
             msg.push_back(batch.seq.to_be_bytes().to_vec().into());
-            msg.push_back(payload.clone().into());
+            msg.push_back(payload.into());
             match socket.send(msg).await {
                 Ok(()) => self.stats.sent.fetch_add(1, Ordering::Relaxed),
                 Err(e) => {
@@ -267,14 +276,6 @@ impl Worker {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed)
                 }
             };
-            // Kept for replay even when the send failed: a subscriber can still fetch it.
-            if self.buffer_steps > 0 {
-                let mut buf = buffer.lock().unwrap_or_else(|p| p.into_inner());
-                if buf.len() == self.buffer_steps {
-                    buf.pop_front();
-                }
-                buf.push_back((batch.seq, payload));
-            }
         }
     }
 }
@@ -325,5 +326,138 @@ async fn serve_replay(mut router: RouterSocket, buffer: ReplayBuffer, stats: Arc
                 break;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A publisher whose queue nobody drains: what a stalled publisher thread looks like.
+    fn stalled(max_queue_size: usize) -> (ZmqEventPublisher, mpsc::Receiver<Batch>) {
+        let (tx, rx) = mpsc::channel(max_queue_size);
+        let p = ZmqEventPublisher {
+            queue: Some(tx),
+            thread: None,
+            stats: Arc::default(),
+            next_seq: 0,
+            max_queue_size,
+            buffer_steps: 0,
+            topic: String::new(),
+            endpoint: "tcp://127.0.0.1:1".into(),
+            replay_endpoint: None,
+        };
+        (p, rx)
+    }
+
+    #[test]
+    fn a_full_queue_drops_the_batch_and_skips_its_sequence_number() {
+        let (mut p, mut rx) = stalled(2);
+        p.publish(Vec::new()); // an empty step: no batch, no number
+        for _ in 0..5 {
+            p.publish(vec![KvEvent::AllBlocksCleared]);
+        }
+        let info = p.info();
+        assert_eq!(
+            (
+                info["batches_published"].as_u64(),
+                info["batches_dropped"].as_u64()
+            ),
+            (Some(5), Some(3))
+        );
+        let queued: Vec<u64> = std::iter::from_fn(|| rx.try_recv().ok().map(|b| b.seq)).collect();
+        assert_eq!(queued, [0, 1]);
+        // Room again: the next batch goes through with the next number (subscribers see 2..4
+        // missing).
+        p.publish(vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(rx.try_recv().map(|b| b.seq).ok(), Some(5));
+        assert_eq!(p.info()["batches_dropped"], 3);
+    }
+
+    /// The wire protocol, spoken by the `zeromq` crate's own SUB and DEALER sockets: the
+    /// three-frame PUB messages and a replay from a sequence number, ended by `END_SEQ`.
+    #[test]
+    fn pub_and_replay_frames_are_vllms() {
+        use zeromq::{DealerSocket, SubSocket};
+        let cfg = KvEventsConfig {
+            publisher: Some(super::super::PublisherKind::Zmq),
+            endpoint: "tcp://127.0.0.1:0".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+            topic: "kv".into(),
+            ..KvEventsConfig::default()
+        };
+        let mut p = ZmqEventPublisher::start(&cfg).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let frames =
+            |m: ZmqMessage| -> Vec<Vec<u8>> { m.into_vec().iter().map(|b| b.to_vec()).collect() };
+        let mut sub = SubSocket::new();
+        rt.block_on(async {
+            sub.connect(p.endpoint()).await.unwrap();
+            sub.subscribe("kv").await.unwrap();
+        });
+        // Until the subscription reaches the PUB socket, what it sends goes nowhere: publish
+        // until a message arrives.
+        let stored = KvEvent::BlockStored {
+            block_hashes: vec![7],
+            parent_block_hash: None,
+            token_ids: vec![1],
+            block_size: 1,
+        };
+        let first = rt.block_on(async {
+            loop {
+                p.publish(vec![stored.clone()]);
+                let got = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await;
+                if let Ok(m) = got {
+                    break frames(m.unwrap());
+                }
+            }
+        });
+        let seq = u64::from_be_bytes(first[1].clone().try_into().unwrap());
+        assert_eq!(first[0], b"kv");
+        assert_eq!(first[2], one_stored_batch_with_ts_of(&first[2]));
+        p.publish(vec![KvEvent::AllBlocksCleared]);
+        let next = rt.block_on(sub.recv()).map(frames).unwrap();
+        assert_eq!(next[1], (seq + 1).to_be_bytes());
+
+        let mut dealer = DealerSocket::new();
+        let replies = rt.block_on(async {
+            dealer.connect(p.replay_endpoint().unwrap()).await.unwrap();
+            let mut req = ZmqMessage::from(Vec::new());
+            req.push_back(seq.to_be_bytes().to_vec().into());
+            dealer.send(req).await.unwrap();
+            let mut out = Vec::new();
+            loop {
+                let f = frames(dealer.recv().await.unwrap());
+                let end = f[1] == END_SEQ;
+                out.push(f);
+                if end {
+                    break out;
+                }
+            }
+        });
+        assert_eq!(replies.len(), 3, "two batches and the end");
+        assert_eq!(replies[0][..2], [Vec::new(), seq.to_be_bytes().to_vec()]);
+        assert_eq!(replies[0][2], first[2]);
+        assert_eq!(
+            replies[1][1..],
+            [(seq + 1).to_be_bytes().to_vec(), next[2].clone()]
+        );
+        assert_eq!(replies[2], [Vec::new(), END_SEQ.to_vec(), Vec::new()]);
+        assert_eq!(p.info()["replay_requests"], 1);
+    }
+
+    /// The payload of a one-`BlockStored` batch: `[ts, [event]]` with that event's bytes.
+    fn one_stored_batch_with_ts_of(payload: &[u8]) -> Vec<u8> {
+        let ts = f64::from_be_bytes(payload[2..10].try_into().unwrap());
+        let stored = KvEvent::BlockStored {
+            block_hashes: vec![7],
+            parent_block_hash: None,
+            token_ids: vec![1],
+            block_size: 1,
+        };
+        encode_batch(ts, &[stored], None).unwrap()
     }
 }
