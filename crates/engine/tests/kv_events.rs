@@ -226,21 +226,22 @@ fn a_subscriber_rebuilds_the_cache_from_the_events_live_and_by_replay() {
         - state.blocks.len();
     assert!(evictions > 0, "the workload evicted nothing");
 
-    // The subscriber predicts each prompt's cache hit exactly (the match covers all but the
-    // prompt's last token, in whole pages), newest first: whole hits, shared prefixes only,
-    // and misses.
+    // The subscriber predicts each sequence's cache hit exactly, newest first: whole hits,
+    // shared prefixes only, and misses. A probe is the prompt and its first output token, so
+    // its match (all but the last token, in whole pages) reaches every page the sequence
+    // could have cached.
     let mut blocks = state.blocks;
     let mut hits = BTreeSet::new();
-    for prompt in prompts.iter().rev() {
-        let key = &prompt[..prompt.len() - 1];
-        let hit = block_ids(key)
+    for (prompt, seq) in prompts.iter().zip(sequences.clone()).rev() {
+        let probe = &seq[..prompt.len() + 1];
+        let hit = block_ids(&probe[..probe.len() - 1])
             .iter()
             .take_while(|b| blocks.contains(b))
             .count();
-        let (out, cached) = generate(srv.port, prompt, 1);
+        let (out, cached) = generate(srv.port, probe, 1);
         assert_eq!(cached, hit * PAGE, "predicted from the events");
         hits.insert(hit);
-        sequences.push([prompt.clone(), out].concat());
+        sequences.push([probe.to_vec(), out].concat());
         blocks = live.sync(published(srv.port)).blocks;
         assert_mirrors_the_tree(srv.port, &blocks, &sequences);
     }
