@@ -554,6 +554,11 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
+    /// Publish the prefix cache's KV events (vLLM's `KVEventsConfig` as JSON): e.g.
+    /// '{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+    /// "topic": "kv-events"}'; msgpack `KVEventBatch`es on a ZMQ PUB socket.
+    #[arg(long, value_name = "JSON")]
+    pub kv_events_config: Option<String>,
     #[command(flatten)]
     pub disaggregation: DisaggregationArgs,
 }

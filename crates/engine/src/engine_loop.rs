@@ -28,6 +28,7 @@ use model::SamplingParams;
 use scheduler::{Executor, FinishReason, FinishedReq, ReqId, SamplingLimits, Scheduler};
 
 use crate::engine_metrics::EngineMetrics;
+use crate::kv_events::ZmqEventPublisher;
 use crate::setup::ModelExecutor;
 use pd::PdSide;
 
@@ -169,6 +170,9 @@ pub struct EngineInfo {
     pub disaggregation: Option<serde_json::Value>,
     /// The hierarchical cache: hit tokens per tier, the host pool, the tiers' counters.
     pub hicache: Option<serde_json::Value>,
+    /// The KV event publisher (`--kv-events-config`): bound endpoints, batches published,
+    /// sent and dropped.
+    pub kv_events: Option<serde_json::Value>,
 }
 
 /// A handle to a running engine loop.
@@ -193,19 +197,26 @@ pub(crate) type LiveMap = HashMap<ReqId, Live>;
 impl EngineHandle {
     /// Starts the loop on its own thread, owning `scheduler` and `exec`.
     pub fn start(scheduler: Scheduler, exec: ModelExecutor) -> Self {
-        Self::start_with(scheduler, exec, None)
+        Self::start_with(scheduler, exec, None, None)
     }
 
-    /// Starts the loop of a prefill or decode server: `pd` takes the requests that carry
-    /// bootstrap fields through SGLang's PD queues.
-    pub fn start_with(scheduler: Scheduler, exec: ModelExecutor, pd: Option<PdSide>) -> Self {
+    /// Starts the loop of a server: with `pd` (a prefill or decode server) the requests that
+    /// carry bootstrap fields go through SGLang's PD queues; with `kv_events` the cache's KV
+    /// events (the scheduler's cache must record them) are handed to the publisher after every
+    /// step.
+    pub fn start_with(
+        scheduler: Scheduler,
+        exec: ModelExecutor,
+        pd: Option<PdSide>,
+        kv_events: Option<ZmqEventPublisher>,
+    ) -> Self {
         let (inbox, commands) = mpsc::channel();
         let metrics = Arc::new(EngineMetrics::default());
         metrics.publish(&scheduler);
         let m = metrics.clone();
         let thread = std::thread::Builder::new()
             .name("kvserve-engine".into())
-            .spawn(move || run(scheduler, exec, commands, &m, pd))
+            .spawn(move || run(scheduler, exec, commands, &m, pd, kv_events))
             .expect("spawn the engine thread");
         EngineHandle {
             inbox,
@@ -283,7 +294,7 @@ impl Drop for EngineHandle {
     }
 }
 
-fn info(s: &Scheduler, pd: Option<&PdSide>) -> EngineInfo {
+fn info(s: &Scheduler, pd: Option<&PdSide>, kv: Option<&ZmqEventPublisher>) -> EngineInfo {
     let idle = s.is_idle() && pd.is_none_or(|p| !p.has_work());
     EngineInfo {
         waiting: s.num_waiting(),
@@ -300,6 +311,7 @@ fn info(s: &Scheduler, pd: Option<&PdSide>) -> EngineInfo {
         retractions: s.stats.retractions,
         disaggregation: pd.map(|p| p.info(s)),
         hicache: crate::engine_metrics::HiCacheMetrics::of(s).map(|h| h.to_json()),
+        kv_events: kv.map(ZmqEventPublisher::info),
     }
 }
 
@@ -313,10 +325,13 @@ fn run(
     commands: Receiver<Command>,
     metrics: &EngineMetrics,
     mut pd: Option<PdSide>,
+    mut kv: Option<ZmqEventPublisher>,
 ) {
     let mut live: LiveMap = HashMap::new();
     let started = Instant::now();
     loop {
+        // What the last step (or command) changed in the cache, as one batch.
+        publish_kv_events(&mut s, kv.as_mut());
         metrics.publish(&s);
         if let Some(p) = &pd {
             metrics.publish_pd(p.metrics(&s));
@@ -357,7 +372,9 @@ fn run(
                 }
                 Command::Info(reply) => {
                     settle_cache_io(&mut s);
-                    let _ = reply.send(info(&s, pd.as_ref()));
+                    // So the published count covers every change before this answer.
+                    publish_kv_events(&mut s, kv.as_mut());
+                    let _ = reply.send(info(&s, pd.as_ref(), kv.as_ref()));
                 }
                 Command::Shutdown => {
                     if let Some(p) = &mut pd {
@@ -368,6 +385,7 @@ fn run(
                         let _ = s.abort(id, "the server is shutting down");
                     }
                     deliver(&mut s, &mut exec, &mut live, None);
+                    publish_kv_events(&mut s, kv.as_mut());
                     return;
                 }
             }
@@ -388,6 +406,14 @@ fn run(
             }
         }
         deliver(&mut s, &mut exec, &mut live, pd.as_mut());
+    }
+}
+
+/// Hands the cache's KV events since the last call to the publisher, as one batch (nothing for
+/// none; without a publisher the cache records none).
+fn publish_kv_events(s: &mut Scheduler, kv: Option<&mut ZmqEventPublisher>) {
+    if let Some(p) = kv {
+        p.publish(s.take_cache_events());
     }
 }
 

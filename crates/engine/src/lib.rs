@@ -18,7 +18,8 @@
 //!   model executor.
 //! - [`engine_loop`] and [`server`]: the scheduler and model on their own thread, token streams
 //!   through channels, and the HTTP API on top (`kvserve serve`); [`engine_metrics`] for
-//!   `/metrics`.
+//!   `/metrics`; [`kv_events`] publishes the prefix cache's KV events (`--kv-events-config`,
+//!   vLLM's ZMQ wire format) from the loop.
 //! - [`disagg`]: PD disaggregation's roles (`serve --disaggregation-mode`), the bootstrap
 //!   fields a request carries and the PD options; [`engine_loop::pd`] is the loop's PD half
 //!   (the bootstrap and inflight queues around the scheduler on prefill, handshake →
@@ -75,6 +76,7 @@ pub mod disagg;
 pub mod engine_loop;
 pub mod engine_metrics;
 pub mod error;
+pub mod kv_events;
 pub mod plot;
 pub mod report;
 pub mod router;

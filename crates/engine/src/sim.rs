@@ -241,6 +241,7 @@ pub fn run_one(
         &cfg.eviction_policy,
         capacity,
         tier,
+        false,
     )?;
     let mut exec = SimExecutor {
         cost: cfg.cost.clone(),
@@ -561,8 +562,15 @@ mod tests {
             config: tier.setup.tree_config(host),
             controller: Box::new(SimController::new(true)),
         };
-        let mut sched =
-            build_scheduler(base.scheduler.clone(), true, "lru", 512, Some(tree_tier)).unwrap();
+        let mut sched = build_scheduler(
+            base.scheduler.clone(),
+            true,
+            "lru",
+            512,
+            Some(tree_tier),
+            false,
+        )
+        .unwrap();
         let mut exec = Tally(SimExecutor { cost: base.cost }, 0, 0);
         let r = scheduler::simulate(&reqs, &mut sched, &mut exec, &mut |_, _| {}).unwrap();
         assert!(

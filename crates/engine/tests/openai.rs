@@ -338,30 +338,9 @@ fn a_client_that_disconnects_mid_openai_stream_frees_its_kv() {
     );
 }
 
-/// Whether `python3` can import the `openai` package; the reason when it cannot.
-fn openai_client_missing() -> Option<String> {
-    match Command::new("python3")
-        .args(["-c", "import openai"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-    {
-        Err(e) => Some(format!("python3 cannot be run: {e}")),
-        Ok(o) if !o.status.success() => Some(format!(
-            "the openai Python package is missing: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Ok(_) => None,
-    }
-}
-
 #[test]
 fn the_official_openai_python_client_works() {
-    if let Some(reason) = openai_client_missing() {
-        if std::env::var("KVSERVE_REQUIRE_OPENAI_CLIENT").as_deref() == Ok("1") {
-            panic!("KVSERVE_REQUIRE_OPENAI_CLIENT=1 but {reason}");
-        }
-        eprintln!("skipping the openai client test: {reason}");
+    if !common::python_can_import("openai", "KVSERVE_REQUIRE_OPENAI_CLIENT") {
         return;
     }
     // The built binary, as a user runs it.

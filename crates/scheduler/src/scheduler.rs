@@ -167,6 +167,12 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         &self.cache
     }
 
+    /// Drains the prefix cache's KV events since the last call ([`PrefixCache::take_events`]:
+    /// empty unless the cache was built with events on), for an engine that publishes them.
+    pub fn take_cache_events(&mut self) -> Vec<radix_cache::events::KvEvent> {
+        self.cache.take_events()
+    }
+
     /// The KV pool's allocator, read-only (`size`, `available_size`).
     pub fn allocator(&self) -> &dyn Allocator {
         &self.alloc

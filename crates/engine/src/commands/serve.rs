@@ -8,6 +8,7 @@ use crate::disagg::{DisaggregationMode, LocalKv, PdOptions};
 use crate::engine_loop::pd::{build_pd_side, PdSide};
 use crate::engine_loop::EngineHandle;
 use crate::error::{EngineError, Result};
+use crate::kv_events::{KvEventsConfig, KvEventsError, PublisherKind, ZmqEventPublisher};
 use crate::runtime::{async_runtime, bind};
 use crate::server::chat::ChatPrompt;
 use crate::server::AppState;
@@ -71,6 +72,8 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         // Prefill servers on this host write into the decode server's slots.
         setup.shared_kv = pd.backend == transfer::BackendKind::Shm;
     }
+    let kv_events = kv_event_publisher(args.kv_events_config.as_deref())?;
+    setup.kv_events = kv_events.is_some();
     let context_len = setup.scheduler.context_len;
     let radix = !args.engine.disable_radix_cache;
     let (sched, exec) = crate::setup::build(&setup, radix)?;
@@ -106,10 +109,11 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         "disaggregation_mode": pd.mode.name(),
         "disaggregation_transfer_backend": pd.backend.name(),
         "disaggregation_bootstrap_port": pd.bootstrap_port,
+        "kv_events_config": args.kv_events_config,
     });
     Ok(Arc::new(AppState {
         server_args,
-        engine: EngineHandle::start_with(sched, exec, pd_side),
+        engine: EngineHandle::start_with(sched, exec, pd_side, kv_events),
         vocab_size: config.vocab_size,
         eos_token_ids: config.eos_token_ids.clone(),
         tokenizer,
@@ -120,4 +124,28 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         metrics: Default::default(),
         disaggregation_mode: pd.mode,
     }))
+}
+
+/// `--kv-events-config`: the ZMQ publisher, bound, when the config names one (`None`: no
+/// flag, or the `null` publisher, and the cache records no events).
+fn kv_event_publisher(config: Option<&str>) -> Result<Option<ZmqEventPublisher>> {
+    let arg = |e: KvEventsError| EngineError::arg("--kv-events-config", e.to_string());
+    let Some(text) = config else {
+        return Ok(None);
+    };
+    let cfg = KvEventsConfig::from_arg(text).map_err(arg)?;
+    match cfg.publisher_kind() {
+        PublisherKind::Null => Ok(None),
+        PublisherKind::Zmq => {
+            let publisher = ZmqEventPublisher::start(&cfg).map_err(arg)?;
+            eprintln!(
+                "kvserve: KV events on {}{}",
+                publisher.endpoint(),
+                publisher
+                    .replay_endpoint()
+                    .map_or(String::new(), |r| format!(" (replay on {r})"))
+            );
+            Ok(Some(publisher))
+        }
+    }
 }

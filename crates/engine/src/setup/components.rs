@@ -131,18 +131,20 @@ pub struct TreeTier {
 
 /// The scheduler over the prefix cache (radix with `eviction_policy`, or the chunk cache) and
 /// allocator ([`AnyAllocator::for_page_size`]) of a `capacity`-token pool: the composition
-/// `bench`, `serve` and `sim` share.
+/// `bench`, `serve` and `sim` share. With `kv_events` the radix tree records its KV events
+/// (`serve --kv-events-config`; the engine loop drains them).
 pub fn build_scheduler(
     config: SchedulerConfig,
     radix: bool,
     eviction_policy: &str,
     capacity: usize,
     tier: Option<TreeTier>,
+    kv_events: bool,
 ) -> Result<Scheduler> {
     let p = config.page_size;
     let cache = if radix {
         let policy = AnyEvictionPolicy::from_name(eviction_policy)?;
-        let tree = RadixCache::new(p, policy);
+        let tree = RadixCache::new(p, policy).with_events(kv_events);
         let tree = match tier {
             None => tree,
             Some(t) => tree

@@ -35,6 +35,8 @@ pub struct EngineSetup {
     pub shared_kv: bool,
     /// The hierarchical cache (`--enable-hierarchical-cache`), if on.
     pub hicache: Option<HiCacheSetup>,
+    /// The radix cache records KV events (`--kv-events-config` with a publisher).
+    pub kv_events: bool,
 }
 
 /// Parses `--schedule-policy` for the bench (one policy).
@@ -65,6 +67,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         seed: 0,
         shared_kv: false,
         hicache: None,
+        kv_events: false,
     }
 }
 

@@ -84,6 +84,7 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
         &setup.eviction_policy,
         capacity,
         tier,
+        setup.kv_events,
     )?;
     Ok((sched, exec))
 }

@@ -146,6 +146,37 @@ pub fn assert_kv_freed(port: u16) {
         e["total_tokens"].as_u64().unwrap()
     );
 }
+/// Whether a test that runs Python with `modules` can run: when `python3` cannot import them,
+/// prints why the test is skipped and returns false, or panics when `require_env` is set to 1
+/// (CI installs them).
+pub fn python_can_import(modules: &str, require_env: &str) -> bool {
+    let Some(reason) = python_missing(modules) else {
+        return true;
+    };
+    if std::env::var(require_env).as_deref() == Ok("1") {
+        panic!("{require_env}=1 but {reason}");
+    }
+    eprintln!("skipping a test that needs Python's {modules}: {reason}");
+    false
+}
+
+/// Whether `python3` can import `modules` (e.g. `"zmq, msgpack"`); the reason when it cannot.
+fn python_missing(modules: &str) -> Option<String> {
+    match std::process::Command::new("python3")
+        .args(["-c", &format!("import {modules}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .output()
+    {
+        Err(e) => Some(format!("python3 cannot be run: {e}")),
+        Ok(o) if !o.status.success() => Some(format!(
+            "a Python package ({modules}) is missing: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Ok(_) => None,
+    }
+}
+
 pub mod pd;
 pub mod proc;
 pub mod redis;
