@@ -9,7 +9,6 @@
 //! otherwise, verified on lookup; colliding pages go to a short overflow list). Each namespace
 //! (`extra_key`) has its own root, so namespaces never share nodes.
 
-use std::collections::BTreeSet;
 use std::hash::Hasher;
 
 use kv_pool::Slot;
@@ -19,6 +18,7 @@ use crate::error::{RadixCacheError, Result};
 use crate::events::{namespace_seed, KvEvent, PageDigest};
 use crate::policy::{AnyEvictionPolicy, EvictionKey, EvictionPolicy, PATH_HASH_SEED};
 use crate::radix::host::HostTier;
+use crate::radix::leaves::LeafOrder;
 
 use crate::NodeId;
 
@@ -151,7 +151,7 @@ pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
     /// Arena tokens no live node covers (reclaimed by compaction).
     pub(super) dead_tokens: usize,
     /// The evictable leaves ordered by (policy key, node index): first goes first.
-    pub(super) index: BTreeSet<(EvictionKey, u32)>,
+    pub(super) index: LeafOrder,
     pub(super) evictable: usize,
     pub(super) protected: usize,
     /// The logical clock: one tick per match, insert, lock change and eviction step.
@@ -178,6 +178,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
     /// [needs them](EvictionPolicy::needs_path_hashes).
     pub fn with_policy(page_size: u32, policy: P) -> Self {
         let track_paths = policy.needs_path_hashes();
+        let index = LeafOrder::new(policy.keys_grow_with_access());
         let mut cache = RadixCache {
             page_size: page_size.max(1),
             policy,
@@ -191,7 +192,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             slots: Vec::new(),
             host_slots: Vec::new(),
             dead_tokens: 0,
-            index: BTreeSet::new(),
+            index,
             evictable: 0,
             protected: 0,
             clock: 0,
