@@ -399,20 +399,20 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
     }
 
-    /// Replaces `old` by `new` among `parent`'s children (same first page).
+    /// Replaces `old` by `new` among `parent`'s children (`new` starts with `old`'s first
+    /// page): one lookup by that page, no scan of the parent's children.
     pub(super) fn replace_child(&mut self, parent: u32, old: u32, new: u32) {
+        let p = self.page_size as usize;
+        let key = self.page_key(&self.node_tokens(new)[..p]);
         let children = &mut self.nodes[parent as usize].children;
-        for c in children
-            .by_first_page
-            .values_mut()
-            .chain(children.overflow.iter_mut())
-        {
-            if *c == old {
-                *c = new;
-                return;
-            }
+        let slot = match children.by_first_page.get_mut(&key) {
+            Some(c) if *c == old => Some(c),
+            _ => children.overflow.iter_mut().find(|c| **c == old),
+        };
+        match slot {
+            Some(c) => *c = new,
+            None => debug_assert!(false, "node {old} is not a child of {parent}"),
         }
-        debug_assert!(false, "node {old} is not a child of {parent}");
     }
 
     /// Rebuilds the token and slot arenas from the live nodes when dead ranges dominate.

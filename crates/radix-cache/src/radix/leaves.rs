@@ -24,12 +24,15 @@ struct Link {
     next: u32,
     /// Whether the node is in the list (not the set).
     in_list: bool,
+    /// Its key, while it is in the list.
+    key: EvictionKey,
 }
 
 const UNLINKED: Link = Link {
     prev: NIL,
     next: NIL,
     in_list: false,
+    key: EvictionKey::new(0, 0),
 };
 
 /// The evictable leaves ordered by (key, node index).
@@ -40,8 +43,6 @@ pub(super) struct LeafOrder {
     use_list: bool,
     /// Per node index: its list links (grown on demand).
     links: Vec<Link>,
-    /// Keys of the listed nodes, parallel to `links`.
-    keys: Vec<EvictionKey>,
     head: u32,
     tail: u32,
     listed: usize,
@@ -54,7 +55,6 @@ impl LeafOrder {
         LeafOrder {
             use_list,
             links: Vec::new(),
-            keys: Vec::new(),
             head: NIL,
             tail: NIL,
             listed: 0,
@@ -70,7 +70,6 @@ impl LeafOrder {
     /// Empties the order (the list mode stays).
     pub(super) fn clear(&mut self) {
         self.links.clear();
-        self.keys.clear();
         self.head = NIL;
         self.tail = NIL;
         self.listed = 0;
@@ -79,22 +78,24 @@ impl LeafOrder {
 
     /// Adds node `i` (not held) under `key`.
     pub(super) fn insert(&mut self, key: EvictionKey, i: u32) {
-        let after_tail = self.tail == NIL || (self.keys[self.tail as usize], self.tail) < (key, i);
+        let after_tail =
+            self.tail == NIL || (self.links[self.tail as usize].key, self.tail) < (key, i);
         if !(self.use_list && after_tail) {
             self.set.insert((key, i));
             return;
         }
         let ix = i as usize;
         if self.links.len() <= ix {
-            self.links.resize(ix + 1, UNLINKED);
-            self.keys.resize(ix + 1, EvictionKey::default());
+            // Doubling: nodes are numbered densely, so this grows once per doubling.
+            let len = (ix + 1).max(2 * self.links.len());
+            self.links.resize(len, UNLINKED);
         }
         self.links[ix] = Link {
             prev: self.tail,
             next: NIL,
             in_list: true,
+            key,
         };
-        self.keys[ix] = key;
         if self.tail == NIL {
             self.head = i;
         } else {
@@ -112,6 +113,7 @@ impl LeafOrder {
                 prev,
                 next,
                 in_list: true,
+                ..
             }) => {
                 if prev == NIL {
                     self.head = next;
@@ -135,14 +137,14 @@ impl LeafOrder {
     /// Whether node `i` is held under `key`.
     pub(super) fn contains(&self, key: EvictionKey, i: u32) -> bool {
         match self.links.get(i as usize) {
-            Some(l) if l.in_list => self.keys[i as usize] == key,
+            Some(l) if l.in_list => l.key == key,
             _ => self.set.contains(&(key, i)),
         }
     }
 
     /// The entry to go first.
     pub(super) fn first(&self) -> Option<(EvictionKey, u32)> {
-        let listed = (self.head != NIL).then(|| (self.keys[self.head as usize], self.head));
+        let listed = (self.head != NIL).then(|| (self.links[self.head as usize].key, self.head));
         match (listed, self.set.first().copied()) {
             (Some(l), Some(s)) => Some(l.min(s)),
             (l, s) => l.or(s),
@@ -156,7 +158,7 @@ impl LeafOrder {
                 let next = self.links[i as usize].next;
                 (next != NIL).then_some(next)
             })
-            .map(move |i| (self.keys[i as usize], i))
+            .map(move |i| (self.links[i as usize].key, i))
             .peekable();
         let mut set = self.set.iter().copied().peekable();
         std::iter::from_fn(move || match (listed.peek(), set.peek()) {

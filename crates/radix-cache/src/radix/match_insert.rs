@@ -76,7 +76,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
     fn split(&mut self, child: u32, at: usize) -> u32 {
         let p = self.page_size as usize;
         debug_assert!(at > 0 && at < self.nodes[child as usize].len && at % p == 0);
-        let c = self.nodes[child as usize].clone();
+        let c = &self.nodes[child as usize];
+        let parent = c.parent;
         let upper_end_hash = if self.track_paths {
             self.node_tokens(child)[..at]
                 .chunks(p)
@@ -84,10 +85,12 @@ impl<P: EvictionPolicy> RadixCache<P> {
         } else {
             0
         };
-        let mut upper = Node {
+        // The upper half takes the child's statistics, field by field (no clone of the child's
+        // children or digests).
+        let upper = Node {
             generation: 0,
             live: true,
-            parent: c.parent,
+            parent,
             start: c.start,
             len: at,
             children: Children::default(),
@@ -99,7 +102,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             depth: c.depth,
             start_hash: c.start_hash,
             end_hash: upper_end_hash,
-            digests: Vec::new(),
+            digests: c.digests.get(..at / p).map_or_else(Vec::new, <[_]>::to_vec),
             indexed: None,
             on_device: c.on_device,
             backed_up: c.backed_up,
@@ -107,11 +110,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
             host_ref: 0,
             device_children: 0,
         };
-        if !c.digests.is_empty() {
-            upper.digests = c.digests[..at / p].to_vec();
-        }
         let u = self.alloc_node(upper);
-        self.replace_child(c.parent, child, u);
+        self.replace_child(parent, child, u);
         {
             let lower = &mut self.nodes[child as usize];
             lower.parent = u;
