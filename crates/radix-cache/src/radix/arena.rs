@@ -9,6 +9,7 @@
 //! otherwise, verified on lookup; colliding pages go to a short overflow list). Each namespace
 //! (`extra_key`) has its own root, so namespaces never share nodes.
 
+use std::collections::hash_map::Entry;
 use std::hash::Hasher;
 
 use kv_pool::Slot;
@@ -366,7 +367,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
         let key = self.page_key(&self.node_tokens(child)[..p]);
         let children = &mut self.nodes[parent as usize].children;
-        if let std::collections::hash_map::Entry::Vacant(e) = children.by_first_page.entry(key) {
+        if let Entry::Vacant(e) = children.by_first_page.entry(key) {
             e.insert(child);
         } else {
             children.overflow.push(child);
@@ -380,18 +381,24 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
         let key = self.page_key(&self.node_tokens(child)[..p]);
         let children = &mut self.nodes[parent as usize].children;
-        if children.by_first_page.get(&key) == Some(&child) {
-            children.by_first_page.remove(&key);
+        let in_map = match children.by_first_page.entry(key) {
+            Entry::Occupied(e) if *e.get() == child => {
+                e.remove();
+                true
+            }
+            _ => false,
+        };
+        if in_map {
             // Promote a colliding child into the map slot.
-            if let Some(pos) = children.overflow.iter().position(|_| true) {
-                let other = children.overflow.swap_remove(pos);
+            if !children.overflow.is_empty() {
+                let other = children.overflow.swap_remove(0);
                 let key = self.page_key(&self.node_tokens(other)[..p]);
                 let children = &mut self.nodes[parent as usize].children;
                 match children.by_first_page.entry(key) {
-                    std::collections::hash_map::Entry::Vacant(e) => {
+                    Entry::Vacant(e) => {
                         e.insert(other);
                     }
-                    std::collections::hash_map::Entry::Occupied(_) => children.overflow.push(other),
+                    Entry::Occupied(_) => children.overflow.push(other),
                 }
             }
         } else {
