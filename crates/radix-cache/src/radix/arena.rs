@@ -144,6 +144,9 @@ pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
     pub(super) free_nodes: Vec<u32>,
     /// Namespace name → root node index; the default namespace is `None`.
     pub(super) roots: FxHashMap<Option<String>, u32>,
+    /// The default namespace's root, as in `roots` (kept apart so the common lookup hashes
+    /// nothing).
+    pub(super) default_root: u32,
     pub(super) tokens: Vec<u32>,
     pub(super) slots: Vec<Slot>,
     /// Host slots, parallel to `tokens` and `slots` (empty without a host tier); valid for
@@ -189,6 +192,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             nodes: Vec::new(),
             free_nodes: Vec::new(),
             roots: FxHashMap::default(),
+            default_root: NONE,
             tokens: Vec::new(),
             slots: Vec::new(),
             host_slots: Vec::new(),
@@ -271,6 +275,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
     }
 
     pub(super) fn root_index(&mut self, extra_key: Option<&str>) -> u32 {
+        if extra_key.is_none() && self.default_root != NONE {
+            return self.default_root;
+        }
         if let Some(&r) = self.roots.get(&extra_key.map(str::to_string)) {
             return r;
         }
@@ -280,12 +287,15 @@ impl<P: EvictionPolicy> RadixCache<P> {
         root.digests.extend(namespace_seed(extra_key));
         let r = self.alloc_node(root);
         self.roots.insert(extra_key.map(str::to_string), r);
+        if extra_key.is_none() {
+            self.default_root = r;
+        }
         r
     }
 
     pub(super) fn find_root(&self, extra_key: Option<&str>) -> Option<u32> {
         match extra_key {
-            None => self.roots.get(&None).copied(),
+            None => (self.default_root != NONE).then_some(self.default_root),
             Some(k) => self.roots.get(&Some(k.to_string())).copied(),
         }
     }
@@ -296,6 +306,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         self.nodes.clear();
         self.free_nodes.clear();
         self.roots.clear();
+        self.default_root = NONE;
         self.tokens.clear();
         self.slots.clear();
         self.host_slots.clear();
@@ -351,7 +362,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
     pub(super) fn find_child(&self, parent: u32, page: &[u32]) -> Option<u32> {
         let p = self.page_size as usize;
         let children = &self.nodes[parent as usize].children;
-        let matches = |c: u32| self.node_tokens(c)[..p] == *page;
+        // Token by token: a slice `==` of run-time length is a `memcmp` call.
+        let matches = |c: u32| self.node_tokens(c)[..p].iter().eq(page);
         if let Some(&c) = children.by_first_page.get(&self.page_key(page)) {
             if matches(c) {
                 return Some(c);

@@ -56,12 +56,17 @@ pub(super) struct TieredMatch {
     pub(super) device_len: usize,
 }
 
-/// Longest common prefix of two token slices, compared 32 tokens at a time.
+/// Longest common prefix of two token slices, compared 32 tokens at a time (branch-free
+/// inside a chunk, so vector compares rather than a `memcmp` call).
 fn lcp(a: &[u32], b: &[u32]) -> usize {
     const CHUNK: usize = 32;
     let n = a.len().min(b.len());
     let mut i = 0;
-    while i + CHUNK <= n && a[i..i + CHUNK] == b[i..i + CHUNK] {
+    while i + CHUNK <= n {
+        let (x, y) = (&a[i..i + CHUNK], &b[i..i + CHUNK]);
+        if x.iter().zip(y).fold(0, |d, (s, t)| d | (s ^ t)) != 0 {
+            break;
+        }
         i += CHUNK;
     }
     while i < n && a[i] == b[i] {
