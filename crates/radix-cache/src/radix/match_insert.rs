@@ -205,6 +205,14 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let key = &key[..floor_to_page(key.len(), p)];
         self.tick();
         let m = self.walk_and_split(root, key);
+        self.matched_path(m, out)
+    }
+
+    /// The end of a match that reached `m` (the clock already ticked): appends the on-device
+    /// part's slots to `out` (if given) and refreshes the access time of the whole path. Also
+    /// what a caller that knows where a key ends (an insert just made it end at `m.last`) does
+    /// instead of walking the key again.
+    pub(super) fn matched_path(&mut self, m: Matched, out: Option<&mut Vec<Slot>>) -> TieredMatch {
         let (device, device_len) = if self.tier.is_some() {
             self.device_ancestor(m.last)
         } else {
