@@ -434,12 +434,19 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
     }
 
-    /// Rebuilds the token and slot arenas from the live nodes when dead ranges dominate.
+    /// Rebuilds the token and slot arenas from the live nodes when dead ranges dominate (the
+    /// check inline: every operation ends with it; the rebuild out of line).
+    #[inline]
     pub(super) fn maybe_compact(&mut self) {
         let live = self.tokens.len() - self.dead_tokens;
-        if self.dead_tokens < (1 << 16) || self.dead_tokens < live {
-            return;
+        if self.dead_tokens >= (1 << 16) && self.dead_tokens >= live {
+            self.compact();
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn compact(&mut self) {
         // In place: live ranges never overlap, so packing them in start order only moves data
         // down. The arenas keep their capacity, so no fresh memory is touched.
         let mut order: Vec<(usize, u32)> = self
