@@ -161,6 +161,8 @@ pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
     /// The logical clock: one tick per match, insert, lock change and eviction step.
     pub(super) clock: u64,
     pub(super) events: Vec<KvEvent>,
+    /// Scratch: the nodes of a matched path (reused, so a match allocates nothing).
+    pub(super) path_scratch: Vec<u32>,
     /// The host tier (`None`: a device-only tree, SGLang's `RadixCache`). Every tier check is
     /// one branch on this.
     pub(super) tier: Option<Box<HostTier>>,
@@ -202,6 +204,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             protected: 0,
             clock: 0,
             events: Vec::new(),
+            path_scratch: Vec::new(),
             tier: None,
         };
         cache.root_index(None);

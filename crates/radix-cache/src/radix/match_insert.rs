@@ -218,19 +218,23 @@ impl<P: EvictionPolicy> RadixCache<P> {
         } else {
             (m.last, m.len)
         };
-        // Visit the matched path bottom-up: access times, and the slots (collected in reverse).
+        // The slots root first: the path's nodes gathered bottom-up, then copied in order (no
+        // padding written first).
         if let Some(out) = out {
-            let base = out.len();
-            out.resize(base + device_len, Slot::PADDING);
-            let mut end = base + device_len;
+            let mut path = std::mem::take(&mut self.path_scratch);
+            path.clear();
             let mut i = device;
             while self.nodes[i as usize].parent != NONE {
-                let n = self.nodes[i as usize].len;
-                out[end - n..end].copy_from_slice(self.node_slots(i));
-                end -= n;
+                path.push(i);
                 i = self.nodes[i as usize].parent;
             }
+            out.reserve(device_len);
+            for &i in path.iter().rev() {
+                out.extend_from_slice(self.node_slots(i));
+            }
+            self.path_scratch = path;
         }
+        // Access times, bottom-up.
         let mut i = m.last;
         while self.nodes[i as usize].parent != NONE {
             self.touch(i, false, None);
