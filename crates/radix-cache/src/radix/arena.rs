@@ -365,8 +365,15 @@ impl<P: EvictionPolicy> RadixCache<P> {
     pub(super) fn find_child(&self, parent: u32, page: &[u32]) -> Option<u32> {
         let p = self.page_size as usize;
         let children = &self.nodes[parent as usize].children;
-        // Token by token: a slice `==` of run-time length is a `memcmp` call.
-        let matches = |c: u32| self.node_tokens(c)[..p].iter().eq(page);
+        // At P = 1 one compare (a slice `==` of run-time length is a `memcmp` call).
+        let matches = |c: u32| {
+            let first = &self.node_tokens(c)[..p];
+            if p == 1 {
+                first[0] == page[0]
+            } else {
+                first == page
+            }
+        };
         if let Some(&c) = children.by_first_page.get(&self.page_key(page)) {
             if matches(c) {
                 return Some(c);
