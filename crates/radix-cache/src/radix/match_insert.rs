@@ -218,28 +218,24 @@ impl<P: EvictionPolicy> RadixCache<P> {
         } else {
             (m.last, m.len)
         };
-        // The slots root first: the path's nodes gathered bottom-up, then copied in order (no
-        // padding written first).
-        if let Some(out) = out {
-            let mut path = std::mem::take(&mut self.path_scratch);
-            path.clear();
-            let mut i = device;
-            while self.nodes[i as usize].parent != NONE {
-                path.push(i);
-                i = self.nodes[i as usize].parent;
-            }
-            out.reserve(device_len);
-            for &i in path.iter().rev() {
-                out.extend_from_slice(self.node_slots(i));
-            }
-            self.path_scratch = path;
-        }
-        // Access times, bottom-up.
+        // One climb: access times bottom-up, gathering the path; then the on-device part's
+        // slots root first (no padding written first). Host-only nodes sit below `device`.
+        let mut path = std::mem::take(&mut self.path_scratch);
+        path.clear();
         let mut i = m.last;
         while self.nodes[i as usize].parent != NONE {
             self.touch(i, false, None);
+            path.push(i);
             i = self.nodes[i as usize].parent;
         }
+        if let Some(out) = out {
+            let on_device = path.iter().position(|&n| n == device).unwrap_or(path.len());
+            out.reserve(device_len);
+            for &i in path[on_device..].iter().rev() {
+                out.extend_from_slice(self.node_slots(i));
+            }
+        }
+        self.path_scratch = path;
         TieredMatch {
             last: m.last,
             len: m.len,
