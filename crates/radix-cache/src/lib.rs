@@ -11,7 +11,8 @@
 //!   first page, nodes split on partial matches, lock counts
 //!   exactly as SGLang. Nodes live in an arena; token keys and slot values live in two parallel
 //!   arenas, so a split copies nothing. Beyond SGLang: evictable leaves are kept ordered by the
-//!   policy's key and updated incrementally (`evict` is O(log n) per freed node); a leaf can be
+//!   policy's key and updated incrementally (`evict` is O(log n) per freed node, O(1) under
+//!   LRU and FIFO, whose leaves arrive in key order and sit in a list); a leaf can be
 //!   evicted partially (only the tail pages needed); time is a logical clock (one tick per
 //!   operation), so runs and snapshots are reproducible; the scheduler ranks its waiting queue
 //!   with [`PrefixCache::touch_prefix`], which refreshes access times as SGLang's

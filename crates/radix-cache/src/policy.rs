@@ -117,6 +117,14 @@ pub trait EvictionPolicy: fmt::Debug + Send {
     fn needs_path_hashes(&self) -> bool {
         false
     }
+    /// Whether the key a node gets at an access (or at its insertion) is at least every key
+    /// the policy gave before: LRU's key is the access tick; FIFO's the creation tick, which an
+    /// access leaves alone. The cache then keeps the leaves that arrive in key order in an O(1)
+    /// list instead of its ordered set; a wrong answer costs speed, never order. Asked once,
+    /// when the cache is built. Default: `false`.
+    fn keys_grow_with_access(&self) -> bool {
+        false
+    }
 }
 
 /// SGLang's built-in orderings (`mem_cache/evict_policy.py`, one strategy class each).
@@ -185,6 +193,10 @@ impl BuiltinPolicy {
 impl EvictionPolicy for BuiltinPolicy {
     fn name(&self) -> &str {
         self.as_str()
+    }
+
+    fn keys_grow_with_access(&self) -> bool {
+        matches!(self, BuiltinPolicy::Lru | BuiltinPolicy::Fifo)
     }
 
     fn key(&mut self, n: &NodeStats) -> EvictionKey {

@@ -5,13 +5,28 @@ use crate::ids::Slot;
 
 /// Length of the run of consecutive slot ids at the start of `slots` (at least 1 if non-empty).
 pub(super) fn consecutive_run(slots: &[Slot]) -> usize {
-    const CHUNK: usize = 64;
     let Some(base) = slots.first().map(|s| s.0) else {
         return 0;
     };
+    // Chunks of 64, then of 8, then slot by slot: a run of n slots costs about n / 4 + 8
+    // compares. The vector compares are set up only when there is a chunk to compare.
     let mut len = 1;
-    // Whole chunks, branch-free inside, so each compiles to vector compares.
-    while let Some(chunk) = slots.get(len..len + CHUNK) {
+    if slots.len() > 8 {
+        len = whole_chunks::<64>(slots, base, len);
+        len = whole_chunks::<8>(slots, base, len);
+    }
+    while len < slots.len() && slots[len].0 == base.wrapping_add(len as u32) {
+        len += 1;
+    }
+    len
+}
+
+/// Extends a run of consecutive ids from `base` that covers `slots[..len]` by whole chunks of
+/// `C` slots, each checked branch-free (vector compares); stops before the first chunk that
+/// breaks the run.
+#[inline(always)]
+fn whole_chunks<const C: usize>(slots: &[Slot], base: u32, mut len: usize) -> usize {
+    while let Some(chunk) = slots.get(len..len + C) {
         let mut consecutive = true;
         for (k, s) in chunk.iter().enumerate() {
             consecutive &= s.0 == base.wrapping_add((len + k) as u32);
@@ -19,10 +34,7 @@ pub(super) fn consecutive_run(slots: &[Slot]) -> usize {
         if !consecutive {
             break;
         }
-        len += CHUNK;
-    }
-    while len < slots.len() && slots[len].0 == base.wrapping_add(len as u32) {
-        len += 1;
+        len += C;
     }
     len
 }

@@ -19,6 +19,7 @@
 //! - `bitmap`: word-at-a-time bitmap access and run detection for the hot paths.
 //! - `render`: [`render_page_runs`], the compact page-list rendering.
 //! - `slot`: [`SlotAllocator`]: construction, page math, taking and returning pages, `Display`.
+//! - `free`: `free`'s fast path (one run of consecutive slots) and general path (any slots).
 //! - `validate`: batch validation for `alloc_extend` / `alloc_decode` (`last_loc`, page demand).
 //! - `ops`: `impl Allocator for SlotAllocator`.
 //! - `any`: [`AnyAllocator`], the enum over this crate's implementations.
@@ -28,6 +29,7 @@ mod api;
 
 mod any;
 mod bitmap;
+mod free;
 mod ops;
 mod order;
 mod render;

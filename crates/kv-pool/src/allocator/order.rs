@@ -21,6 +21,12 @@ pub trait ReuseOrder: fmt::Debug + Default + Clone + Send + Sync + 'static {
     const PAGED_MERGE_RULE: bool;
     /// Returns a batch of freed pages; `pages[0]` is reused first among them.
     fn give(free: &mut VecDeque<u32>, pages: &[u32]);
+    /// Returns the freed pages `first..=last`, as `give` would with them in ascending order.
+    /// Default: through `give`; this crate's orders push the range without a buffer.
+    fn give_run(free: &mut VecDeque<u32>, first: u32, last: u32) {
+        let pages: Vec<u32> = (first..=last).collect();
+        Self::give(free, &pages);
+    }
     /// Moves `k ≤ free.len()` pages from the head into `out`, head first.
     fn take(free: &mut VecDeque<u32>, k: usize, out: &mut Vec<u32>);
     /// The free list in reuse order, head first.
@@ -28,6 +34,9 @@ pub trait ReuseOrder: fmt::Debug + Default + Clone + Send + Sync + 'static {
     /// A free list that hands out `ascending` in ascending order.
     fn from_ascending(ascending: Vec<u32>) -> VecDeque<u32>;
 }
+
+/// Runs shorter than this are pushed page by page: cheaper than `extend`'s setup.
+const SHORT_RUN: u32 = 8;
 
 /// First in, first out: freed pages are appended in the order given (SGLang's token allocator).
 #[derive(Debug, Default, Clone, Copy)]
@@ -44,6 +53,13 @@ impl ReuseOrder for Fifo {
     const PAGED_MERGE_RULE: bool = false;
     fn give(free: &mut VecDeque<u32>, pages: &[u32]) {
         free.extend(pages.iter().copied());
+    }
+    fn give_run(free: &mut VecDeque<u32>, first: u32, last: u32) {
+        if last - first < SHORT_RUN {
+            (first..=last).for_each(|p| free.push_back(p));
+        } else {
+            free.extend(first..last + 1); // a Range (TrustedLen): one reserve
+        }
     }
     fn take(free: &mut VecDeque<u32>, k: usize, out: &mut Vec<u32>) {
         out.extend(free.range(..k).copied());
@@ -63,6 +79,13 @@ impl ReuseOrder for Lifo {
     const PAGED_MERGE_RULE: bool = true;
     fn give(free: &mut VecDeque<u32>, pages: &[u32]) {
         free.extend(pages.iter().rev().copied());
+    }
+    fn give_run(free: &mut VecDeque<u32>, first: u32, last: u32) {
+        if last - first < SHORT_RUN {
+            (first..=last).rev().for_each(|p| free.push_back(p));
+        } else {
+            free.extend((first..last + 1).rev());
+        }
     }
     fn take(free: &mut VecDeque<u32>, k: usize, out: &mut Vec<u32>) {
         let n = free.len();

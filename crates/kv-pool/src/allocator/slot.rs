@@ -157,6 +157,19 @@ impl<O: ReuseOrder> SlotAllocator<O> {
         word.flush_allocated(&mut self.state.allocated);
     }
 
+    /// Returns the freed pages `first..=last` (already unallocated in the bitmap), as
+    /// `return_freed` would, without a buffer.
+    pub(super) fn return_run(&mut self, first: u32, last: u32) {
+        let pages = first..last + 1;
+        if let Some(group) = &mut self.state.group {
+            group.extend(pages);
+        } else if self.sorted_release {
+            self.state.release.extend(pages);
+        } else {
+            O::give_run(&mut self.state.free, first, last);
+        }
+    }
+
     /// Returns freed pages (already unallocated in the bitmap) to the group buffer, the release
     /// list or the free list.
     pub(super) fn return_freed(&mut self, mut pages: Vec<u32>) {

@@ -9,7 +9,7 @@
 //! otherwise, verified on lookup; colliding pages go to a short overflow list). Each namespace
 //! (`extra_key`) has its own root, so namespaces never share nodes.
 
-use std::collections::BTreeSet;
+use std::collections::hash_map::Entry;
 use std::hash::Hasher;
 
 use kv_pool::Slot;
@@ -19,6 +19,7 @@ use crate::error::{RadixCacheError, Result};
 use crate::events::{namespace_seed, KvEvent, PageDigest};
 use crate::policy::{AnyEvictionPolicy, EvictionKey, EvictionPolicy, PATH_HASH_SEED};
 use crate::radix::host::HostTier;
+use crate::radix::leaves::LeafOrder;
 
 use crate::NodeId;
 
@@ -143,6 +144,9 @@ pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
     pub(super) free_nodes: Vec<u32>,
     /// Namespace name → root node index; the default namespace is `None`.
     pub(super) roots: FxHashMap<Option<String>, u32>,
+    /// The default namespace's root, as in `roots` (kept apart so the common lookup hashes
+    /// nothing).
+    pub(super) default_root: u32,
     pub(super) tokens: Vec<u32>,
     pub(super) slots: Vec<Slot>,
     /// Host slots, parallel to `tokens` and `slots` (empty without a host tier); valid for
@@ -151,12 +155,14 @@ pub struct RadixCache<P: EvictionPolicy = AnyEvictionPolicy> {
     /// Arena tokens no live node covers (reclaimed by compaction).
     pub(super) dead_tokens: usize,
     /// The evictable leaves ordered by (policy key, node index): first goes first.
-    pub(super) index: BTreeSet<(EvictionKey, u32)>,
+    pub(super) index: LeafOrder,
     pub(super) evictable: usize,
     pub(super) protected: usize,
     /// The logical clock: one tick per match, insert, lock change and eviction step.
     pub(super) clock: u64,
     pub(super) events: Vec<KvEvent>,
+    /// Scratch: the nodes of a matched path (reused, so a match allocates nothing).
+    pub(super) path_scratch: Vec<u32>,
     /// The host tier (`None`: a device-only tree, SGLang's `RadixCache`). Every tier check is
     /// one branch on this.
     pub(super) tier: Option<Box<HostTier>>,
@@ -178,6 +184,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
     /// [needs them](EvictionPolicy::needs_path_hashes).
     pub fn with_policy(page_size: u32, policy: P) -> Self {
         let track_paths = policy.needs_path_hashes();
+        let index = LeafOrder::new(policy.keys_grow_with_access());
         let mut cache = RadixCache {
             page_size: page_size.max(1),
             policy,
@@ -187,15 +194,17 @@ impl<P: EvictionPolicy> RadixCache<P> {
             nodes: Vec::new(),
             free_nodes: Vec::new(),
             roots: FxHashMap::default(),
+            default_root: NONE,
             tokens: Vec::new(),
             slots: Vec::new(),
             host_slots: Vec::new(),
             dead_tokens: 0,
-            index: BTreeSet::new(),
+            index,
             evictable: 0,
             protected: 0,
             clock: 0,
             events: Vec::new(),
+            path_scratch: Vec::new(),
             tier: None,
         };
         cache.root_index(None);
@@ -269,6 +278,9 @@ impl<P: EvictionPolicy> RadixCache<P> {
     }
 
     pub(super) fn root_index(&mut self, extra_key: Option<&str>) -> u32 {
+        if extra_key.is_none() && self.default_root != NONE {
+            return self.default_root;
+        }
         if let Some(&r) = self.roots.get(&extra_key.map(str::to_string)) {
             return r;
         }
@@ -278,12 +290,15 @@ impl<P: EvictionPolicy> RadixCache<P> {
         root.digests.extend(namespace_seed(extra_key));
         let r = self.alloc_node(root);
         self.roots.insert(extra_key.map(str::to_string), r);
+        if extra_key.is_none() {
+            self.default_root = r;
+        }
         r
     }
 
     pub(super) fn find_root(&self, extra_key: Option<&str>) -> Option<u32> {
         match extra_key {
-            None => self.roots.get(&None).copied(),
+            None => (self.default_root != NONE).then_some(self.default_root),
             Some(k) => self.roots.get(&Some(k.to_string())).copied(),
         }
     }
@@ -294,6 +309,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         self.nodes.clear();
         self.free_nodes.clear();
         self.roots.clear();
+        self.default_root = NONE;
         self.tokens.clear();
         self.slots.clear();
         self.host_slots.clear();
@@ -349,7 +365,15 @@ impl<P: EvictionPolicy> RadixCache<P> {
     pub(super) fn find_child(&self, parent: u32, page: &[u32]) -> Option<u32> {
         let p = self.page_size as usize;
         let children = &self.nodes[parent as usize].children;
-        let matches = |c: u32| self.node_tokens(c)[..p] == *page;
+        // At P = 1 one compare (a slice `==` of run-time length is a `memcmp` call).
+        let matches = |c: u32| {
+            let first = &self.node_tokens(c)[..p];
+            if p == 1 {
+                first[0] == page[0]
+            } else {
+                first == page
+            }
+        };
         if let Some(&c) = children.by_first_page.get(&self.page_key(page)) {
             if matches(c) {
                 return Some(c);
@@ -365,7 +389,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
         let key = self.page_key(&self.node_tokens(child)[..p]);
         let children = &mut self.nodes[parent as usize].children;
-        if let std::collections::hash_map::Entry::Vacant(e) = children.by_first_page.entry(key) {
+        if let Entry::Vacant(e) = children.by_first_page.entry(key) {
             e.insert(child);
         } else {
             children.overflow.push(child);
@@ -379,18 +403,24 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
         let key = self.page_key(&self.node_tokens(child)[..p]);
         let children = &mut self.nodes[parent as usize].children;
-        if children.by_first_page.get(&key) == Some(&child) {
-            children.by_first_page.remove(&key);
+        let in_map = match children.by_first_page.entry(key) {
+            Entry::Occupied(e) if *e.get() == child => {
+                e.remove();
+                true
+            }
+            _ => false,
+        };
+        if in_map {
             // Promote a colliding child into the map slot.
-            if let Some(pos) = children.overflow.iter().position(|_| true) {
-                let other = children.overflow.swap_remove(pos);
+            if !children.overflow.is_empty() {
+                let other = children.overflow.swap_remove(0);
                 let key = self.page_key(&self.node_tokens(other)[..p]);
                 let children = &mut self.nodes[parent as usize].children;
                 match children.by_first_page.entry(key) {
-                    std::collections::hash_map::Entry::Vacant(e) => {
+                    Entry::Vacant(e) => {
                         e.insert(other);
                     }
-                    std::collections::hash_map::Entry::Occupied(_) => children.overflow.push(other),
+                    Entry::Occupied(_) => children.overflow.push(other),
                 }
             }
         } else {
@@ -398,28 +428,35 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
     }
 
-    /// Replaces `old` by `new` among `parent`'s children (same first page).
+    /// Replaces `old` by `new` among `parent`'s children (`new` starts with `old`'s first
+    /// page): one lookup by that page, no scan of the parent's children.
     pub(super) fn replace_child(&mut self, parent: u32, old: u32, new: u32) {
+        let p = self.page_size as usize;
+        let key = self.page_key(&self.node_tokens(new)[..p]);
         let children = &mut self.nodes[parent as usize].children;
-        for c in children
-            .by_first_page
-            .values_mut()
-            .chain(children.overflow.iter_mut())
-        {
-            if *c == old {
-                *c = new;
-                return;
-            }
+        let slot = match children.by_first_page.get_mut(&key) {
+            Some(c) if *c == old => Some(c),
+            _ => children.overflow.iter_mut().find(|c| **c == old),
+        };
+        match slot {
+            Some(c) => *c = new,
+            None => debug_assert!(false, "node {old} is not a child of {parent}"),
         }
-        debug_assert!(false, "node {old} is not a child of {parent}");
     }
 
-    /// Rebuilds the token and slot arenas from the live nodes when dead ranges dominate.
+    /// Rebuilds the token and slot arenas from the live nodes when dead ranges dominate (the
+    /// check inline: every operation ends with it; the rebuild out of line).
+    #[inline]
     pub(super) fn maybe_compact(&mut self) {
         let live = self.tokens.len() - self.dead_tokens;
-        if self.dead_tokens < (1 << 16) || self.dead_tokens < live {
-            return;
+        if self.dead_tokens >= (1 << 16) && self.dead_tokens >= live {
+            self.compact();
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn compact(&mut self) {
         // In place: live ranges never overlap, so packing them in start order only moves data
         // down. The arenas keep their capacity, so no fresh memory is touched.
         let mut order: Vec<(usize, u32)> = self

@@ -24,7 +24,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let write_back = self.tier_mut().cfg.write_policy == WritePolicy::WriteBack;
         let mut freed = 0;
         while freed < num_tokens {
-            let Some(&(_, i)) = self.index.first() else {
+            let Some((_, i)) = self.index.first() else {
                 break;
             };
             self.tick();
@@ -55,7 +55,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let len = self.nodes[i as usize].len;
         alloc.free(self.node_slots(i))?;
         if let Some(key) = self.nodes[i as usize].indexed.take() {
-            self.index.remove(&(key, i));
+            self.index.remove(key, i);
             self.policy.on_evict(key);
         }
         if self.events_enabled {

@@ -20,7 +20,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let p = self.page_size as usize;
         let mut freed = 0;
         while freed < num_tokens {
-            let Some(&(_, i)) = self.index.first() else {
+            let Some((_, i)) = self.index.first() else {
                 break;
             };
             self.tick();
@@ -78,7 +78,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             }
             self.refresh(i);
         } else {
-            self.index.remove(&(key, i));
+            self.index.remove(key, i);
             self.nodes[i as usize].indexed = None;
             let parent = self.nodes[i as usize].parent;
             self.remove_child(parent, i);

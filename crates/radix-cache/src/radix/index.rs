@@ -44,15 +44,22 @@ impl<P: EvictionPolicy> RadixCache<P> {
     }
 
     /// Re-derives `i`'s place in the evictable index after any change to it.
+    /// A node whose key did not change keeps its place (no index work).
     pub(super) fn refresh(&mut self, i: u32) {
-        if let Some(old) = self.nodes[i as usize].indexed.take() {
-            self.index.remove(&(old, i));
-        }
+        let old = self.nodes[i as usize].indexed;
         if self.is_evictable_leaf(i) {
             let stats = self.stats(i);
             let key = self.policy.key(&stats);
-            self.index.insert((key, i));
-            self.nodes[i as usize].indexed = Some(key);
+            if old != Some(key) {
+                if let Some(old) = old {
+                    self.index.remove(old, i);
+                }
+                self.index.insert(key, i);
+                self.nodes[i as usize].indexed = Some(key);
+            }
+        } else if let Some(old) = old {
+            self.index.remove(old, i);
+            self.nodes[i as usize].indexed = None;
         }
         if self.tier.is_some() {
             self.refresh_host(i);

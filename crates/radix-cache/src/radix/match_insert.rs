@@ -56,12 +56,17 @@ pub(super) struct TieredMatch {
     pub(super) device_len: usize,
 }
 
-/// Longest common prefix of two token slices, compared 32 tokens at a time.
+/// Longest common prefix of two token slices, compared 32 tokens at a time (branch-free
+/// inside a chunk, so vector compares rather than a `memcmp` call).
 fn lcp(a: &[u32], b: &[u32]) -> usize {
     const CHUNK: usize = 32;
     let n = a.len().min(b.len());
     let mut i = 0;
-    while i + CHUNK <= n && a[i..i + CHUNK] == b[i..i + CHUNK] {
+    while i + CHUNK <= n {
+        let (x, y) = (&a[i..i + CHUNK], &b[i..i + CHUNK]);
+        if x.iter().zip(y).fold(0, |d, (s, t)| d | (s ^ t)) != 0 {
+            break;
+        }
         i += CHUNK;
     }
     while i < n && a[i] == b[i] {
@@ -76,7 +81,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
     fn split(&mut self, child: u32, at: usize) -> u32 {
         let p = self.page_size as usize;
         debug_assert!(at > 0 && at < self.nodes[child as usize].len && at % p == 0);
-        let c = self.nodes[child as usize].clone();
+        let c = &self.nodes[child as usize];
+        let parent = c.parent;
         let upper_end_hash = if self.track_paths {
             self.node_tokens(child)[..at]
                 .chunks(p)
@@ -84,10 +90,12 @@ impl<P: EvictionPolicy> RadixCache<P> {
         } else {
             0
         };
-        let mut upper = Node {
+        // The upper half takes the child's statistics, field by field (no clone of the child's
+        // children or digests).
+        let upper = Node {
             generation: 0,
             live: true,
-            parent: c.parent,
+            parent,
             start: c.start,
             len: at,
             children: Children::default(),
@@ -99,7 +107,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             depth: c.depth,
             start_hash: c.start_hash,
             end_hash: upper_end_hash,
-            digests: Vec::new(),
+            digests: c.digests.get(..at / p).map_or_else(Vec::new, <[_]>::to_vec),
             indexed: None,
             on_device: c.on_device,
             backed_up: c.backed_up,
@@ -107,11 +115,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
             host_ref: 0,
             device_children: 0,
         };
-        if !c.digests.is_empty() {
-            upper.digests = c.digests[..at / p].to_vec();
-        }
         let u = self.alloc_node(upper);
-        self.replace_child(c.parent, child, u);
+        self.replace_child(parent, child, u);
         {
             let lower = &mut self.nodes[child as usize];
             lower.parent = u;
@@ -200,29 +205,37 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let key = &key[..floor_to_page(key.len(), p)];
         self.tick();
         let m = self.walk_and_split(root, key);
+        self.matched_path(m, out)
+    }
+
+    /// The end of a match that reached `m` (the clock already ticked): appends the on-device
+    /// part's slots to `out` (if given) and refreshes the access time of the whole path. Also
+    /// what a caller that knows where a key ends (an insert just made it end at `m.last`) does
+    /// instead of walking the key again.
+    pub(super) fn matched_path(&mut self, m: Matched, out: Option<&mut Vec<Slot>>) -> TieredMatch {
         let (device, device_len) = if self.tier.is_some() {
             self.device_ancestor(m.last)
         } else {
             (m.last, m.len)
         };
-        // Visit the matched path bottom-up: access times, and the slots (collected in reverse).
-        if let Some(out) = out {
-            let base = out.len();
-            out.resize(base + device_len, Slot::PADDING);
-            let mut end = base + device_len;
-            let mut i = device;
-            while self.nodes[i as usize].parent != NONE {
-                let n = self.nodes[i as usize].len;
-                out[end - n..end].copy_from_slice(self.node_slots(i));
-                end -= n;
-                i = self.nodes[i as usize].parent;
-            }
-        }
+        // One climb: access times bottom-up, gathering the path; then the on-device part's
+        // slots root first (no padding written first). Host-only nodes sit below `device`.
+        let mut path = std::mem::take(&mut self.path_scratch);
+        path.clear();
         let mut i = m.last;
         while self.nodes[i as usize].parent != NONE {
             self.touch(i, false, None);
+            path.push(i);
             i = self.nodes[i as usize].parent;
         }
+        if let Some(out) = out {
+            let on_device = path.iter().position(|&n| n == device).unwrap_or(path.len());
+            out.reserve(device_len);
+            for &i in path[on_device..].iter().rev() {
+                out.extend_from_slice(self.node_slots(i));
+            }
+        }
+        self.path_scratch = path;
         TieredMatch {
             last: m.last,
             len: m.len,

@@ -7,7 +7,8 @@
 //! | module | job | builds on |
 //! |---|---|---|
 //! | `host` | the host tier's state (controller, host allocator, host index, pending ops, prefetches) | — |
-//! | `arena` | the struct, the node arena, token/slot/host-slot arenas, parent/child links, compaction | `host` |
+//! | `leaves` | the evictable-leaf order: an O(1) list of in-order arrivals beside an ordered set | — |
+//! | `arena` | the struct, the node arena, token/slot/host-slot arenas, parent/child links, compaction | `host`, `leaves` |
 //! | `index` | the evictable-leaf indexes (device and host): membership, policy keys, node statistics, the clock | `arena` |
 //! | `match_insert` | walk, split, match, insert, revival of host-only nodes (and `BlockStored` events) | `arena`, `index` |
 //! | `evict` | eviction in key order, partial eviction (and `BlockRemoved` events) | `arena`, `index` |
@@ -20,9 +21,10 @@
 //! | `render` | rendering, eviction order, invariant check | `arena`, `index` |
 //! | `prefix_cache` | the [`crate::PrefixCache`] implementation | all of the above |
 //!
-//! The evictable leaves sit in a `BTreeSet` ordered by (policy key, node index), so `evict`
-//! costs O(log n) per freed node; with a host tier the host-evictable nodes sit in a second
-//! one.
+//! The evictable leaves sit in a [`leaves::LeafOrder`] ordered by (policy key, node index): an
+//! O(1) list for leaves that arrive in key order (nearly all, under LRU), a `BTreeSet` for the
+//! rest, so `evict` costs O(1) to O(log n) per freed node; with a host tier the host-evictable
+//! nodes sit in a second `BTreeSet`.
 
 mod acks;
 mod arena;
@@ -30,6 +32,7 @@ mod demote;
 mod evict;
 mod host;
 mod index;
+mod leaves;
 mod load_back;
 mod lock;
 mod match_insert;

@@ -10,7 +10,7 @@ use crate::events::KvEvent;
 use crate::policy::EvictionPolicy;
 use crate::radix::arena::{RadixCache, NONE};
 use crate::radix::lock::LockDelta;
-use crate::radix::match_insert::Walk;
+use crate::radix::match_insert::{Matched, Walk};
 use crate::request::ReqView;
 use crate::tiers::{LoadBack, TierStats};
 use crate::{InsertOptions, InsertResult, MatchResult, NodeId, PrefixCache, PrefixPeek};
@@ -29,14 +29,14 @@ impl<P: EvictionPolicy> RadixCache<P> {
     /// Inserts the request's page-aligned committed prefix (`slots`: its row through
     /// `committed_len`) and frees its duplicates of what was cached already: `[protected,
     /// prefix_len)` are the request's to free, `[prefix_len, aligned)` now belong to the tree.
-    /// Returns the namespace's root.
+    /// Returns the namespace's root and the node the inserted prefix ends at.
     fn insert_committed(
         &mut self,
         req: &ReqView<'_>,
         slots: &[Slot],
         chunked: bool,
         alloc: &mut dyn Allocator,
-    ) -> Result<u32> {
+    ) -> Result<(u32, u32)> {
         let aligned = floor_to_page(req.committed_len, self.page_size as usize);
         let protected = req.state.cache_protected_len;
         let root = self.root_index(req.extra_key);
@@ -48,11 +48,11 @@ impl<P: EvictionPolicy> RadixCache<P> {
         if ins.prefix_len > protected {
             alloc.free(&slots[protected..ins.prefix_len])?;
         }
+        let last = self.resolve(ins.last_node)?;
         if self.tier.is_some() {
-            let last = self.resolve(ins.last_node)?;
             self.write_through_after_insert(last, chunked)?;
         }
-        Ok(root)
+        Ok((root, last))
     }
 }
 
@@ -189,10 +189,27 @@ impl<P: EvictionPolicy> PrefixCache for RadixCache<P> {
         let aligned = floor_to_page(committed, p);
         let protected = req.state.cache_protected_len;
         let slots = rows.read(req.row, committed)?.to_vec();
-        let root = self.insert_committed(&req, &slots, chunked, alloc)?;
-        // Re-match for the tree's canonical slots and the new last node.
+        let (root, last) = self.insert_committed(&req, &slots, chunked, alloc)?;
+        // Re-match for the tree's canonical slots and the new last node. Without a host tier
+        // the insert left the prefix ending exactly at `last`: the match's effects (a tick, the
+        // path's access times, its slots) without walking the key again.
         let mut canonical = Vec::with_capacity(committed);
-        let m = self.match_impl(root, &req.tokens[..aligned], Some(&mut canonical));
+        let m = if self.tier.is_none() {
+            debug_assert_eq!(
+                self.walk(root, &req.tokens[..aligned]),
+                Walk {
+                    node: last,
+                    matched: aligned,
+                    partial: None
+                },
+                "the insert ends the prefix at its last node"
+            );
+            self.tick();
+            let end = Matched { last, len: aligned };
+            self.matched_path(end, Some(&mut canonical))
+        } else {
+            self.match_impl(root, &req.tokens[..aligned], Some(&mut canonical))
+        };
         debug_assert_eq!(m.device_len, aligned);
         rows.write(req.row, protected, &canonical[protected..aligned])?;
         self.lock_path(m.device, LockDelta::Inc);

@@ -130,7 +130,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
     pub fn eviction_order(&self) -> Vec<(NodeId, Vec<u32>)> {
         self.index
             .iter()
-            .map(|&(_, i)| (self.id(i), self.node_tokens(i).to_vec()))
+            .map(|(_, i)| (self.id(i), self.node_tokens(i).to_vec()))
             .collect()
     }
 
@@ -220,7 +220,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             }
             let should = self.is_evictable_leaf(i);
             if should != n.indexed.is_some()
-                || (should && !self.index.contains(&(n.indexed.unwrap(), i)))
+                || (should && !self.index.contains(n.indexed.unwrap(), i))
             {
                 return Err(format!(
                     "n{i}: evictable leaf = {should}, indexed = {:?}",

@@ -159,7 +159,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             tier.index.remove(&(key, i));
         }
         if let Some(key) = self.nodes[i as usize].indexed.take() {
-            self.index.remove(&(key, i));
+            self.index.remove(key, i);
         }
         let parent = self.nodes[i as usize].parent;
         self.remove_child(parent, i);
