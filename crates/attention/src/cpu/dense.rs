@@ -1,17 +1,34 @@
 //! Dense ops of the CPU backend, on contiguous f32 slices. Every op computes each output row
 //! from its own input row in a fixed order, so results do not depend on the batch.
 
+use super::columns::ColumnBlock;
+use super::pool::Pool;
 use super::primitives::dot;
 
-/// `dst[m, n] = x[m, k] · w[n, k]ᵀ`. Lengths are checked by the caller.
+/// Multiply-adds below which a matmul job is not worth a worker: smaller matmuls run on the
+/// calling thread, and larger ones get at most one job per this much work.
+const MIN_JOB_WORK: usize = 1 << 17;
+
+/// `dst[m, n] = x[m, k] · w[n, k]ᵀ`, its columns split over `pool`. Lengths are checked by the
+/// caller.
 ///
-/// Batch-invariant: every output element is one dot product of an `x` row and a `w` row in a
-/// fixed order, so a row's result is bitwise the same whatever `m` and wherever the row sits in
-/// `x` (greedy decoding must not depend on the batch). The `gemm` crate used before did not
-/// give that (its `m = 1` path sums in another order than its tiled path), so the kernel is our
-/// own: AVX2 + FMA tiles of 4 `x` rows × 3 `w` rows over cache blocks of `w` where the CPU has
-/// them, else the portable 8-lane [`dot`].
-pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
+/// Batch- and thread-invariant: every output element is one dot product of an `x` row and a
+/// `w` row in a fixed order, so a row's result is bitwise the same whatever `m`, wherever the
+/// row sits in `x`, and whichever job computes its column (greedy decoding must not depend on
+/// the batch or the thread count). The `gemm` crate used before did not give that (its `m = 1`
+/// path sums in another order than its tiled path), so the kernel is our own: AVX2 + FMA tiles
+/// of 4 `x` rows × 3 `w` rows over cache blocks of `w` where the CPU has them, else the
+/// portable 8-lane [`dot`]. The pool's jobs own contiguous blocks of output columns (rows of
+/// `w`), about one per worker ([`column_bounds`]); each runs that kernel on its block.
+pub(crate) fn matmul(
+    pool: &Pool,
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    dst: &mut [f32],
+) {
     assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n);
     if m == 0 || n == 0 {
         return;
@@ -20,20 +37,41 @@ pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &m
         dst.fill(0.0);
         return;
     }
+    let bounds = column_bounds(pool.threads(), m * k, n);
+    let blocks = ColumnBlock::split(dst, n, &bounds);
+    pool.for_each(blocks, |mut out| matmul_block(x, w, k, &mut out));
+}
+
+/// Column bounds `0 = b_0 < … = n` of a matmul's jobs for `row_work = m · k` multiply-adds per
+/// output column: one block per worker, fewer when a block would be under [`MIN_JOB_WORK`],
+/// each a multiple of 3 columns (the AVX2 tile) but the last.
+pub(crate) fn column_bounds(threads: usize, row_work: usize, n: usize) -> Vec<usize> {
+    let jobs = threads
+        .min(row_work.saturating_mul(n) / MIN_JOB_WORK)
+        .min(n.div_ceil(3))
+        .max(1);
+    let per = n.div_ceil(jobs).div_ceil(3) * 3;
+    let mut bounds: Vec<usize> = (0..n).step_by(per).collect();
+    bounds.push(n);
+    bounds
+}
+
+/// One job of [`matmul`]: the columns of `out` (all rows of `x`).
+fn matmul_block(x: &[f32], w: &[f32], k: usize, out: &mut ColumnBlock<'_>) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::available() {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked); lengths are asserted inside.
-        unsafe { super::simd::matmul(x, w, m, k, n, dst) };
+        unsafe { super::simd::matmul(x, w, k, out) };
         return;
     }
-    matmul_portable(x, w, k, n, dst);
+    matmul_portable(x, w, k, out);
 }
 
-/// The portable matmul: one [`dot`] per output element.
-pub(crate) fn matmul_portable(x: &[f32], w: &[f32], k: usize, n: usize, dst: &mut [f32]) {
-    for (xr, out) in x.chunks_exact(k).zip(dst.chunks_exact_mut(n)) {
-        for (o, wr) in out.iter_mut().zip(w.chunks_exact(k)) {
-            *o = dot(xr, wr);
+/// The portable matmul: one [`dot`] per output element of `out`'s columns.
+pub(crate) fn matmul_portable(x: &[f32], w: &[f32], k: usize, out: &mut ColumnBlock<'_>) {
+    for (i, xr) in x.chunks_exact(k).enumerate() {
+        for j in out.cols() {
+            out.set(i, j, dot(xr, &w[j * k..][..k]));
         }
     }
 }
@@ -94,7 +132,7 @@ mod tests {
             let x = nonzero_vec(&mut rng, m * k);
             let w = nonzero_vec(&mut rng, n * k);
             let mut out = vec![0.0; m * n];
-            matmul(&x, &w, m, k, n, &mut out);
+            matmul(&Pool::default(), &x, &w, m, k, n, &mut out);
             for i in 0..m {
                 for j in 0..n {
                     let want = dot_with::<true>(&x[i * k..][..k], &w[j * k..][..k]);
@@ -108,18 +146,100 @@ mod tests {
         }
     }
 
-    /// The portable matmul is row-invariant too.
+    /// The portable matmul over `x`'s rows and `w`'s rows, in blocks of columns at `bounds`.
+    fn portable(x: &[f32], w: &[f32], k: usize, n: usize, bounds: &[usize]) -> Vec<f32> {
+        let mut out = vec![0.0; x.len() / k * n];
+        for mut b in ColumnBlock::split(&mut out, n, bounds) {
+            matmul_portable(x, w, k, &mut b);
+        }
+        out
+    }
+
+    /// The portable matmul is row-invariant too, and does not depend on the column blocks.
     #[test]
     fn portable_matmul_rows_do_not_depend_on_m() {
         let mut rng = SplitMix64::new(5);
         let (k, n) = (100, 20);
         let w = nonzero_vec(&mut rng, n * k);
         let x = nonzero_vec(&mut rng, 9 * k);
-        let mut full = vec![0.0; 9 * n];
-        matmul_portable(&x, &w, k, n, &mut full);
-        let mut one = vec![0.0; n];
-        matmul_portable(&x[4 * k..5 * k], &w, k, n, &mut one);
+        let full = portable(&x, &w, k, n, &[0, n]);
+        let one = portable(&x[4 * k..5 * k], &w, k, n, &[0, n]);
         assert!(one[..] == full[4 * n..5 * n]);
+        assert!(portable(&x, &w, k, n, &[0, 1, 7, 19, n]) == full);
+    }
+
+    /// The column blocks of a matmul: one per worker, none under the minimum work, each a
+    /// multiple of 3 columns but the last, and never empty.
+    #[test]
+    fn column_bounds_split_by_work_and_workers() {
+        let big = MIN_JOB_WORK;
+        assert_eq!(column_bounds(1, big, 100), [0, 100]);
+        assert_eq!(column_bounds(2, big, 100), [0, 51, 100]);
+        assert_eq!(column_bounds(3, big, 100), [0, 36, 72, 100]);
+        // Too little work for more than one job, or for a second.
+        assert_eq!(column_bounds(4, 10, 100), [0, 100]);
+        assert_eq!(column_bounds(4, MIN_JOB_WORK / 40, 100), [0, 51, 100]);
+        // Fewer columns than workers.
+        assert_eq!(column_bounds(3, big, 1), [0, 1]);
+        assert_eq!(column_bounds(3, big, 2), [0, 2]);
+        assert_eq!(column_bounds(3, big, 4), [0, 3, 4]);
+        assert_eq!(column_bounds(8, big, 7), [0, 3, 6, 7]);
+    }
+
+    /// However a matmul's columns are cut into jobs (down to one column each, with the tiles
+    /// of 3 straddling the cuts), every element is bitwise the same.
+    #[test]
+    fn any_column_split_gives_the_same_bits() {
+        let mut rng = SplitMix64::new(7);
+        for (m, k, n) in [(1, 37, 8), (5, 64, 8), (6, 300, 13)] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let w = nonzero_vec(&mut rng, n * k);
+            let whole = |bounds: &[usize]| {
+                let mut out = vec![0.0; m * n];
+                for mut b in ColumnBlock::split(&mut out, n, bounds) {
+                    matmul_block(&x, &w, k, &mut b);
+                }
+                out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            };
+            let want = whole(&[0, n]);
+            let every: Vec<usize> = (0..=n).collect();
+            for bounds in [&[0, 1, n][..], &[0, 2, 5, n], &[0, 4, n - 1, n], &every] {
+                assert!(whole(bounds) == want, "{m}x{k}x{n} split at {bounds:?}");
+            }
+        }
+    }
+
+    /// A matmul's output is bitwise the same for 1, 2 and 3 workers, on odd shapes and on fewer
+    /// columns than workers.
+    #[test]
+    fn matmul_does_not_depend_on_threads() {
+        let pools: Vec<Pool> = (1..=3).map(|t| Pool::new(t).unwrap()).collect();
+        let mut rng = SplitMix64::new(6);
+        for (m, k, n) in [
+            (1, 64, 1),
+            (1, 64, 2),
+            (3, 33, 5),
+            (7, 300, 131),
+            (64, 256, 999),
+        ] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let w = nonzero_vec(&mut rng, n * k);
+            let outs: Vec<Vec<f32>> = pools
+                .iter()
+                .map(|p| {
+                    let mut out = vec![0.0; m * n];
+                    matmul(p, &x, &w, m, k, n, &mut out);
+                    out
+                })
+                .collect();
+            for (t, out) in outs.iter().enumerate() {
+                let same = out
+                    .iter()
+                    .zip(&outs[0])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{m}x{k}x{n}: {} threads differ from 1", t + 1);
+            }
+        }
     }
 
     /// A row's result must not depend on how many other rows share the call (batch-invariant
@@ -128,18 +248,19 @@ mod tests {
     #[test]
     fn matmul_rows_do_not_depend_on_m() {
         let mut rng = SplitMix64::new(3);
+        let pool = Pool::new(2).unwrap();
         for (k, n) in [(64, 48), (256, 320), (1000, 77), (4096, 64)] {
             let w = nonzero_vec(&mut rng, n * k);
             let xs = nonzero_vec(&mut rng, 64 * k);
             let mut full = vec![0.0; 64 * n];
-            matmul(&xs, &w, 64, k, n, &mut full);
+            matmul(&pool, &xs, &w, 64, k, n, &mut full);
             for m in [1usize, 2, 3, 7, 16, 33, 64] {
                 let mut out = vec![0.0; m * n];
-                matmul(&xs[..m * k], &w, m, k, n, &mut out);
+                matmul(&pool, &xs[..m * k], &w, m, k, n, &mut out);
                 assert!(out[..] == full[..m * n], "k {k} n {n}: rows 0..{m} differ");
                 // The same rows starting elsewhere in the batch.
                 let off = 64 - m;
-                matmul(&xs[off * k..], &w, m, k, n, &mut out);
+                matmul(&pool, &xs[off * k..], &w, m, k, n, &mut out);
                 assert!(
                     out[..] == full[off * n..],
                     "k {k} n {n}: rows {off}.. differ"

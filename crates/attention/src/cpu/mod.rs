@@ -2,9 +2,15 @@
 //! over a [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where
 //! the CPU has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention
 //! kernel run hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place from the store.
+//!
+//! The backend owns one pool of `threads` workers (`pool`) for its lifetime. A matmul is split
+//! by blocks of output columns and attention by requests; every output element is computed by
+//! one job in a fixed order, so results are bitwise the same for any thread count.
 
 mod attention;
+mod columns;
 mod dense;
+mod pool;
 mod primitives;
 #[cfg(target_arch = "x86_64")]
 mod simd;
@@ -19,6 +25,7 @@ use crate::params::AttentionParams;
 use crate::rope::{RopeConfig, RopeStyle};
 
 use attention::{RowSource, Scratch, Sources};
+use pool::Pool;
 use primitives::Geom;
 
 /// Work on one request: `(request, its q rows, its output rows, scratch)`.
@@ -71,7 +78,8 @@ impl DeviceTensor for CpuTensor {
 /// Settings of the [`CpuBackend`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuConfig {
-    /// Worker threads for attention (`≥ 1`); the batch is split by request. Default 1.
+    /// Worker threads (`≥ 1`), started with the backend: every matmul is split over them by
+    /// blocks of output columns, attention by request. Results do not depend on it. Default 1.
     pub threads: usize,
     /// Batch-invariant execution (default `true`): a request's attention output is bitwise
     /// independent of the rest of the batch, of prompt chunking, of prefix caching and of slot
@@ -93,6 +101,7 @@ impl Default for CpuConfig {
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     config: CpuConfig,
+    pool: Pool,
 }
 
 /// The CPU backend's per-batch plan: the validated metadata.
@@ -109,15 +118,10 @@ impl CpuPlan {
 }
 
 impl CpuBackend {
-    /// A backend with `config`. `threads` must be at least 1.
+    /// A backend with `config`, and its pool of `threads` workers (at least 1).
     pub fn new(config: CpuConfig) -> Result<Self> {
-        if config.threads == 0 {
-            return Err(AttentionError::InvalidConfig {
-                field: "threads",
-                reason: "must be at least 1".into(),
-            });
-        }
-        Ok(CpuBackend { config })
+        let pool = Pool::new(config.threads)?;
+        Ok(CpuBackend { config, pool })
     }
 
     /// The backend's settings.
@@ -126,7 +130,7 @@ impl CpuBackend {
     }
 
     /// Runs `f(request, q_rows, out_rows, scratch)` for every request, splitting requests over
-    /// `threads` workers by contiguous ranges of roughly equal work.
+    /// the workers by contiguous ranges of roughly equal work.
     fn for_each_request(
         &self,
         meta: &BatchMetadata,
@@ -138,23 +142,7 @@ impl CpuBackend {
     ) {
         let n = meta.num_requests();
         let work = |r: usize| meta.kv_len(r) * meta.extend_len(r) + 1;
-        let threads = self.config.threads.min(n).max(1);
-        let run = |range: std::ops::Range<usize>, out: &mut [f32], base: usize| {
-            let mut sc = Scratch::default();
-            for r in range {
-                let rows = meta.qo_range(r);
-                f(
-                    r,
-                    &q[rows.start * q_row..rows.end * q_row],
-                    &mut out[(rows.start - base) * out_row..(rows.end - base) * out_row],
-                    &mut sc,
-                );
-            }
-        };
-        if threads == 1 {
-            run(0..n, out, 0);
-            return;
-        }
+        let threads = self.pool.threads().min(n).max(1);
         let total: usize = (0..n).map(work).sum();
         let mut bounds = vec![0];
         let mut acc = 0;
@@ -167,16 +155,27 @@ impl CpuBackend {
         if *bounds.last().unwrap() != n {
             bounds.push(n);
         }
-        std::thread::scope(|s| {
-            let mut rest = out;
-            for w in bounds.windows(2) {
-                let (a, b) = (w[0], w[1]);
-                let base = meta.qo_indptr()[a];
-                let rows = meta.qo_indptr()[b] - base;
-                let (mine, tail) = rest.split_at_mut(rows * out_row);
-                rest = tail;
-                let run = &run;
-                s.spawn(move || run(a..b, mine, base));
+        // Each range of requests with its rows of `out`.
+        let mut jobs = Vec::with_capacity(bounds.len() - 1);
+        let mut rest = out;
+        for w in bounds.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let base = meta.qo_indptr()[a];
+            let rows = meta.qo_indptr()[b] - base;
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(rows * out_row);
+            rest = tail;
+            jobs.push((a..b, mine, base));
+        }
+        self.pool.for_each(jobs, |(range, out, base)| {
+            let mut sc = Scratch::default();
+            for r in range {
+                let rows = meta.qo_range(r);
+                f(
+                    r,
+                    &q[rows.start * q_row..rows.end * q_row],
+                    &mut out[(rows.start - base) * out_row..(rows.end - base) * out_row],
+                    &mut sc,
+                );
             }
         });
     }
@@ -214,7 +213,7 @@ impl Backend for CpuBackend {
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
         let mut out = vec![0.0; m * n];
-        dense::matmul(&x.data, &w.data, m, k, n, &mut out);
+        dense::matmul(&self.pool, &x.data, &w.data, m, k, n, &mut out);
         CpuTensor::new(out, &[m, n])
     }
 
