@@ -77,7 +77,9 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,
     )?;
-    let vocab = (0..c.vocab_size as u32).map(|i| (format!("w{i}"), i)).collect();
+    let vocab = (0..c.vocab_size as u32)
+        .map(|i| (format!("w{i}"), i))
+        .collect();
     let words = tokenizers::models::wordlevel::WordLevel::builder()
         .vocab(vocab)
         .unk_token("w0".into())

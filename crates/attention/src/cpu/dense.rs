@@ -9,6 +9,13 @@ use super::primitives::dot;
 /// calling thread, and larger ones get at most one job per this much work.
 const MIN_JOB_WORK: usize = 1 << 17;
 
+/// Jobs per thread of a large matmul: the threads claim them as they come free, so a thread
+/// that starts late (a worker waking up) or runs slower takes fewer.
+const JOBS_PER_THREAD: usize = 4;
+
+/// Elements below which an element-wise op runs on the calling thread.
+const MIN_ELEMWISE: usize = 1 << 15;
+
 /// `dst[m, n] = x[m, k] · w[n, k]ᵀ`, its columns split over `pool`. Lengths are checked by the
 /// caller.
 ///
@@ -43,10 +50,13 @@ pub(crate) fn matmul(
 }
 
 /// Column bounds `0 = b_0 < … = n` of a matmul's jobs for `row_work = m · k` multiply-adds per
-/// output column: one block per worker, fewer when a block would be under [`MIN_JOB_WORK`],
-/// each a multiple of 3 columns (the AVX2 tile) but the last.
+/// output column: [`JOBS_PER_THREAD`] blocks per thread, fewer when a block would be under
+/// [`MIN_JOB_WORK`], each a multiple of 3 columns (the AVX2 tile) but the last.
 pub(crate) fn column_bounds(threads: usize, row_work: usize, n: usize) -> Vec<usize> {
-    let jobs = threads
+    if threads == 1 {
+        return vec![0, n];
+    }
+    let jobs = (threads * JOBS_PER_THREAD)
         .min(row_work.saturating_mul(n) / MIN_JOB_WORK)
         .min(n.div_ceil(3))
         .max(1);
@@ -101,6 +111,17 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, dst: &mut [f32]) {
             *o = v * inv * w;
         }
     }
+}
+
+/// `silu(gate) · up` for rows `[gate(d), up(d)]`, split by rows over `pool` when large (each
+/// element is computed alone, so the split changes nothing).
+pub(crate) fn silu_mul_rows(pool: &Pool, x: &[f32], d: usize, dst: &mut [f32]) {
+    let m = dst.len() / d;
+    let jobs = pool.threads().min(dst.len() / MIN_ELEMWISE).max(1);
+    let per = m.div_ceil(jobs);
+    let items: Vec<(&[f32], &mut [f32])> =
+        x.chunks(per * 2 * d).zip(dst.chunks_mut(per * d)).collect();
+    pool.for_each(items, |(x, dst)| silu_mul(x, d, dst));
 }
 
 /// `silu(gate) · up` for rows `[gate(d), up(d)]`.
@@ -168,22 +189,33 @@ mod tests {
         assert!(portable(&x, &w, k, n, &[0, 1, 7, 19, n]) == full);
     }
 
-    /// The column blocks of a matmul: one per worker, none under the minimum work, each a
-    /// multiple of 3 columns but the last, and never empty.
+    /// The column blocks of a matmul: all of `0..n`, at most `JOBS_PER_THREAD` per thread, a
+    /// multiple of 3 columns each but the last, none under the minimum work unless it is the
+    /// only one; one thread takes everything in one block.
     #[test]
     fn column_bounds_split_by_work_and_workers() {
-        let big = MIN_JOB_WORK;
-        assert_eq!(column_bounds(1, big, 100), [0, 100]);
-        assert_eq!(column_bounds(2, big, 100), [0, 51, 100]);
-        assert_eq!(column_bounds(3, big, 100), [0, 36, 72, 100]);
-        // Too little work for more than one job, or for a second.
+        for threads in 1..=4 {
+            for row_work in [1, 10, 576, 1536, 512 * 576, MIN_JOB_WORK] {
+                for n in [1, 2, 3, 4, 7, 100, 192, 576, 3072, 49_152] {
+                    let b = column_bounds(threads, row_work, n);
+                    let what = format!("{threads} threads, {row_work} x {n}: {b:?}");
+                    assert!(b[0] == 0 && b[b.len() - 1] == n, "{what}");
+                    let jobs = b.len() - 1;
+                    assert!(jobs <= threads * JOBS_PER_THREAD, "{what}");
+                    assert!(threads > 1 || jobs == 1, "{what}");
+                    for w in b.windows(2) {
+                        assert!(w[0] < w[1], "{what}");
+                        assert!(w[1] == n || (w[1] - w[0]) % 3 == 0, "{what}");
+                        assert!(jobs == 1 || (w[1] - w[0]) * row_work >= MIN_JOB_WORK / 2);
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            column_bounds(2, MIN_JOB_WORK, 48),
+            [0, 6, 12, 18, 24, 30, 36, 42, 48]
+        );
         assert_eq!(column_bounds(4, 10, 100), [0, 100]);
-        assert_eq!(column_bounds(4, MIN_JOB_WORK / 40, 100), [0, 51, 100]);
-        // Fewer columns than workers.
-        assert_eq!(column_bounds(3, big, 1), [0, 1]);
-        assert_eq!(column_bounds(3, big, 2), [0, 2]);
-        assert_eq!(column_bounds(3, big, 4), [0, 3, 4]);
-        assert_eq!(column_bounds(8, big, 7), [0, 3, 6, 7]);
     }
 
     /// However a matmul's columns are cut into jobs (down to one column each, with the tiles
@@ -206,6 +238,21 @@ mod tests {
             for bounds in [&[0, 1, n][..], &[0, 2, 5, n], &[0, 4, n - 1, n], &every] {
                 assert!(whole(bounds) == want, "{m}x{k}x{n} split at {bounds:?}");
             }
+        }
+    }
+
+    /// `silu_mul` split by rows over 1, 2 and 3 threads gives the same bits.
+    #[test]
+    fn silu_mul_does_not_depend_on_threads() {
+        let mut rng = SplitMix64::new(8);
+        let (m, d) = (37, 1536);
+        let x = nonzero_vec(&mut rng, m * 2 * d);
+        let mut want = vec![0.0; m * d];
+        silu_mul(&x, d, &mut want);
+        for t in 1..=3 {
+            let mut got = vec![0.0; m * d];
+            silu_mul_rows(&Pool::new(t).unwrap(), &x, d, &mut got);
+            assert!(got == want, "{t} threads");
         }
     }
 

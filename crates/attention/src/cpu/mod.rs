@@ -3,9 +3,10 @@
 //! the CPU has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention
 //! kernel run hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place from the store.
 //!
-//! The backend owns one pool of `threads` workers (`pool`) for its lifetime. A matmul is split
-//! by blocks of output columns and attention by requests; every output element is computed by
-//! one job in a fixed order, so results are bitwise the same for any thread count.
+//! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
+//! by blocks of output columns (`columns`), attention by requests and long prefills by pieces
+//! of query tokens (`split`), `silu_mul` by rows; every output element is computed by one job
+//! in a fixed order, so results are bitwise the same for any thread count.
 
 mod attention;
 mod columns;
@@ -14,6 +15,7 @@ mod pool;
 mod primitives;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+mod split;
 
 use kv_pool::{HostKvStore, KvBuffer, KvLayout, KvStore};
 
@@ -104,10 +106,12 @@ pub struct CpuBackend {
     pool: Pool,
 }
 
-/// The CPU backend's per-batch plan: the validated metadata.
+/// The CPU backend's per-batch plan: the validated metadata, and the same batch with its long
+/// extend requests cut into pieces of query tokens for the threads (`split`).
 #[derive(Debug, Clone)]
 pub struct CpuPlan {
     meta: BatchMetadata,
+    pieces: Option<BatchMetadata>,
 }
 
 impl CpuPlan {
@@ -129,8 +133,8 @@ impl CpuBackend {
         &self.config
     }
 
-    /// Runs `f(request, q_rows, out_rows, scratch)` for every request, splitting requests over
-    /// the workers by contiguous ranges of roughly equal work.
+    /// Runs `f(request, q_rows, out_rows, scratch)` for every request of `meta`, in jobs of
+    /// contiguous ranges of requests of roughly equal work, a few per thread.
     fn for_each_request(
         &self,
         meta: &BatchMetadata,
@@ -140,21 +144,7 @@ impl CpuBackend {
         out_row: usize,
         f: &RequestFn<'_>,
     ) {
-        let n = meta.num_requests();
-        let work = |r: usize| meta.kv_len(r) * meta.extend_len(r) + 1;
-        let threads = self.pool.threads().min(n).max(1);
-        let total: usize = (0..n).map(work).sum();
-        let mut bounds = vec![0];
-        let mut acc = 0;
-        for r in 0..n {
-            acc += work(r);
-            if acc * threads >= total * bounds.len() && bounds.len() < threads {
-                bounds.push(r + 1);
-            }
-        }
-        if *bounds.last().unwrap() != n {
-            bounds.push(n);
-        }
+        let bounds = split::request_ranges(meta, self.pool.threads() * 4);
         // Each range of requests with its rows of `out`.
         let mut jobs = Vec::with_capacity(bounds.len() - 1);
         let mut rest = out;
@@ -255,7 +245,7 @@ impl Backend for CpuBackend {
         let (m, d) = check::silu_mul(&x.shape)?;
         let mut out = vec![0.0; m * d];
         if d > 0 {
-            dense::silu_mul(&x.data, d, &mut out);
+            dense::silu_mul_rows(&self.pool, &x.data, d, &mut out);
         }
         CpuTensor::new(out, &[m, d])
     }
@@ -276,7 +266,10 @@ impl Backend for CpuBackend {
     }
 
     fn plan(&self, meta: &BatchMetadata) -> Result<CpuPlan> {
-        Ok(CpuPlan { meta: meta.clone() })
+        Ok(CpuPlan {
+            meta: meta.clone(),
+            pieces: split::token_pieces(meta, self.pool.threads())?,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -342,6 +335,8 @@ impl Backend for CpuBackend {
         };
         let mut out = vec![0.0f32; n * q_heads * dv];
         let sparse = params.double_sparse.as_ref().filter(|_| meta.is_decode());
+        // The same rows, long requests in pieces (see `split`).
+        let meta = plan.pieces.as_ref().unwrap_or(meta);
         let scale = params.scale;
         self.for_each_request(
             meta,
@@ -397,6 +392,7 @@ impl Backend for CpuBackend {
         };
         let mut out = vec![0.0f32; n * heads * dv];
         let scale = params.scale;
+        let meta = plan.pieces.as_ref().unwrap_or(meta);
         self.for_each_request(
             meta,
             &q.data,
