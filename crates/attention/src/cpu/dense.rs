@@ -16,6 +16,33 @@ const JOBS_PER_THREAD: usize = 4;
 /// Elements below which an element-wise op runs on the calling thread.
 const MIN_ELEMWISE: usize = 1 << 15;
 
+/// The rows of a matmul's weight `w[n, k]`: f32, or 16-bit bit patterns (kept in the
+/// checkpoint's type and widened exactly as they are read).
+#[derive(Clone, Copy)]
+pub(crate) enum Weights<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+    Bf16(&'a [u16]),
+}
+
+impl Weights<'_> {
+    /// Element `i`, as f32 (exact).
+    pub(crate) fn get(&self, i: usize) -> f32 {
+        match self {
+            Weights::F32(w) => w[i],
+            Weights::F16(w) => half::f16::from_bits(w[i]).to_f32(),
+            Weights::Bf16(w) => half::bf16::from_bits(w[i]).to_f32(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::F16(w) | Weights::Bf16(w) => w.len(),
+        }
+    }
+}
+
 /// `dst[m, n] = x[m, k] · w[n, k]ᵀ`, its columns split over `pool`. Lengths are checked by the
 /// caller.
 ///
@@ -26,11 +53,12 @@ const MIN_ELEMWISE: usize = 1 << 15;
 /// path sums in another order than its tiled path), so the kernel is our own: AVX2 + FMA tiles
 /// of 4 `x` rows × 3 `w` rows over cache blocks of `w` where the CPU has them, else the
 /// portable 8-lane [`dot`]. The pool's jobs own contiguous blocks of output columns (rows of
-/// `w`), about one per worker ([`column_bounds`]); each runs that kernel on its block.
+/// `w`), a few per thread ([`column_bounds`]); each runs that kernel on its block. A 16-bit `w`
+/// gives bitwise what its f32 expansion gives.
 pub(crate) fn matmul(
     pool: &Pool,
     x: &[f32],
-    w: &[f32],
+    w: Weights<'_>,
     m: usize,
     k: usize,
     n: usize,
@@ -67,21 +95,39 @@ pub(crate) fn column_bounds(threads: usize, row_work: usize, n: usize) -> Vec<us
 }
 
 /// One job of [`matmul`]: the columns of `out` (all rows of `x`).
-fn matmul_block(x: &[f32], w: &[f32], k: usize, out: &mut ColumnBlock<'_>) {
+fn matmul_block(x: &[f32], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::available() {
+        use super::simd;
         // SAFETY: the CPU has AVX2, FMA and F16C (checked); lengths are asserted inside.
-        unsafe { super::simd::matmul(x, w, k, out) };
+        unsafe {
+            match w {
+                Weights::F32(w) => simd::matmul_f32(x, bytemuck::cast_slice(w), k, out),
+                Weights::F16(w) => simd::matmul_f16(x, bytemuck::cast_slice(w), k, out),
+                Weights::Bf16(w) => simd::matmul_bf16(x, bytemuck::cast_slice(w), k, out),
+            }
+        }
         return;
     }
     matmul_portable(x, w, k, out);
 }
 
-/// The portable matmul: one [`dot`] per output element of `out`'s columns.
-pub(crate) fn matmul_portable(x: &[f32], w: &[f32], k: usize, out: &mut ColumnBlock<'_>) {
-    for (i, xr) in x.chunks_exact(k).enumerate() {
-        for j in out.cols() {
-            out.set(i, j, dot(xr, &w[j * k..][..k]));
+/// The portable matmul: one [`dot`] per output element of `out`'s columns (16-bit rows are
+/// widened into a scratch row first).
+pub(crate) fn matmul_portable(x: &[f32], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) {
+    let mut row = vec![0.0f32; k];
+    for j in out.cols() {
+        let wr = match w {
+            Weights::F32(w) => &w[j * k..][..k],
+            _ => {
+                row.iter_mut()
+                    .enumerate()
+                    .for_each(|(e, r)| *r = w.get(j * k + e));
+                &row[..]
+            }
+        };
+        for (i, xr) in x.chunks_exact(k).enumerate() {
+            out.set(i, j, dot(xr, wr));
         }
     }
 }
@@ -153,7 +199,7 @@ mod tests {
             let x = nonzero_vec(&mut rng, m * k);
             let w = nonzero_vec(&mut rng, n * k);
             let mut out = vec![0.0; m * n];
-            matmul(&Pool::default(), &x, &w, m, k, n, &mut out);
+            matmul(&Pool::default(), &x, Weights::F32(&w), m, k, n, &mut out);
             for i in 0..m {
                 for j in 0..n {
                     let want = dot_with::<true>(&x[i * k..][..k], &w[j * k..][..k]);
@@ -168,7 +214,7 @@ mod tests {
     }
 
     /// The portable matmul over `x`'s rows and `w`'s rows, in blocks of columns at `bounds`.
-    fn portable(x: &[f32], w: &[f32], k: usize, n: usize, bounds: &[usize]) -> Vec<f32> {
+    fn portable(x: &[f32], w: Weights<'_>, k: usize, n: usize, bounds: &[usize]) -> Vec<f32> {
         let mut out = vec![0.0; x.len() / k * n];
         for mut b in ColumnBlock::split(&mut out, n, bounds) {
             matmul_portable(x, w, k, &mut b);
@@ -183,10 +229,11 @@ mod tests {
         let (k, n) = (100, 20);
         let w = nonzero_vec(&mut rng, n * k);
         let x = nonzero_vec(&mut rng, 9 * k);
-        let full = portable(&x, &w, k, n, &[0, n]);
-        let one = portable(&x[4 * k..5 * k], &w, k, n, &[0, n]);
+        let w = Weights::F32(&w);
+        let full = portable(&x, w, k, n, &[0, n]);
+        let one = portable(&x[4 * k..5 * k], w, k, n, &[0, n]);
         assert!(one[..] == full[4 * n..5 * n]);
-        assert!(portable(&x, &w, k, n, &[0, 1, 7, 19, n]) == full);
+        assert!(portable(&x, w, k, n, &[0, 1, 7, 19, n]) == full);
     }
 
     /// The column blocks of a matmul: all of `0..n`, at most `JOBS_PER_THREAD` per thread, a
@@ -229,7 +276,7 @@ mod tests {
             let whole = |bounds: &[usize]| {
                 let mut out = vec![0.0; m * n];
                 for mut b in ColumnBlock::split(&mut out, n, bounds) {
-                    matmul_block(&x, &w, k, &mut b);
+                    matmul_block(&x, Weights::F32(&w), k, &mut b);
                 }
                 out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
             };
@@ -237,6 +284,53 @@ mod tests {
             let every: Vec<usize> = (0..=n).collect();
             for bounds in [&[0, 1, n][..], &[0, 2, 5, n], &[0, 4, n - 1, n], &every] {
                 assert!(whole(bounds) == want, "{m}x{k}x{n} split at {bounds:?}");
+            }
+        }
+    }
+
+    /// A bf16 or f16 weight gives bitwise what its f32 expansion gives, on every path (AVX2 and
+    /// portable) and thread count.
+    #[test]
+    fn half_weights_equal_their_f32_expansion() {
+        let mut rng = SplitMix64::new(9);
+        for (m, k, n) in [(1, 37, 8), (5, 576, 31), (16, 300, 200)] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let w = nonzero_vec(&mut rng, n * k);
+            let bf: Vec<u16> = w
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let hf: Vec<u16> = w
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect();
+            let cases: [(Weights<'_>, Vec<f32>); 2] = [
+                (
+                    Weights::Bf16(&bf),
+                    bf.iter()
+                        .map(|&b| half::bf16::from_bits(b).to_f32())
+                        .collect(),
+                ),
+                (
+                    Weights::F16(&hf),
+                    hf.iter()
+                        .map(|&b| half::f16::from_bits(b).to_f32())
+                        .collect(),
+                ),
+            ];
+            for (packed, wide) in &cases {
+                let mut want = vec![0.0; m * n];
+                matmul(&Pool::default(), &x, Weights::F32(wide), m, k, n, &mut want);
+                for t in 1..=3 {
+                    let mut got = vec![0.0; m * n];
+                    matmul(&Pool::new(t).unwrap(), &x, *packed, m, k, n, &mut got);
+                    assert!(got == want, "{m}x{k}x{n}, {t} threads");
+                }
+                let p = portable(&x, *packed, k, n, &[0, n]);
+                assert!(
+                    p == portable(&x, Weights::F32(wide), k, n, &[0, n]),
+                    "{m}x{k}x{n}"
+                );
             }
         }
     }
@@ -275,7 +369,7 @@ mod tests {
                 .iter()
                 .map(|p| {
                     let mut out = vec![0.0; m * n];
-                    matmul(p, &x, &w, m, k, n, &mut out);
+                    matmul(p, &x, Weights::F32(&w), m, k, n, &mut out);
                     out
                 })
                 .collect();
@@ -300,14 +394,14 @@ mod tests {
             let w = nonzero_vec(&mut rng, n * k);
             let xs = nonzero_vec(&mut rng, 64 * k);
             let mut full = vec![0.0; 64 * n];
-            matmul(&pool, &xs, &w, 64, k, n, &mut full);
+            matmul(&pool, &xs, Weights::F32(&w), 64, k, n, &mut full);
             for m in [1usize, 2, 3, 7, 16, 33, 64] {
                 let mut out = vec![0.0; m * n];
-                matmul(&pool, &xs[..m * k], &w, m, k, n, &mut out);
+                matmul(&pool, &xs[..m * k], Weights::F32(&w), m, k, n, &mut out);
                 assert!(out[..] == full[..m * n], "k {k} n {n}: rows 0..{m} differ");
                 // The same rows starting elsewhere in the batch.
                 let off = 64 - m;
-                matmul(&pool, &xs[off * k..], &w, m, k, n, &mut out);
+                matmul(&pool, &xs[off * k..], Weights::F32(&w), m, k, n, &mut out);
                 assert!(
                     out[..] == full[off * n..],
                     "k {k} n {n}: rows {off}.. differ"

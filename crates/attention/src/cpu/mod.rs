@@ -33,33 +33,64 @@ use primitives::Geom;
 /// Work on one request: `(request, its q rows, its output rows, scratch)`.
 type RequestFn<'a> = dyn Fn(usize, &[f32], &mut [f32], &mut Scratch) + Sync + 'a;
 
-/// A host tensor: row-major f32 data and its shape.
+/// A host tensor: row-major f32 data and its shape; or a weight kept in 16 bits
+/// ([`Backend::upload_weight`]), which only the matmul (as `w`), the embedding (as the table)
+/// and [`Backend::download`] take.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuTensor {
     shape: Vec<usize>,
+    /// The elements (empty for a 16-bit weight).
     data: Vec<f32>,
+    /// A 16-bit weight: its type (f16 or bf16) and bit patterns.
+    half: Option<(TensorDtype, Vec<u16>)>,
 }
 
 impl CpuTensor {
     /// Wraps `data` with `shape` (the product of the shape must equal `data.len()`).
     pub fn new(data: Vec<f32>, shape: &[usize]) -> Result<Self> {
-        let expected: usize = shape.iter().product();
-        if expected != data.len() {
-            return Err(AttentionError::LengthMismatch {
-                what: "tensor data",
-                expected,
-                got: data.len(),
-            });
-        }
+        Self::check_len(shape, data.len())?;
         Ok(CpuTensor {
             shape: shape.to_vec(),
             data,
+            half: None,
         })
     }
 
-    /// The elements, row-major.
+    /// Refuses `got` elements for `shape` unless they are its product.
+    fn check_len(shape: &[usize], got: usize) -> Result<()> {
+        let expected: usize = shape.iter().product();
+        if expected != got {
+            return Err(AttentionError::LengthMismatch {
+                what: "tensor data",
+                expected,
+                got,
+            });
+        }
+        Ok(())
+    }
+
+    /// The elements, row-major (empty for a 16-bit weight: [`Backend::download`] widens it).
     pub fn data(&self) -> &[f32] {
         &self.data
+    }
+
+    /// The f32 elements an op computes on; a 16-bit weight is refused with a typed error.
+    fn f32s(&self, op: &str) -> Result<&[f32]> {
+        match &self.half {
+            None => Ok(&self.data),
+            Some((dtype, _)) => Err(AttentionError::Unsupported(format!(
+                "{op} takes f32 tensors, not a {dtype:?} weight"
+            ))),
+        }
+    }
+
+    /// The matmul's view of this tensor as its weight.
+    fn weights(&self) -> dense::Weights<'_> {
+        match &self.half {
+            None => dense::Weights::F32(&self.data),
+            Some((TensorDtype::F16, bits)) => dense::Weights::F16(bits),
+            Some((_, bits)) => dense::Weights::Bf16(bits),
+        }
     }
 
     /// The elements, row-major, without a copy.
@@ -73,7 +104,7 @@ impl DeviceTensor for CpuTensor {
         &self.shape
     }
     fn dtype(&self) -> TensorDtype {
-        TensorDtype::F32
+        self.half.as_ref().map_or(TensorDtype::F32, |h| h.0)
     }
 }
 
@@ -188,36 +219,70 @@ impl Backend for CpuBackend {
         CpuTensor::new(data.to_vec(), shape)
     }
 
+    /// Keeps f16 and bf16 weights in 16 bits (half the memory and bandwidth); the matmul
+    /// widens them exactly in registers, so results are bitwise those of the f32 expansion.
+    fn upload_weight(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: TensorDtype,
+    ) -> Result<CpuTensor> {
+        CpuTensor::check_len(shape, data.len())?;
+        let bits: Vec<u16> = match dtype {
+            TensorDtype::F32 => return self.upload(data, shape),
+            TensorDtype::F16 => data
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect(),
+            TensorDtype::Bf16 => data
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect(),
+        };
+        Ok(CpuTensor {
+            shape: shape.to_vec(),
+            data: Vec::new(),
+            half: Some((dtype, bits)),
+        })
+    }
+
     fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
-        Ok(t.data.clone())
+        let w = t.weights();
+        Ok(match w {
+            dense::Weights::F32(d) => d.to_vec(),
+            _ => (0..t.numel()).map(|i| w.get(i)).collect(),
+        })
     }
 
     fn reshape(&self, t: CpuTensor, shape: &[usize]) -> Result<CpuTensor> {
         check::reshape(&t.shape, shape)?;
         Ok(CpuTensor {
             shape: shape.to_vec(),
-            data: t.data,
+            ..t
         })
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
+        let xs = x.f32s("matmul")?;
         let mut out = vec![0.0; m * n];
-        dense::matmul(&self.pool, &x.data, &w.data, m, k, n, &mut out);
+        dense::matmul(&self.pool, xs, w.weights(), m, k, n, &mut out);
         CpuTensor::new(out, &[m, n])
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         check::rms_norm(&x.shape, &weight.shape)?;
-        let mut out = vec![0.0; x.data.len()];
+        let (xs, ws) = (x.f32s("rms_norm")?, weight.f32s("rms_norm")?);
+        let mut out = vec![0.0; xs.len()];
         if !out.is_empty() {
-            dense::rms_norm(&x.data, &weight.data, eps, &mut out);
+            dense::rms_norm(xs, ws, eps, &mut out);
         }
         CpuTensor::new(out, &x.shape)
     }
 
     fn rotary(&self, x: &mut CpuTensor, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
         let inv = check::rotary(&x.shape, positions.len(), cfg)?;
+        x.f32s("rotary")?;
         let heads = x.shape[1];
         let half = cfg.rotary_dim / 2;
         let mut cs = vec![(0.0f32, 0.0f32); half];
@@ -243,24 +308,32 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, x: &CpuTensor) -> Result<CpuTensor> {
         let (m, d) = check::silu_mul(&x.shape)?;
+        let xs = x.f32s("silu_mul")?;
         let mut out = vec![0.0; m * d];
         if d > 0 {
-            dense::silu_mul_rows(&self.pool, &x.data, d, &mut out);
+            dense::silu_mul_rows(&self.pool, xs, d, &mut out);
         }
         CpuTensor::new(out, &[m, d])
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         check::add_assign(&x.shape, &y.shape)?;
-        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        x.f32s("add_assign")?;
+        let ys = y.f32s("add_assign")?;
+        x.data.iter_mut().zip(ys).for_each(|(a, b)| *a += b);
         Ok(())
     }
 
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
         let (_, d) = check::embedding(&table.shape, ids)?;
         let mut out = Vec::with_capacity(ids.len() * d);
+        let w = table.weights();
         for &i in ids {
-            out.extend_from_slice(&table.data[i as usize * d..(i as usize + 1) * d]);
+            let row = i as usize * d..(i as usize + 1) * d;
+            match w {
+                dense::Weights::F32(t) => out.extend_from_slice(&t[row]),
+                _ => out.extend(row.map(|e| w.get(e))),
+            }
         }
         CpuTensor::new(out, &[ids.len(), d])
     }
@@ -286,6 +359,9 @@ impl Backend for CpuBackend {
         let layout = *store.layout();
         let meta = &plan.meta;
         let g = check::attention(layer, meta, &layout, (&q.shape, &k.shape, &v.shape), params)?;
+        for t in [q, k, v] {
+            t.f32s("attention")?;
+        }
         let (q_heads, kv_heads, d, dv) = (g.q_heads, g.kv_heads, g.head_dim, g.v_head_dim);
         let n = meta.num_tokens();
         let labels = match (g.heavy_channels, &params.double_sparse) {
@@ -367,6 +443,8 @@ impl Backend for CpuBackend {
         let meta = &plan.meta;
         let (heads, d, dv) =
             check::attention_mla(layer, meta, &layout, &q.shape, &latent.shape, params)?;
+        q.f32s("attention_mla")?;
+        latent.f32s("attention_mla")?;
         let n = meta.num_tokens();
         store.write_kv(layer, meta.out_cache_loc(), &latent.data, &[])?;
         let store: &HostKvStore = store;

@@ -136,7 +136,10 @@ mod tests {
         for r in 0..split.num_requests() {
             let rows = split.qo_range(r);
             // Only the 7-token request is shorter than a piece.
-            assert!(rows.len() >= PIECE_ALIGN || rows.len() == 7, "{r}: {rows:?}");
+            assert!(
+                rows.len() >= PIECE_ALIGN || rows.len() == 7,
+                "{r}: {rows:?}"
+            );
             assert_eq!(split.kv_len(r), positions[rows.end - 1] as usize + 1);
         }
         assert!(token_pieces(&m, 1).unwrap().is_none());
