@@ -1,7 +1,8 @@
-//! The CPU backend: f32 tensors in host memory, a batch-invariant matmul, and paged attention
-//! over a [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where
-//! the CPU has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention
-//! kernel run hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place from the store.
+//! The CPU backend: f32 tensors in host memory (weights may stay f16 or bf16,
+//! [`Backend::upload_weight`]), a batch-invariant matmul, and paged attention over a
+//! [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where the CPU
+//! has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention kernel run
+//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows).
 //!
 //! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
 //! by blocks of output columns (`columns`), attention by requests and long prefills by pieces
