@@ -74,6 +74,22 @@ pub trait Backend {
     /// Copies host data into a new tensor of `shape` (`data.len()` must match it).
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<Self::Tensor>;
 
+    /// Copies a weight into a new tensor of `shape` kept in `dtype` where the backend can
+    /// (a checkpoint's bf16 or f16 matrices: `data` holds their exact f32 values, so nothing is
+    /// rounded). Such a tensor is only taken as [`matmul`](Backend::matmul)'s `w`,
+    /// [`logits`](Backend::logits)' `lm_head`, [`embedding`](Backend::embedding)'s table and by
+    /// [`download`](Backend::download), and gives the results its f32 values give. The default
+    /// keeps f32 ([`upload`](Backend::upload)).
+    fn upload_weight(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: TensorDtype,
+    ) -> Result<Self::Tensor> {
+        let _ = dtype;
+        self.upload(data, shape)
+    }
+
     /// Reads a tensor back to the host as f32.
     fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
 

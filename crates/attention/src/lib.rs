@@ -18,7 +18,8 @@
 //!   [`check`], so all refuse the same inputs with the same errors.
 //! - The CPU backend is deterministic and batch-invariant by default: a request's output is
 //!   bitwise the same alone or in any batch, chunked or not, with its prefix cached or not, on
-//!   any slots.
+//!   any slots, and on any number of worker threads (each output element is computed by one
+//!   job, in a fixed order).
 //!
 //! ## Where it sits
 //! attention depends on kv-pool only. The model crate builds decoder layers on [`Backend`];

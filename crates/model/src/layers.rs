@@ -1,7 +1,7 @@
 //! Pieces shared by the decoders: checkpoint validation and loading against the expected
 //! tensor list, the embedding / final norm / LM head trunk, and the gated SiLU MLP.
 
-use attention::Backend;
+use attention::{Backend, TensorDtype};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -62,6 +62,25 @@ impl<'a, B: Backend> Loader<'a, B> {
     pub(crate) fn put(&self, t: &HostTensor) -> Result<B::Tensor> {
         Ok(self.backend.upload(&t.data, &t.shape)?)
     }
+
+    /// The checkpoint's element type of `name` where the backend may keep a weight in it
+    /// (f16, bf16), else f32.
+    fn dtype(&self, name: &str) -> TensorDtype {
+        match self.source.info(name).map(|(_, d)| d).as_deref() {
+            Some("BF16") => TensorDtype::Bf16,
+            Some("F16") => TensorDtype::F16,
+            _ => TensorDtype::F32,
+        }
+    }
+
+    /// Reads an expected matrix (a matmul weight or the embedding) and uploads it as a weight
+    /// in the checkpoint's type ([`Backend::upload_weight`]: exact, the values are that type's).
+    pub(crate) fn upload_weight(&self, name: &str) -> Result<B::Tensor> {
+        let t = self.get(name)?;
+        Ok(self
+            .backend
+            .upload_weight(&t.data, &t.shape, self.dtype(name))?)
+    }
 }
 
 /// Token embedding, final RMSNorm and LM head (tied to the embedding or separate).
@@ -94,11 +113,11 @@ pub(crate) fn trunk_tensors(config: &ModelConfig) -> (TensorList, TensorList) {
 impl<B: Backend> Trunk<B> {
     pub(crate) fn load(loader: &Loader<'_, B>, config: &ModelConfig) -> Result<Self> {
         Ok(Trunk {
-            embed: loader.upload("model.embed_tokens.weight")?,
+            embed: loader.upload_weight("model.embed_tokens.weight")?,
             lm_head: if config.tie_word_embeddings {
                 None
             } else {
-                Some(loader.upload("lm_head.weight")?)
+                Some(loader.upload_weight("lm_head.weight")?)
             },
             final_norm: loader.upload("model.norm.weight")?,
             vocab_size: config.vocab_size,
@@ -157,15 +176,23 @@ pub(crate) fn mlp_tensors(prefix: &str, inter: usize, hidden: usize) -> [(String
 
 impl<B: Backend> DenseMlp<B> {
     pub(crate) fn load(loader: &Loader<'_, B>, prefix: &str) -> Result<Self> {
-        let gate = loader.get(&format!("{prefix}gate_proj.weight"))?;
-        let up = loader.get(&format!("{prefix}up_proj.weight"))?;
+        let (g, u) = (
+            format!("{prefix}gate_proj.weight"),
+            format!("{prefix}up_proj.weight"),
+        );
+        let (gate, up) = (loader.get(&g)?, loader.get(&u)?);
         let mut shape = gate.shape.clone();
         shape[0] *= 2;
         let mut data = gate.data;
         data.extend_from_slice(&up.data);
+        // Both halves in 16 bits only when both are stored so.
+        let dtype = match (loader.dtype(&g), loader.dtype(&u)) {
+            (a, b) if a == b => a,
+            _ => TensorDtype::F32,
+        };
         Ok(DenseMlp {
-            gate_up: loader.put(&HostTensor { shape, data })?,
-            down: loader.upload(&format!("{prefix}down_proj.weight"))?,
+            gate_up: loader.backend.upload_weight(&data, &shape, dtype)?,
+            down: loader.upload_weight(&format!("{prefix}down_proj.weight"))?,
         })
     }
 

@@ -5,8 +5,9 @@
 //!   Mistral, Qwen2/2.5 with q/k/v biases, Qwen3 with q/k norm) or DeepSeek-V2 (MLA and MoE
 //!   fields in [`MlaConfig`] / [`MoeConfig`]), parsed field by field.
 //! - [`SafetensorsCheckpoint`]: a single or sharded (index file) safetensors checkpoint,
-//!   memory-mapped, bf16 / f16 / f32 converted to the backend's f32 upload; [`TensorMap`] for
-//!   weights in memory.
+//!   memory-mapped, bf16 / f16 / f32 converted to the backend's f32 upload (matrices through
+//!   `Backend::upload_weight` with their stored type, which a backend may keep: the CPU
+//!   backend keeps bf16 / f16 matrices in 16 bits); [`TensorMap`] for weights in memory.
 //! - [`LlamaModel`] and [`MlaModel`] (DeepSeek-V2-Lite shape: absorbed multi-head latent
 //!   attention over the MLA store, dense and MoE MLPs): decoders on any [`attention::Backend`],
 //!   unified by [`Model`]; and [`ModelRunner`], which owns a backend, a model and the paged

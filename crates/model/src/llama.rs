@@ -131,6 +131,7 @@ impl<B: Backend> LlamaModel<B> {
         let loader = Loader::new(backend, source, expected_tensors(&config))?;
         let get = |name: &str| loader.get(name);
         let upload = |name: &str| loader.upload(name);
+        let weight = |name: &str| loader.upload_weight(name);
         let trunk = Trunk::load(&loader, &config)?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
@@ -151,10 +152,10 @@ impl<B: Backend> LlamaModel<B> {
             };
             layers.push(LayerWeights {
                 input_norm: upload(&format!("{p}input_layernorm.weight"))?,
-                q_proj: upload(&format!("{p}self_attn.q_proj.weight"))?,
-                k_proj: upload(&format!("{p}self_attn.k_proj.weight"))?,
-                v_proj: upload(&format!("{p}self_attn.v_proj.weight"))?,
-                o_proj: upload(&format!("{p}self_attn.o_proj.weight"))?,
+                q_proj: weight(&format!("{p}self_attn.q_proj.weight"))?,
+                k_proj: weight(&format!("{p}self_attn.k_proj.weight"))?,
+                v_proj: weight(&format!("{p}self_attn.v_proj.weight"))?,
+                o_proj: weight(&format!("{p}self_attn.o_proj.weight"))?,
                 q_bias: bias(config.qkv_bias, "q")?,
                 k_bias: bias(config.qkv_bias, "k")?,
                 v_bias: bias(config.qkv_bias, "v")?,

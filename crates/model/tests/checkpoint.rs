@@ -160,3 +160,66 @@ fn llama3_rope_scaling_and_eos_forms_parse() {
     assert_eq!(c.eos_token_ids, vec![2]);
     assert_eq!(c.bos_token_id, Some(1));
 }
+
+/// A bf16 checkpoint's matrices stay in 16 bits on the CPU backend (widened in registers by
+/// the matmul), and its logits are bitwise those of the same values stored as f32, on one
+/// thread and on two. Tied (Qwen2) and untied (Llama) LM heads.
+#[test]
+fn bf16_weights_give_bitwise_the_logits_of_their_f32_expansion() {
+    use attention::{Backend, CpuConfig, DeviceTensor, TensorDtype};
+    use kv_pool::{KvDtype, KvLayout, Slot};
+    use model::{AttentionMode, ForwardInput, ForwardRequest, LogitsMode, ModelRunner};
+
+    let logits = |dir: &Path, threads: usize| -> Vec<u32> {
+        let backend = CpuBackend::new(CpuConfig {
+            threads,
+            ..CpuConfig::default()
+        })
+        .unwrap();
+        let model = load_model_dir(&backend, dir).unwrap();
+        let layout = KvLayout::new(model.config().kv_shape(KvDtype::F32).unwrap(), 1, 64).unwrap();
+        let mut r = ModelRunner::new(backend, model, layout).unwrap();
+        let ids: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 96).collect();
+        let slots: Vec<Slot> = (0..20).map(Slot).collect();
+        let out = r
+            .forward(&ForwardInput {
+                mode: AttentionMode::Extend,
+                requests: vec![ForwardRequest {
+                    input_ids: &ids,
+                    slots: &slots,
+                }],
+                logits: LogitsMode::AllTokens,
+                layer_wait: None,
+            })
+            .unwrap();
+        out.logits.iter().map(|v| v.to_bits()).collect()
+    };
+    for variant in [Variant::Llama, Variant::Qwen2] {
+        let m = TestModel::new(variant, 9, true);
+        let (d16, d32) = (temp_dir("bf16-kept"), temp_dir("bf16-as-f32"));
+        write_checkpoint(&m, &d16, true, false);
+        write_checkpoint(&m, &d32, false, false);
+        let want = logits(&d32, 1);
+        assert!(logits(&d16, 1) == want, "{variant:?}: bf16 weights differ");
+        assert!(
+            logits(&d16, 2) == want,
+            "{variant:?}: bf16 weights on 2 threads differ"
+        );
+    }
+    // The weight really is kept in 16 bits, and reads back exactly.
+    let b = CpuBackend::default();
+    let vals = [1.0f32, -2.5, 0.15625, 3.0e-3];
+    let w = b.upload_weight(&vals, &[2, 2], TensorDtype::Bf16).unwrap();
+    assert_eq!(w.dtype(), TensorDtype::Bf16);
+    let back = b.download(&w).unwrap();
+    let want: Vec<f32> = vals
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    assert_eq!(back, want);
+    // Ops that compute on f32 refuse it with a typed error.
+    assert!(matches!(
+        b.rms_norm(&w, &b.upload(&[1.0, 1.0], &[2]).unwrap(), 1e-5),
+        Err(attention::AttentionError::Unsupported(_))
+    ));
+}

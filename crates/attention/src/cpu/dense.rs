@@ -1,17 +1,69 @@
 //! Dense ops of the CPU backend, on contiguous f32 slices. Every op computes each output row
 //! from its own input row in a fixed order, so results do not depend on the batch.
 
+use super::columns::ColumnBlock;
+use super::pool::Pool;
 use super::primitives::dot;
 
-/// `dst[m, n] = x[m, k] · w[n, k]ᵀ`. Lengths are checked by the caller.
+/// Multiply-adds below which a matmul job is not worth a worker: smaller matmuls run on the
+/// calling thread, and larger ones get at most one job per this much work.
+const MIN_JOB_WORK: usize = 1 << 17;
+
+/// Jobs per thread of a large matmul: the threads claim them as they come free, so a thread
+/// that starts late (a worker waking up) or runs slower takes fewer.
+const JOBS_PER_THREAD: usize = 4;
+
+/// Elements below which an element-wise op runs on the calling thread.
+const MIN_ELEMWISE: usize = 1 << 15;
+
+/// The rows of a matmul's weight `w[n, k]`: f32, or 16-bit bit patterns (kept in the
+/// checkpoint's type and widened exactly as they are read).
+#[derive(Clone, Copy)]
+pub(crate) enum Weights<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+    Bf16(&'a [u16]),
+}
+
+impl Weights<'_> {
+    /// Element `i`, as f32 (exact).
+    pub(crate) fn get(&self, i: usize) -> f32 {
+        match self {
+            Weights::F32(w) => w[i],
+            Weights::F16(w) => half::f16::from_bits(w[i]).to_f32(),
+            Weights::Bf16(w) => half::bf16::from_bits(w[i]).to_f32(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::F16(w) | Weights::Bf16(w) => w.len(),
+        }
+    }
+}
+
+/// `dst[m, n] = x[m, k] · w[n, k]ᵀ`, its columns split over `pool`. Lengths are checked by the
+/// caller.
 ///
-/// Batch-invariant: every output element is one dot product of an `x` row and a `w` row in a
-/// fixed order, so a row's result is bitwise the same whatever `m` and wherever the row sits in
-/// `x` (greedy decoding must not depend on the batch). The `gemm` crate used before did not
-/// give that (its `m = 1` path sums in another order than its tiled path), so the kernel is our
-/// own: AVX2 + FMA tiles of 4 `x` rows × 3 `w` rows over cache blocks of `w` where the CPU has
-/// them, else the portable 8-lane [`dot`].
-pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
+/// Batch- and thread-invariant: every output element is one dot product of an `x` row and a
+/// `w` row in a fixed order, so a row's result is bitwise the same whatever `m`, wherever the
+/// row sits in `x`, and whichever job computes its column (greedy decoding must not depend on
+/// the batch or the thread count). The `gemm` crate used before did not give that (its `m = 1`
+/// path sums in another order than its tiled path), so the kernel is our own: AVX2 + FMA tiles
+/// of 4 `x` rows × 3 `w` rows over cache blocks of `w` where the CPU has them, else the
+/// portable 8-lane [`dot`]. The pool's jobs own contiguous blocks of output columns (rows of
+/// `w`), a few per thread ([`column_bounds`]); each runs that kernel on its block. A 16-bit `w`
+/// gives bitwise what its f32 expansion gives.
+pub(crate) fn matmul(
+    pool: &Pool,
+    x: &[f32],
+    w: Weights<'_>,
+    m: usize,
+    k: usize,
+    n: usize,
+    dst: &mut [f32],
+) {
     assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n);
     if m == 0 || n == 0 {
         return;
@@ -20,20 +72,62 @@ pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &m
         dst.fill(0.0);
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if super::simd::available() {
-        // SAFETY: the CPU has AVX2, FMA and F16C (checked); lengths are asserted inside.
-        unsafe { super::simd::matmul(x, w, m, k, n, dst) };
-        return;
-    }
-    matmul_portable(x, w, k, n, dst);
+    let bounds = column_bounds(pool.threads(), m * k, n);
+    let blocks = ColumnBlock::split(dst, n, &bounds);
+    pool.for_each(blocks, |mut out| matmul_block(x, w, k, &mut out));
 }
 
-/// The portable matmul: one [`dot`] per output element.
-pub(crate) fn matmul_portable(x: &[f32], w: &[f32], k: usize, n: usize, dst: &mut [f32]) {
-    for (xr, out) in x.chunks_exact(k).zip(dst.chunks_exact_mut(n)) {
-        for (o, wr) in out.iter_mut().zip(w.chunks_exact(k)) {
-            *o = dot(xr, wr);
+/// Column bounds `0 = b_0 < … = n` of a matmul's jobs for `row_work = m · k` multiply-adds per
+/// output column: [`JOBS_PER_THREAD`] blocks per thread, fewer when a block would be under
+/// [`MIN_JOB_WORK`], each a multiple of 3 columns (the AVX2 tile) but the last.
+pub(crate) fn column_bounds(threads: usize, row_work: usize, n: usize) -> Vec<usize> {
+    if threads == 1 {
+        return vec![0, n];
+    }
+    let jobs = (threads * JOBS_PER_THREAD)
+        .min(row_work.saturating_mul(n) / MIN_JOB_WORK)
+        .min(n.div_ceil(3))
+        .max(1);
+    let per = n.div_ceil(jobs).div_ceil(3) * 3;
+    let mut bounds: Vec<usize> = (0..n).step_by(per).collect();
+    bounds.push(n);
+    bounds
+}
+
+/// One job of [`matmul`]: the columns of `out` (all rows of `x`).
+fn matmul_block(x: &[f32], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        use super::simd;
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked); lengths are asserted inside.
+        unsafe {
+            match w {
+                Weights::F32(w) => simd::matmul_f32(x, bytemuck::cast_slice(w), k, out),
+                Weights::F16(w) => simd::matmul_f16(x, bytemuck::cast_slice(w), k, out),
+                Weights::Bf16(w) => simd::matmul_bf16(x, bytemuck::cast_slice(w), k, out),
+            }
+        }
+        return;
+    }
+    matmul_portable(x, w, k, out);
+}
+
+/// The portable matmul: one [`dot`] per output element of `out`'s columns (16-bit rows are
+/// widened into a scratch row first).
+pub(crate) fn matmul_portable(x: &[f32], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) {
+    let mut row = vec![0.0f32; k];
+    for j in out.cols() {
+        let wr = match w {
+            Weights::F32(w) => &w[j * k..][..k],
+            _ => {
+                row.iter_mut()
+                    .enumerate()
+                    .for_each(|(e, r)| *r = w.get(j * k + e));
+                &row[..]
+            }
+        };
+        for (i, xr) in x.chunks_exact(k).enumerate() {
+            out.set(i, j, dot(xr, wr));
         }
     }
 }
@@ -65,6 +159,17 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, dst: &mut [f32]) {
     }
 }
 
+/// `silu(gate) · up` for rows `[gate(d), up(d)]`, split by rows over `pool` when large (each
+/// element is computed alone, so the split changes nothing).
+pub(crate) fn silu_mul_rows(pool: &Pool, x: &[f32], d: usize, dst: &mut [f32]) {
+    let m = dst.len() / d;
+    let jobs = pool.threads().min(dst.len() / MIN_ELEMWISE).max(1);
+    let per = m.div_ceil(jobs);
+    let items: Vec<(&[f32], &mut [f32])> =
+        x.chunks(per * 2 * d).zip(dst.chunks_mut(per * d)).collect();
+    pool.for_each(items, |(x, dst)| silu_mul(x, d, dst));
+}
+
 /// `silu(gate) · up` for rows `[gate(d), up(d)]`.
 pub(crate) fn silu_mul(x: &[f32], d: usize, dst: &mut [f32]) {
     for (row, out) in x.chunks_exact(2 * d).zip(dst.chunks_exact_mut(d)) {
@@ -94,7 +199,7 @@ mod tests {
             let x = nonzero_vec(&mut rng, m * k);
             let w = nonzero_vec(&mut rng, n * k);
             let mut out = vec![0.0; m * n];
-            matmul(&x, &w, m, k, n, &mut out);
+            matmul(&Pool::default(), &x, Weights::F32(&w), m, k, n, &mut out);
             for i in 0..m {
                 for j in 0..n {
                     let want = dot_with::<true>(&x[i * k..][..k], &w[j * k..][..k]);
@@ -108,18 +213,174 @@ mod tests {
         }
     }
 
-    /// The portable matmul is row-invariant too.
+    /// The portable matmul over `x`'s rows and `w`'s rows, in blocks of columns at `bounds`.
+    fn portable(x: &[f32], w: Weights<'_>, k: usize, n: usize, bounds: &[usize]) -> Vec<f32> {
+        let mut out = vec![0.0; x.len() / k * n];
+        for mut b in ColumnBlock::split(&mut out, n, bounds) {
+            matmul_portable(x, w, k, &mut b);
+        }
+        out
+    }
+
+    /// The portable matmul is row-invariant too, and does not depend on the column blocks.
     #[test]
     fn portable_matmul_rows_do_not_depend_on_m() {
         let mut rng = SplitMix64::new(5);
         let (k, n) = (100, 20);
         let w = nonzero_vec(&mut rng, n * k);
         let x = nonzero_vec(&mut rng, 9 * k);
-        let mut full = vec![0.0; 9 * n];
-        matmul_portable(&x, &w, k, n, &mut full);
-        let mut one = vec![0.0; n];
-        matmul_portable(&x[4 * k..5 * k], &w, k, n, &mut one);
+        let w = Weights::F32(&w);
+        let full = portable(&x, w, k, n, &[0, n]);
+        let one = portable(&x[4 * k..5 * k], w, k, n, &[0, n]);
         assert!(one[..] == full[4 * n..5 * n]);
+        assert!(portable(&x, w, k, n, &[0, 1, 7, 19, n]) == full);
+    }
+
+    /// The column blocks of a matmul: all of `0..n`, at most `JOBS_PER_THREAD` per thread, a
+    /// multiple of 3 columns each but the last, none under the minimum work unless it is the
+    /// only one; one thread takes everything in one block.
+    #[test]
+    fn column_bounds_split_by_work_and_workers() {
+        for threads in 1..=4 {
+            for row_work in [1, 10, 576, 1536, 512 * 576, MIN_JOB_WORK] {
+                for n in [1, 2, 3, 4, 7, 100, 192, 576, 3072, 49_152] {
+                    let b = column_bounds(threads, row_work, n);
+                    let what = format!("{threads} threads, {row_work} x {n}: {b:?}");
+                    assert!(b[0] == 0 && b[b.len() - 1] == n, "{what}");
+                    let jobs = b.len() - 1;
+                    assert!(jobs <= threads * JOBS_PER_THREAD, "{what}");
+                    assert!(threads > 1 || jobs == 1, "{what}");
+                    for w in b.windows(2) {
+                        assert!(w[0] < w[1], "{what}");
+                        assert!(w[1] == n || (w[1] - w[0]) % 3 == 0, "{what}");
+                        assert!(jobs == 1 || (w[1] - w[0]) * row_work >= MIN_JOB_WORK / 2);
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            column_bounds(2, MIN_JOB_WORK, 48),
+            [0, 6, 12, 18, 24, 30, 36, 42, 48]
+        );
+        assert_eq!(column_bounds(4, 10, 100), [0, 100]);
+    }
+
+    /// However a matmul's columns are cut into jobs (down to one column each, with the tiles
+    /// of 3 straddling the cuts), every element is bitwise the same.
+    #[test]
+    fn any_column_split_gives_the_same_bits() {
+        let mut rng = SplitMix64::new(7);
+        for (m, k, n) in [(1, 37, 8), (5, 64, 8), (6, 300, 13)] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let w = nonzero_vec(&mut rng, n * k);
+            let whole = |bounds: &[usize]| {
+                let mut out = vec![0.0; m * n];
+                for mut b in ColumnBlock::split(&mut out, n, bounds) {
+                    matmul_block(&x, Weights::F32(&w), k, &mut b);
+                }
+                out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            };
+            let want = whole(&[0, n]);
+            let every: Vec<usize> = (0..=n).collect();
+            for bounds in [&[0, 1, n][..], &[0, 2, 5, n], &[0, 4, n - 1, n], &every] {
+                assert!(whole(bounds) == want, "{m}x{k}x{n} split at {bounds:?}");
+            }
+        }
+    }
+
+    /// A bf16 or f16 weight gives bitwise what its f32 expansion gives, on every path (AVX2 and
+    /// portable) and thread count.
+    #[test]
+    fn half_weights_equal_their_f32_expansion() {
+        let mut rng = SplitMix64::new(9);
+        for (m, k, n) in [(1, 37, 8), (5, 576, 31), (16, 300, 200)] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let w = nonzero_vec(&mut rng, n * k);
+            let bf: Vec<u16> = w
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let hf: Vec<u16> = w
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect();
+            let cases: [(Weights<'_>, Vec<f32>); 2] = [
+                (
+                    Weights::Bf16(&bf),
+                    bf.iter()
+                        .map(|&b| half::bf16::from_bits(b).to_f32())
+                        .collect(),
+                ),
+                (
+                    Weights::F16(&hf),
+                    hf.iter()
+                        .map(|&b| half::f16::from_bits(b).to_f32())
+                        .collect(),
+                ),
+            ];
+            for (packed, wide) in &cases {
+                let mut want = vec![0.0; m * n];
+                matmul(&Pool::default(), &x, Weights::F32(wide), m, k, n, &mut want);
+                for t in 1..=3 {
+                    let mut got = vec![0.0; m * n];
+                    matmul(&Pool::new(t).unwrap(), &x, *packed, m, k, n, &mut got);
+                    assert!(got == want, "{m}x{k}x{n}, {t} threads");
+                }
+                let p = portable(&x, *packed, k, n, &[0, n]);
+                assert!(
+                    p == portable(&x, Weights::F32(wide), k, n, &[0, n]),
+                    "{m}x{k}x{n}"
+                );
+            }
+        }
+    }
+
+    /// `silu_mul` split by rows over 1, 2 and 3 threads gives the same bits.
+    #[test]
+    fn silu_mul_does_not_depend_on_threads() {
+        let mut rng = SplitMix64::new(8);
+        let (m, d) = (37, 1536);
+        let x = nonzero_vec(&mut rng, m * 2 * d);
+        let mut want = vec![0.0; m * d];
+        silu_mul(&x, d, &mut want);
+        for t in 1..=3 {
+            let mut got = vec![0.0; m * d];
+            silu_mul_rows(&Pool::new(t).unwrap(), &x, d, &mut got);
+            assert!(got == want, "{t} threads");
+        }
+    }
+
+    /// A matmul's output is bitwise the same for 1, 2 and 3 workers, on odd shapes and on fewer
+    /// columns than workers.
+    #[test]
+    fn matmul_does_not_depend_on_threads() {
+        let pools: Vec<Pool> = (1..=3).map(|t| Pool::new(t).unwrap()).collect();
+        let mut rng = SplitMix64::new(6);
+        for (m, k, n) in [
+            (1, 64, 1),
+            (1, 64, 2),
+            (3, 33, 5),
+            (7, 300, 131),
+            (64, 256, 999),
+        ] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let w = nonzero_vec(&mut rng, n * k);
+            let outs: Vec<Vec<f32>> = pools
+                .iter()
+                .map(|p| {
+                    let mut out = vec![0.0; m * n];
+                    matmul(p, &x, Weights::F32(&w), m, k, n, &mut out);
+                    out
+                })
+                .collect();
+            for (t, out) in outs.iter().enumerate() {
+                let same = out
+                    .iter()
+                    .zip(&outs[0])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{m}x{k}x{n}: {} threads differ from 1", t + 1);
+            }
+        }
     }
 
     /// A row's result must not depend on how many other rows share the call (batch-invariant
@@ -128,18 +389,19 @@ mod tests {
     #[test]
     fn matmul_rows_do_not_depend_on_m() {
         let mut rng = SplitMix64::new(3);
+        let pool = Pool::new(2).unwrap();
         for (k, n) in [(64, 48), (256, 320), (1000, 77), (4096, 64)] {
             let w = nonzero_vec(&mut rng, n * k);
             let xs = nonzero_vec(&mut rng, 64 * k);
             let mut full = vec![0.0; 64 * n];
-            matmul(&xs, &w, 64, k, n, &mut full);
+            matmul(&pool, &xs, Weights::F32(&w), 64, k, n, &mut full);
             for m in [1usize, 2, 3, 7, 16, 33, 64] {
                 let mut out = vec![0.0; m * n];
-                matmul(&xs[..m * k], &w, m, k, n, &mut out);
+                matmul(&pool, &xs[..m * k], Weights::F32(&w), m, k, n, &mut out);
                 assert!(out[..] == full[..m * n], "k {k} n {n}: rows 0..{m} differ");
                 // The same rows starting elsewhere in the batch.
                 let off = 64 - m;
-                matmul(&xs[off * k..], &w, m, k, n, &mut out);
+                matmul(&pool, &xs[off * k..], Weights::F32(&w), m, k, n, &mut out);
                 assert!(
                     out[..] == full[off * n..],
                     "k {k} n {n}: rows {off}.. differ"

@@ -1,13 +1,22 @@
-//! The CPU backend: f32 tensors in host memory, a batch-invariant matmul, and paged attention
-//! over a [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where
-//! the CPU has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention
-//! kernel run hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place from the store.
+//! The CPU backend: f32 tensors in host memory (weights may stay f16 or bf16,
+//! [`Backend::upload_weight`]), a batch-invariant matmul, and paged attention over a
+//! [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where the CPU
+//! has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention kernel run
+//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows).
+//!
+//! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
+//! by blocks of output columns (`columns`), attention by requests and long prefills by pieces
+//! of query tokens (`split`), `silu_mul` by rows; every output element is computed by one job
+//! in a fixed order, so results are bitwise the same for any thread count.
 
 mod attention;
+mod columns;
 mod dense;
+mod pool;
 mod primitives;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+mod split;
 
 use kv_pool::{HostKvStore, KvBuffer, KvLayout, KvStore};
 
@@ -19,38 +28,70 @@ use crate::params::AttentionParams;
 use crate::rope::{RopeConfig, RopeStyle};
 
 use attention::{RowSource, Scratch, Sources};
+use pool::Pool;
 use primitives::Geom;
 
 /// Work on one request: `(request, its q rows, its output rows, scratch)`.
 type RequestFn<'a> = dyn Fn(usize, &[f32], &mut [f32], &mut Scratch) + Sync + 'a;
 
-/// A host tensor: row-major f32 data and its shape.
+/// A host tensor: row-major f32 data and its shape; or a weight kept in 16 bits
+/// ([`Backend::upload_weight`]), which only the matmul (as `w`), the embedding (as the table)
+/// and [`Backend::download`] take.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuTensor {
     shape: Vec<usize>,
+    /// The elements (empty for a 16-bit weight).
     data: Vec<f32>,
+    /// A 16-bit weight: its type (f16 or bf16) and bit patterns.
+    half: Option<(TensorDtype, Vec<u16>)>,
 }
 
 impl CpuTensor {
     /// Wraps `data` with `shape` (the product of the shape must equal `data.len()`).
     pub fn new(data: Vec<f32>, shape: &[usize]) -> Result<Self> {
-        let expected: usize = shape.iter().product();
-        if expected != data.len() {
-            return Err(AttentionError::LengthMismatch {
-                what: "tensor data",
-                expected,
-                got: data.len(),
-            });
-        }
+        Self::check_len(shape, data.len())?;
         Ok(CpuTensor {
             shape: shape.to_vec(),
             data,
+            half: None,
         })
     }
 
-    /// The elements, row-major.
+    /// Refuses `got` elements for `shape` unless they are its product.
+    fn check_len(shape: &[usize], got: usize) -> Result<()> {
+        let expected: usize = shape.iter().product();
+        if expected != got {
+            return Err(AttentionError::LengthMismatch {
+                what: "tensor data",
+                expected,
+                got,
+            });
+        }
+        Ok(())
+    }
+
+    /// The elements, row-major (empty for a 16-bit weight: [`Backend::download`] widens it).
     pub fn data(&self) -> &[f32] {
         &self.data
+    }
+
+    /// The f32 elements an op computes on; a 16-bit weight is refused with a typed error.
+    fn f32s(&self, op: &str) -> Result<&[f32]> {
+        match &self.half {
+            None => Ok(&self.data),
+            Some((dtype, _)) => Err(AttentionError::Unsupported(format!(
+                "{op} takes f32 tensors, not a {dtype:?} weight"
+            ))),
+        }
+    }
+
+    /// The matmul's view of this tensor as its weight.
+    fn weights(&self) -> dense::Weights<'_> {
+        match &self.half {
+            None => dense::Weights::F32(&self.data),
+            Some((TensorDtype::F16, bits)) => dense::Weights::F16(bits),
+            Some((_, bits)) => dense::Weights::Bf16(bits),
+        }
     }
 
     /// The elements, row-major, without a copy.
@@ -64,14 +105,15 @@ impl DeviceTensor for CpuTensor {
         &self.shape
     }
     fn dtype(&self) -> TensorDtype {
-        TensorDtype::F32
+        self.half.as_ref().map_or(TensorDtype::F32, |h| h.0)
     }
 }
 
 /// Settings of the [`CpuBackend`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuConfig {
-    /// Worker threads for attention (`≥ 1`); the batch is split by request. Default 1.
+    /// Worker threads (`≥ 1`), started with the backend: every matmul is split over them by
+    /// blocks of output columns, attention by request. Results do not depend on it. Default 1.
     pub threads: usize,
     /// Batch-invariant execution (default `true`): a request's attention output is bitwise
     /// independent of the rest of the batch, of prompt chunking, of prefix caching and of slot
@@ -93,12 +135,15 @@ impl Default for CpuConfig {
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
     config: CpuConfig,
+    pool: Pool,
 }
 
-/// The CPU backend's per-batch plan: the validated metadata.
+/// The CPU backend's per-batch plan: the validated metadata, and the same batch with its long
+/// extend requests cut into pieces of query tokens for the threads (`split`).
 #[derive(Debug, Clone)]
 pub struct CpuPlan {
     meta: BatchMetadata,
+    pieces: Option<BatchMetadata>,
 }
 
 impl CpuPlan {
@@ -109,15 +154,10 @@ impl CpuPlan {
 }
 
 impl CpuBackend {
-    /// A backend with `config`. `threads` must be at least 1.
+    /// A backend with `config`, and its pool of `threads` workers (at least 1).
     pub fn new(config: CpuConfig) -> Result<Self> {
-        if config.threads == 0 {
-            return Err(AttentionError::InvalidConfig {
-                field: "threads",
-                reason: "must be at least 1".into(),
-            });
-        }
-        Ok(CpuBackend { config })
+        let pool = Pool::new(config.threads)?;
+        Ok(CpuBackend { config, pool })
     }
 
     /// The backend's settings.
@@ -125,8 +165,8 @@ impl CpuBackend {
         &self.config
     }
 
-    /// Runs `f(request, q_rows, out_rows, scratch)` for every request, splitting requests over
-    /// `threads` workers by contiguous ranges of roughly equal work.
+    /// Runs `f(request, q_rows, out_rows, scratch)` for every request of `meta`, in jobs of
+    /// contiguous ranges of requests of roughly equal work, a few per thread.
     fn for_each_request(
         &self,
         meta: &BatchMetadata,
@@ -136,10 +176,19 @@ impl CpuBackend {
         out_row: usize,
         f: &RequestFn<'_>,
     ) {
-        let n = meta.num_requests();
-        let work = |r: usize| meta.kv_len(r) * meta.extend_len(r) + 1;
-        let threads = self.config.threads.min(n).max(1);
-        let run = |range: std::ops::Range<usize>, out: &mut [f32], base: usize| {
+        let bounds = split::request_ranges(meta, self.pool.threads() * 4);
+        // Each range of requests with its rows of `out`.
+        let mut jobs = Vec::with_capacity(bounds.len() - 1);
+        let mut rest = out;
+        for w in bounds.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let base = meta.qo_indptr()[a];
+            let rows = meta.qo_indptr()[b] - base;
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(rows * out_row);
+            rest = tail;
+            jobs.push((a..b, mine, base));
+        }
+        self.pool.for_each(jobs, |(range, out, base)| {
             let mut sc = Scratch::default();
             for r in range {
                 let rows = meta.qo_range(r);
@@ -149,34 +198,6 @@ impl CpuBackend {
                     &mut out[(rows.start - base) * out_row..(rows.end - base) * out_row],
                     &mut sc,
                 );
-            }
-        };
-        if threads == 1 {
-            run(0..n, out, 0);
-            return;
-        }
-        let total: usize = (0..n).map(work).sum();
-        let mut bounds = vec![0];
-        let mut acc = 0;
-        for r in 0..n {
-            acc += work(r);
-            if acc * threads >= total * bounds.len() && bounds.len() < threads {
-                bounds.push(r + 1);
-            }
-        }
-        if *bounds.last().unwrap() != n {
-            bounds.push(n);
-        }
-        std::thread::scope(|s| {
-            let mut rest = out;
-            for w in bounds.windows(2) {
-                let (a, b) = (w[0], w[1]);
-                let base = meta.qo_indptr()[a];
-                let rows = meta.qo_indptr()[b] - base;
-                let (mine, tail) = rest.split_at_mut(rows * out_row);
-                rest = tail;
-                let run = &run;
-                s.spawn(move || run(a..b, mine, base));
             }
         });
     }
@@ -199,36 +220,70 @@ impl Backend for CpuBackend {
         CpuTensor::new(data.to_vec(), shape)
     }
 
+    /// Keeps f16 and bf16 weights in 16 bits (half the memory and bandwidth); the matmul
+    /// widens them exactly in registers, so results are bitwise those of the f32 expansion.
+    fn upload_weight(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: TensorDtype,
+    ) -> Result<CpuTensor> {
+        CpuTensor::check_len(shape, data.len())?;
+        let bits: Vec<u16> = match dtype {
+            TensorDtype::F32 => return self.upload(data, shape),
+            TensorDtype::F16 => data
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect(),
+            TensorDtype::Bf16 => data
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect(),
+        };
+        Ok(CpuTensor {
+            shape: shape.to_vec(),
+            data: Vec::new(),
+            half: Some((dtype, bits)),
+        })
+    }
+
     fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
-        Ok(t.data.clone())
+        let w = t.weights();
+        Ok(match w {
+            dense::Weights::F32(d) => d.to_vec(),
+            _ => (0..t.numel()).map(|i| w.get(i)).collect(),
+        })
     }
 
     fn reshape(&self, t: CpuTensor, shape: &[usize]) -> Result<CpuTensor> {
         check::reshape(&t.shape, shape)?;
         Ok(CpuTensor {
             shape: shape.to_vec(),
-            data: t.data,
+            ..t
         })
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
+        let xs = x.f32s("matmul")?;
         let mut out = vec![0.0; m * n];
-        dense::matmul(&x.data, &w.data, m, k, n, &mut out);
+        dense::matmul(&self.pool, xs, w.weights(), m, k, n, &mut out);
         CpuTensor::new(out, &[m, n])
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         check::rms_norm(&x.shape, &weight.shape)?;
-        let mut out = vec![0.0; x.data.len()];
+        let (xs, ws) = (x.f32s("rms_norm")?, weight.f32s("rms_norm")?);
+        let mut out = vec![0.0; xs.len()];
         if !out.is_empty() {
-            dense::rms_norm(&x.data, &weight.data, eps, &mut out);
+            dense::rms_norm(xs, ws, eps, &mut out);
         }
         CpuTensor::new(out, &x.shape)
     }
 
     fn rotary(&self, x: &mut CpuTensor, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
         let inv = check::rotary(&x.shape, positions.len(), cfg)?;
+        x.f32s("rotary")?;
         let heads = x.shape[1];
         let half = cfg.rotary_dim / 2;
         let mut cs = vec![(0.0f32, 0.0f32); half];
@@ -254,30 +309,41 @@ impl Backend for CpuBackend {
 
     fn silu_mul(&self, x: &CpuTensor) -> Result<CpuTensor> {
         let (m, d) = check::silu_mul(&x.shape)?;
+        let xs = x.f32s("silu_mul")?;
         let mut out = vec![0.0; m * d];
         if d > 0 {
-            dense::silu_mul(&x.data, d, &mut out);
+            dense::silu_mul_rows(&self.pool, xs, d, &mut out);
         }
         CpuTensor::new(out, &[m, d])
     }
 
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         check::add_assign(&x.shape, &y.shape)?;
-        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        x.f32s("add_assign")?;
+        let ys = y.f32s("add_assign")?;
+        x.data.iter_mut().zip(ys).for_each(|(a, b)| *a += b);
         Ok(())
     }
 
     fn embedding(&self, table: &CpuTensor, ids: &[u32]) -> Result<CpuTensor> {
         let (_, d) = check::embedding(&table.shape, ids)?;
         let mut out = Vec::with_capacity(ids.len() * d);
+        let w = table.weights();
         for &i in ids {
-            out.extend_from_slice(&table.data[i as usize * d..(i as usize + 1) * d]);
+            let row = i as usize * d..(i as usize + 1) * d;
+            match w {
+                dense::Weights::F32(t) => out.extend_from_slice(&t[row]),
+                _ => out.extend(row.map(|e| w.get(e))),
+            }
         }
         CpuTensor::new(out, &[ids.len(), d])
     }
 
     fn plan(&self, meta: &BatchMetadata) -> Result<CpuPlan> {
-        Ok(CpuPlan { meta: meta.clone() })
+        Ok(CpuPlan {
+            meta: meta.clone(),
+            pieces: split::token_pieces(meta, self.pool.threads())?,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -294,6 +360,9 @@ impl Backend for CpuBackend {
         let layout = *store.layout();
         let meta = &plan.meta;
         let g = check::attention(layer, meta, &layout, (&q.shape, &k.shape, &v.shape), params)?;
+        for t in [q, k, v] {
+            t.f32s("attention")?;
+        }
         let (q_heads, kv_heads, d, dv) = (g.q_heads, g.kv_heads, g.head_dim, g.v_head_dim);
         let n = meta.num_tokens();
         let labels = match (g.heavy_channels, &params.double_sparse) {
@@ -343,6 +412,8 @@ impl Backend for CpuBackend {
         };
         let mut out = vec![0.0f32; n * q_heads * dv];
         let sparse = params.double_sparse.as_ref().filter(|_| meta.is_decode());
+        // The same rows, long requests in pieces (see `split`).
+        let meta = plan.pieces.as_ref().unwrap_or(meta);
         let scale = params.scale;
         self.for_each_request(
             meta,
@@ -373,6 +444,8 @@ impl Backend for CpuBackend {
         let meta = &plan.meta;
         let (heads, d, dv) =
             check::attention_mla(layer, meta, &layout, &q.shape, &latent.shape, params)?;
+        q.f32s("attention_mla")?;
+        latent.f32s("attention_mla")?;
         let n = meta.num_tokens();
         store.write_kv(layer, meta.out_cache_loc(), &latent.data, &[])?;
         let store: &HostKvStore = store;
@@ -398,6 +471,7 @@ impl Backend for CpuBackend {
         };
         let mut out = vec![0.0f32; n * heads * dv];
         let scale = params.scale;
+        let meta = plan.pieces.as_ref().unwrap_or(meta);
         self.for_each_request(
             meta,
             &q.data,

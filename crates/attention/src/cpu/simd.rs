@@ -20,6 +20,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
+use super::columns::ColumnBlock;
 use super::primitives::{exp_nonpos, Geom, BLOCK};
 
 /// Whether the CPU runs these kernels (AVX2, FMA and F16C), detected once.
@@ -605,68 +606,89 @@ token_block_for!(token_block_bf16, Bf16);
 /// Rows of `x` per matmul tile.
 const MR: usize = 4;
 
-/// `dst[i, j] = x_i · w_j` for rows `x[m, k]`, `w[n, k]`, each in the module's fixed dot order,
-/// so a row's result never depends on `m`. Blocks `w` so a block stays in cache over all rows.
+/// `out[i, j] = x_i · w_j` for the rows of `x` (`k` each) and the columns `j` of `out` (rows of
+/// `w`, `k` elements of `E` each, little-endian bytes), each in the module's fixed dot order, so
+/// an element's result never depends on the number of rows or on the block; 16-bit rows are
+/// widened exactly in registers, so a bf16 or f16 weight gives bitwise what its f32 expansion
+/// gives. Blocks `w` so a block stays in cache over all rows.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C ([`available`]). Lengths are asserted.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
-    assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n && k > 0);
+#[inline(always)]
+unsafe fn matmul<E: Elem>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
+    let cols = out.cols();
+    assert!(k > 0 && x.len() % k == 0 && w.len() >= cols.end * k * E::BYTES);
+    let m = x.len() / k;
     // About 256 KiB of w per block.
-    let nb = (65536 / k).max(3);
-    for j0 in (0..n).step_by(nb) {
-        let j1 = (j0 + nb).min(n);
+    let nb = (65536 * 4 / (k * E::BYTES)).max(3);
+    for j0 in cols.clone().step_by(nb) {
+        let j1 = (j0 + nb).min(cols.end);
         for i0 in (0..m).step_by(MR) {
             let rows = (m - i0).min(MR);
             // SAFETY: rows i0 .. i0 + rows of x and j0 .. j1 of w exist (asserted lengths).
             unsafe {
                 match rows {
-                    1 => matmul_tile::<1>(x, w, k, n, i0, j0, j1, dst),
-                    2 => matmul_tile::<2>(x, w, k, n, i0, j0, j1, dst),
-                    3 => matmul_tile::<3>(x, w, k, n, i0, j0, j1, dst),
-                    _ => matmul_tile::<4>(x, w, k, n, i0, j0, j1, dst),
+                    1 => matmul_tile::<E, 1>(x, w, k, i0, j0..j1, out),
+                    2 => matmul_tile::<E, 2>(x, w, k, i0, j0..j1, out),
+                    3 => matmul_tile::<E, 3>(x, w, k, i0, j0..j1, out),
+                    _ => matmul_tile::<E, 4>(x, w, k, i0, j0..j1, out),
                 }
             }
         }
     }
 }
 
-/// Rows `i0 .. i0 + H` of `x` against rows `j0 .. j1` of `w`.
+macro_rules! matmul_for {
+    ($name:ident, $elem:ty) => {
+        /// [`matmul`] for one weight element type, compiled for AVX2 + FMA + F16C.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA and F16C ([`available`]). Lengths are asserted.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(crate) unsafe fn $name(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
+            // SAFETY: forwarded contract.
+            unsafe { matmul::<$elem>(x, w, k, out) }
+        }
+    };
+}
+
+matmul_for!(matmul_f32, F32);
+matmul_for!(matmul_f16, F16);
+matmul_for!(matmul_bf16, Bf16);
+
+/// Rows `i0 .. i0 + H` of `x` against rows `js` of `w`, into `out`.
 ///
 /// # Safety
-/// Those rows must exist (`x`: `m × k`, `w`: `n × k`, `dst`: `m × n`); the CPU must have AVX2,
-/// FMA and F16C.
+/// The CPU must have AVX2, FMA and F16C. (Rows are sliced with bounds checks.)
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn matmul_tile<const H: usize>(
+unsafe fn matmul_tile<E: Elem, const H: usize>(
     x: &[f32],
-    w: &[f32],
+    w: &[u8],
     k: usize,
-    n: usize,
     i0: usize,
-    j0: usize,
-    j1: usize,
-    dst: &mut [f32],
+    js: std::ops::Range<usize>,
+    out: &mut ColumnBlock<'_>,
 ) {
     let a: [*const f32; H] = std::array::from_fn(|i| x[(i0 + i) * k..][..k].as_ptr());
-    let row = |j: usize| w[j * k..][..k].as_ptr().cast::<u8>();
-    let mut j = j0;
-    while j + 3 <= j1 {
-        // SAFETY: the x rows and the three w rows hold k f32 each (sliced); CPU per contract.
-        let t = unsafe { dot_tile::<F32, H, 3>(&a, [row(j), row(j + 1), row(j + 2)], k) };
+    let rb = k * E::BYTES;
+    let row = |j: usize| w[j * rb..][..rb].as_ptr();
+    let mut j = js.start;
+    while j + 3 <= js.end {
+        // SAFETY: the x rows hold k f32 and the three w rows k elements of E each (sliced); CPU
+        // per contract.
+        let t = unsafe { dot_tile::<E, H, 3>(&a, [row(j), row(j + 1), row(j + 2)], k) };
         for (p, t) in t.iter().enumerate() {
-            for h in 0..H {
-                dst[(i0 + h) * n + j + p] = t[h];
+            for (h, &v) in t.iter().enumerate() {
+                out.set(i0 + h, j + p, v);
             }
         }
         j += 3;
     }
-    while j < j1 {
+    while j < js.end {
         // SAFETY: as above, one w row.
-        let [t] = unsafe { dot_tile::<F32, H, 1>(&a, [row(j)], k) };
-        for h in 0..H {
-            dst[(i0 + h) * n + j] = t[h];
+        let [t] = unsafe { dot_tile::<E, H, 1>(&a, [row(j)], k) };
+        for (h, &v) in t.iter().enumerate() {
+            out.set(i0 + h, j, v);
         }
         j += 1;
     }
