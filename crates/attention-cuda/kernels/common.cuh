@@ -41,8 +41,9 @@ __device__ inline unsigned short kvs_f32_to_f16(float f) {
     unsigned int x = __float_as_uint(f);
     unsigned int sign = (x >> 16) & 0x8000u;
     unsigned int ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) { // inf or NaN (NaN stays a quiet NaN)
-        return (unsigned short)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x7f800000u) { // inf, or NaN: quiet, keeping the payload's top bits
+        unsigned int mant = ax & 0x7fffffu;
+        return (unsigned short)(sign | 0x7c00u | (mant ? 0x200u : 0u) | (mant >> 13));
     }
     if (ax >= 0x477ff000u) { // at or above 65520: rounds to infinity
         return (unsigned short)(sign | 0x7c00u);

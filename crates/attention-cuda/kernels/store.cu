@@ -5,6 +5,8 @@
 // most once (the host keeps the last write of a repeated slot), so blocks never race.
 
 // dst[slot_i] = kv(src[row_i] / scale) for every entry of the write list: one block per entry.
+// An inv_scale of 1 leaves values untouched (a multiply would quiet signalling NaNs, and f32
+// stores must keep the bits they are given).
 KVS_KERNEL void store_kv(const float* src, const unsigned int* writes, kv_t* dst,
                          unsigned int row_elems, float inv_scale) {
     unsigned int count = writes[0];
@@ -13,7 +15,7 @@ KVS_KERNEL void store_kv(const float* src, const unsigned int* writes, kv_t* dst
     const float* s = src + (size_t)row * row_elems;
     kv_t* d = dst + (size_t)slot * row_elems;
     for (unsigned int i = threadIdx.x; i < row_elems; i += blockDim.x) {
-        d[i] = kv_from_f32(s[i] * inv_scale);
+        d[i] = kv_from_f32(inv_scale == 1.0f ? s[i] : s[i] * inv_scale);
     }
 }
 
