@@ -38,6 +38,8 @@
 //! test run the shared suite from `attention::conformance`.
 
 pub mod backend;
+#[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
+pub mod cudarc_device;
 pub mod device;
 pub mod geometry;
 pub mod kernels;
@@ -50,6 +52,8 @@ pub mod store;
 pub mod tensor;
 
 pub use backend::{CudaBackend, CudaConfig, CudaPlan};
+#[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
+pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
 pub use device::{Device, KernelArg, LaunchConfig};
 pub use specs::{Source, Spec};
 pub use store::CudaKvStore;

@@ -21,15 +21,13 @@ pub fn available() -> Result<(), String> {
 }
 
 /// Compiles `spec` to PTX for `arch` (an NVRTC `--gpu-architecture` value such as
-/// `"compute_90"`); `Err` carries NVRTC's log. Call only after [`available`] returned `Ok`.
-pub fn compile(spec: &Spec, arch: &'static str) -> Result<String, String> {
+/// `"compute_90"`); `Err` carries NVRTC's log. Checks [`available`] first.
+pub fn compile(spec: &Spec, arch: &str) -> Result<cudarc::nvrtc::Ptx, String> {
     available()?;
     let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(arch),
-        options: vec!["--std=c++17".into()],
+        options: vec!["--std=c++17".into(), format!("--gpu-architecture={arch}")],
         ..Default::default()
     };
     cudarc::nvrtc::compile_ptx_with_opts(source_text(spec), opts)
-        .map(|ptx| ptx.to_src())
         .map_err(|e| format!("{}: {e:?}", spec.name()))
 }
