@@ -68,6 +68,12 @@ inline unsigned int __float_as_uint(float f) {
     return x;
 }
 
+inline long long __double_as_longlong(double d) {
+    long long x;
+    memcpy(&x, &d, sizeof x);
+    return x;
+}
+
 template <class T>
 inline T __shfl_xor_sync(unsigned int /*mask*/, T v, int lane_mask) {
     static_assert(sizeof(T) <= sizeof(uint64_t), "shuffled values are at most 8 bytes");

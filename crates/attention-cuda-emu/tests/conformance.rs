@@ -1,6 +1,6 @@
 //! The shared conformance suite from `attention` on `CudaBackend<EmuDevice>`: attention-cuda's
-//! kernels, compiled for the CPU, against the f64 reference. Cases without kernels yet (fp8
-//! stores, MLA, DoubleSparse) are skipped with their reason through `Backend::kv_support`.
+//! kernels, compiled for the CPU, against the f64 reference. Cases without kernels yet (MLA,
+//! DoubleSparse) are skipped with their reason through `Backend::kv_support`.
 
 use attention::conformance::{self, AttentionCase, CaseKind, SuiteSize};
 use attention::Backend;
@@ -34,11 +34,10 @@ fn emu_attention_conformance_quick() {
     };
     let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
     report(&outcomes);
-    // Every MHA case over an f32, f16 or bf16 store has kernels, so it must have run.
+    // Every MHA case has kernels (every store dtype), so it must have run.
     let runnable = conformance::attention_cases(SuiteSize::Quick)
         .iter()
         .filter(|c| matches!(c.kind, CaseKind::Mha { .. }))
-        .filter(|c| matches!(c.dtype, KvDtype::F32 | KvDtype::F16 | KvDtype::Bf16))
         .count();
     let ran = outcomes.iter().filter(|o| o.skipped.is_none()).count();
     println!("{ran} of {} cases ran", outcomes.len());
@@ -46,19 +45,24 @@ fn emu_attention_conformance_quick() {
 }
 
 /// The quick suite gives each shape and page size two dtypes in rotation; here every MHA case
-/// runs over f32, f16 and bf16 stores.
+/// runs over the other three store dtypes too.
 #[test]
 fn emu_attention_conformance_every_mha_shape_and_dtype() {
     let Some(b) = backend("emu_attention_every_mha_shape", CudaConfig::default()) else {
         return;
     };
-    let mut seen = std::collections::HashSet::new();
+    // The quick suite's own cases run in emu_attention_conformance_quick.
+    let mut seen: std::collections::HashSet<String> =
+        conformance::attention_cases(SuiteSize::Quick)
+            .iter()
+            .map(|c| format!("{c}"))
+            .collect();
     let mut outcomes = Vec::new();
     for case in conformance::attention_cases(SuiteSize::Quick) {
         if !matches!(case.kind, CaseKind::Mha { .. }) {
             continue;
         }
-        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+        for dtype in KvDtype::ALL {
             let case = AttentionCase {
                 dtype,
                 ..case.clone()
@@ -99,8 +103,12 @@ fn unsupported_stores_are_announced() {
     let Some(b) = backend("unsupported_stores_are_announced", CudaConfig::default()) else {
         return;
     };
-    let fp8 = kv_pool::KvShape::mha(2, 64, 64, 1, KvDtype::Fp8E4m3).unwrap();
-    assert!(b.kv_support(&fp8).unwrap_err().contains("fp8"));
+    for dtype in KvDtype::ALL {
+        let mha = kv_pool::KvShape::mha(2, 64, 64, 1, dtype).unwrap();
+        assert_eq!(b.kv_support(&mha), Ok(()));
+    }
+    let ds = kv_pool::KvShape::double_sparse(2, 64, 64, 8, 1, KvDtype::F16).unwrap();
+    assert!(b.kv_support(&ds).unwrap_err().contains("DoubleSparse"));
     let mla = kv_pool::KvShape::mla(32, 16, 1, KvDtype::F16).unwrap();
     assert!(b.kv_support(&mla).unwrap_err().contains("MLA"));
     let odd = kv_pool::KvShape::mha(2, 72, 72, 1, KvDtype::F16).unwrap();

@@ -1,7 +1,8 @@
 //! The device KV store (`CudaKvStore` over the emulated device) against kv-pool's host store:
 //! the same operations leave the same bytes (raw rows and the canonical packed pages), bad
 //! input gets the same typed errors, and the `store_kv` kernel that attention writes new
-//! tokens with rounds to f16 / bf16 exactly as kv-pool's encoder does.
+//! tokens with rounds to f16 / bf16 / fp8 (with the layer's scales) exactly as kv-pool's
+//! encoder does.
 
 use attention::{AttentionParams, Backend, BatchMetadata, RequestKv};
 use attention_cuda::{CudaBackend, CudaConfig, CudaKvStore};
@@ -53,6 +54,9 @@ fn dump(s: &dyn KvStore) -> Vec<u8> {
 fn same_ops(backend: &CudaBackend<EmuDevice>, layout: KvLayout, rng: &mut SplitMix64) {
     let mut host = HostKvStore::new(layout).unwrap();
     let mut dev: Store = backend.new_kv_store(layout).unwrap();
+    host.set_scales(1, 0.5, 3.0).unwrap();
+    dev.set_scales(1, 0.5, 3.0).unwrap();
+    assert_eq!(dev.scales(1), Ok((0.5, 3.0)));
     let shape = layout.shape;
     let rows = layout.rows() as u32;
     let check = |host: &HostKvStore, dev: &Store, what: &str| {
@@ -107,7 +111,7 @@ fn device_store_matches_host_store() {
         return;
     };
     let mut rng = SplitMix64::new(11);
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+    for dtype in KvDtype::ALL {
         for shape in [
             KvShape::mha(1, 3, 3, 2, dtype).unwrap(),
             KvShape::mha(2, 8, 4, 2, dtype).unwrap(),
@@ -200,6 +204,18 @@ fn rounding_values(n: usize, rng: &mut SplitMix64) -> Vec<f32> {
         f32::MIN_POSITIVE,
         1e-40,
         f32::MAX,
+        448.0,
+        464.0,
+        -500.0,
+        57344.0,
+        61440.0,
+        0.001_953_125,
+        0.000_976_562_5,
+        0.002_929_687_5,
+        1.0625,
+        1.1875,
+        1.125,
+        1.375,
     ];
     let mut out: Vec<f32> = special.iter().copied().cycle().take(n.min(64)).collect();
     while out.len() < n {
@@ -216,12 +232,15 @@ fn store_kv_kernel_rounds_like_the_host_encoder() {
         return;
     };
     let mut rng = SplitMix64::new(23);
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+    for dtype in KvDtype::ALL {
         let (heads, d) = (2usize, 64usize);
         let shape = KvShape::mha(heads as u32, d as u32, d as u32, 1, dtype).unwrap();
         let layout = KvLayout::new(shape, 1, 64).unwrap();
         let mut host = HostKvStore::new(layout).unwrap();
         let mut dev: Store = backend.new_kv_store(layout).unwrap();
+        // fp8 divides by the scales before rounding (other dtypes ignore them).
+        host.set_scales(0, 0.75, 1.0 / 3.0).unwrap();
+        dev.set_scales(0, 0.75, 1.0 / 3.0).unwrap();
         let s = slots(&[9, 4, 30, 31, 2, 17, 5, 60]);
         let n = s.len();
         let k = rounding_values(n * heads * d, &mut rng);

@@ -3,9 +3,9 @@
 // hipRTC and the CPU emulation (attention-cuda-emu) all compile: no cooperative groups, no inline
 // PTX, no CUDA headers; the warp size is a compile-time constant.
 //
-// KV_DTYPE (when a source is specialised by it): 0 f32, 1 f16, 2 bf16 (16-bit types are stored
-// as their IEEE / bfloat16 bit patterns, converted here with round-to-nearest-even exactly as the
-// host store does).
+// KV_DTYPE (when a source is specialised by it): 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3, 4 fp8 e5m2
+// (stored as their bit patterns, converted here with round-to-nearest-even exactly as the host
+// store does; fp8 saturates).
 
 #ifndef WARP_SIZE
 #define WARP_SIZE 32
@@ -68,6 +68,69 @@ __device__ inline unsigned short kvs_f32_to_bf16(float f) {
     return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+// fp8 e4m3 ("fn": no infinities, 0x7f / 0xff are NaN) to f32, exactly.
+__device__ inline float kvs_e4m3_to_f32(unsigned char b) {
+    unsigned int sign = ((unsigned int)b & 0x80u) << 24;
+    unsigned int exp = ((unsigned int)b >> 3) & 0xfu;
+    unsigned int mant = (unsigned int)b & 0x7u;
+    if ((b & 0x7fu) == 0x7fu) {
+        return __uint_as_float(0x7fc00000u);
+    }
+    if (exp == 0) {
+        float f = (float)mant * 0.001953125f; // mant × 2^-9 (zero or subnormal)
+        return sign ? -f : f;
+    }
+    return __uint_as_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+// f32 to fp8, rounded to nearest even and saturating to ±max (NaN stays NaN): kv-pool's
+// encoder, which clamps and then converts as CUDA's __nv_cvt_double_to_fp8 with SATFINITE
+// (the float8 crate ports the same routine; this is that routine on the exact double).
+__device__ inline unsigned char kvs_f32_to_fp8(float f, float max, int e4m3) {
+    if (f == f) {
+        f = fminf(fmaxf(f, -max), max);
+    }
+    unsigned long long xbits = (unsigned long long)__double_as_longlong((double)f);
+    unsigned char maxnorm = e4m3 ? 0x7e : 0x7b;
+    unsigned char mant_mask = e4m3 ? 0x7 : 0x3;
+    unsigned int bias = e4m3 ? 7u : 15u;
+    unsigned long long sig_bits = e4m3 ? 4ull : 3ull;
+    unsigned long long mindenorm_o2 = e4m3 ? 0x3F50000000000000ull : 0x3EE0000000000000ull;
+    unsigned long long overflow = e4m3 ? 0x407D000000000000ull : 0x40EE000000000000ull - 1ull;
+    unsigned long long minnorm = e4m3 ? 0x3F90000000000000ull : 0x3F10000000000000ull;
+    unsigned long long half_ulp = 1ull << (53ull - sig_bits - 1ull);
+    unsigned char sign = (unsigned char)((xbits >> 63) << 7);
+    unsigned char exp =
+        (unsigned char)((((unsigned int)(xbits >> 52) & 0x7ffu) - 1023u + bias) & 0xffu);
+    unsigned char mant = (unsigned char)((xbits >> (53ull - sig_bits)) & mant_mask);
+    unsigned long long absx = xbits & 0x7FFFFFFFFFFFFFFFull;
+    unsigned char res;
+    if (absx <= mindenorm_o2) {
+        res = 0;
+    } else if (absx > 0x7FF0000000000000ull) {
+        res = e4m3 ? 0x7f : (unsigned char)(0x7e | mant);
+    } else if (absx > overflow) {
+        res = maxnorm;
+    } else if (absx >= minnorm) {
+        res = (unsigned char)((exp << (sig_bits - 1ull)) | mant);
+        unsigned long long round = xbits & ((half_ulp << 1) - 1ull);
+        if (round > half_ulp || (round == half_ulp && (mant & 1u))) {
+            res = (unsigned char)(res + 1);
+        }
+    } else {
+        unsigned char shift = (unsigned char)(1u - exp);
+        unsigned char m = (unsigned char)(mant | (1u << (sig_bits - 1ull)));
+        res = (unsigned char)(m >> shift);
+        unsigned long long round =
+            (xbits | (1ull << 52)) & ((half_ulp << ((unsigned long long)shift + 1ull)) - 1ull);
+        unsigned long long half = half_ulp << (unsigned long long)shift;
+        if (round > half || (round == half && (res & 1u))) {
+            res = (unsigned char)(res + 1);
+        }
+    }
+    return (unsigned char)(res | sign);
+}
+
 #if defined(KV_DTYPE)
 #if KV_DTYPE == 0
 typedef float kv_t;
@@ -81,8 +144,24 @@ __device__ inline kv_t kv_from_f32(float f) { return kvs_f32_to_f16(f); }
 typedef unsigned short kv_t;
 __device__ inline float kv_load(const kv_t* p, unsigned int i) { return kvs_bf16_to_f32(p[i]); }
 __device__ inline kv_t kv_from_f32(float f) { return kvs_f32_to_bf16(f); }
+#elif KV_DTYPE == 3 || KV_DTYPE == 4
+typedef unsigned char kv_t;
+__device__ inline float kv_load(const kv_t* p, unsigned int i) {
+#if KV_DTYPE == 3
+    return kvs_e4m3_to_f32(p[i]);
 #else
-#error "KV_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
+    return kvs_f16_to_f32((unsigned short)((unsigned short)p[i] << 8));
+#endif
+}
+__device__ inline kv_t kv_from_f32(float f) {
+#if KV_DTYPE == 3
+    return kvs_f32_to_fp8(f, 448.0f, 1);
+#else
+    return kvs_f32_to_fp8(f, 57344.0f, 0);
+#endif
+}
+#else
+#error "KV_DTYPE must be 0 (f32), 1 (f16), 2 (bf16), 3 (fp8 e4m3) or 4 (fp8 e5m2)"
 #endif
 #endif
 

@@ -4,18 +4,18 @@
 // row_0 .. row_{count-1}]: row row_i of a compact source goes to slot slot_i. A slot appears at
 // most once (the host keeps the last write of a repeated slot), so blocks never race.
 
-// dst[slot_i] = kv(src[row_i] / scale) for every entry of the write list: one block per entry.
-// An inv_scale of 1 leaves values untouched (a multiply would quiet signalling NaNs, and f32
-// stores must keep the bits they are given).
+// dst[slot_i] = kv(src[row_i] / scale) for every entry of the write list: one block per entry
+// (the host passes scale 1 except for fp8). A scale of 1 leaves values untouched (a division
+// would quiet signalling NaNs, and f32 stores must keep the bits they are given).
 KVS_KERNEL void store_kv(const float* src, const unsigned int* writes, kv_t* dst,
-                         unsigned int row_elems, float inv_scale) {
+                         unsigned int row_elems, float scale) {
     unsigned int count = writes[0];
     unsigned int slot = writes[1 + blockIdx.x];
     unsigned int row = writes[1 + count + blockIdx.x];
     const float* s = src + (size_t)row * row_elems;
     kv_t* d = dst + (size_t)slot * row_elems;
     for (unsigned int i = threadIdx.x; i < row_elems; i += blockDim.x) {
-        d[i] = kv_from_f32(inv_scale == 1.0f ? s[i] : s[i] * inv_scale);
+        d[i] = kv_from_f32(scale == 1.0f ? s[i] : s[i] / scale);
     }
 }
 

@@ -370,7 +370,7 @@ impl<D: Device> Backend for CudaBackend<D> {
                     KernelArg::Buf(&plan.writes),
                     KernelArg::Buf(store.buffer(layer, buffer)),
                     KernelArg::U32(dim("row", layout.shape.row_elems(buffer))?),
-                    KernelArg::F32(1.0 / scale),
+                    KernelArg::F32(scale),
                 ],
             )?;
         }

@@ -73,6 +73,18 @@ pub struct CudaReport {
     pub total_bytes: usize,
 }
 
+impl fmt::Display for CudaReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (major, minor) = self.compute_capability;
+        write!(
+            f,
+            "{} (compute capability {major}.{minor}, {:.1} GiB)",
+            self.name,
+            self.total_bytes as f64 / (1u64 << 30) as f64
+        )
+    }
+}
+
 /// An NVIDIA GPU (see the [module docs](self)).
 pub struct CudarcDevice {
     ctx: Arc<CudaContext>,

@@ -7,7 +7,7 @@
 //! log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
 //!
 //! - [`kernels`]: the `.cu` sources under `kernels/` (embedded), specialised by `#define`s
-//!   (store dtype, head dim, page-size family) into the [`Spec`]s of [`specs`]; every
+//!   (store dtype f32/f16/bf16/fp8, head dim, page-size family) into the [`Spec`]s of [`specs`]; every
 //!   specialisation is compiled to PTX by NVRTC in CI (feature `cuda`, [`nvrtc`]).
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
 //!   copies, and launches by specialisation and kernel name. The CPU emulation
@@ -24,10 +24,11 @@
 //!   plan's `out_cache_loc`, then reads every position back from the store.
 //! - Bad input is a typed error, checked on the host with [`attention::check`] and
 //!   [`kv_pool::store::check`] before anything is launched; store dtypes and attention kinds
-//!   without kernels (fp8, MLA, DoubleSparse, head dims outside [`kernels::SPEC_HEAD_DIMS`]) are
+//!   without kernels (MLA, DoubleSparse, head dims outside [`kernels::SPEC_HEAD_DIMS`]) are
 //!   typed `Unsupported` errors, announced by [`Backend::kv_support`](attention::Backend::kv_support).
-//! - Stored bytes equal [`kv_pool::HostKvStore`]'s: the kernels round f32 to f16/bf16 to
-//!   nearest even, as kv-pool's encoder does.
+//! - Stored bytes equal [`kv_pool::HostKvStore`]'s: the kernels round f32 to f16, bf16 and
+//!   fp8 (e4m3, e5m2; saturating, with the layer's scales) to nearest even, as kv-pool's
+//!   encoder does.
 //! - The crate builds with no features and no CUDA anywhere; the `cuda` feature adds cudarc
 //!   with dynamic loading, whose libraries are checked with `is_culib_present()` before any
 //!   call (cudarc's loader panics otherwise).

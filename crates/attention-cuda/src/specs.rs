@@ -53,8 +53,8 @@ pub struct Spec {
     pub defines: Vec<(&'static str, u32)>,
 }
 
-/// `KV_DTYPE` values: 0 f32, 1 f16, 2 bf16.
-pub const SPEC_KV_DTYPES: [u32; 3] = [0, 1, 2];
+/// `KV_DTYPE` values: 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3, 4 fp8 e5m2.
+pub const SPEC_KV_DTYPES: [u32; 5] = [0, 1, 2, 3, 4];
 /// `HEAD_DIM` values the attention kernel is compiled for (`V_HEAD_DIM` equal to it).
 pub const SPEC_HEAD_DIMS: [u32; 4] = [64, 96, 128, 256];
 /// `PAGE_FAMILY` values: 0 page size 1, 1 a power of two, 2 any.
