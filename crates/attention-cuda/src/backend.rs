@@ -41,6 +41,17 @@ pub struct CudaBackend<D: Device> {
     config: CudaConfig,
 }
 
+/// A clone shares the device (its memory, kernels and stream), so tensors and stores of one
+/// clone are valid on the others.
+impl<D: Device> Clone for CudaBackend<D> {
+    fn clone(&self) -> Self {
+        CudaBackend {
+            device: Arc::clone(&self.device),
+            config: self.config,
+        }
+    }
+}
+
 impl<D: Device> fmt::Debug for CudaBackend<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaBackend")
