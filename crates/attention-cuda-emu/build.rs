@@ -74,6 +74,25 @@ fn main() {
          return -2;\n}}\n"
     )
     .unwrap();
+    // The emulator's own test kernels, as one more specialisation named "selftest".
+    let selftest = format!(
+        "#include \"emu.h\"\nnamespace kvs_selftest {{\n#include \"{}\"\n#include \"{}\"\n}}\n\
+         #include <string.h>\nextern \"C\" int kvs_emu_selftest(const char* kernel, const \
+         unsigned int* grid, unsigned int block, void** params, unsigned int nparams) {{\n{}    \
+         return -1;\n}}\n",
+        kernels.join("common.cuh").display(),
+        emu.join("selftest.cu").display(),
+        ["shfl_xor_table", "block_reduce", "mismatched_barriers"]
+            .iter()
+            .map(|k| format!(
+                "    if (strcmp(kernel, \"{k}\") == 0) return kvs_emu::launch(&kvs_selftest::{k}, \
+                 grid, block, params, nparams);\n"
+            ))
+            .collect::<String>()
+    );
+    let selftest_file = out.join("kvs_emu_selftest.cpp");
+    std::fs::write(&selftest_file, selftest).unwrap();
+    build.file(&selftest_file);
     let dispatch_file = out.join("kvs_emu_dispatch.cpp");
     std::fs::write(&dispatch_file, dispatch).unwrap();
     build.file(&dispatch_file);

@@ -75,6 +75,13 @@ extern "C" {
         params: *mut *mut c_void,
         nparams: u32,
     ) -> c_int;
+    fn kvs_emu_selftest(
+        kernel: *const c_char,
+        grid: *const u32,
+        block: u32,
+        params: *mut *mut c_void,
+        nparams: u32,
+    ) -> c_int;
 }
 
 impl EmuDevice {
@@ -152,27 +159,48 @@ impl Device for EmuDevice {
         cfg: LaunchConfig,
         args: &[KernelArg<'_, EmuBuffer>],
     ) -> Result<()> {
-        let mut values: Vec<u64> = args
-            .iter()
-            .map(|a| match a {
-                KernelArg::Buf(b) => b.ptr.as_ptr() as u64,
-                KernelArg::U32(x) => u64::from(*x),
-                KernelArg::F32(x) => u64::from(x.to_bits()),
-            })
-            .collect();
-        launch_compiled(spec, kernel, cfg, &mut values)
+        launch_compiled(Some(spec), kernel, cfg, &mut values(args))
+    }
+}
+
+fn values(args: &[KernelArg<'_, EmuBuffer>]) -> Vec<u64> {
+    args.iter()
+        .map(|a| match a {
+            KernelArg::Buf(b) => b.ptr.as_ptr() as u64,
+            KernelArg::U32(x) => u64::from(*x),
+            KernelArg::F32(x) => u64::from(x.to_bits()),
+        })
+        .collect()
+}
+
+impl EmuDevice {
+    /// Launches one of the emulator's own test kernels (`emu/selftest.cu`: `shfl_xor_table`,
+    /// `block_reduce`, `mismatched_barriers`), for the tests of the emulation itself.
+    pub fn launch_selftest(
+        &self,
+        kernel: &str,
+        cfg: LaunchConfig,
+        args: &[KernelArg<'_, EmuBuffer>],
+    ) -> Result<()> {
+        launch_compiled(None, kernel, cfg, &mut values(args))
     }
 }
 
 /// Calls the CPU-compiled kernel with cuLaunchKernel's convention: `params[i]` points at the
 /// i-th argument's value (pointers as 8 bytes, `u32` and `f32` in the low 4 bytes of a
-/// little-endian word).
+/// little-endian word). `spec: None` launches a self-test kernel.
 #[cfg(not(kvs_emu_missing))]
-fn launch_compiled(spec: &Spec, kernel: &str, cfg: LaunchConfig, values: &mut [u64]) -> Result<()> {
+fn launch_compiled(
+    spec: Option<&Spec>,
+    kernel: &str,
+    cfg: LaunchConfig,
+    values: &mut [u64],
+) -> Result<()> {
     let c = |s: &str| {
         CString::new(s).map_err(|_| AttentionError::Device(format!("bad kernel name {s:?}")))
     };
-    let (spec_name, kernel_name) = (c(&spec.name())?, c(kernel)?);
+    let name = spec.map_or_else(|| "selftest".to_string(), Spec::name);
+    let (spec_name, kernel_name) = (c(&name)?, c(kernel)?);
     let mut params: Vec<*mut c_void> = values
         .iter_mut()
         .map(|v| v as *mut u64 as *mut c_void)
@@ -182,14 +210,23 @@ fn launch_compiled(spec: &Spec, kernel: &str, cfg: LaunchConfig, values: &mut [u
     // arguments point at live allocations the backend sized for the launch; the kernel reads
     // and writes only through them.
     let rc = unsafe {
-        kvs_emu_launch(
-            spec_name.as_ptr(),
-            kernel_name.as_ptr(),
-            cfg.grid.as_ptr(),
-            cfg.block,
-            params.as_mut_ptr(),
-            params.len() as u32,
-        )
+        match spec {
+            Some(_) => kvs_emu_launch(
+                spec_name.as_ptr(),
+                kernel_name.as_ptr(),
+                cfg.grid.as_ptr(),
+                cfg.block,
+                params.as_mut_ptr(),
+                params.len() as u32,
+            ),
+            None => kvs_emu_selftest(
+                kernel_name.as_ptr(),
+                cfg.grid.as_ptr(),
+                cfg.block,
+                params.as_mut_ptr(),
+                params.len() as u32,
+            ),
+        }
     };
     let what = match rc {
         0 => return Ok(()),
@@ -201,18 +238,15 @@ fn launch_compiled(spec: &Spec, kernel: &str, cfg: LaunchConfig, values: &mut [u
         _ => "an unknown failure",
     };
     Err(AttentionError::Device(format!(
-        "cuda-emu: launching {kernel} of {} with grid {:?} block {}: {what}",
-        spec.name(),
-        cfg.grid,
-        cfg.block
+        "cuda-emu: launching {kernel} of {name} with grid {:?} block {}: {what}",
+        cfg.grid, cfg.block
     )))
 }
 
 #[cfg(kvs_emu_missing)]
-fn launch_compiled(spec: &Spec, kernel: &str, _: LaunchConfig, _: &mut [u64]) -> Result<()> {
+fn launch_compiled(_: Option<&Spec>, kernel: &str, _: LaunchConfig, _: &mut [u64]) -> Result<()> {
     Err(AttentionError::Device(format!(
-        "cuda-emu: cannot launch {kernel} of {}: {}",
-        spec.name(),
+        "cuda-emu: cannot launch {kernel}: {}",
         env!("KVS_EMU_MISSING")
     )))
 }
