@@ -14,7 +14,7 @@ pub enum BackendKind {
     Cpu,
     /// `crates/attention-wgpu`: Vulkan, Metal, DX12 or GL through wgpu (feature `wgpu`).
     Wgpu,
-    /// CUDA (feature `cuda`; not written yet).
+    /// `crates/attention-cuda` on an NVIDIA GPU through cudarc (feature `cuda`, or `cuda-13`).
     Cuda,
 }
 
@@ -31,12 +31,12 @@ impl BackendKind {
         }
     }
 
-    /// The engine's Cargo feature that compiles it (`None`: always there, or, for a backend
-    /// that is never compiled, not written yet).
+    /// The engine's Cargo feature that compiles it (`None`: always there).
     pub fn feature(self) -> Option<&'static str> {
         match self {
-            BackendKind::Cpu | BackendKind::Cuda => None,
+            BackendKind::Cpu => None,
             BackendKind::Wgpu => Some("wgpu"),
+            BackendKind::Cuda => Some("cuda"),
         }
     }
 
@@ -46,7 +46,7 @@ impl BackendKind {
         match self {
             BackendKind::Cpu => true,
             BackendKind::Wgpu => cfg!(feature = "wgpu"),
-            BackendKind::Cuda => false,
+            BackendKind::Cuda => cfg!(any(feature = "cuda", feature = "cuda-13")),
         }
     }
 

@@ -208,6 +208,8 @@ fn model_on<B: Backend>(
 
 /// Defines the stand-in of a backend whose feature is off: it cannot be built (its constructor
 /// answers [`crate::error::NotCompiled`]) and, were one to exist, every method would answer the same.
+// Unused in a build with every backend compiled in.
+#[allow(unused_macros)]
 macro_rules! not_compiled_backend {
     ($name:ident, $kind:expr) => {
         /// The stand-in for a backend this build lacks.
@@ -256,7 +258,28 @@ impl BuildRunner for WgpuRunner {
 
 #[cfg(not(feature = "wgpu"))]
 not_compiled_backend!(WgpuRunner, BackendKind::Wgpu);
-// The CUDA backend is not written yet: a stand-in in every build.
+/// The model on the CUDA backend (device 0).
+#[cfg(any(feature = "cuda", feature = "cuda-13"))]
+pub type CudaRunner = ModelRunner<attention_cuda::CudaBackend<attention_cuda::CudarcDevice>>;
+
+#[cfg(any(feature = "cuda", feature = "cuda-13"))]
+impl BuildRunner for CudaRunner {
+    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+        let device = attention_cuda::CudarcDevice::new(0)
+            .map_err(|e| EngineError::arg("--backend", format!("cuda: {e}")))?;
+        let backend = attention_cuda::CudaBackend::new(device, Default::default());
+        runner_on(backend, setup, capacity)
+    }
+
+    fn probe() -> Option<String> {
+        Some(match attention_cuda::CudarcDevice::new(0) {
+            Ok(d) => d.report().to_string(),
+            Err(e) => format!("none: {e}"),
+        })
+    }
+}
+
+#[cfg(not(any(feature = "cuda", feature = "cuda-13")))]
 not_compiled_backend!(CudaRunner, BackendKind::Cuda);
 
 /// Everything a component choice can name in this build, for `kvserve info` and for error

@@ -1,0 +1,125 @@
+// The CUDA emulation header: compiles kvserve's .cu kernel sources for the CPU with g++
+// (C++20), so tests execute the kernels' logic without a GPU.
+//
+// A launch runs the grid's blocks one after another on the calling OS thread. The threads of a
+// block are fibers (user-mode stacks switched by kvs_emu_switch in runtime.cpp), run in turn
+// until each reaches a barrier: __syncthreads() is a block-wide barrier, and a warp shuffle is
+// a per-warp barrier over a scratch row (double-buffered, so one barrier per shuffle). Because
+// blocks run one at a time and every fiber of a launch shares the OS thread, __shared__ arrays
+// are static thread_local storage. What this cannot check: the memory model (fibers switch
+// only at barriers, so races the barriers hide stay hidden) and speed.
+//
+// Included before a kernel source's #defines, common.cuh and the source itself; those go inside
+// a namespace per specialisation (see the crate's build.rs), so this header's names are global.
+#pragma once
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <type_traits>
+#include <utility>
+
+struct dim3 {
+    unsigned int x, y, z;
+};
+
+extern thread_local dim3 kvs_emu_thread_idx;
+extern thread_local dim3 kvs_emu_block_idx;
+extern thread_local dim3 kvs_emu_block_dim;
+extern thread_local dim3 kvs_emu_grid_dim;
+
+#define threadIdx kvs_emu_thread_idx
+#define blockIdx kvs_emu_block_idx
+#define blockDim kvs_emu_block_dim
+#define gridDim kvs_emu_grid_dim
+
+#define __global__
+#define __device__
+#define __shared__ static thread_local
+#define KVS_KERNEL
+#define WARP_SIZE 32
+
+// The block-wide barrier of the calling fiber's block.
+void kvs_emu_syncthreads();
+// The barrier of the calling fiber's warp.
+void kvs_emu_warp_sync();
+// The scratch row (WARP_SIZE words) of the calling fiber's warp for its next shuffle, and its
+// lane.
+uint64_t* kvs_emu_shfl_row(unsigned int* lane);
+
+#define __syncthreads() kvs_emu_syncthreads()
+
+inline float __int_as_float(int x) {
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+inline float __int_as_float(unsigned int x) { return __int_as_float((int)x); }
+inline float __uint_as_float(unsigned int x) {
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+inline unsigned int __float_as_uint(float f) {
+    unsigned int x;
+    memcpy(&x, &f, sizeof x);
+    return x;
+}
+
+inline long long __double_as_longlong(double d) {
+    long long x;
+    memcpy(&x, &d, sizeof x);
+    return x;
+}
+
+template <class T>
+inline T __shfl_xor_sync(unsigned int /*mask*/, T v, int lane_mask) {
+    static_assert(sizeof(T) <= sizeof(uint64_t), "shuffled values are at most 8 bytes");
+    unsigned int lane;
+    uint64_t* row = kvs_emu_shfl_row(&lane);
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    row[lane] = bits;
+    kvs_emu_warp_sync();
+    T r;
+    memcpy(&r, &row[(lane ^ (unsigned int)lane_mask) % WARP_SIZE], sizeof(T));
+    return r;
+}
+
+namespace kvs_emu {
+
+using Entry = void (*)(void*);
+
+// Runs `entry(ctx)` as every thread of every block of the grid. 0 on success; -3 when the
+// threads of a block wait on barriers that can never complete (divergent __syncthreads);
+// -4 for an empty grid or a block of 0 or more than 1024 threads; -5 when the launch passes a
+// different number of arguments than the kernel takes.
+int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx);
+
+template <class... A, size_t... I>
+void call(void (*kernel)(A...), void** params, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_cv_t<A>*>(params[I])...);
+}
+
+// cuLaunchKernel's convention: params[i] points at the value of the kernel's i-th parameter.
+template <class... A>
+int launch(void (*kernel)(A...), const unsigned int* grid, unsigned int block, void** params,
+           unsigned int nparams) {
+    if (nparams != sizeof...(A)) {
+        return -5;
+    }
+    struct Ctx {
+        void (*kernel)(A...);
+        void** params;
+    } ctx{kernel, params};
+    return run(grid, block,
+               [](void* c) {
+                   Ctx* x = static_cast<Ctx*>(c);
+                   call(x->kernel, x->params, std::index_sequence_for<A...>{});
+               },
+               &ctx);
+}
+
+}  // namespace kvs_emu

@@ -1,0 +1,37 @@
+// Kernels that test the emulator itself (not part of the backend): warp shuffles against their
+// definition, block reductions across warps, and a barrier mismatch the scheduler must report
+// instead of hanging. Compiled over emu.h and common.cuh like the backend's sources.
+
+// out[i] = in[i ^ mask within the warp] for every mask, one row of blockDim.x per mask.
+KVS_KERNEL void shfl_xor_table(const float* in, float* out) {
+    const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const float v = in[i];
+    for (int m = 0; m < WARP_SIZE; ++m) {
+        out[(size_t)m * gridDim.x * blockDim.x + i] = KVS_SHFL_XOR(v, m);
+    }
+}
+
+// out[b] = the sum and out[gridDim.x + b] = the max of block b's inputs, through
+// kvs_block_sum / kvs_block_max (shuffles, shared memory, barriers).
+KVS_KERNEL void block_reduce(const float* in, float* out) {
+    __shared__ float red[1024 / WARP_SIZE];
+    const float v = in[blockIdx.x * blockDim.x + threadIdx.x];
+    const float s = kvs_block_sum(v, red);
+    const float m = kvs_block_max(v, red);
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = s;
+        out[gridDim.x + blockIdx.x] = m;
+    }
+}
+
+// Lane 0 waits at the block barrier while the rest of its warp waits on a shuffle that needs
+// lane 0: no barrier can ever complete (undefined on a GPU; the emulator must say so).
+KVS_KERNEL void mismatched_barriers(float* out) {
+    float v = (float)threadIdx.x;
+    if (threadIdx.x % WARP_SIZE == 0) {
+        __syncthreads();
+    } else {
+        v = KVS_SHFL_XOR(v, 1);
+    }
+    out[threadIdx.x] = v;
+}

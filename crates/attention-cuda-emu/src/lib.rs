@@ -1,0 +1,267 @@
+//! # attention-cuda-emu — attention-cuda's kernels executed on the CPU (tests only)
+//!
+//! [`EmuDevice`] implements [`attention_cuda::Device`] by running the very `.cu` sources the
+//! GPU runs, compiled for the CPU by this crate's build script with g++ (C++20) over
+//! `emu/emu.h`: a launch runs the grid's blocks one after another, a block's threads as fibers
+//! switched at barriers, `__syncthreads` as a block barrier, warp shuffles through a per-warp
+//! scratch row and barrier, `__shared__` as thread-local static storage. Device memory is host
+//! memory. So `CudaBackend<EmuDevice>` runs the shared conformance suite against the f64
+//! reference with the backend's real planning and launch code, without a GPU.
+//!
+//! ## Invariants
+//! - The kernels are compiled unchanged: every specialisation of `attention_cuda::specs`,
+//!   from the same files NVRTC compiles; only the header around them differs.
+//! - Launches are checked before they run: an unknown specialisation or kernel, an argument
+//!   count other than the kernel's, an empty grid or an oversized block is a typed `Device`
+//!   error, as is a block whose threads wait on barriers that can never complete.
+//! - Without a C++ compiler at build time the crate still builds; [`EmuDevice::new`] then
+//!   returns why, and tests skip with that reason unless `KVSERVE_REQUIRE_CUDA_EMU=1`.
+//! - What emulation cannot check: the GPU memory model (threads switch only at barriers, so a
+//!   missing barrier can go unnoticed) and speed. Out-of-bounds accesses are not trapped.
+//!
+//! ## Where it sits
+//! A test-only crate (`publish = false`): depends on `attention-cuda` (the trait it implements)
+//! and `attention`; nothing depends on it but tests.
+
+use std::alloc::Layout;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::ptr::NonNull;
+
+use attention::{AttentionError, Result};
+use attention_cuda::{Device, KernelArg, LaunchConfig, Spec};
+
+/// Host memory standing in for a device allocation: 16-byte aligned, zeroed, at least one
+/// byte. Kernels write through its pointer while Rust holds only `&EmuBuffer`, so the bytes are
+/// never reached through a Rust reference except in [`Device::read`] / [`Device::write`].
+pub struct EmuBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: an EmuBuffer owns its allocation exclusively (like a Box<[u8]>); the raw pointer is
+// only dereferenced by launches and copies, which the backend orders (one launch at a time per
+// calling thread, and a buffer is not shared across threads while a launch writes it).
+unsafe impl Send for EmuBuffer {}
+// SAFETY: as for Send: shared references only read the pointer value and the length.
+unsafe impl Sync for EmuBuffer {}
+
+impl Drop for EmuBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` and is freed once, here.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl std::fmt::Debug for EmuBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EmuBuffer({} bytes)", self.len)
+    }
+}
+
+/// The emulated device (see the [crate docs](crate)).
+#[derive(Debug)]
+pub struct EmuDevice {
+    _private: (),
+}
+
+#[cfg(not(kvs_emu_missing))]
+extern "C" {
+    fn kvs_emu_launch(
+        spec: *const c_char,
+        kernel: *const c_char,
+        grid: *const u32,
+        block: u32,
+        params: *mut *mut c_void,
+        nparams: u32,
+    ) -> c_int;
+    fn kvs_emu_selftest(
+        kernel: *const c_char,
+        grid: *const u32,
+        block: u32,
+        params: *mut *mut c_void,
+        nparams: u32,
+    ) -> c_int;
+}
+
+impl EmuDevice {
+    /// The emulated device, or why the kernels were not compiled for the CPU.
+    pub fn new() -> std::result::Result<EmuDevice, String> {
+        #[cfg(kvs_emu_missing)]
+        return Err(env!("KVS_EMU_MISSING").to_string());
+        #[cfg(not(kvs_emu_missing))]
+        Ok(EmuDevice { _private: () })
+    }
+
+    fn check_range(what: &'static str, buf: &EmuBuffer, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > buf.len) {
+            return Err(AttentionError::Device(format!(
+                "{what}: {len} bytes at offset {offset} overrun a buffer of {}",
+                buf.len
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Device for EmuDevice {
+    type Buffer = EmuBuffer;
+
+    fn name(&self) -> &str {
+        "cuda-emu"
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<EmuBuffer> {
+        let layout = Layout::from_size_align(bytes.max(1), 16)
+            .map_err(|_| AttentionError::HostOutOfMemory { bytes })?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or(AttentionError::HostOutOfMemory { bytes })?;
+        Ok(EmuBuffer {
+            ptr,
+            len: bytes,
+            layout,
+        })
+    }
+
+    fn write(&self, dst: &mut EmuBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        Self::check_range("write", dst, offset, src.len())?;
+        // SAFETY: the range lies inside the allocation (checked above), `dst` is borrowed
+        // mutably, and `src` is a distinct Rust slice.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr.as_ptr().add(offset), src.len())
+        };
+        Ok(())
+    }
+
+    fn read(&self, src: &EmuBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
+        Self::check_range("read", src, offset, dst.len())?;
+        // SAFETY: the range lies inside the allocation (checked above); no launch runs while
+        // the caller holds this call, so nothing writes the bytes meanwhile.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    fn len(&self, buf: &EmuBuffer) -> usize {
+        buf.len
+    }
+
+    fn address(&self, buf: &EmuBuffer) -> usize {
+        buf.ptr.as_ptr() as usize
+    }
+
+    fn launch(
+        &self,
+        spec: &Spec,
+        kernel: &str,
+        cfg: LaunchConfig,
+        args: &[KernelArg<'_, EmuBuffer>],
+    ) -> Result<()> {
+        launch_compiled(Some(spec), kernel, cfg, &mut values(args))
+    }
+}
+
+fn values(args: &[KernelArg<'_, EmuBuffer>]) -> Vec<u64> {
+    args.iter()
+        .map(|a| match a {
+            KernelArg::Buf(b) => b.ptr.as_ptr() as u64,
+            KernelArg::U32(x) => u64::from(*x),
+            KernelArg::F32(x) => u64::from(x.to_bits()),
+        })
+        .collect()
+}
+
+impl EmuDevice {
+    /// Launches one of the emulator's own test kernels (`emu/selftest.cu`: `shfl_xor_table`,
+    /// `block_reduce`, `mismatched_barriers`), for the tests of the emulation itself.
+    pub fn launch_selftest(
+        &self,
+        kernel: &str,
+        cfg: LaunchConfig,
+        args: &[KernelArg<'_, EmuBuffer>],
+    ) -> Result<()> {
+        launch_compiled(None, kernel, cfg, &mut values(args))
+    }
+}
+
+/// Calls the CPU-compiled kernel with cuLaunchKernel's convention: `params[i]` points at the
+/// i-th argument's value (pointers as 8 bytes, `u32` and `f32` in the low 4 bytes of a
+/// little-endian word). `spec: None` launches a self-test kernel.
+#[cfg(not(kvs_emu_missing))]
+fn launch_compiled(
+    spec: Option<&Spec>,
+    kernel: &str,
+    cfg: LaunchConfig,
+    values: &mut [u64],
+) -> Result<()> {
+    let c = |s: &str| {
+        CString::new(s).map_err(|_| AttentionError::Device(format!("bad kernel name {s:?}")))
+    };
+    let name = spec.map_or_else(|| "selftest".to_string(), Spec::name);
+    let (spec_name, kernel_name) = (c(&name)?, c(kernel)?);
+    let mut params: Vec<*mut c_void> = values
+        .iter_mut()
+        .map(|v| v as *mut u64 as *mut c_void)
+        .collect();
+    // SAFETY: the names are NUL-terminated, `grid` has 3 entries, and `params` has one valid
+    // pointer per argument (the dispatcher refuses a count other than the kernel's). Buffer
+    // arguments point at live allocations the backend sized for the launch; the kernel reads
+    // and writes only through them.
+    let rc = unsafe {
+        match spec {
+            Some(_) => kvs_emu_launch(
+                spec_name.as_ptr(),
+                kernel_name.as_ptr(),
+                cfg.grid.as_ptr(),
+                cfg.block,
+                params.as_mut_ptr(),
+                params.len() as u32,
+            ),
+            None => kvs_emu_selftest(
+                kernel_name.as_ptr(),
+                cfg.grid.as_ptr(),
+                cfg.block,
+                params.as_mut_ptr(),
+                params.len() as u32,
+            ),
+        }
+    };
+    let what = match rc {
+        0 => return Ok(()),
+        -1 => "no such kernel in this specialisation",
+        -2 => "no such specialisation",
+        -3 => "the block's threads wait on barriers that can never complete",
+        -4 => "an empty grid or a block of 0 or more than 1024 threads",
+        -5 => "the wrong number of arguments",
+        _ => "an unknown failure",
+    };
+    Err(AttentionError::Device(format!(
+        "cuda-emu: launching {kernel} of {name} with grid {:?} block {}: {what}",
+        cfg.grid, cfg.block
+    )))
+}
+
+#[cfg(kvs_emu_missing)]
+fn launch_compiled(_: Option<&Spec>, kernel: &str, _: LaunchConfig, _: &mut [u64]) -> Result<()> {
+    Err(AttentionError::Device(format!(
+        "cuda-emu: cannot launch {kernel}: {}",
+        env!("KVS_EMU_MISSING")
+    )))
+}
+
+/// The emulated device for a test, or `None` after printing why it is missing; panics instead
+/// when `KVSERVE_REQUIRE_CUDA_EMU=1` (CI).
+pub fn emu_or_skip(test: &str) -> Option<EmuDevice> {
+    match EmuDevice::new() {
+        Ok(d) => Some(d),
+        Err(reason) => {
+            if std::env::var("KVSERVE_REQUIRE_CUDA_EMU").is_ok_and(|v| v == "1") {
+                panic!("{test}: KVSERVE_REQUIRE_CUDA_EMU=1 but {reason}");
+            }
+            println!("skipping {test}: {reason}");
+            None
+        }
+    }
+}

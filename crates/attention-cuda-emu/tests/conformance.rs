@@ -1,0 +1,116 @@
+//! The shared conformance suite from `attention` on `CudaBackend<EmuDevice>`: attention-cuda's
+//! kernels, compiled for the CPU, against the f64 reference. Cases without kernels yet (MLA,
+//! DoubleSparse) are skipped with their reason through `Backend::kv_support`.
+
+use attention::conformance::{self, AttentionCase, CaseKind, SuiteSize};
+use attention::Backend;
+use attention_cuda::{CudaBackend, CudaConfig};
+use attention_cuda_emu::emu_or_skip;
+use kv_pool::KvDtype;
+
+fn backend(test: &str, config: CudaConfig) -> Option<CudaBackend<attention_cuda_emu::EmuDevice>> {
+    emu_or_skip(test).map(|d| CudaBackend::new(d, config))
+}
+
+fn report(outcomes: &[conformance::Outcome]) {
+    for o in outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(outcomes);
+}
+
+#[test]
+fn emu_dense_conformance() {
+    let Some(b) = backend("emu_dense_conformance", CudaConfig::default()) else {
+        return;
+    };
+    report(&conformance::run_dense_suite(&b).unwrap());
+}
+
+#[test]
+fn emu_attention_conformance_quick() {
+    let Some(b) = backend("emu_attention_conformance_quick", CudaConfig::default()) else {
+        return;
+    };
+    let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
+    report(&outcomes);
+    // Every MHA case has kernels (every store dtype), so it must have run.
+    let runnable = conformance::attention_cases(SuiteSize::Quick)
+        .iter()
+        .filter(|c| matches!(c.kind, CaseKind::Mha { .. }))
+        .count();
+    let ran = outcomes.iter().filter(|o| o.skipped.is_none()).count();
+    println!("{ran} of {} cases ran", outcomes.len());
+    assert_eq!(ran, runnable);
+}
+
+/// The quick suite gives each shape and page size two dtypes in rotation; here every MHA case
+/// runs over the other three store dtypes too.
+#[test]
+fn emu_attention_conformance_every_mha_shape_and_dtype() {
+    let Some(b) = backend("emu_attention_every_mha_shape", CudaConfig::default()) else {
+        return;
+    };
+    // The quick suite's own cases run in emu_attention_conformance_quick.
+    let mut seen: std::collections::HashSet<String> =
+        conformance::attention_cases(SuiteSize::Quick)
+            .iter()
+            .map(|c| format!("{c}"))
+            .collect();
+    let mut outcomes = Vec::new();
+    for case in conformance::attention_cases(SuiteSize::Quick) {
+        if !matches!(case.kind, CaseKind::Mha { .. }) {
+            continue;
+        }
+        for dtype in KvDtype::ALL {
+            let case = AttentionCase {
+                dtype,
+                ..case.clone()
+            };
+            if seen.insert(format!("{case}")) {
+                outcomes.push(conformance::run_attention_case(&b, &case).unwrap());
+            }
+        }
+    }
+    report(&outcomes);
+}
+
+/// No split (one block per query over its whole range) and the most splits (one chunk of
+/// keys per block), so both the single-split path and the log-sum-exp merge meet the
+/// reference.
+#[test]
+fn emu_attention_conformance_split_extremes() {
+    for (name, target) in [("no split", 1), ("max split", 1 << 20)] {
+        let config = CudaConfig {
+            split_kv_target_blocks: target,
+        };
+        let Some(b) = backend("emu_attention_split_extremes", config) else {
+            return;
+        };
+        let outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
+            .iter()
+            .filter(|c| matches!(c.kind, CaseKind::Mha { .. }))
+            .step_by(3)
+            .map(|c| conformance::run_attention_case(&b, c).unwrap())
+            .collect();
+        println!("{name}:");
+        report(&outcomes);
+    }
+}
+
+#[test]
+fn unsupported_stores_are_announced() {
+    let Some(b) = backend("unsupported_stores_are_announced", CudaConfig::default()) else {
+        return;
+    };
+    for dtype in KvDtype::ALL {
+        let mha = kv_pool::KvShape::mha(2, 64, 64, 1, dtype).unwrap();
+        assert_eq!(b.kv_support(&mha), Ok(()));
+    }
+    let ds = kv_pool::KvShape::double_sparse(2, 64, 64, 8, 1, KvDtype::F16).unwrap();
+    assert!(b.kv_support(&ds).unwrap_err().contains("DoubleSparse"));
+    let mla = kv_pool::KvShape::mla(32, 16, 1, KvDtype::F16).unwrap();
+    assert!(b.kv_support(&mla).unwrap_err().contains("MLA"));
+    let odd = kv_pool::KvShape::mha(2, 72, 72, 1, KvDtype::F16).unwrap();
+    assert!(b.kv_support(&odd).unwrap_err().contains("head dims"));
+}

@@ -1,0 +1,213 @@
+// Shared by every kvserve CUDA kernel source: prepended (after the specialisation #defines) to
+// each .cu file by the host, so the sources need no #include. Written in the subset that NVRTC,
+// hipRTC and the CPU emulation (attention-cuda-emu) all compile: no cooperative groups, no inline
+// PTX, no CUDA headers; the warp size is a compile-time constant.
+//
+// KV_DTYPE (when a source is specialised by it): 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3, 4 fp8 e5m2
+// (stored as their bit patterns, converted here with round-to-nearest-even exactly as the host
+// store does; fp8 saturates).
+
+#ifndef WARP_SIZE
+#define WARP_SIZE 32
+#endif
+
+#ifndef KVS_KERNEL
+#define KVS_KERNEL extern "C" __global__
+#endif
+
+#if defined(__HIP_PLATFORM_AMD__)
+#define KVS_SHFL_XOR(v, m) __shfl_xor((v), (m))
+#else
+#define KVS_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+
+#define KVS_NEG_INF __int_as_float(0xff800000)
+
+__device__ inline float kvs_f16_to_f32(unsigned short h) {
+    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    unsigned int exp = ((unsigned int)h >> 10) & 0x1fu;
+    unsigned int mant = (unsigned int)h & 0x3ffu;
+    if (exp == 0) {
+        float f = (float)mant * 5.9604644775390625e-8f; // mant × 2^-24 (zero or subnormal)
+        return sign ? -f : f;
+    }
+    if (exp == 31) {
+        return __uint_as_float(sign | 0x7f800000u | (mant << 13));
+    }
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+__device__ inline unsigned short kvs_f32_to_f16(float f) {
+    unsigned int x = __float_as_uint(f);
+    unsigned int sign = (x >> 16) & 0x8000u;
+    unsigned int ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) { // inf, or NaN: quiet, keeping the payload's top bits
+        unsigned int mant = ax & 0x7fffffu;
+        return (unsigned short)(sign | 0x7c00u | (mant ? 0x200u : 0u) | (mant >> 13));
+    }
+    if (ax >= 0x477ff000u) { // at or above 65520: rounds to infinity
+        return (unsigned short)(sign | 0x7c00u);
+    }
+    if (ax < 0x38800000u) { // below 2^-14: a subnormal half (scaling by 2^24 is exact)
+        float a = __uint_as_float(ax) * 16777216.0f;
+        return (unsigned short)(sign | (unsigned int)rintf(a));
+    }
+    unsigned int r = ax + 0xc8000fffu + ((ax >> 13) & 1u); // rebias, round to nearest even
+    return (unsigned short)(sign | (r >> 13));
+}
+
+__device__ inline float kvs_bf16_to_f32(unsigned short h) {
+    return __uint_as_float((unsigned int)h << 16);
+}
+
+__device__ inline unsigned short kvs_f32_to_bf16(float f) {
+    unsigned int x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((x >> 16) | 0x40u); // quiet NaN
+    }
+    return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// fp8 e4m3 ("fn": no infinities, 0x7f / 0xff are NaN) to f32, exactly.
+__device__ inline float kvs_e4m3_to_f32(unsigned char b) {
+    unsigned int sign = ((unsigned int)b & 0x80u) << 24;
+    unsigned int exp = ((unsigned int)b >> 3) & 0xfu;
+    unsigned int mant = (unsigned int)b & 0x7u;
+    if ((b & 0x7fu) == 0x7fu) {
+        return __uint_as_float(0x7fc00000u);
+    }
+    if (exp == 0) {
+        float f = (float)mant * 0.001953125f; // mant × 2^-9 (zero or subnormal)
+        return sign ? -f : f;
+    }
+    return __uint_as_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+// f32 to fp8, rounded to nearest even and saturating to ±max (NaN stays NaN): kv-pool's
+// encoder, which clamps and then converts as CUDA's __nv_cvt_double_to_fp8 with SATFINITE
+// (the float8 crate ports the same routine; this is that routine on the exact double).
+__device__ inline unsigned char kvs_f32_to_fp8(float f, float max, int e4m3) {
+    if (f == f) {
+        f = fminf(fmaxf(f, -max), max);
+    }
+    unsigned long long xbits = (unsigned long long)__double_as_longlong((double)f);
+    unsigned char maxnorm = e4m3 ? 0x7e : 0x7b;
+    unsigned char mant_mask = e4m3 ? 0x7 : 0x3;
+    unsigned int bias = e4m3 ? 7u : 15u;
+    unsigned long long sig_bits = e4m3 ? 4ull : 3ull;
+    unsigned long long mindenorm_o2 = e4m3 ? 0x3F50000000000000ull : 0x3EE0000000000000ull;
+    unsigned long long overflow = e4m3 ? 0x407D000000000000ull : 0x40EE000000000000ull - 1ull;
+    unsigned long long minnorm = e4m3 ? 0x3F90000000000000ull : 0x3F10000000000000ull;
+    unsigned long long half_ulp = 1ull << (53ull - sig_bits - 1ull);
+    unsigned char sign = (unsigned char)((xbits >> 63) << 7);
+    unsigned char exp =
+        (unsigned char)((((unsigned int)(xbits >> 52) & 0x7ffu) - 1023u + bias) & 0xffu);
+    unsigned char mant = (unsigned char)((xbits >> (53ull - sig_bits)) & mant_mask);
+    unsigned long long absx = xbits & 0x7FFFFFFFFFFFFFFFull;
+    unsigned char res;
+    if (absx <= mindenorm_o2) {
+        res = 0;
+    } else if (absx > 0x7FF0000000000000ull) {
+        res = e4m3 ? 0x7f : (unsigned char)(0x7e | mant);
+    } else if (absx > overflow) {
+        res = maxnorm;
+    } else if (absx >= minnorm) {
+        res = (unsigned char)((exp << (sig_bits - 1ull)) | mant);
+        unsigned long long round = xbits & ((half_ulp << 1) - 1ull);
+        if (round > half_ulp || (round == half_ulp && (mant & 1u))) {
+            res = (unsigned char)(res + 1);
+        }
+    } else {
+        unsigned char shift = (unsigned char)(1u - exp);
+        unsigned char m = (unsigned char)(mant | (1u << (sig_bits - 1ull)));
+        res = (unsigned char)(m >> shift);
+        unsigned long long round =
+            (xbits | (1ull << 52)) & ((half_ulp << ((unsigned long long)shift + 1ull)) - 1ull);
+        unsigned long long half = half_ulp << (unsigned long long)shift;
+        if (round > half || (round == half && (res & 1u))) {
+            res = (unsigned char)(res + 1);
+        }
+    }
+    return (unsigned char)(res | sign);
+}
+
+#if defined(KV_DTYPE)
+#if KV_DTYPE == 0
+typedef float kv_t;
+__device__ inline float kv_load(const kv_t* p, unsigned int i) { return p[i]; }
+__device__ inline kv_t kv_from_f32(float f) { return f; }
+#elif KV_DTYPE == 1
+typedef unsigned short kv_t;
+__device__ inline float kv_load(const kv_t* p, unsigned int i) { return kvs_f16_to_f32(p[i]); }
+__device__ inline kv_t kv_from_f32(float f) { return kvs_f32_to_f16(f); }
+#elif KV_DTYPE == 2
+typedef unsigned short kv_t;
+__device__ inline float kv_load(const kv_t* p, unsigned int i) { return kvs_bf16_to_f32(p[i]); }
+__device__ inline kv_t kv_from_f32(float f) { return kvs_f32_to_bf16(f); }
+#elif KV_DTYPE == 3 || KV_DTYPE == 4
+typedef unsigned char kv_t;
+__device__ inline float kv_load(const kv_t* p, unsigned int i) {
+#if KV_DTYPE == 3
+    return kvs_e4m3_to_f32(p[i]);
+#else
+    return kvs_f16_to_f32((unsigned short)((unsigned short)p[i] << 8));
+#endif
+}
+__device__ inline kv_t kv_from_f32(float f) {
+#if KV_DTYPE == 3
+    return kvs_f32_to_fp8(f, 448.0f, 1);
+#else
+    return kvs_f32_to_fp8(f, 57344.0f, 0);
+#endif
+}
+#else
+#error "KV_DTYPE must be 0 (f32), 1 (f16), 2 (bf16), 3 (fp8 e4m3) or 4 (fp8 e5m2)"
+#endif
+#endif
+
+__device__ inline float kvs_warp_sum(float v) {
+    for (int m = WARP_SIZE / 2; m > 0; m >>= 1) {
+        v += KVS_SHFL_XOR(v, m);
+    }
+    return v;
+}
+
+__device__ inline float kvs_warp_max(float v) {
+    for (int m = WARP_SIZE / 2; m > 0; m >>= 1) {
+        v = fmaxf(v, KVS_SHFL_XOR(v, m));
+    }
+    return v;
+}
+
+// Block-wide sum / max over every thread of the block (blockDim.x a multiple of WARP_SIZE);
+// every thread gets the result. `red` is __shared__ scratch of blockDim.x / WARP_SIZE floats,
+// free again when the call returns.
+__device__ inline float kvs_block_sum(float v, float* red) {
+    v = kvs_warp_sum(v);
+    unsigned int warps = blockDim.x / WARP_SIZE;
+    if (threadIdx.x % WARP_SIZE == 0) {
+        red[threadIdx.x / WARP_SIZE] = v;
+    }
+    __syncthreads();
+    float t = 0.0f;
+    for (unsigned int w = 0; w < warps; ++w) {
+        t += red[w];
+    }
+    __syncthreads();
+    return t;
+}
+
+__device__ inline float kvs_block_max(float v, float* red) {
+    v = kvs_warp_max(v);
+    unsigned int warps = blockDim.x / WARP_SIZE;
+    if (threadIdx.x % WARP_SIZE == 0) {
+        red[threadIdx.x / WARP_SIZE] = v;
+    }
+    __syncthreads();
+    float t = red[0];
+    for (unsigned int w = 1; w < warps; ++w) {
+        t = fmaxf(t, red[w]);
+    }
+    __syncthreads();
+    return t;
+}

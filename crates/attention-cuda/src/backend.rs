@@ -1,0 +1,451 @@
+//! [`CudaBackend`]: [`attention::Backend`] over any [`Device`]. Every op validates with
+//! [`attention::check`] on the host, picks its kernel specialisation ([`crate::kernels`]) and
+//! launch geometry ([`crate::geometry`]), and launches through the device; nothing here knows
+//! whether the kernels run on a GPU or in the CPU emulation.
+
+use std::fmt;
+use std::sync::Arc;
+
+use attention::{
+    check, AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, Result,
+    RopeConfig, RopeStyle,
+};
+use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
+
+use crate::device::{Device, KernelArg};
+use crate::geometry::{self, ATTN_THREADS, ROW_THREADS, THREADS};
+use crate::kernels;
+use crate::plan::{page_table, write_list, SplitPlan};
+use crate::store::CudaKvStore;
+use crate::tensor::CudaTensor;
+
+/// Tunables of the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaConfig {
+    /// Attention blocks a batch should reach before the KV range stops being split (about two
+    /// per SM: 264 for an H100's 132).
+    pub split_kv_target_blocks: usize,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            split_kv_target_blocks: 264,
+        }
+    }
+}
+
+/// The CUDA backend over device `D` (see the [module docs](self)).
+pub struct CudaBackend<D: Device> {
+    device: Arc<D>,
+    config: CudaConfig,
+}
+
+/// A clone shares the device (its memory, kernels and stream), so tensors and stores of one
+/// clone are valid on the others.
+impl<D: Device> Clone for CudaBackend<D> {
+    fn clone(&self) -> Self {
+        CudaBackend {
+            device: Arc::clone(&self.device),
+            config: self.config,
+        }
+    }
+}
+
+impl<D: Device> fmt::Debug for CudaBackend<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.device.name())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// The backend's plan for one batch: the page table and the write list in device memory.
+pub struct CudaPlan<D: Device> {
+    meta: BatchMetadata,
+    table: D::Buffer,
+    writes: D::Buffer,
+    kept_writes: usize,
+    max_kv_len: usize,
+}
+
+impl<D: Device> fmt::Debug for CudaPlan<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaPlan")
+            .field("meta", &self.meta)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Device> CudaPlan<D> {
+    /// The batch metadata the plan was built from.
+    pub fn metadata(&self) -> &BatchMetadata {
+        &self.meta
+    }
+}
+
+fn dim(what: &'static str, x: usize) -> Result<u32> {
+    u32::try_from(x).map_err(|_| AttentionError::InvalidConfig {
+        field: what,
+        reason: format!("{x} does not fit the kernels' 32-bit sizes"),
+    })
+}
+
+impl<D: Device> CudaBackend<D> {
+    /// A backend on `device`.
+    pub fn new(device: D, config: CudaConfig) -> Self {
+        CudaBackend {
+            device: Arc::new(device),
+            config,
+        }
+    }
+
+    /// The device the backend launches on.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    fn buffer_from(&self, bytes: &[u8]) -> Result<D::Buffer> {
+        let mut buf = self.device.alloc_zeroed(bytes.len())?;
+        self.device.write(&mut buf, 0, bytes)?;
+        Ok(buf)
+    }
+
+    fn zeros(&self, shape: &[usize]) -> Result<CudaTensor<D>> {
+        let n: usize = shape.iter().product();
+        Ok(CudaTensor {
+            buf: self.device.alloc_zeroed(n * 4)?,
+            shape: shape.to_vec(),
+        })
+    }
+
+    fn dense(
+        &self,
+        kernel: &str,
+        cfg: crate::device::LaunchConfig,
+        args: &[KernelArg<'_, D::Buffer>],
+    ) -> Result<()> {
+        self.device.launch(&kernels::dense(), kernel, cfg, args)
+    }
+
+    /// MHA/GQA geometry of a store, or why the kernels cannot attend over it.
+    fn mha_dims(shape: &KvShape) -> std::result::Result<(usize, usize, usize), String> {
+        match shape.kind {
+            KvKind::Mha {
+                kv_heads,
+                head_dim,
+                v_head_dim,
+            } => {
+                let (h, d, dv) = (kv_heads as usize, head_dim as usize, v_head_dim as usize);
+                kernels::attention(shape.dtype, d, dv, 1)?;
+                Ok((h, d, dv))
+            }
+            KvKind::Mla { .. } => Err("MLA attention has no CUDA kernel yet".into()),
+            KvKind::DoubleSparse { .. } => {
+                Err("DoubleSparse attention has no CUDA kernel yet".into())
+            }
+        }
+    }
+}
+
+impl<D: Device> Backend for CudaBackend<D> {
+    type Tensor = CudaTensor<D>;
+    type KvStore = CudaKvStore<D>;
+    type Plan = CudaPlan<D>;
+
+    fn name(&self) -> &str {
+        self.device.name()
+    }
+
+    fn new_kv_store(&self, layout: KvLayout) -> Result<CudaKvStore<D>> {
+        CudaKvStore::new(Arc::clone(&self.device), layout)
+    }
+
+    fn kv_support(&self, shape: &KvShape) -> std::result::Result<(), String> {
+        Self::mha_dims(shape).map(|_| ())
+    }
+
+    fn upload(&self, data: &[f32], shape: &[usize]) -> Result<CudaTensor<D>> {
+        let n: usize = shape.iter().product();
+        if data.len() != n {
+            return Err(AttentionError::LengthMismatch {
+                what: "data",
+                expected: n,
+                got: data.len(),
+            });
+        }
+        Ok(CudaTensor {
+            buf: self.buffer_from(bytemuck::cast_slice(data))?,
+            shape: shape.to_vec(),
+        })
+    }
+
+    fn download(&self, t: &CudaTensor<D>) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; t.numel()];
+        self.device
+            .read(&t.buf, 0, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+
+    fn reshape(&self, t: CudaTensor<D>, shape: &[usize]) -> Result<CudaTensor<D>> {
+        check::reshape(&t.shape, shape)?;
+        Ok(CudaTensor {
+            buf: t.buf,
+            shape: shape.to_vec(),
+        })
+    }
+
+    fn matmul(&self, x: &CudaTensor<D>, w: &CudaTensor<D>) -> Result<CudaTensor<D>> {
+        let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
+        let out = self.zeros(&[m, n])?;
+        if m * n > 0 {
+            self.dense(
+                "matmul",
+                geometry::matmul(m, n)?,
+                &[
+                    KernelArg::Buf(&x.buf),
+                    KernelArg::Buf(&w.buf),
+                    KernelArg::Buf(&out.buf),
+                    KernelArg::U32(dim("m", m)?),
+                    KernelArg::U32(dim("k", k)?),
+                    KernelArg::U32(dim("n", n)?),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaTensor<D>,
+        weight: &CudaTensor<D>,
+        eps: f32,
+    ) -> Result<CudaTensor<D>> {
+        let (m, d) = check::rms_norm(&x.shape, &weight.shape)?;
+        let out = self.zeros(&[m, d])?;
+        if m * d > 0 {
+            self.dense(
+                "rms_norm",
+                geometry::per_row("rms_norm", m, THREADS)?,
+                &[
+                    KernelArg::Buf(&x.buf),
+                    KernelArg::Buf(&weight.buf),
+                    KernelArg::Buf(&out.buf),
+                    KernelArg::U32(dim("d", d)?),
+                    KernelArg::F32(eps),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn rotary(&self, x: &mut CudaTensor<D>, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
+        let inv = check::rotary(&x.shape, positions.len(), cfg)?;
+        let (n, heads) = (x.shape[0], x.shape[1]);
+        if n == 0 || heads == 0 || inv.is_empty() {
+            return Ok(());
+        }
+        // cos/sin in f64 on the host, rounded to f32: the table the CPU backend uses.
+        let mut cs = Vec::with_capacity(n * inv.len() * 2);
+        for &pos in positions {
+            for &f in &inv {
+                let (s, c) = (pos as f64 * f).sin_cos();
+                cs.extend([c as f32, s as f32]);
+            }
+        }
+        let table = self.buffer_from(bytemuck::cast_slice(&cs))?;
+        self.dense(
+            "rotary",
+            geometry::elementwise("rotary", n * heads * inv.len())?,
+            &[
+                KernelArg::Buf(&x.buf),
+                KernelArg::Buf(&table),
+                KernelArg::U32(dim("n", n)?),
+                KernelArg::U32(dim("heads", heads)?),
+                KernelArg::U32(dim("head_dim", cfg.head_dim)?),
+                KernelArg::U32(dim("rotary_dim", cfg.rotary_dim)?),
+                KernelArg::U32(u32::from(cfg.style == RopeStyle::Neox)),
+            ],
+        )
+    }
+
+    fn silu_mul(&self, x: &CudaTensor<D>) -> Result<CudaTensor<D>> {
+        let (m, d) = check::silu_mul(&x.shape)?;
+        let out = self.zeros(&[m, d])?;
+        if m * d > 0 {
+            self.dense(
+                "silu_mul",
+                geometry::elementwise("silu_mul", m * d)?,
+                &[
+                    KernelArg::Buf(&x.buf),
+                    KernelArg::Buf(&out.buf),
+                    KernelArg::U32(dim("m", m)?),
+                    KernelArg::U32(dim("d", d)?),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor<D>, y: &CudaTensor<D>) -> Result<()> {
+        check::add_assign(&x.shape, &y.shape)?;
+        let n = x.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        self.dense(
+            "add_assign",
+            geometry::elementwise("add_assign", n)?,
+            &[
+                KernelArg::Buf(&x.buf),
+                KernelArg::Buf(&y.buf),
+                KernelArg::U32(dim("len", n)?),
+            ],
+        )
+    }
+
+    fn embedding(&self, table: &CudaTensor<D>, ids: &[u32]) -> Result<CudaTensor<D>> {
+        let (_, d) = check::embedding(&table.shape, ids)?;
+        let out = self.zeros(&[ids.len(), d])?;
+        if ids.is_empty() || d == 0 {
+            return Ok(out);
+        }
+        let idx = self.buffer_from(bytemuck::cast_slice(ids))?;
+        self.dense(
+            "embedding",
+            geometry::per_row("embedding", ids.len(), THREADS)?,
+            &[
+                KernelArg::Buf(&table.buf),
+                KernelArg::Buf(&idx),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("d", d)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn plan(&self, meta: &BatchMetadata) -> Result<CudaPlan<D>> {
+        let table = page_table(meta)?;
+        let writes = write_list(meta.out_cache_loc());
+        Ok(CudaPlan {
+            meta: meta.clone(),
+            table: self.buffer_from(bytemuck::cast_slice(&table))?,
+            writes: self.buffer_from(bytemuck::cast_slice(&writes))?,
+            kept_writes: writes[0] as usize,
+            max_kv_len: meta.kv_lens().iter().copied().max().unwrap_or(0),
+        })
+    }
+
+    fn attention(
+        &self,
+        layer: usize,
+        plan: &CudaPlan<D>,
+        store: &mut CudaKvStore<D>,
+        q: &CudaTensor<D>,
+        k: &CudaTensor<D>,
+        v: &CudaTensor<D>,
+        params: &AttentionParams,
+    ) -> Result<CudaTensor<D>> {
+        let layout = *store.layout();
+        let geo = check::attention(
+            layer,
+            &plan.meta,
+            &layout,
+            (&q.shape, &k.shape, &v.shape),
+            params,
+        )?;
+        Self::mha_dims(&layout.shape).map_err(AttentionError::Unsupported)?;
+        let n = plan.meta.num_tokens();
+        let out = self.zeros(&[n, geo.q_heads, geo.v_head_dim])?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let page_size = layout.page_size;
+        let spec = kernels::attention(layout.shape.dtype, geo.head_dim, geo.v_head_dim, page_size)
+            .map_err(AttentionError::Unsupported)?;
+        let (k_scale, v_scale) = store.scales(layer)?;
+        let (k_scale, v_scale) = if layout.shape.dtype.is_fp8() {
+            (k_scale, v_scale)
+        } else {
+            (1.0, 1.0)
+        };
+        // 1. The new tokens' K and V at out_cache_loc, converted to the store dtype.
+        for (buffer, src, scale) in [(KvBuffer::Key, k, k_scale), (KvBuffer::Value, v, v_scale)] {
+            self.device.launch(
+                store.spec(),
+                "store_kv",
+                geometry::per_row("store_kv", plan.kept_writes, ROW_THREADS)?,
+                &[
+                    KernelArg::Buf(&src.buf),
+                    KernelArg::Buf(&plan.writes),
+                    KernelArg::Buf(store.buffer(layer, buffer)),
+                    KernelArg::U32(dim("row", layout.shape.row_elems(buffer))?),
+                    KernelArg::F32(scale),
+                ],
+            )?;
+        }
+        // 2. Attention over every position read back from the store, split across blocks.
+        let split = SplitPlan::new(
+            n,
+            geo.q_heads,
+            plan.max_kv_len,
+            self.config.split_kv_target_blocks,
+            ATTN_THREADS as usize,
+        );
+        let partials = split.num_splits as usize * n * geo.q_heads;
+        let partial_o = self.device.alloc_zeroed(partials * geo.v_head_dim * 4)?;
+        let partial_lse = self.device.alloc_zeroed(partials * 4)?;
+        let page_shift = page_size.trailing_zeros();
+        self.device.launch(
+            &spec,
+            "paged_attention",
+            geometry::attention(n, geo.q_heads, split)?,
+            &[
+                KernelArg::Buf(&q.buf),
+                KernelArg::Buf(store.buffer(layer, KvBuffer::Key)),
+                KernelArg::Buf(store.buffer(layer, KvBuffer::Value)),
+                KernelArg::Buf(&plan.table),
+                KernelArg::Buf(&partial_o),
+                KernelArg::Buf(&partial_lse),
+                KernelArg::U32(dim("q_heads", geo.q_heads)?),
+                KernelArg::U32(dim("kv_heads", geo.kv_heads)?),
+                KernelArg::U32(page_size),
+                KernelArg::U32(page_shift),
+                KernelArg::U32(split.split_size),
+                KernelArg::F32(params.scale),
+                KernelArg::F32(k_scale),
+                KernelArg::F32(v_scale),
+            ],
+        )?;
+        // 3. The splits merged by their log-sum-exp.
+        self.device.launch(
+            &spec,
+            "merge_states",
+            geometry::per_row("merge_states", n * geo.q_heads, ATTN_THREADS)?,
+            &[
+                KernelArg::Buf(&partial_o),
+                KernelArg::Buf(&partial_lse),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(split.num_splits),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn attention_mla(
+        &self,
+        layer: usize,
+        plan: &CudaPlan<D>,
+        store: &mut CudaKvStore<D>,
+        q: &CudaTensor<D>,
+        latent: &CudaTensor<D>,
+        params: &AttentionParams,
+    ) -> Result<CudaTensor<D>> {
+        let layout = *store.layout();
+        check::attention_mla(layer, &plan.meta, &layout, &q.shape, &latent.shape, params)?;
+        Err(AttentionError::Unsupported(
+            "MLA attention has no CUDA kernel yet".into(),
+        ))
+    }
+}

@@ -1,0 +1,66 @@
+//! [`Device`]: what the backend needs from a GPU (or from the CPU emulation that stands in for
+//! one in tests): zeroed allocations, host ↔ device copies and kernel launches by
+//! specialisation and name with a grid, a block size and positional arguments, as
+//! `cuLaunchKernel` takes them. The backend's host logic is generic over it, so the same
+//! planning, validation and launch code drives the GPU and the emulated kernels.
+
+use attention::Result;
+
+use crate::specs::Spec;
+
+/// A launch's geometry: `grid` blocks (x, y, z) of `block` threads (1-D blocks only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks along x, y and z.
+    pub grid: [u32; 3],
+    /// Threads per block (a multiple of the warp size for kernels that reduce).
+    pub block: u32,
+}
+
+/// One kernel argument, in the kernel's parameter order.
+#[derive(Debug)]
+pub enum KernelArg<'a, B> {
+    /// A device buffer, passed as a pointer to its first byte. Kernels may write through it
+    /// (device memory is not Rust memory: the device orders the accesses).
+    Buf(&'a B),
+    /// An `unsigned int`.
+    U32(u32),
+    /// A `float`.
+    F32(f32),
+}
+
+/// A device the backend runs on. Every method returns a typed error instead of panicking; a
+/// launch that the device rejects (an unknown kernel, too many threads) is an
+/// [`AttentionError::Device`](attention::AttentionError::Device).
+pub trait Device: Send + Sync {
+    /// Device memory: a contiguous allocation of bytes.
+    type Buffer: Send + Sync;
+
+    /// A short name for logs and conformance output (`"cuda"`, `"cuda-emu"`).
+    fn name(&self) -> &str;
+
+    /// Allocates `bytes` zeroed bytes (at least one, so every buffer has an address).
+    fn alloc_zeroed(&self, bytes: usize) -> Result<Self::Buffer>;
+
+    /// Copies `src` into `dst` at byte `offset` (must fit).
+    fn write(&self, dst: &mut Self::Buffer, offset: usize, src: &[u8]) -> Result<()>;
+
+    /// Copies `dst.len()` bytes out of `src` from byte `offset` (must fit).
+    fn read(&self, src: &Self::Buffer, offset: usize, dst: &mut [u8]) -> Result<()>;
+
+    /// The buffer's length in bytes.
+    fn len(&self, buf: &Self::Buffer) -> usize;
+
+    /// The buffer's address in the device's address space (for transfer registration).
+    fn address(&self, buf: &Self::Buffer) -> usize;
+
+    /// Runs `kernel` of `spec` over `cfg` with `args`, ordered after every earlier launch and
+    /// copy on this device (a later [`read`](Device::read) sees its writes).
+    fn launch(
+        &self,
+        spec: &Spec,
+        kernel: &str,
+        cfg: LaunchConfig,
+        args: &[KernelArg<'_, Self::Buffer>],
+    ) -> Result<()>;
+}

@@ -1,0 +1,109 @@
+//! Launch geometry of every kernel: grid and block sizes from the op's shape, with CUDA's grid
+//! limits checked so an oversized op is a typed error, never a failed launch.
+
+use attention::{AttentionError, Result};
+
+use crate::device::LaunchConfig;
+use crate::plan::SplitPlan;
+
+/// Threads per block of the elementwise and row kernels.
+pub const THREADS: u32 = 256;
+/// Threads per attention block (`ATTN_THREADS` in `attention.cu`), also the split granularity.
+pub const ATTN_THREADS: u32 = 128;
+/// Threads per store-row block.
+pub const ROW_THREADS: u32 = 128;
+/// `MATMUL_TILE` in `dense.cu`: a matmul block computes a tile of this many rows and columns.
+pub const MATMUL_TILE: u32 = 16;
+
+/// CUDA's largest grid along x.
+const MAX_GRID_X: u64 = (1 << 31) - 1;
+/// CUDA's largest grid along y and z.
+const MAX_GRID_YZ: u64 = 65_535;
+
+fn grid(what: &'static str, x: u64, y: u64) -> Result<[u32; 3]> {
+    if x > MAX_GRID_X || y > MAX_GRID_YZ {
+        return Err(AttentionError::InvalidConfig {
+            field: what,
+            reason: format!("a grid of {x} × {y} blocks exceeds CUDA's limits"),
+        });
+    }
+    Ok([x.max(1) as u32, y.max(1) as u32, 1])
+}
+
+/// One thread per element, [`THREADS`] per block.
+pub fn elementwise(what: &'static str, elems: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid: grid(what, (elems as u64).div_ceil(THREADS as u64), 1)?,
+        block: THREADS,
+    })
+}
+
+/// One block of `threads` per row.
+pub fn per_row(what: &'static str, rows: usize, threads: u32) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid: grid(what, rows as u64, 1)?,
+        block: threads,
+    })
+}
+
+/// `matmul` for `[m, k] · [n, k]ᵀ`: one block per output tile, x over `n`, y over `m`.
+pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
+    let t = MATMUL_TILE as u64;
+    Ok(LaunchConfig {
+        grid: grid("matmul", (n as u64).div_ceil(t), (m as u64).div_ceil(t))?,
+        block: MATMUL_TILE * MATMUL_TILE,
+    })
+}
+
+/// `paged_attention`: x over (token, query head), y over splits.
+pub fn attention(tokens: usize, q_heads: usize, split: SplitPlan) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid: grid(
+            "attention",
+            (tokens * q_heads) as u64,
+            split.num_splits as u64,
+        )?,
+        block: ATTN_THREADS,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fmt::Write;
+
+    use super::*;
+
+    #[test]
+    fn geometry_snapshot() {
+        let mut text = String::new();
+        let split = SplitPlan::new(5, 32, 200, 264, ATTN_THREADS as usize);
+        let rows = [
+            ("elementwise 1000", elementwise("x", 1000).unwrap()),
+            ("elementwise 0", elementwise("x", 0).unwrap()),
+            ("per_row 7", per_row("x", 7, THREADS).unwrap()),
+            ("matmul 33x96", matmul(33, 96).unwrap()),
+            ("matmul 1x17", matmul(1, 17).unwrap()),
+            ("attention 5x32", attention(5, 32, split).unwrap()),
+        ];
+        for (name, cfg) in rows {
+            writeln!(text, "{name:<18} grid {:?} block {}", cfg.grid, cfg.block).unwrap();
+        }
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn oversized_grids_are_typed_errors() {
+        let split = SplitPlan {
+            num_splits: 70_000,
+            split_size: 128,
+        };
+        assert!(matches!(
+            attention(1, 1, split),
+            Err(AttentionError::InvalidConfig { .. })
+        ));
+        assert!(matches!(
+            matmul(16 * 70_000, 1),
+            Err(AttentionError::InvalidConfig { .. })
+        ));
+    }
+}

@@ -1,0 +1,135 @@
+//! The kernel sources (`kernels/*.cu`, embedded with `include_str!`) and the specialisation a
+//! backend op needs: [`Spec`]s for a store dtype, head dims and page size, and the full text
+//! ([`source_text`]) that NVRTC (or hipRTC) compiles.
+
+use kv_pool::KvDtype;
+
+pub use crate::specs::{all_specs, Source, Spec, SPEC_HEAD_DIMS};
+
+/// `kernels/common.cuh`: dtype conversions and block reductions, prepended to every source.
+pub const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// The body of a source file.
+pub fn body(source: Source) -> &'static str {
+    match source {
+        Source::Dense => include_str!("../kernels/dense.cu"),
+        Source::Store => include_str!("../kernels/store.cu"),
+        Source::Attention => include_str!("../kernels/attention.cu"),
+    }
+}
+
+/// What NVRTC compiles for `spec`: its `#define`s, `common.cuh`, then the source.
+pub fn source_text(spec: &Spec) -> String {
+    format!("{}{COMMON}\n{}", spec.prelude(), body(spec.source))
+}
+
+/// `KV_DTYPE` of a store dtype (every dtype has kernels; `Result` keeps room for one that
+/// does not).
+pub fn kv_dtype_define(dtype: KvDtype) -> Result<u32, String> {
+    match dtype {
+        KvDtype::F32 => Ok(0),
+        KvDtype::F16 => Ok(1),
+        KvDtype::Bf16 => Ok(2),
+        KvDtype::Fp8E4m3 => Ok(3),
+        KvDtype::Fp8E5m2 => Ok(4),
+    }
+}
+
+/// `PAGE_FAMILY` of a page size: 0 for 1, 1 for another power of two, 2 otherwise.
+pub fn page_family(page_size: u32) -> u32 {
+    match page_size {
+        1 => 0,
+        p if p.is_power_of_two() => 1,
+        _ => 2,
+    }
+}
+
+/// The dense-op source (not specialised).
+pub fn dense() -> Spec {
+    Spec {
+        source: Source::Dense,
+        defines: Vec::new(),
+    }
+}
+
+/// The store kernels for `dtype`.
+pub fn store(dtype: KvDtype) -> Result<Spec, String> {
+    Ok(Spec {
+        source: Source::Store,
+        defines: vec![("KV_DTYPE", kv_dtype_define(dtype)?)],
+    })
+}
+
+/// The attention kernels for a store of `dtype`, `head_dim`-wide keys and values, pages of
+/// `page_size`; `Err(reason)` when no specialisation exists.
+pub fn attention(
+    dtype: KvDtype,
+    head_dim: usize,
+    v_head_dim: usize,
+    page_size: u32,
+) -> Result<Spec, String> {
+    let kv = kv_dtype_define(dtype)?;
+    let supported = SPEC_HEAD_DIMS.iter().any(|&d| d as usize == head_dim);
+    if !supported || v_head_dim != head_dim {
+        return Err(format!(
+            "the CUDA attention kernels are compiled for head dims {SPEC_HEAD_DIMS:?} with equal \
+             key and value dims, not {head_dim}/{v_head_dim}"
+        ));
+    }
+    Ok(Spec {
+        source: Source::Attention,
+        defines: vec![
+            ("KV_DTYPE", kv),
+            ("HEAD_DIM", head_dim as u32),
+            ("V_HEAD_DIM", v_head_dim as u32),
+            ("PAGE_FAMILY", page_family(page_size)),
+        ],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_op_spec_is_in_the_compiled_list() {
+        let all = all_specs();
+        assert!(all.contains(&dense()));
+        for dtype in KvDtype::ALL {
+            assert!(all.contains(&store(dtype).unwrap()));
+            for &d in &SPEC_HEAD_DIMS {
+                for p in [1, 2, 16, 64, 3, 48] {
+                    let spec = attention(dtype, d as usize, d as usize, p).unwrap();
+                    assert!(all.contains(&spec), "{}", spec.name());
+                }
+            }
+        }
+        assert!(attention(KvDtype::F16, 72, 72, 1).is_err());
+        assert!(attention(KvDtype::F16, 64, 128, 1).is_err());
+    }
+
+    #[test]
+    fn spec_names_are_unique_c_identifiers() {
+        let names: Vec<String> = all_specs().iter().map(Spec::name).collect();
+        let unique: std::collections::HashSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len());
+        for n in &names {
+            assert!(
+                n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                "{n}"
+            );
+        }
+        insta::assert_snapshot!(names.join("\n"));
+    }
+
+    #[test]
+    fn source_text_puts_defines_before_the_common_header() {
+        let spec = attention(KvDtype::Bf16, 128, 128, 16).unwrap();
+        let text = source_text(&spec);
+        let define = text.find("#define KV_DTYPE 2").unwrap();
+        let common = text.find("kvs_f16_to_f32").unwrap();
+        let kernel = text.find("void paged_attention").unwrap();
+        assert!(define < common && common < kernel);
+        assert!(text.contains("#define PAGE_FAMILY 1"));
+    }
+}

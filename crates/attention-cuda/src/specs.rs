@@ -1,0 +1,116 @@
+// The kernel specialisations: which source files exist, which kernels each defines, and every
+// combination of #defines a source is compiled with. Plain data with no dependencies: the
+// emulation crate's build script includes this file (`include!`) to compile the same list for
+// the CPU, so it has no inner doc comments and uses nothing from the crate.
+
+/// A kernel source file under `kernels/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// `dense.cu`: matmul, RMSNorm, rotary, SiLU-and-mul, residual add, embedding.
+    Dense,
+    /// `store.cu`: KV writes at `out_cache_loc` and raw row gathers and scatters.
+    Store,
+    /// `attention.cu`: paged attention and the split-KV merge.
+    Attention,
+}
+
+impl Source {
+    /// Every source, in a stable order.
+    pub const ALL: [Source; 3] = [Source::Dense, Source::Store, Source::Attention];
+
+    /// The file name under `kernels/`.
+    pub const fn file(self) -> &'static str {
+        match self {
+            Source::Dense => "dense.cu",
+            Source::Store => "store.cu",
+            Source::Attention => "attention.cu",
+        }
+    }
+
+    /// The kernels (`extern "C"` entry points) the source defines.
+    pub const fn kernels(self) -> &'static [&'static str] {
+        match self {
+            Source::Dense => &[
+                "matmul",
+                "rms_norm",
+                "rotary",
+                "silu_mul",
+                "add_assign",
+                "embedding",
+            ],
+            Source::Store => &["store_kv", "gather_rows", "scatter_rows"],
+            Source::Attention => &["paged_attention", "merge_states"],
+        }
+    }
+}
+
+/// One specialisation: a source compiled with a list of `#define NAME VALUE`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Spec {
+    /// The source file.
+    pub source: Source,
+    /// The `#define`s put before the source, in order.
+    pub defines: Vec<(&'static str, u32)>,
+}
+
+/// `KV_DTYPE` values: 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3, 4 fp8 e5m2.
+pub const SPEC_KV_DTYPES: [u32; 5] = [0, 1, 2, 3, 4];
+/// `HEAD_DIM` values the attention kernel is compiled for (`V_HEAD_DIM` equal to it).
+pub const SPEC_HEAD_DIMS: [u32; 4] = [64, 96, 128, 256];
+/// `PAGE_FAMILY` values: 0 page size 1, 1 a power of two, 2 any.
+pub const SPEC_PAGE_FAMILIES: [u32; 3] = [0, 1, 2];
+
+impl Spec {
+    /// A unique identifier, usable as a C symbol suffix: the source's stem and the defines'
+    /// values (`attention_kv1_hd128_vd128_pf1`).
+    pub fn name(&self) -> String {
+        let mut name = self.source.file().trim_end_matches(".cu").to_string();
+        for (key, value) in &self.defines {
+            let short: String = key
+                .split('_')
+                .map(|w| w.chars().next().unwrap_or('x').to_ascii_lowercase())
+                .collect();
+            name.push_str(&format!("_{short}{value}"));
+        }
+        name
+    }
+
+    /// The `#define` lines that specialise the source.
+    pub fn prelude(&self) -> String {
+        self.defines
+            .iter()
+            .map(|(key, value)| format!("#define {key} {value}\n"))
+            .collect()
+    }
+}
+
+/// Every specialisation of every source: what CI compiles with NVRTC and the emulation
+/// compiles for the CPU.
+pub fn all_specs() -> Vec<Spec> {
+    let mut specs = vec![Spec {
+        source: Source::Dense,
+        defines: Vec::new(),
+    }];
+    for kv in SPEC_KV_DTYPES {
+        specs.push(Spec {
+            source: Source::Store,
+            defines: vec![("KV_DTYPE", kv)],
+        });
+    }
+    for kv in SPEC_KV_DTYPES {
+        for hd in SPEC_HEAD_DIMS {
+            for pf in SPEC_PAGE_FAMILIES {
+                specs.push(Spec {
+                    source: Source::Attention,
+                    defines: vec![
+                        ("KV_DTYPE", kv),
+                        ("HEAD_DIM", hd),
+                        ("V_HEAD_DIM", hd),
+                        ("PAGE_FAMILY", pf),
+                    ],
+                });
+            }
+        }
+    }
+    specs
+}

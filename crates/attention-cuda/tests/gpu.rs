@@ -1,0 +1,46 @@
+//! The shared conformance suite on a real GPU (`CudaBackend<CudarcDevice>`). Without a CUDA
+//! driver, device or NVRTC the tests print why and pass, unless `KVSERVE_REQUIRE_CUDA=1`.
+#![cfg(any(feature = "cuda-12", feature = "cuda-13"))]
+
+use attention::conformance::{self, SuiteSize};
+use attention_cuda::{CudaBackend, CudaConfig, CudarcDevice};
+
+fn gpu_or_skip(test: &str) -> Option<CudaBackend<CudarcDevice>> {
+    match CudarcDevice::new(0) {
+        Ok(d) => {
+            println!("{test}: {:?}", d.report());
+            Some(CudaBackend::new(d, CudaConfig::default()))
+        }
+        Err(e) => {
+            if std::env::var("KVSERVE_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+                panic!("{test}: KVSERVE_REQUIRE_CUDA=1 but {e}");
+            }
+            println!("skipping {test}: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn gpu_dense_conformance() {
+    let Some(b) = gpu_or_skip("gpu_dense_conformance") else {
+        return;
+    };
+    let outcomes = conformance::run_dense_suite(&b).unwrap();
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
+
+#[test]
+fn gpu_attention_conformance_quick() {
+    let Some(b) = gpu_or_skip("gpu_attention_conformance_quick") else {
+        return;
+    };
+    let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
