@@ -37,7 +37,9 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use kv_pool::{Allocator, ExtendRequest, OwnershipCheck, PagedAllocator, Slot, TokenAllocator};
-use radix_cache::policy::{policy_from_name, Belady, BuiltinPolicy, CostAware, FutureIndex};
+use radix_cache::policy::{
+    policy_from_name, Belady, BuiltinPolicy, CostAware, FutureIndex, LineageTtl,
+};
 use radix_cache::{
     AnyEvictionPolicy, EvictionPolicy, InsertOptions, NodeId, PrefixCache, RadixCache,
 };
@@ -56,12 +58,13 @@ pub const BELADY: &str = Belady::NAME;
 pub fn known_policies() -> Vec<&'static str> {
     let mut names: Vec<&'static str> = BuiltinPolicy::ALL.iter().map(|p| p.as_str()).collect();
     names.push(CostAware::NAME);
+    names.push(LineageTtl::NAME);
     names.push(BELADY);
     names
 }
 
 /// Parses a comma-separated policy list (case-insensitive): SGLang's seven (`lru`, `lfu`,
-/// `fifo`, `mru`, `filo`, `priority`, `slru`), `cost-aware`, `belady`, or `all` for SGLang's
+/// `fifo`, `mru`, `filo`, `priority`, `slru`), `cost-aware`, `lineage-ttl`, `belady`, or `all` for SGLang's
 /// seven. Duplicates are dropped, order is kept.
 pub fn parse_policies(list: &str) -> Result<Vec<String>> {
     let mut out: Vec<String> = Vec::new();
@@ -152,6 +155,34 @@ pub struct ReplayResult {
     /// With a host tier: the hits per tier (their fields join the JSON line; absent without).
     #[serde(flatten)]
     pub tiers: Option<TierHits>,
+    /// The fraction of the LRU → Belady gap this replay closes at its capacity,
+    /// `(hit_rate − lru) / (belady − lru)`: 0 for LRU, 1 for Belady, negative when behind LRU.
+    /// Set by [`fill_gap_closed`] when the sweep replayed both `lru` and `belady` at this
+    /// capacity and Belady is ahead; absent (and left out of the JSON line) otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gap_closed: Option<f64>,
+}
+
+/// Sets every result's [`ReplayResult::gap_closed`] from the `lru` and `belady` results at its
+/// capacity in `results` (one sweep: one page size, one tier setup); `None` where either is missing
+/// or Belady is not ahead of LRU (nothing to close).
+pub fn fill_gap_closed(results: &mut [ReplayResult]) {
+    let find = |all: &[ReplayResult], name: &str, r: &ReplayResult| {
+        all.iter()
+            .find(|o| o.policy == name && o.capacity_tokens == r.capacity_tokens)
+            .map(|o| o.hit_rate)
+    };
+    let gaps: Vec<Option<f64>> = results
+        .iter()
+        .map(|r| {
+            let lru = find(results, BuiltinPolicy::Lru.as_str(), r)?;
+            let belady = find(results, BELADY, r)?;
+            (belady > lru).then(|| (r.hit_rate - lru) / (belady - lru))
+        })
+        .collect();
+    for (r, g) in results.iter_mut().zip(gaps) {
+        r.gap_closed = g;
+    }
 }
 
 /// A replay's hits per tier (`cached_tokens` = device + host + storage).
@@ -331,6 +362,7 @@ impl<A: Allocator> Replay<A> {
                 t.storage_hit_rate = ratio(t.storage_hit_tokens as f64, prompt);
                 t
             }),
+            gap_closed: None,
         })
     }
 
@@ -534,7 +566,8 @@ pub struct SweepConfig {
 }
 
 /// Runs every (policy, capacity) replay of `cfg`, `cfg.jobs` at a time on scoped threads.
-/// Results come policy-major in the order given. `progress` is called with requests done.
+/// Results come policy-major in the order given, with [`fill_gap_closed`] applied. `progress`
+/// is called with requests done.
 pub fn run_sweep(
     requests: &[Request],
     cfg: &SweepConfig,
@@ -587,14 +620,16 @@ pub fn run_sweep(
             }
         });
     }
-    results
+    let mut results = results
         .into_iter()
         .map(|r| {
             r.into_inner()
                 .unwrap_or_else(|e| e.into_inner())
                 .expect("every job ran")
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    fill_gap_closed(&mut results);
+    Ok(results)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

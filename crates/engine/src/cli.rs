@@ -224,8 +224,8 @@ pub struct CacheSimArgs {
     #[arg(long, value_name = "F,G,...", value_delimiter = ',', value_parser = parse_fraction)]
     pub capacity_fraction: Vec<f64>,
     /// Eviction policies (comma-separated): lru, lfu, fifo, mru, filo, priority, slru,
-    /// cost-aware, belady (an oracle that knows the future: evicts what is used farthest ahead),
-    /// or all (SGLang's seven).
+    /// cost-aware, lineage-ttl, belady (an oracle that knows the future: evicts what is used
+    /// farthest ahead), or all (SGLang's seven).
     #[arg(long, value_name = "P1,P2,...", default_value = "lru")]
     pub policy: String,
     /// A simulated host tier (and L3 store) behind every replay's cache: hit rate per tier.
@@ -237,7 +237,9 @@ pub struct CacheSimArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
-    /// Also draw hit rate against capacity into this PNG file.
+    /// Also draw hit rate against capacity into this PNG file; with lru and belady in
+    /// --policy, also the share of the LRU → Belady gap each other policy closes, into
+    /// FILE-gap.png beside it.
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
     /// Check after every request that nothing leaked (accounting identity), and after each

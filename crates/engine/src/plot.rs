@@ -89,6 +89,43 @@ pub fn plot_hit_rates(results: &[ReplayResult], title: &str, path: &Path) -> Res
     )
 }
 
+/// Draws the share of the LRU → Belady gap closed (%, [`ReplayResult::gap_closed`]) against
+/// capacity for every policy in `results` but the two ends (`lru` at 0 %, `belady` at 100 %)
+/// into the PNG file `path`; capacities where the gap is undefined are left out. Returns
+/// `Ok(false)` (writing nothing) when no result has a gap, i.e. the sweep lacked `lru` or
+/// `belady`.
+pub fn plot_gap_closed(results: &[ReplayResult], title: &str, path: &Path) -> Result<bool> {
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for r in results {
+        let Some(g) = r.gap_closed else { continue };
+        if r.policy == "lru" || r.policy == crate::cache_sim::BELADY {
+            continue;
+        }
+        let point = (r.capacity_tokens as f64, 100.0 * g);
+        match series.iter_mut().find(|(n, _)| *n == r.policy) {
+            Some((_, points)) => points.push(point),
+            None => series.push((r.policy.clone(), vec![point])),
+        }
+    }
+    if series.is_empty() {
+        return Ok(false);
+    }
+    let page = results.first().map_or(1, |r| r.page_size);
+    plot_lines(
+        &LinePlot {
+            title: "Share of the LRU → Belady hit-rate gap closed".into(),
+            subtitle: title.into(),
+            x_desc: format!("capacity (tokens, page size {page})"),
+            y_desc: "gap closed (%; 0 = LRU, 100 = Belady)".into(),
+            y_percent: false,
+            x_log: true,
+            series,
+        },
+        path,
+    )?;
+    Ok(true)
+}
+
 /// Draws `plot` into the PNG file `path` (1024 × 640 pixels). Points are sorted by x; series
 /// with identical points share one line labelled `a = b`; the x axis has ticks exactly at the
 /// x values and is logarithmic when they span more than a factor of 4.
@@ -125,6 +162,12 @@ pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
         .iter()
         .flat_map(|(_, p)| p.iter().map(|q| q.1))
         .fold(0.0f64, f64::max);
+    // Below 0 only when a value is (a policy behind LRU in a gap plot).
+    let y_min = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .fold(0.0f64, f64::min);
+    let y_bottom = if y_min < 0.0 { y_min * 1.15 } else { 0.0 };
     let y_top = if plot.y_percent {
         ((y_max / 10.0).ceil() * 10.0 + 5.0).clamp(10.0, 100.0)
     } else {
@@ -146,7 +189,7 @@ pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
         .margin(16)
         .x_label_area_size(48)
         .y_label_area_size(72)
-        .build_cartesian_2d(axis, 0.0..y_top)
+        .build_cartesian_2d(axis, y_bottom..y_top)
         .map_err(|e| fail(&e))?;
     let percent = plot.y_percent;
     chart
@@ -190,6 +233,9 @@ pub fn plot_lines(plot: &LinePlot, path: &Path) -> Result<()> {
 
 /// A y value with a thousands suffix (1.2k, 3.4M) or three significant digits.
 fn human_number(y: f64) -> String {
+    if y < 0.0 {
+        return format!("-{}", human_number(-y));
+    }
     if y >= 1e6 {
         format!("{:.1}M", y / 1e6)
     } else if y >= 1e3 {

@@ -46,6 +46,11 @@ pub fn render_table(results: &[ReplayResult], opts: TableOptions<'_>) -> String 
     if tiered {
         header.extend(["host_tokens", "device_hit", "host_hit", "storage_hit"]);
     }
+    // With both `lru` and `belady` in the sweep: the share of the gap between them closed.
+    let gaps = results.iter().any(|r| r.gap_closed.is_some());
+    if gaps {
+        header.push("gap_closed");
+    }
     if opts.timings {
         header.extend(["seconds", "Mtok/s"]);
     }
@@ -71,6 +76,12 @@ pub fn render_table(results: &[ReplayResult], opts: TableOptions<'_>) -> String 
                     ]),
                     None => row.extend(["-"; 4].map(String::from)),
                 }
+            }
+            if gaps {
+                row.push(
+                    r.gap_closed
+                        .map_or("-".into(), |g| format!("{:.1}%", 100.0 * g)),
+                );
             }
             if opts.timings {
                 row.push(format!("{:.3}", r.seconds));
@@ -139,6 +150,7 @@ mod tests {
             seconds: 0.5,
             tokens_per_s: 2000.0,
             tiers: None,
+            gap_closed: None,
         }
     }
 
@@ -165,6 +177,41 @@ mod tests {
         }
         assert_eq!(v["policy"], "mru");
         assert_eq!(v["hit_rate"], 0.5);
+    }
+
+    #[test]
+    fn gap_closed_is_measured_between_lru_and_belady_at_each_capacity() {
+        let mut rs = vec![
+            result("lru", 0.2),
+            result("lineage-ttl", 0.3),
+            result("mru", 0.1),
+            result("belady", 0.6),
+            // Another capacity without a Belady run: no gap there.
+            ReplayResult {
+                capacity_tokens: 2048,
+                ..result("lru", 0.5)
+            },
+        ];
+        crate::cache_sim::fill_gap_closed(&mut rs);
+        let gaps: Vec<Option<f64>> = rs.iter().map(|r| r.gap_closed).collect();
+        let want: [Option<f64>; 5] = [Some(0.0), Some(0.25), Some(-0.25), Some(1.0), None];
+        for (g, w) in gaps.iter().zip(want) {
+            assert_eq!(g.map(|x| (x * 1e9).round()), w.map(|x| (x * 1e9).round()));
+        }
+        let t = render_table(&rs, TableOptions::default());
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].ends_with("gap_closed"), "{t}");
+        assert!(
+            lines[2].ends_with("25.0%") && lines[3].ends_with("-25.0%"),
+            "{t}"
+        );
+        assert!(lines[5].ends_with('-'), "{t}");
+        // Belady not ahead of LRU: nothing to close.
+        let mut tie = vec![result("lru", 0.4), result("belady", 0.4)];
+        crate::cache_sim::fill_gap_closed(&mut tie);
+        assert!(tie.iter().all(|r| r.gap_closed.is_none()));
+        let json = render_json_lines(&tie);
+        assert!(!json.contains("gap_closed"), "absent, not null: {json}");
     }
 
     #[test]

@@ -76,6 +76,26 @@ fn table_snapshot_of_a_small_gsp_run() {
 }
 
 #[test]
+fn lineage_ttl_table_on_a_mooncake_slice() {
+    // The first 400 requests of the Mooncake conversation trace (tests/data/README.md): the
+    // policy's hit rate and share of the LRU → Belady gap, pinned.
+    let trace = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/mooncake_conversation_head400.jsonl");
+    let table = checked_table(&[
+        "cache-sim",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--page-size",
+        "512",
+        "--capacity-tokens",
+        "262144,524288,1048576",
+        "--policy",
+        "lru,lineage-ttl,belady",
+    ]);
+    insta::assert_snapshot!(table);
+}
+
+#[test]
 fn json_lines_carry_every_field() {
     let o = kvserve(&[
         "cache-sim",

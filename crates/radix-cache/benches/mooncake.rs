@@ -13,6 +13,11 @@
 //!   `TokenAllocator`), LRU, 10,000 blocks per iteration as 10,000 `evict(1)` calls or one
 //!   `evict(10_000)`; the tree is reloaded (untimed) when fewer than 10,000 blocks are left, so
 //!   the figure averages over draining it.
+//! - `mooncake_replay_policy/{lru,lfu,cost-aware,lineage-ttl}`: the cost of a policy's keys: the
+//!   whole trace replayed (match, evict for the missed blocks, insert) through a tree whose
+//!   allocator holds 1/8 of the trace's blocks, so every request after the first few evicts;
+//!   throughput in blocks. `lru` keeps its leaves in the O(1) list, the others in the ordered
+//!   set.
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -20,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kv_pool::{Allocator, Slot, TokenAllocator};
-use radix_cache::{BuiltinPolicy, InsertOptions, PrefixCache, RadixCache};
+use radix_cache::{AnyEvictionPolicy, BuiltinPolicy, InsertOptions, PrefixCache, RadixCache};
 
 const BLOCK: usize = 512;
 const EVICT_N: usize = 10_000;
@@ -157,5 +162,57 @@ fn mooncake_evict(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, mooncake_match_insert, mooncake_evict);
+/// One replay of `reqs` with `policy` over `capacity` slots (P = 1): match, evict the shortfall,
+/// allocate, insert, unlock. Returns the blocks served from the cache.
+fn replay(reqs: &[Vec<u32>], policy: AnyEvictionPolicy, capacity: usize) -> usize {
+    let mut cache = RadixCache::new(1, policy);
+    let mut alloc = TokenAllocator::new(capacity).unwrap();
+    let mut out = Vec::with_capacity(4096);
+    let mut hits = 0;
+    for r in reqs.iter().filter(|r| r.len() <= capacity) {
+        out.clear();
+        let m = cache.match_prefix(r, None, &mut out);
+        hits += m.len;
+        cache.inc_lock_ref(m.last_node).unwrap();
+        let need = r.len() - m.len;
+        if need > alloc.available_size() {
+            let short = need - alloc.available_size();
+            cache.evict(short, &mut alloc).unwrap();
+        }
+        alloc.alloc(need, &mut out).unwrap();
+        let ins = cache
+            .insert(r, None, &out, InsertOptions::default())
+            .unwrap();
+        if ins.prefix_len > m.len {
+            alloc.free(&out[m.len..ins.prefix_len]).unwrap();
+        }
+        cache.dec_lock_ref(m.last_node).unwrap();
+    }
+    hits
+}
+
+/// Every policy's cost per block over the same replay.
+fn mooncake_replay_policy(c: &mut Criterion) {
+    let Some(reqs) = requests_or_skip("mooncake_replay_policy") else {
+        return;
+    };
+    let blocks: usize = reqs.iter().map(Vec::len).sum();
+    let mut g = c.benchmark_group("mooncake_replay_policy");
+    g.throughput(Throughput::Elements(blocks as u64));
+    g.sample_size(10);
+    for name in ["lru", "lfu", "cost-aware", "lineage-ttl"] {
+        let policy = AnyEvictionPolicy::from_name(name).unwrap();
+        g.bench_function(name, |b| {
+            b.iter(|| black_box(replay(&reqs, policy.clone(), blocks / 8)))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    mooncake_match_insert,
+    mooncake_evict,
+    mooncake_replay_policy
+);
 criterion_main!(benches);

@@ -25,9 +25,9 @@
 //!   written pages are backed up to it and [`PrefixCache::prefetch_from_storage`] fetches a
 //!   request's pages ahead of admission. Without a tier none of it runs (one branch on an
 //!   `Option`).
-//! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, Belady's oracle, and
-//!   the [`policy::EvictionPolicy`] trait for your own; a capability a policy needs from the
-//!   tree (path hashes) is asked of the trait.
+//! - [`policy`]: SGLang's seven eviction orderings, a cost-aware policy, a lineage-hold policy
+//!   (issue #17's research), Belady's oracle, and the [`policy::EvictionPolicy`] trait for your
+//!   own; a capability a policy needs from the tree (path hashes) is asked of the trait.
 //! - [`events`]: `BlockStored` / `BlockRemoved` / `AllBlocksCleared` with SGLang's chained
 //!   SHA-256 page hashes.
 //! - `testing` (feature `testing`): the suites that check a prefix cache or an eviction policy

@@ -9,8 +9,9 @@
 //! SGLang's orderings (`mem_cache/evict_policy.py`; smaller is evicted first): `lru` last access;
 //! `lfu` (hit count, last access); `fifo` creation; `mru` −last access; `filo` −creation;
 //! `priority` (priority, last access); `slru` (protected segment = hit count ≥ 2, last access).
-//! Ours: [`CostAware`] (GreedyDual-Size-Frequency over recompute cost) and [`Belady`] (the
-//! offline optimum when the future is known, for trace replay).
+//! Ours: [`CostAware`] (GreedyDual-Size-Frequency over recompute cost), [`LineageTtl`] (LRU
+//! with per-node hold times grown by the conversation turns behind a leaf; see its module) and
+//! [`Belady`] (the offline optimum when the future is known, for trace replay).
 //!
 //! A user writes a policy by implementing [`EvictionPolicy`] in their own crate:
 //!
@@ -44,6 +45,10 @@ use std::str::FromStr;
 use rustc_hash::FxHashMap;
 
 use crate::error::{RadixCacheError, Result};
+
+mod lineage_ttl;
+
+pub use lineage_ttl::LineageTtl;
 
 /// The ordering key of an evictable leaf: smaller is evicted first; ties break by node id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -84,6 +89,12 @@ pub struct NodeStats {
     pub depth: usize,
     /// Tokens held by the node.
     pub len: usize,
+    /// Nodes on the path from the root through the node when it was created (a split's lower
+    /// half counts the new upper half): 1 for a child of the root. A tree signal a flat cache
+    /// lacks: in a multi-turn conversation each turn's new tokens hang under the previous
+    /// turn's, so a leaf's lineage counts the turns behind it (plus one per shared prefix
+    /// node, such as a system prompt).
+    pub lineage: u32,
     /// A 64-bit hash of the token path from the root through the node's last page (equal
     /// paths give equal hashes; 0 unless the cache tracks paths); what [`Belady`] looks up in
     /// its future index. The last page is what a partial eviction removes first.
@@ -234,10 +245,12 @@ impl FromStr for BuiltinPolicy {
 pub fn policy_names() -> Vec<&'static str> {
     let mut names: Vec<&'static str> = BuiltinPolicy::ALL.iter().map(|p| p.as_str()).collect();
     names.push(CostAware::NAME);
+    names.push(LineageTtl::NAME);
     names
 }
 
-/// Builds a policy from its name (case-insensitive): SGLang's seven and `cost-aware`. `belady`
+/// Builds a policy from its name (case-insensitive): SGLang's seven, `cost-aware` and
+/// `lineage-ttl`. `belady`
 /// needs the future and is built with [`Belady::new`]. The same as
 /// [`AnyEvictionPolicy::from_name`].
 pub fn policy_from_name(name: &str) -> Result<AnyEvictionPolicy> {
@@ -253,16 +266,22 @@ pub enum AnyEvictionPolicy {
     Builtin(BuiltinPolicy),
     /// GreedyDual-Size-Frequency over recompute cost ([`CostAware`]).
     CostAware(CostAware),
+    /// LRU with lineage-grown per-node holds ([`LineageTtl`]).
+    LineageTtl(LineageTtl),
     /// The offline oracle ([`Belady`]).
     Belady(Belady),
 }
 
 impl AnyEvictionPolicy {
-    /// The policy `name` names (case-insensitive): SGLang's seven and `cost-aware`. `belady`
-    /// needs the future: build it with [`Belady::new`] and convert with `From`.
+    /// The policy `name` names (case-insensitive): SGLang's seven, `cost-aware` and
+    /// `lineage-ttl` (with its default horizon). `belady` needs the future: build it with
+    /// [`Belady::new`] and convert with `From`.
     pub fn from_name(name: &str) -> Result<Self> {
         if name.eq_ignore_ascii_case(CostAware::NAME) {
             return Ok(CostAware::default().into());
+        }
+        if name.eq_ignore_ascii_case(LineageTtl::NAME) {
+            return Ok(LineageTtl::default().into());
         }
         if name.eq_ignore_ascii_case(Belady::NAME) {
             return Err(RadixCacheError::UnknownPolicy {
@@ -473,6 +492,7 @@ mod tests {
             priority,
             depth: 0,
             len: 4,
+            lineage: 1,
             path_hash: 0,
         }
     }
@@ -509,6 +529,10 @@ mod tests {
             assert_eq!(policy_from_name(p.as_str()).unwrap().name(), p.as_str());
         }
         assert_eq!(policy_from_name("Cost-Aware").unwrap().name(), "cost-aware");
+        assert_eq!(
+            policy_from_name("Lineage-TTL").unwrap().name(),
+            "lineage-ttl"
+        );
         let err = policy_from_name("lru2").unwrap_err().to_string();
         assert!(err.contains("lru2") && err.contains("slru"), "{err}");
         assert!(policy_from_name("belady")

@@ -6,7 +6,7 @@
 
 use kv_pool::{Allocator, ExtendRequest, PagedAllocator, ReqToTokenPool, Slot};
 use radix_cache::events::{digest_to_block_id, page_digest};
-use radix_cache::policy::{policy_from_name, Belady, CostAware, FutureIndex};
+use radix_cache::policy::{policy_from_name, Belady, CostAware, FutureIndex, LineageTtl};
 use radix_cache::testing::{self, RequestHarness};
 use radix_cache::{
     AnyEvictionPolicy, BuiltinPolicy, ChunkCache, EvictionKey, EvictionPolicy, InsertOptions,
@@ -94,8 +94,8 @@ fn snapshot_splits_paged_keys_and_partial_tails() {
 }
 
 /// Inserts `key` with fresh slots (the way a finished request would), returning the last node.
-fn insert_fresh(
-    cache: &mut RadixCache,
+fn insert_fresh<P: EvictionPolicy>(
+    cache: &mut RadixCache<P>,
     alloc: &mut PagedAllocator,
     key: &[u32],
     opts: InsertOptions,
@@ -123,6 +123,39 @@ fn insert_fresh(
     r.last_node
 }
 
+/// Keys a leaf by (depth, lineage) and logs each victim's key, to read lineages back.
+#[derive(Debug, Clone, Default)]
+struct LogsLineage(std::sync::Arc<std::sync::Mutex<Vec<(i64, i64)>>>);
+
+impl EvictionPolicy for LogsLineage {
+    fn name(&self) -> &str {
+        "logs-lineage"
+    }
+    fn key(&mut self, node: &NodeStats) -> EvictionKey {
+        EvictionKey::new(node.depth as i64, i64::from(node.lineage))
+    }
+    fn on_evict(&mut self, key: EvictionKey) {
+        self.0.lock().unwrap().push((key.primary, key.secondary));
+    }
+}
+
+#[test]
+fn lineage_counts_the_nodes_on_the_root_path_at_creation() {
+    let log = LogsLineage::default();
+    let mut cache = RadixCache::with_policy(1, log.clone()).with_partial_eviction(false);
+    let mut alloc = PagedAllocator::new(64, 1).unwrap();
+    // SAB: one node under the root (lineage 1). SAC splits it into SA (1) and B (2), and hangs
+    // C (2) under SA; SACD hangs D (3) under C: the turns of a conversation.
+    for key in ["SAB", "SAC", "SACD"] {
+        insert_fresh(&mut cache, &mut alloc, &toks(key), InsertOptions::default());
+    }
+    while cache.evictable_size() > 0 {
+        cache.evict(1, &mut alloc).unwrap();
+    }
+    // (depth, lineage) of each victim: B, D, then C and SA as they become leaves.
+    assert_eq!(*log.0.lock().unwrap(), [(2, 2), (3, 3), (2, 2), (0, 1)]);
+}
+
 #[test]
 fn snapshot_eviction_order_of_every_policy() {
     // Five leaves under a shared root node, with distinct creation, access, hits and priority.
@@ -130,7 +163,7 @@ fn snapshot_eviction_order_of_every_policy() {
     let names: Vec<&str> = BuiltinPolicy::ALL
         .iter()
         .map(|p| p.as_str())
-        .chain(["cost-aware"])
+        .chain(["cost-aware", "lineage-ttl"])
         .collect();
     for name in names {
         let mut cache =
@@ -433,9 +466,12 @@ fn every_builtin_policy_passes_the_prefix_cache_suite() {
 }
 
 #[test]
-fn cost_aware_and_belady_pass_the_prefix_cache_suite() {
+fn cost_aware_lineage_ttl_and_belady_pass_the_prefix_cache_suite() {
     testing::check_prefix_cache(|page| {
         RadixCache::new(page, CostAware::default()).with_events(true)
+    });
+    testing::check_prefix_cache(|page| {
+        RadixCache::new(page, LineageTtl::new(40)).with_events(true)
     });
     testing::check_prefix_cache(|page| RadixCache::new(page, belady(page)).with_events(true));
 }
@@ -461,6 +497,10 @@ fn every_policy_passes_the_eviction_policy_check() {
     }
     testing::check_eviction_policy(CostAware::default());
     testing::check_eviction_policy(CostAware::new(1.0, 0.01));
+    testing::check_eviction_policy(LineageTtl::default());
+    // A horizon about the workloads' tick spans, so holds reorder leaves there.
+    testing::check_eviction_policy(LineageTtl::new(40));
+    testing::check_eviction_policy(AnyEvictionPolicy::from_name("lineage-ttl").unwrap());
     testing::check_eviction_policy(belady(1));
     testing::check_eviction_policy(AnyEvictionPolicy::from(belady(2)));
 }

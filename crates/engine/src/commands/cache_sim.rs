@@ -10,7 +10,7 @@ use super::{jobs, progress_bar, write_out, PROGRESS};
 use crate::cache_sim::{page_align_capacity, parse_policies, run_sweep, SweepConfig};
 use crate::cli::{CacheSimArgs, Capacity, OutputFormat, WorkloadDefaults};
 use crate::error::Result;
-use crate::plot::plot_hit_rates;
+use crate::plot::{plot_gap_closed, plot_hit_rates};
 use crate::report::{render_json_lines, render_table, TableOptions};
 use crate::sim_tier::SimTier;
 
@@ -138,6 +138,25 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
     if let Some(path) = &args.plot {
         plot_hit_rates(&results, &workload.name, path)?;
         note(args, &format!("plot written to {}", path.display()));
+        // With `lru` and `belady` in the sweep: the gap closed, beside it (`NAME-gap.png`).
+        let gap_path = gap_plot_path(path);
+        if plot_gap_closed(&results, &workload.name, &gap_path)? {
+            note(
+                args,
+                &format!("gap-closed plot written to {}", gap_path.display()),
+            );
+        }
     }
     Ok(())
+}
+
+/// Where the gap-closed plot goes: `plot.png` → `plot-gap.png`, beside the hit-rate plot.
+fn gap_plot_path(path: &std::path::Path) -> std::path::PathBuf {
+    let stem = path
+        .file_stem()
+        .map_or_else(|| "plot".to_string(), |s| s.to_string_lossy().into_owned());
+    let ext = path
+        .extension()
+        .map_or_else(|| "png".to_string(), |e| e.to_string_lossy().into_owned());
+    path.with_file_name(format!("{stem}-gap.{ext}"))
 }

@@ -69,6 +69,10 @@ pub(super) struct Node {
     pub(super) priority: i64,
     /// Tokens between the root and the node's first token.
     pub(super) depth: usize,
+    /// Nodes on the root path through this node when it was created ([`NodeStats::lineage`]).
+    ///
+    /// [`NodeStats::lineage`]: crate::policy::NodeStats::lineage
+    pub(super) lineage: u32,
     /// Path hash of everything before the node, and through its last token (only when the
     /// policy wants path hashes).
     pub(super) start_hash: u64,
@@ -105,6 +109,7 @@ impl Node {
             hit_count: 0,
             priority: 0,
             depth: 0,
+            lineage: 0,
             start_hash: PATH_HASH_SEED,
             end_hash: PATH_HASH_SEED,
             digests: Vec::new(),

@@ -18,6 +18,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             hit_count: n.hit_count,
             priority: n.priority,
             depth: n.depth,
+            lineage: n.lineage,
             len: n.len,
             path_hash: path,
         }

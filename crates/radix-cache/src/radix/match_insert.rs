@@ -105,6 +105,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             hit_count: c.hit_count,
             priority: c.priority,
             depth: c.depth,
+            lineage: c.lineage,
             start_hash: c.start_hash,
             end_hash: upper_end_hash,
             digests: c.digests.get(..at / p).map_or_else(Vec::new, <[_]>::to_vec),
@@ -123,6 +124,8 @@ impl<P: EvictionPolicy> RadixCache<P> {
             lower.start += at;
             lower.len -= at;
             lower.depth += at;
+            // One more node above it now: the upper half (what a new leaf there would get).
+            lower.lineage = lower.lineage.saturating_add(1);
             lower.start_hash = upper_end_hash;
             if !lower.digests.is_empty() {
                 lower.digests.drain(..at / p);
@@ -355,6 +358,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
         let par = &self.nodes[parent as usize];
         let start_hash = par.end_hash;
         let depth = par.depth + par.len;
+        let lineage = par.lineage.saturating_add(1);
         let end_hash = if self.track_paths {
             key.chunks(p).fold(start_hash, path_hash)
         } else {
@@ -401,6 +405,7 @@ impl<P: EvictionPolicy> RadixCache<P> {
             hit_count: u32::from(!opts.chunked),
             priority: opts.priority,
             depth,
+            lineage,
             start_hash,
             end_hash,
             digests,

@@ -81,6 +81,7 @@ fn random_stats(rng: &mut SplitMix64, paths: &[u64]) -> NodeStats {
         hit_count: rng.below(8) as u32,
         priority: rng.below(7) as i64 - 3,
         depth: rng.below(4096),
+        lineage: rng.below(12) as u32,
         len: 1 + rng.below(64),
         path_hash,
     }
