@@ -235,6 +235,7 @@ fn config(prefill: &[(&str, u16)], decode: &[&str], policy: PolicyKind) -> Route
         decode_policy: policy,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(30),
+        ..RouterConfig::new("http://unused:1", "http://unused:2").unwrap()
     }
 }
 
@@ -833,7 +834,7 @@ fn the_binary_refuses_bad_flags_with_a_clear_error() {
                 "--decode",
                 "http://127.0.0.1:2",
             ],
-            "--pd-disaggregation: this router implements only",
+            "--pd-disaggregation: --prefill and --decode need --pd-disaggregation",
         ),
         (
             vec![
@@ -876,7 +877,28 @@ fn the_binary_refuses_bad_flags_with_a_clear_error() {
                 "--policy",
                 "cache_aware",
             ],
-            "cache_aware",
+            "cache_aware: the PD router picks its workers by random or round_robin only",
+        ),
+        (vec![], "--worker-urls: give at least one worker URL"),
+        (
+            vec!["--worker-urls", "http://a:1", "http://a:1/"],
+            "--worker-urls: http://a:1 is given twice",
+        ),
+        (
+            vec!["--worker-urls", "http://a:1", "--cache-threshold", "1.5"],
+            "--cache-threshold: 1.5 is not between 0 and 1",
+        ),
+        (
+            vec![
+                "--worker-urls",
+                "http://a:1",
+                "--pd-disaggregation",
+                "--prefill",
+                "http://b:1",
+                "--decode",
+                "http://c:1",
+            ],
+            "--worker-urls: regular workers and --pd-disaggregation exclude each other",
         ),
     ] {
         let mut argv = vec!["router"];

@@ -1,7 +1,13 @@
-//! `kvserve router --pd-disaggregation`: SGLang's PD router (`sglang_router.launch_router`,
-//! sgl-router's `pd_router.rs`) in front of kvserve (or SGLang) prefill and decode servers.
+//! `kvserve router`: sgl-router (`sglang_router.launch_router`) in front of kvserve (or
+//! SGLang) servers, in one of two modes.
 //!
-//! Each generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`) gets a
+//! Regular mode (`--worker-urls URL…`, sgl-router's `router.rs`): each generation request
+//! goes to one worker, chosen among the healthy ones by a [`policies::LoadBalancingPolicy`]
+//! (`random`, `round_robin`, `power_of_two`, `cache_aware`, `kv_events`) from the request's prompt and the
+//! router's in-flight counts; see [`regular`] for retries. Workers are health-checked, and
+//! added and removed at run time (`/add_worker`, `/remove_worker`, `/list_workers`).
+//!
+//! PD mode (`--pd-disaggregation`, sgl-router's `pd_router.rs`): each generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`) gets a
 //! prefill and a decode worker from the role's selection policy, a random `bootstrap_room`,
 //! and the prefill's `bootstrap_host` / `bootstrap_port`; it is sent to both at once and
 //! answered from decode (its stream relayed as it arrives), with the prefill's cached-token
@@ -13,7 +19,13 @@
 //!
 //! One job per module, in the direction calls go (no module imports one that imports it):
 //! - [`config`]: the flags ([`RouterArgs`]) and the validated [`RouterConfig`];
-//! - [`policy`]: worker selection (`random`, `round_robin`) and bootstrap rooms;
+//! - [`policy`]: PD worker selection (`random`, `round_robin`) and bootstrap rooms;
+//! - [`policies`]: the regular mode's policies behind one trait (a simulator can run them);
+//! - [`workers`]: the regular workers, their health and loads; [`health`]: their checks and
+//!   the policy's periodic trim; [`admin`]: `/add_worker`, `/remove_worker`, `/list_workers`;
+//! - [`kv_subscriber`]: the `kv_events` policy's ZMQ subscribers, feeding its index;
+//! - [`prompt`]: what a body routes on; [`regular`]: the regular mode's dispatch and retry;
+//! - [`answer`]: the request timer and error answers both modes share;
 //! - [`inject`]: the bootstrap fields in the request body, the prefill's copy;
 //! - [`merge`]: cached-token merging, server-sent-event parsing;
 //! - [`upstream`]: one call to a worker and its failures ([`upstream::UpstreamError`]);
@@ -24,26 +36,41 @@
 //! The command (`src/commands/router.rs`) runs [`serve`] until Ctrl-C; tests and programs
 //! embed a router with [`spawn`].
 
+pub mod admin;
+pub mod answer;
 pub mod config;
+pub mod health;
 pub mod info;
 pub mod inject;
+pub mod kv_subscriber;
 pub mod merge;
 pub mod metrics;
+pub mod policies;
 pub mod policy;
+pub mod prompt;
 pub mod proxy;
+pub mod regular;
 pub mod relay;
 pub mod upstream;
+pub mod workers;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::routing::{get, post};
 
-pub use config::{PolicyKind, PrefillWorker, RouterArgs, RouterConfig, WorkerUrl};
+pub use config::{
+    CacheAwareConfig, HealthConfig, PolicyKind, PrefillWorker, RouterArgs, RouterConfig, WorkerUrl,
+};
 pub use metrics::RouterMetrics;
 
 use crate::error::{EngineError, Result};
 use metrics::Role;
+use policies::{KvIndex, LoadBalancingPolicy};
 use policy::{RoomGenerator, Selector};
+use workers::WorkerRegistry;
 
 /// What every request of one router shares.
 #[derive(Debug)]
@@ -55,6 +82,12 @@ pub struct RouterState {
     prefill_selector: Selector,
     decode_selector: Selector,
     rooms: RoomGenerator,
+    /// Regular mode: the workers.
+    pub workers: WorkerRegistry,
+    /// Regular mode: how a worker is picked.
+    pub policy: Box<dyn LoadBalancingPolicy>,
+    /// `kv_events`: which worker holds which pages (its subscribers write it).
+    pub kv_index: Arc<Mutex<KvIndex>>,
     /// The router's counters.
     pub metrics: RouterMetrics,
 }
@@ -70,10 +103,19 @@ impl RouterState {
                 path: "the router's HTTP client".into(),
                 source: std::io::Error::other(e),
             })?;
+        let workers = WorkerRegistry::default();
+        for url in &config.workers {
+            // Distinct by construction (`RouterArgs::config` refuses duplicates).
+            let _ = workers.add(url.clone(), true);
+        }
+        let kv_index = Arc::new(Mutex::new(KvIndex::default()));
         Ok(RouterState {
             prefill_selector: Selector::new(config.prefill_policy),
             decode_selector: Selector::new(config.decode_policy),
             rooms: RoomGenerator::default(),
+            workers,
+            policy: policies::build(config.policy, config.cache_aware, None, kv_index.clone()),
+            kv_index,
             metrics: RouterMetrics::with_workers(
                 (config
                     .prefill
@@ -84,6 +126,12 @@ impl RouterState {
                         .decode
                         .iter()
                         .map(|d| (Role::Decode, d.base().to_string())),
+                )
+                .chain(
+                    config
+                        .workers
+                        .iter()
+                        .map(|w| (Role::Worker, w.base().to_string())),
                 ),
             ),
             client,
@@ -101,10 +149,27 @@ impl RouterState {
 
 /// The router's routes.
 pub fn app(state: Arc<RouterState>) -> axum::Router {
-    axum::Router::new()
-        .route("/generate", post(proxy::generate))
-        .route("/v1/completions", post(proxy::completions))
-        .route("/v1/chat/completions", post(proxy::chat_completions))
+    let mut r = axum::Router::new();
+    for route in ["/generate", "/v1/completions", "/v1/chat/completions"] {
+        r = if state.config.is_pd() {
+            r.route(
+                route,
+                post(move |s: State<Arc<RouterState>>, h: HeaderMap, b: Bytes| {
+                    proxy::dual_dispatch(s.0, route, h, b)
+                }),
+            )
+        } else {
+            r.route(
+                route,
+                post(move |s: State<Arc<RouterState>>, h: HeaderMap, b: Bytes| {
+                    regular::route(s.0, route, h, b)
+                }),
+            )
+        };
+    }
+    r.route("/add_worker", post(admin::add_worker))
+        .route("/remove_worker", post(admin::remove_worker))
+        .route("/list_workers", get(admin::list_workers))
         .route("/v1/models", get(info::models))
         .route("/health", get(info::health))
         .route("/metrics", get(info::metrics))
@@ -125,10 +190,34 @@ pub async fn serve(
         .map(|a| a.to_string())
         .unwrap_or_default();
     let state = Arc::new(RouterState::new(config)?);
+    let upkeep = {
+        let state = state.clone();
+        async move {
+            if state.config.is_pd() {
+                std::future::pending::<()>().await;
+            }
+            let mut subscribers = tokio::task::JoinSet::new();
+            let workers = state.workers.all();
+            for (w, endpoint) in workers.iter().zip(&state.config.kv_events) {
+                subscribers.spawn(kv_subscriber::subscribe(
+                    endpoint.clone(),
+                    state.config.kv_events_topic.clone(),
+                    w.id,
+                    state.kv_index.clone(),
+                ));
+            }
+            tokio::join!(
+                health::health_loop(state.clone()),
+                health::maintenance_loop(state)
+            );
+            drop(subscribers);
+        }
+    };
     let server = std::future::IntoFuture::into_future(axum::serve(listener, app(state)));
     tokio::select! {
         r = server => r.map_err(|source| EngineError::Io { path: local, source }),
         () = shutdown => Ok(()),
+        () = upkeep => Ok(()),
     }
 }
 
