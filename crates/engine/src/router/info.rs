@@ -96,7 +96,7 @@ fn workers(s: &RouterState) -> Vec<(Role, WorkerUrl, Option<u16>)> {
 
 /// `GET /get_server_info`: the router's settings and every worker, in the order given on the
 /// command line, with `healthy` (its `/health` answered 2xx) and its own server info (or
-/// `error`).
+/// `error`); in regular mode also the pages the `kv_events` index holds per worker.
 pub async fn server_info(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Json<Value> {
     let auth = h.get(header::AUTHORIZATION).cloned();
     let mut tasks = JoinSet::new();
@@ -139,14 +139,23 @@ pub async fn server_info(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Jso
             .collect()
     };
     if !s.config.is_pd() {
+        let mut workers = of(Role::Worker);
+        let index = s.kv_index.lock().unwrap_or_else(|e| e.into_inner());
+        for (w, info) in s.workers.all().iter().zip(&mut workers) {
+            info["kv_pages"] = json!(index.held_pages(w.id));
+        }
         return Json(json!({
             "router": {
                 "mode": "regular",
                 "policy": s.policy.name(),
                 "request_timeout_secs": s.config.request_timeout.as_secs(),
                 "health_check_interval_secs": s.config.health.interval.as_secs(),
+                "kv_index": {
+                    "block_size": index.block_size(),
+                    "unplaced_pages": index.unplaced(),
+                },
             },
-            "workers": of(Role::Worker),
+            "workers": workers,
         }));
     }
     Json(json!({
