@@ -1,8 +1,9 @@
 //! `kvserve router --policy kv_events` over real `kvserve serve` workers on loopback, each
 //! publishing its KV events (`--kv-events-config`): the router's index follows what each
 //! worker really caches (pages stored, a flushed cache emptied), a prompt sharing a cached
-//! prefix goes to the worker that holds it and is served from its cache, and a new prefix
-//! goes to the worker holding the fewest pages.
+//! prefix goes to the worker that holds it and is served from its cache, a new prefix goes to
+//! the worker holding the fewest pages, and a worker added at run time with its endpoint is
+//! followed.
 
 mod common;
 
@@ -121,5 +122,24 @@ fn requests_follow_the_pages_each_worker_really_holds() {
         get(rp, "/get_server_info")["router"]["kv_index"]["unplaced_pages"],
         json!(0)
     );
+
+    // Run time: a worker added with its event endpoint is followed; removed ones are gone
+    // from the index at once.
+    let (late, late_events) = worker();
+    let late_url = format!("http://127.0.0.1:{}", late.port);
+    let (status, v) = post(rp, &format!("/add_worker?url={late_url}"), json!({}));
+    assert_eq!(status, 400, "kv_events needs the endpoint: {v}");
+    let add = format!("/add_worker?url={late_url}&kv_events={late_events}");
+    let (status, v) = post(rp, &add, json!({}));
+    assert_eq!(status, 200, "{v}");
+    for u in &urls {
+        let (status, v) = post(rp, &format!("/remove_worker?url={u}"), json!({}));
+        assert_eq!(status, 200, "{v}");
+    }
+    assert_eq!(pages(rp), [0], "only the new worker, holding nothing yet");
+    std::thread::sleep(Duration::from_millis(500));
+    let e: Vec<u32> = (0..64).map(|i| 7000 + i).collect();
+    generate(rp, &e);
+    wait_pages(rp, |p| p[0] > 0);
     let _: Value = get(rp, "/list_workers");
 }

@@ -1,7 +1,9 @@
 //! The regular router's worker management at run time (sgl-router's endpoints):
 //! `POST /add_worker?url=URL` (probed once: it starts healthy if its `/health` answers, else
-//! it waits for its health checks), `POST /remove_worker?url=URL` (the policy forgets it;
-//! requests in flight there finish) and `GET /list_workers`.
+//! it waits for its health checks; under `kv_events` also `&kv_events=tcp://HOST:PORT`, its
+//! event endpoint, which the router then follows), `POST /remove_worker?url=URL` (the policy
+//! forgets it, its events are no longer followed; requests in flight there finish) and
+//! `GET /list_workers`.
 
 use std::sync::Arc;
 
@@ -12,15 +14,16 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::config::WorkerUrl;
+use super::config::{check_endpoint, PolicyKind, WorkerUrl};
 use super::health::probe;
 use super::RouterState;
 use crate::server::ApiError;
 
-/// The `url` query parameter.
+/// The query parameters: the worker's `url`, and its `kv_events` endpoint.
 #[derive(Debug, Deserialize)]
 pub struct UrlParam {
     url: Option<String>,
+    kv_events: Option<String>,
 }
 
 fn parse(p: &UrlParam) -> Result<WorkerUrl, ApiError> {
@@ -53,9 +56,39 @@ pub async fn add_worker(State(s): State<Arc<RouterState>>, Query(p): Query<UrlPa
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
+    let events = match (s.config.policy == PolicyKind::KvEvents, &p.kv_events) {
+        (true, Some(e)) => match check_endpoint(e) {
+            Ok(()) => Some(e.clone()),
+            Err(m) => {
+                return ApiError::bad_request("invalid_value", m)
+                    .param("kv_events")
+                    .into_response()
+            }
+        },
+        (false, None) => None,
+        (true, None) => return ApiError::bad_request(
+            "invalid_value",
+            "the kv_events policy needs the worker's event endpoint: &kv_events=tcp://HOST:PORT",
+        )
+        .param("kv_events")
+        .into_response(),
+        (false, Some(_)) => {
+            return ApiError::bad_request(
+                "invalid_value",
+                "only the kv_events policy reads a worker's KV events",
+            )
+            .param("kv_events")
+            .into_response()
+        }
+    };
     let healthy = probe(&s.client, &url, s.config.health.timeout).await;
     match s.workers.add(url.clone(), healthy) {
-        Ok(_) => {
+        Ok(w) => {
+            if let Some(endpoint) = events {
+                let topic = s.config.kv_events_topic.clone();
+                s.subscribers
+                    .start(endpoint, topic, w.id, s.kv_index.clone());
+            }
             eprintln!("kvserve: router: added worker {url} (healthy: {healthy})");
             Json(json!({"success": true, "url": url.base(), "healthy": healthy})).into_response()
         }
@@ -79,6 +112,7 @@ pub async fn remove_worker(
     };
     match s.workers.remove(&url) {
         Some(w) => {
+            s.subscribers.stop(w.id);
             s.policy.remove_worker(w.id);
             eprintln!("kvserve: router: removed worker {url}");
             Json(json!({"success": true, "url": url.base()})).into_response()

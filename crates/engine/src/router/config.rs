@@ -321,6 +321,19 @@ impl RouterConfig {
     }
 }
 
+/// A worker's KV-event endpoint must be `tcp://HOST:PORT` (the message says why not).
+pub fn check_endpoint(e: &str) -> std::result::Result<(), String> {
+    let ok = e
+        .strip_prefix("tcp://")
+        .and_then(|r| r.rsplit_once(':'))
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{e:?} is not a tcp://HOST:PORT endpoint"))
+    }
+}
+
 /// `--worker-urls`: parsed, at least one, none twice.
 fn parse_workers(urls: impl Iterator<Item = String>) -> Result<Vec<WorkerUrl>> {
     let flag = "--worker-urls";
@@ -484,16 +497,7 @@ impl RouterArgs {
             ));
         }
         for e in given {
-            let ok = e
-                .strip_prefix("tcp://")
-                .and_then(|r| r.rsplit_once(':'))
-                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
-            if !ok {
-                return Err(EngineError::arg(
-                    flag,
-                    format!("{e:?} is not a tcp://HOST:PORT endpoint"),
-                ));
-            }
+            check_endpoint(e).map_err(|m| EngineError::arg(flag, m))?;
         }
         Ok(given.clone())
     }

@@ -4,9 +4,14 @@
 //! id. A socket that cannot connect or breaks is reopened a second later; a batch that cannot
 //! be decoded or applied is reported and skipped, as is a gap in the sequence numbers (the
 //! replay socket is not asked: pages whose parent was missed stay out of the index).
+//! [`Subscribers`] keeps each worker's task, so a worker removed at run time stops being
+//! followed (and one added is followed from then on).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::task::AbortHandle;
 
 use zeromq::{Socket, SocketRecv, SubSocket};
 
@@ -72,5 +77,50 @@ pub async fn subscribe(
             }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The running subscriber of each worker; every one is stopped on drop.
+#[derive(Debug, Default)]
+pub struct Subscribers(Mutex<HashMap<WorkerId, AbortHandle>>);
+
+impl Subscribers {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<WorkerId, AbortHandle>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Follows `endpoint` for `worker` on the current tokio runtime (replacing any subscriber
+    /// it had).
+    pub fn start(
+        &self,
+        endpoint: String,
+        topic: String,
+        worker: WorkerId,
+        index: Arc<Mutex<KvIndex>>,
+    ) {
+        let task = tokio::spawn(subscribe(endpoint, topic, worker, index));
+        if let Some(old) = self.map().insert(worker, task.abort_handle()) {
+            old.abort();
+        }
+    }
+
+    /// Stops following `worker`.
+    pub fn stop(&self, worker: WorkerId) {
+        if let Some(h) = self.map().remove(&worker) {
+            h.abort();
+        }
+    }
+
+    /// Stops every subscriber.
+    pub fn stop_all(&self) {
+        for (_, h) in self.map().drain() {
+            h.abort();
+        }
+    }
+}
+
+impl Drop for Subscribers {
+    fn drop(&mut self) {
+        self.stop_all();
     }
 }

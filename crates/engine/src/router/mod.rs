@@ -88,6 +88,8 @@ pub struct RouterState {
     pub policy: Box<dyn LoadBalancingPolicy>,
     /// `kv_events`: which worker holds which pages (its subscribers write it).
     pub kv_index: Arc<Mutex<KvIndex>>,
+    /// `kv_events`: each worker's event subscriber.
+    pub subscribers: kv_subscriber::Subscribers,
     /// The router's counters.
     pub metrics: RouterMetrics,
 }
@@ -116,6 +118,7 @@ impl RouterState {
             workers,
             policy: policies::build(config.policy, config.cache_aware, None, kv_index.clone()),
             kv_index,
+            subscribers: kv_subscriber::Subscribers::default(),
             metrics: RouterMetrics::with_workers(
                 (config
                     .prefill
@@ -196,29 +199,29 @@ pub async fn serve(
             if state.config.is_pd() {
                 std::future::pending::<()>().await;
             }
-            let mut subscribers = tokio::task::JoinSet::new();
             let workers = state.workers.all();
             for (w, endpoint) in workers.iter().zip(&state.config.kv_events) {
-                subscribers.spawn(kv_subscriber::subscribe(
+                state.subscribers.start(
                     endpoint.clone(),
                     state.config.kv_events_topic.clone(),
                     w.id,
                     state.kv_index.clone(),
-                ));
+                );
             }
             tokio::join!(
                 health::health_loop(state.clone()),
                 health::maintenance_loop(state)
             );
-            drop(subscribers);
         }
     };
-    let server = std::future::IntoFuture::into_future(axum::serve(listener, app(state)));
-    tokio::select! {
+    let server = std::future::IntoFuture::into_future(axum::serve(listener, app(state.clone())));
+    let r = tokio::select! {
         r = server => r.map_err(|source| EngineError::Io { path: local, source }),
         () = shutdown => Ok(()),
         () = upkeep => Ok(()),
-    }
+    };
+    state.subscribers.stop_all();
+    r
 }
 
 /// A router on its own thread and tokio runtime, stopped on drop: for tests and programs that
