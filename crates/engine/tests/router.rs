@@ -341,6 +341,38 @@ async fn generate_injects_one_room_into_both_and_answers_from_decode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_aware_prefill_policy_keeps_a_prefix_on_one_prefill_server() {
+    let (p0, p1) = (mock(Kind::Prefill, 0).await, mock(Kind::Prefill, 0).await);
+    let d = mock(Kind::Decode, 0).await;
+    let mut cfg = config(
+        &[(&p0.url(), 8998), (&p1.url(), 8998)],
+        &[&d.url()],
+        PolicyKind::RoundRobin,
+    );
+    cfg.prefill_policy = PolicyKind::CacheAware;
+    let r = spawn(cfg, "127.0.0.1:0", 2).unwrap();
+    let base = format!("http://{}", r.addr);
+    for text in [
+        "alpha: one",
+        "beta: one",
+        "alpha: two",
+        "beta: two",
+        "alpha: three",
+    ] {
+        let (status, v) = post_json(&format!("{base}/generate"), &json!({"text": text})).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let texts = |m: &Mock| -> Vec<String> {
+        m.bodies()
+            .iter()
+            .map(|(_, b)| b["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(texts(&p0), ["alpha: one", "alpha: two", "alpha: three"]);
+    assert_eq!(texts(&p1), ["beta: one", "beta: two"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_answers_take_the_prefill_cached_tokens() {
     let (p, _d, _r, base) = one_pair(Kind::Prefill, 48, Kind::Decode).await;
     for route in ["/v1/completions", "/v1/chat/completions"] {
@@ -877,7 +909,7 @@ fn the_binary_refuses_bad_flags_with_a_clear_error() {
                 "--policy",
                 "cache_aware",
             ],
-            "cache_aware: the PD router picks its workers by random or round_robin only",
+            "--decode-policy: cache_aware: the PD router picks decode workers by random or round_robin only",
         ),
         (vec![], "--worker-urls: give at least one worker URL"),
         (

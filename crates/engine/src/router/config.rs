@@ -402,16 +402,20 @@ impl RouterArgs {
         }
         let prefill_policy = self.prefill_policy.unwrap_or(self.policy);
         let decode_policy = self.decode_policy.unwrap_or(self.policy);
-        for p in [prefill_policy, decode_policy] {
-            if !matches!(p, PolicyKind::Random | PolicyKind::RoundRobin) {
-                return Err(EngineError::arg(
-                    "--policy",
-                    format!(
-                        "{}: the PD router picks its workers by random or round_robin only",
-                        p.as_str()
-                    ),
-                ));
-            }
+        if prefill_policy == PolicyKind::KvEvents {
+            return Err(EngineError::arg(
+                "--prefill-policy",
+                "kv_events: the PD router does not read KV events (use cache_aware)",
+            ));
+        }
+        if !matches!(decode_policy, PolicyKind::Random | PolicyKind::RoundRobin) {
+            return Err(EngineError::arg(
+                "--decode-policy",
+                format!(
+                    "{}: the PD router picks decode workers by random or round_robin only",
+                    decode_policy.as_str()
+                ),
+            ));
         }
         let prefill = group_prefill(&self.prefill)?
             .iter()

@@ -8,7 +8,8 @@
 //! added and removed at run time (`/add_worker`, `/remove_worker`, `/list_workers`).
 //!
 //! PD mode (`--pd-disaggregation`, sgl-router's `pd_router.rs`): each generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`) gets a
-//! prefill and a decode worker from the role's selection policy, a random `bootstrap_room`,
+//! prefill worker from the prefill policy (any of the regular mode's but `kv_events`, on the
+//! router's in-flight counts) and a decode worker (`random` or `round_robin`), a random `bootstrap_room`,
 //! and the prefill's `bootstrap_host` / `bootstrap_port`; it is sent to both at once and
 //! answered from decode (its stream relayed as it arrives), with the prefill's cached-token
 //! count merged in. A worker that fails ends the request with a 502 naming it (or, once a
@@ -19,7 +20,8 @@
 //!
 //! One job per module, in the direction calls go (no module imports one that imports it):
 //! - [`config`]: the flags ([`RouterArgs`]) and the validated [`RouterConfig`];
-//! - [`policy`]: PD worker selection (`random`, `round_robin`) and bootstrap rooms;
+//! - [`policy`]: the selector behind `random` / `round_robin` (PD decode workers, and the
+//!   policies' random draws) and bootstrap rooms;
 //! - [`policies`]: the regular mode's policies behind one trait (a simulator can run them);
 //! - [`workers`]: the regular workers, their health and loads; [`health`]: their checks and
 //!   the policy's periodic trim; [`admin`]: `/add_worker`, `/remove_worker`, `/list_workers`;
@@ -68,9 +70,10 @@ pub use metrics::RouterMetrics;
 
 use crate::error::{EngineError, Result};
 use metrics::Role;
+use policies::Prompt;
 use policies::{KvIndex, LoadBalancingPolicy};
 use policy::{RoomGenerator, Selector};
-use workers::WorkerRegistry;
+use workers::{InFlight, WorkerRegistry};
 
 /// What every request of one router shares.
 #[derive(Debug)]
@@ -79,7 +82,10 @@ pub struct RouterState {
     pub config: RouterConfig,
     /// The HTTP client to the workers (connect and read timeouts from `config`).
     client: reqwest::Client,
-    prefill_selector: Selector,
+    /// PD mode: the prefill servers as the policies see them (ids and in-flight loads, in the
+    /// order of `config.prefill`), and the policy that picks one.
+    prefill_workers: WorkerRegistry,
+    prefill_policy: Box<dyn LoadBalancingPolicy>,
     decode_selector: Selector,
     rooms: RoomGenerator,
     /// Regular mode: the workers.
@@ -111,8 +117,18 @@ impl RouterState {
             let _ = workers.add(url.clone(), true);
         }
         let kv_index = Arc::new(Mutex::new(KvIndex::default()));
+        let prefill_workers = WorkerRegistry::default();
+        for p in &config.prefill {
+            let _ = prefill_workers.add(p.url.clone(), true);
+        }
         Ok(RouterState {
-            prefill_selector: Selector::new(config.prefill_policy),
+            prefill_workers,
+            prefill_policy: policies::build(
+                config.prefill_policy,
+                config.cache_aware,
+                None,
+                Arc::default(),
+            ),
             decode_selector: Selector::new(config.decode_policy),
             rooms: RoomGenerator::default(),
             workers,
@@ -142,11 +158,22 @@ impl RouterState {
         })
     }
 
-    /// The prefill and decode workers of the next request.
-    pub fn pick(&self) -> (&PrefillWorker, &WorkerUrl) {
-        let p = self.prefill_selector.pick(self.config.prefill.len());
+    /// The prefill (chosen by the prefill policy from `prompt`, counted in flight until the
+    /// returned guard drops) and decode workers of the next request.
+    pub fn pick(&self, prompt: &Prompt) -> (&PrefillWorker, InFlight, &WorkerUrl) {
+        let (workers, candidates) = self.prefill_workers.candidates(&[]);
+        // Every prefill server is a candidate (PD mode does not health-check them), in order.
+        let p = self
+            .prefill_policy
+            .select(&candidates, prompt)
+            .unwrap_or(0)
+            .min(self.config.prefill.len() - 1);
         let d = self.decode_selector.pick(self.config.decode.len());
-        (&self.config.prefill[p], &self.config.decode[d])
+        (
+            &self.config.prefill[p],
+            InFlight::new(workers[p].clone()),
+            &self.config.decode[d],
+        )
     }
 }
 

@@ -25,6 +25,7 @@ use super::answer::{bad_body, begin, failed, DurationGuard};
 use super::inject::{batch_size, inject_bootstrap, is_stream, prefill_body};
 use super::merge::{merge_cached, PrefillCached};
 use super::metrics::Role;
+use super::prompt::routing_prompt;
 use super::relay::{PrefillAnswer, Relay};
 use super::upstream::{quote, Call, Failure, UpstreamError};
 use super::RouterState;
@@ -44,7 +45,8 @@ pub async fn dual_dispatch(
         Ok(b) => b,
         Err(e) => return bad_body(&state, route, e),
     };
-    let (prefill, decode) = state.pick();
+    let prompt = routing_prompt(route, &body);
+    let (prefill, in_flight, decode) = state.pick(&prompt);
     inject_bootstrap(
         &mut body,
         batch,
@@ -72,7 +74,10 @@ pub async fn dual_dispatch(
     let decode_bytes = serde_json::to_vec(&body).unwrap_or_default();
 
     let dispatch = Dispatch {
-        prefill: Box::pin(prefill_call.post_json(prefill_bytes)),
+        prefill: Box::pin(async move {
+            let _in_flight = in_flight;
+            prefill_call.post_json(prefill_bytes).await
+        }),
         state,
         route,
         timer,
