@@ -25,8 +25,9 @@
 //!   (the bootstrap and inflight queues around the scheduler on prefill, handshake →
 //!   preallocation → transfer → running on decode, over `transfer`'s KV manager).
 //! - [`bench_client`]: `kvserve bench --url` against any OpenAI-compatible server.
-//! - [`router`]: `kvserve router --pd-disaggregation`, SGLang's PD router in front of prefill
-//!   and decode servers.
+//! - [`router`]: `kvserve router`, sgl-router in front of kvserve servers: regular mode
+//!   (`--worker-urls`, its load-balancing policies, `kv_events` from the workers' KV events,
+//!   health checks, workers added and removed at run time) or PD (`--pd-disaggregation`).
 //! - [`workload`]: request lists shared by the replayer, the simulator and the benchmarks —
 //!   Mooncake JSONL traces, generated shared prefix, multi-turn chat, random lengths; generated
 //!   workloads are deterministic functions of a seed (`kv_pool::rng::SplitMix64`).

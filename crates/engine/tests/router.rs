@@ -235,6 +235,7 @@ fn config(prefill: &[(&str, u16)], decode: &[&str], policy: PolicyKind) -> Route
         decode_policy: policy,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(30),
+        ..RouterConfig::new("http://unused:1", "http://unused:2").unwrap()
     }
 }
 
@@ -337,6 +338,38 @@ async fn generate_injects_one_room_into_both_and_answers_from_decode() {
         shown[who][1]["bootstrap_room"] = json!("<room>");
     }
     insta::assert_snapshot!(serde_json::to_string_pretty(&shown).unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_aware_prefill_policy_keeps_a_prefix_on_one_prefill_server() {
+    let (p0, p1) = (mock(Kind::Prefill, 0).await, mock(Kind::Prefill, 0).await);
+    let d = mock(Kind::Decode, 0).await;
+    let mut cfg = config(
+        &[(&p0.url(), 8998), (&p1.url(), 8998)],
+        &[&d.url()],
+        PolicyKind::RoundRobin,
+    );
+    cfg.prefill_policy = PolicyKind::CacheAware;
+    let r = spawn(cfg, "127.0.0.1:0", 2).unwrap();
+    let base = format!("http://{}", r.addr);
+    for text in [
+        "alpha: one",
+        "beta: one",
+        "alpha: two",
+        "beta: two",
+        "alpha: three",
+    ] {
+        let (status, v) = post_json(&format!("{base}/generate"), &json!({"text": text})).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let texts = |m: &Mock| -> Vec<String> {
+        m.bodies()
+            .iter()
+            .map(|(_, b)| b["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(texts(&p0), ["alpha: one", "alpha: two", "alpha: three"]);
+    assert_eq!(texts(&p1), ["beta: one", "beta: two"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -833,7 +866,7 @@ fn the_binary_refuses_bad_flags_with_a_clear_error() {
                 "--decode",
                 "http://127.0.0.1:2",
             ],
-            "--pd-disaggregation: this router implements only",
+            "--pd-disaggregation: --prefill and --decode need --pd-disaggregation",
         ),
         (
             vec![
@@ -876,7 +909,28 @@ fn the_binary_refuses_bad_flags_with_a_clear_error() {
                 "--policy",
                 "cache_aware",
             ],
-            "cache_aware",
+            "--decode-policy: cache_aware: the PD router picks decode workers by random or round_robin only",
+        ),
+        (vec![], "--worker-urls: give at least one worker URL"),
+        (
+            vec!["--worker-urls", "http://a:1", "http://a:1/"],
+            "--worker-urls: http://a:1 is given twice",
+        ),
+        (
+            vec!["--worker-urls", "http://a:1", "--cache-threshold", "1.5"],
+            "--cache-threshold: 1.5 is not between 0 and 1",
+        ),
+        (
+            vec![
+                "--worker-urls",
+                "http://a:1",
+                "--pd-disaggregation",
+                "--prefill",
+                "http://b:1",
+                "--decode",
+                "http://c:1",
+            ],
+            "--worker-urls: regular workers and --pd-disaggregation exclude each other",
         ),
     ] {
         let mut argv = vec!["router"];

@@ -7,13 +7,16 @@
 //! One job per module, no module uses one that uses it back:
 //! - `config`: [`KvEventsConfig`] (vLLM's keys and defaults), checked;
 //! - `encode`: [`encode_batch`], msgspec's array-like msgpack of a batch;
+//! - `decode`: [`decode_batch`], its inverse, for subscribers (the router's `kv_events`);
 //! - `publisher`: [`ZmqEventPublisher`], the sockets on their own thread behind a bounded queue.
 
 pub mod config;
+pub mod decode;
 pub mod encode;
 pub mod publisher;
 
 pub use config::{KvEventsConfig, PublisherKind};
+pub use decode::decode_batch;
 pub use encode::encode_batch;
 pub use publisher::ZmqEventPublisher;
 
@@ -32,4 +35,7 @@ pub enum KvEventsError {
     /// A batch could not be encoded.
     #[error("cannot encode a KV event batch: {0}")]
     Encode(String),
+    /// A received payload is not a batch.
+    #[error("cannot decode a KV event batch: {0}")]
+    Decode(String),
 }

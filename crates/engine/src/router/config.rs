@@ -1,6 +1,8 @@
 //! `kvserve router`'s flags ([`RouterArgs`], named as SGLang's `sglang_router.launch_router`)
-//! and their validated form ([`RouterConfig`]): the prefill workers with their bootstrap
-//! ports, the decode workers, the selection policies and the timeouts.
+//! and their validated form ([`RouterConfig`]): either the regular workers (`--worker-urls`)
+//! or the prefill workers with their bootstrap ports and the decode workers
+//! (`--pd-disaggregation`), the selection policies with `cache_aware`'s settings
+//! ([`CacheAwareConfig`]), the health checks ([`HealthConfig`]) and the timeouts.
 //!
 //! A worker URL must be `http://HOST[:PORT][/PATH]` with a host: the router's client speaks
 //! plain HTTP, and the host is what it tells the decode server to bootstrap from.
@@ -28,6 +30,17 @@ pub enum PolicyKind {
     /// In turn, each worker of the role once per round.
     #[value(name = "round_robin", alias = "round-robin")]
     RoundRobin,
+    /// The less loaded of two random workers (regular mode).
+    #[value(name = "power_of_two", alias = "power-of-two")]
+    PowerOfTwo,
+    /// Where the prompt's prefix was sent before, unless workers are imbalanced (regular
+    /// mode; sgl-router's approximate tree).
+    #[value(name = "cache_aware", alias = "cache-aware")]
+    CacheAware,
+    /// Where the prompt's longest prefix really is cached, from the workers' KV events
+    /// (regular mode, with --worker-kv-events).
+    #[value(name = "kv_events", alias = "kv-events")]
+    KvEvents,
 }
 
 impl PolicyKind {
@@ -36,6 +49,60 @@ impl PolicyKind {
         match self {
             PolicyKind::Random => "random",
             PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::KvEvents => "kv_events",
+        }
+    }
+}
+
+/// `cache_aware`'s settings (sgl-router's flags and defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheAwareConfig {
+    /// `--cache-threshold`: the matched share of the prompt above which the match decides.
+    pub cache_threshold: f32,
+    /// `--balance-abs-threshold`: imbalanced only if max − min load exceeds this.
+    pub balance_abs_threshold: usize,
+    /// `--balance-rel-threshold`: imbalanced only if max load exceeds this × min load.
+    pub balance_rel_threshold: f32,
+    /// `--eviction-interval`: seconds between trims of the tree.
+    pub eviction_interval_secs: u64,
+    /// `--max-tree-size`: symbols kept per worker after a trim.
+    pub max_tree_size: usize,
+}
+
+impl Default for CacheAwareConfig {
+    fn default() -> Self {
+        CacheAwareConfig {
+            cache_threshold: 0.3,
+            balance_abs_threshold: 64,
+            balance_rel_threshold: 1.5,
+            eviction_interval_secs: 120,
+            max_tree_size: 1 << 26,
+        }
+    }
+}
+
+/// The regular router's health checks (sgl-router's flags and defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// `--health-check-interval-secs`: time between two checks of every worker.
+    pub interval: Duration,
+    /// `--health-check-timeout-secs`: a `/health` not answered 2xx within this fails.
+    pub timeout: Duration,
+    /// `--health-failure-threshold`: failed checks in a row that make a worker unhealthy.
+    pub failure_threshold: u32,
+    /// `--health-success-threshold`: passed checks in a row that make it healthy again.
+    pub success_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval: Duration::from_secs(60),
+            timeout: Duration::from_secs(5),
+            failure_threshold: 3,
+            success_threshold: 2,
         }
     }
 }
@@ -43,17 +110,27 @@ impl PolicyKind {
 /// Flags of `kvserve router` (SGLang's `launch_router` names and defaults).
 #[derive(Debug, Clone, Args)]
 pub struct RouterArgs {
+    /// The regular workers: each request goes to one of them, chosen by --policy.
+    #[arg(long, value_name = "URL", num_args = 1.., action = ArgAction::Append)]
+    pub worker_urls: Vec<String>,
+    /// kv_events: each regular worker's KV-event endpoint (its --kv-events-config
+    /// `endpoint`, e.g. tcp://127.0.0.1:5557), in the order of --worker-urls.
+    #[arg(long, value_name = "ENDPOINT", num_args = 1.., action = ArgAction::Append)]
+    pub worker_kv_events: Vec<String>,
+    /// kv_events: the workers' event topic (their --kv-events-config `topic`).
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
     /// Prefill-decode disaggregation: each request goes to a prefill and a decode server at
-    /// once (the only mode this router implements; the flag is required, as SGLang's).
+    /// once (with --prefill and --decode instead of --worker-urls).
     #[arg(long)]
     pub pd_disaggregation: bool,
     /// A prefill server: its URL and, optionally, its bootstrap port (default 8998).
     /// Repeat for several prefill servers. (The values of all occurrences, in order: a value
     /// without `://` is the bootstrap port of the URL before it.)
-    #[arg(long, value_names = ["URL", "BOOTSTRAP_PORT"], num_args = 1..=2, action = ArgAction::Append, required = true)]
+    #[arg(long, value_names = ["URL", "BOOTSTRAP_PORT"], num_args = 1..=2, action = ArgAction::Append)]
     pub prefill: Vec<String>,
     /// A decode server's URL. Repeat for several decode servers.
-    #[arg(long, value_name = "URL", action = ArgAction::Append, required = true)]
+    #[arg(long, value_name = "URL", action = ArgAction::Append)]
     pub decode: Vec<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
@@ -73,6 +150,36 @@ pub struct RouterArgs {
     /// Longest wait in seconds for the next bytes of a worker's response (SGLang's default).
     #[arg(long, value_name = "SECS", default_value_t = 1800, value_parser = clap::value_parser!(u64).range(1..))]
     pub request_timeout_secs: u64,
+    /// cache_aware: the matched share of a prompt (0 to 1) above which the request goes to
+    /// the worker holding the match; below it, to the worker with the smallest tree.
+    #[arg(long, default_value_t = 0.3)]
+    pub cache_threshold: f32,
+    /// cache_aware: load-balance (least loaded worker) when max − min in-flight requests
+    /// exceeds this …
+    #[arg(long, default_value_t = 64)]
+    pub balance_abs_threshold: usize,
+    /// … and max exceeds this × min.
+    #[arg(long, default_value_t = 1.5)]
+    pub balance_rel_threshold: f32,
+    /// cache_aware: seconds between trims of the approximate tree.
+    #[arg(long, value_name = "SECS", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub eviction_interval: u64,
+    /// cache_aware: prompt symbols (characters or token ids) kept per worker after a trim.
+    #[arg(long, default_value_t = 1 << 26)]
+    pub max_tree_size: usize,
+    /// Seconds between health checks (`GET /health`) of every regular worker.
+    #[arg(long, value_name = "SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub health_check_interval_secs: u64,
+    /// Seconds a worker's `/health` may take.
+    #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub health_check_timeout_secs: u64,
+    /// Failed checks in a row before a worker is skipped (a request that cannot reach a
+    /// worker skips it at once).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub health_failure_threshold: u32,
+    /// Passed checks in a row before a skipped worker gets requests again.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub health_success_threshold: u32,
 }
 
 /// A worker's address: the base URL requests are sent under and the host it names.
@@ -136,12 +243,25 @@ pub struct PrefillWorker {
     pub bootstrap_port: u16,
 }
 
-/// The router's validated configuration.
+/// The router's validated configuration: regular mode when `workers` is not empty, PD mode
+/// (`prefill` and `decode` not empty) otherwise.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouterConfig {
-    /// At least one prefill server.
+    /// The regular workers at start (more may be added at run time); empty in PD mode.
+    pub workers: Vec<WorkerUrl>,
+    /// kv_events: the KV-event endpoint of each of `workers` (empty otherwise).
+    pub kv_events: Vec<String>,
+    /// kv_events: the topic the router subscribes to.
+    pub kv_events_topic: String,
+    /// How regular workers are picked.
+    pub policy: PolicyKind,
+    /// `cache_aware`'s settings.
+    pub cache_aware: CacheAwareConfig,
+    /// The regular workers' health checks.
+    pub health: HealthConfig,
+    /// PD mode: at least one prefill server.
     pub prefill: Vec<PrefillWorker>,
-    /// At least one decode server.
+    /// PD mode: at least one decode server.
     pub decode: Vec<WorkerUrl>,
     /// How prefill workers are picked.
     pub prefill_policy: PolicyKind,
@@ -158,6 +278,12 @@ impl RouterConfig {
     /// policies random, the default timeouts.
     pub fn new(prefill: &str, decode: &str) -> Result<Self> {
         Ok(RouterConfig {
+            workers: Vec::new(),
+            kv_events: Vec::new(),
+            kv_events_topic: String::new(),
+            policy: PolicyKind::Random,
+            cache_aware: CacheAwareConfig::default(),
+            health: HealthConfig::default(),
             prefill: vec![PrefillWorker {
                 url: WorkerUrl::parse(prefill).map_err(|m| EngineError::arg("--prefill", m))?,
                 bootstrap_port: DEFAULT_BOOTSTRAP_PORT,
@@ -169,16 +295,126 @@ impl RouterConfig {
             request_timeout: Duration::from_secs(1800),
         })
     }
+
+    /// Regular mode over `workers` with `policy` and the defaults of everything else.
+    pub fn regular(workers: &[&str], policy: PolicyKind) -> Result<Self> {
+        let workers = parse_workers(workers.iter().map(|s| s.to_string()))?;
+        Ok(RouterConfig {
+            workers,
+            kv_events: Vec::new(),
+            kv_events_topic: String::new(),
+            policy,
+            cache_aware: CacheAwareConfig::default(),
+            health: HealthConfig::default(),
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            prefill_policy: policy,
+            decode_policy: policy,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            request_timeout: Duration::from_secs(1800),
+        })
+    }
+
+    /// Whether this is the PD router.
+    pub fn is_pd(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+/// A worker's KV-event endpoint must be `tcp://HOST:PORT` (the message says why not).
+pub fn check_endpoint(e: &str) -> std::result::Result<(), String> {
+    let ok = e
+        .strip_prefix("tcp://")
+        .and_then(|r| r.rsplit_once(':'))
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{e:?} is not a tcp://HOST:PORT endpoint"))
+    }
+}
+
+/// `--worker-urls`: parsed, at least one, none twice.
+fn parse_workers(urls: impl Iterator<Item = String>) -> Result<Vec<WorkerUrl>> {
+    let flag = "--worker-urls";
+    let mut out: Vec<WorkerUrl> = Vec::new();
+    for u in urls {
+        let url = WorkerUrl::parse(&u).map_err(|m| EngineError::arg(flag, m))?;
+        if out.contains(&url) {
+            return Err(EngineError::arg(flag, format!("{url} is given twice")));
+        }
+        out.push(url);
+    }
+    if out.is_empty() {
+        return Err(EngineError::arg(flag, "give at least one worker URL"));
+    }
+    Ok(out)
 }
 
 impl RouterArgs {
     /// The validated configuration; errors name the flag.
     pub fn config(&self) -> Result<RouterConfig> {
+        let cache_aware = self.cache_aware()?;
+        let health = HealthConfig {
+            interval: Duration::from_secs(self.health_check_interval_secs),
+            timeout: Duration::from_secs(self.health_check_timeout_secs),
+            failure_threshold: self.health_failure_threshold,
+            success_threshold: self.health_success_threshold,
+        };
         if !self.pd_disaggregation {
+            if !self.prefill.is_empty() || !self.decode.is_empty() {
+                return Err(EngineError::arg(
+                    "--pd-disaggregation",
+                    "--prefill and --decode need --pd-disaggregation (regular workers are \
+                     given with --worker-urls)",
+                ));
+            }
+            if self.worker_urls.is_empty() {
+                return Err(EngineError::arg(
+                    "--worker-urls",
+                    "give at least one worker URL (or --pd-disaggregation with --prefill \
+                     URL [BOOTSTRAP_PORT] and --decode URL)",
+                ));
+            }
+            let policy = self.policy;
+            let workers = parse_workers(self.worker_urls.iter().cloned())?;
+            let kv_events = self.kv_events(policy, workers.len())?;
+            return Ok(RouterConfig {
+                workers,
+                kv_events,
+                kv_events_topic: self.kv_events_topic.clone(),
+                policy,
+                cache_aware,
+                health,
+                prefill: Vec::new(),
+                decode: Vec::new(),
+                prefill_policy: policy,
+                decode_policy: policy,
+                connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+                request_timeout: Duration::from_secs(self.request_timeout_secs),
+            });
+        }
+        if !self.worker_urls.is_empty() {
             return Err(EngineError::arg(
-                "--pd-disaggregation",
-                "this router implements only prefill-decode disaggregation: pass \
-                 --pd-disaggregation with --prefill URL [BOOTSTRAP_PORT] and --decode URL",
+                "--worker-urls",
+                "regular workers and --pd-disaggregation exclude each other",
+            ));
+        }
+        let prefill_policy = self.prefill_policy.unwrap_or(self.policy);
+        let decode_policy = self.decode_policy.unwrap_or(self.policy);
+        if prefill_policy == PolicyKind::KvEvents {
+            return Err(EngineError::arg(
+                "--prefill-policy",
+                "kv_events: the PD router does not read KV events (use cache_aware)",
+            ));
+        }
+        if !matches!(decode_policy, PolicyKind::Random | PolicyKind::RoundRobin) {
+            return Err(EngineError::arg(
+                "--decode-policy",
+                format!(
+                    "{}: the PD router picks decode workers by random or round_robin only",
+                    decode_policy.as_str()
+                ),
             ));
         }
         let prefill = group_prefill(&self.prefill)?
@@ -218,13 +454,81 @@ impl RouterArgs {
                 ));
             }
         }
+        if !self.worker_kv_events.is_empty() {
+            return Err(EngineError::arg(
+                "--worker-kv-events",
+                "the PD router does not read KV events",
+            ));
+        }
         Ok(RouterConfig {
+            workers: Vec::new(),
+            kv_events: Vec::new(),
+            kv_events_topic: String::new(),
+            policy: self.policy,
+            cache_aware,
+            health,
             prefill,
             decode,
-            prefill_policy: self.prefill_policy.unwrap_or(self.policy),
-            decode_policy: self.decode_policy.unwrap_or(self.policy),
+            prefill_policy,
+            decode_policy,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Duration::from_secs(self.request_timeout_secs),
+        })
+    }
+}
+
+impl RouterArgs {
+    /// `--worker-kv-events`, checked against the policy and the number of workers.
+    fn kv_events(&self, policy: PolicyKind, workers: usize) -> Result<Vec<String>> {
+        let flag = "--worker-kv-events";
+        let given = &self.worker_kv_events;
+        if policy != PolicyKind::KvEvents {
+            if !given.is_empty() {
+                return Err(EngineError::arg(
+                    flag,
+                    "only the kv_events policy reads KV events",
+                ));
+            }
+            return Ok(Vec::new());
+        }
+        if given.len() != workers {
+            return Err(EngineError::arg(
+                flag,
+                format!(
+                    "--policy kv_events needs one endpoint per worker: {} for {workers} workers",
+                    given.len()
+                ),
+            ));
+        }
+        for e in given {
+            check_endpoint(e).map_err(|m| EngineError::arg(flag, m))?;
+        }
+        Ok(given.clone())
+    }
+
+    /// `cache_aware`'s settings, checked.
+    fn cache_aware(&self) -> Result<CacheAwareConfig> {
+        if !(0.0..=1.0).contains(&self.cache_threshold) {
+            return Err(EngineError::arg(
+                "--cache-threshold",
+                format!("{} is not between 0 and 1", self.cache_threshold),
+            ));
+        }
+        if !(self.balance_rel_threshold.is_finite() && self.balance_rel_threshold >= 0.0) {
+            return Err(EngineError::arg(
+                "--balance-rel-threshold",
+                format!(
+                    "{} is not a non-negative number",
+                    self.balance_rel_threshold
+                ),
+            ));
+        }
+        Ok(CacheAwareConfig {
+            cache_threshold: self.cache_threshold,
+            balance_abs_threshold: self.balance_abs_threshold,
+            balance_rel_threshold: self.balance_rel_threshold,
+            eviction_interval_secs: self.eviction_interval,
+            max_tree_size: self.max_tree_size,
         })
     }
 }

@@ -1,7 +1,7 @@
 //! The router's other routes: `GET /health` (the router's own liveness), `GET /metrics`
 //! (its Prometheus text), `GET /get_server_info` (every worker with its health and its own
-//! `/get_server_info`), `GET /v1/models` (from a decode worker) and `POST /flush_cache`
-//! (forwarded to every worker, as SGLang's PD router).
+//! `/get_server_info`), `GET /v1/models` (from a decode or healthy regular worker) and
+//! `POST /flush_cache` (forwarded to every worker, as sgl-router).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,12 +86,17 @@ fn workers(s: &RouterState) -> Vec<(Role, WorkerUrl, Option<u16>)> {
         .decode
         .iter()
         .map(|d| (Role::Decode, d.clone(), None));
-    prefill.chain(decode).collect()
+    let regular = s
+        .workers
+        .all()
+        .into_iter()
+        .map(|w| (Role::Worker, w.url.clone(), None));
+    prefill.chain(decode).chain(regular).collect()
 }
 
 /// `GET /get_server_info`: the router's settings and every worker, in the order given on the
 /// command line, with `healthy` (its `/health` answered 2xx) and its own server info (or
-/// `error`).
+/// `error`); in regular mode also the pages the `kv_events` index holds per worker.
 pub async fn server_info(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Json<Value> {
     let auth = h.get(header::AUTHORIZATION).cloned();
     let mut tasks = JoinSet::new();
@@ -118,7 +123,7 @@ pub async fn server_info(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Jso
                 Ok(v) => w["server_info"] = v,
                 Err(e) => {
                     w["server_info"] = Value::Null;
-                    w["error"] = json!(format!("{} worker {url} {e}", role.as_str()));
+                    w["error"] = json!(format!("{} {url} {e}", role.worker_noun()));
                 }
             }
             (i, role, w)
@@ -133,6 +138,26 @@ pub async fn server_info(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Jso
             .map(|(_, _, w)| w.clone())
             .collect()
     };
+    if !s.config.is_pd() {
+        let mut workers = of(Role::Worker);
+        let index = s.kv_index.lock().unwrap_or_else(|e| e.into_inner());
+        for (w, info) in s.workers.all().iter().zip(&mut workers) {
+            info["kv_pages"] = json!(index.held_pages(w.id));
+        }
+        return Json(json!({
+            "router": {
+                "mode": "regular",
+                "policy": s.policy.name(),
+                "request_timeout_secs": s.config.request_timeout.as_secs(),
+                "health_check_interval_secs": s.config.health.interval.as_secs(),
+                "kv_index": {
+                    "block_size": index.block_size(),
+                    "unplaced_pages": index.unplaced(),
+                },
+            },
+            "workers": workers,
+        }));
+    }
     Json(json!({
         "router": {
             "mode": "pd_disaggregation",
@@ -145,11 +170,23 @@ pub async fn server_info(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Jso
     }))
 }
 
-/// `GET /v1/models`: the first decode worker's answer (the next one's if it fails).
+/// `GET /v1/models`: the first decode (or healthy regular) worker's answer (the next one's
+/// if it fails).
 pub async fn models(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Response {
     let auth = h.get(header::AUTHORIZATION).cloned();
     let mut errors = Vec::new();
-    for url in &s.config.decode {
+    let sources: Vec<WorkerUrl> = if s.config.is_pd() {
+        s.config.decode.clone()
+    } else {
+        s.workers
+            .candidates(&[])
+            .0
+            .iter()
+            .map(|w| w.url.clone())
+            .collect()
+    };
+    let role = if s.config.is_pd() { "decode " } else { "" };
+    for url in &sources {
         let get = reqwest::Method::GET;
         match fetch(
             s.client.clone(),
@@ -161,15 +198,23 @@ pub async fn models(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Response
         .await
         {
             Ok(v) => return Json(v).into_response(),
-            Err(e) => errors.push(format!("decode worker {url} {e}")),
+            Err(e) => errors.push(format!("{role}worker {url} {e}")),
         }
     }
-    s.metrics.error("/v1/models", "decode_error");
+    let code = if s.config.is_pd() {
+        "decode_error"
+    } else {
+        "worker_error"
+    };
+    s.metrics.error("/v1/models", code);
+    if errors.is_empty() {
+        errors.push("no healthy worker".into());
+    }
     ApiError {
         status: StatusCode::BAD_GATEWAY,
         message: errors.join("; "),
         param: None,
-        code: "decode_error",
+        code,
     }
     .into_response()
 }
@@ -190,7 +235,7 @@ pub async fn flush_cache(State(s): State<Arc<RouterState>>, h: HeaderMap) -> Res
                 auth,
             )
             .await;
-            r.map_err(|e| format!("{} worker {url} {e}", role.as_str()))
+            r.map_err(|e| format!("{} {url} {e}", role.worker_noun()))
         });
     }
     let failed: Vec<String> = tasks

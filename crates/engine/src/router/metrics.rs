@@ -4,8 +4,9 @@
 //! - `pd_prefill_requests_total{worker}`, `pd_decode_requests_total{worker}` and their
 //!   `_errors_total` (a worker that could not be reached, answered 5xx, or answered something
 //!   that is not JSON);
+//! - regular mode: `worker_requests_total{worker}` and `worker_errors_total{worker}`;
 //! - `pd_request_duration_seconds{route}`: from the client's request to the end of the
-//!   router's answer (a stream's last byte, or the client disconnecting).
+//!   router's answer (a stream's last byte, or the client disconnecting), in both modes.
 //!
 //! Routes are listed in name order, workers in the order they were given (each from zero), so
 //! the text is in a stable order.
@@ -31,6 +32,8 @@ pub enum Role {
     Prefill,
     /// A decode server.
     Decode,
+    /// A regular worker (`--worker-urls`).
+    Worker,
 }
 
 impl Role {
@@ -39,6 +42,16 @@ impl Role {
         match self {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Worker => "worker",
+        }
+    }
+
+    /// How messages name a worker of this role: `prefill worker`, `decode worker`, `worker`.
+    pub fn worker_noun(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill worker",
+            Role::Decode => "decode worker",
+            Role::Worker => "worker",
         }
     }
 }
@@ -167,6 +180,19 @@ impl RouterMetrics {
                 header(&mut out, &name, &help, "counter");
                 for (_, w, _, n) in d.workers.iter().filter(|(x, ..)| *x == role) {
                     line(&mut out, &name, &[("worker", w)], *n);
+                }
+            }
+            if d.workers.iter().any(|(x, ..)| *x == Role::Worker) {
+                let regular = d.workers.iter().filter(|(x, ..)| *x == Role::Worker);
+                let name = "worker_requests_total";
+                header(&mut out, name, "Requests sent to each regular worker (retries included).", "counter");
+                for (_, w, n, _) in regular.clone() {
+                    line(&mut out, name, &[("worker", w)], *n);
+                }
+                let name = "worker_errors_total";
+                header(&mut out, name, "Requests a regular worker failed (unreachable, 5xx, or broken off).", "counter");
+                for (_, w, _, n) in regular {
+                    line(&mut out, name, &[("worker", w)], *n);
                 }
             }
             let name = "pd_request_duration_seconds";

@@ -1,8 +1,15 @@
-//! `kvserve router --pd-disaggregation`: SGLang's PD router (`sglang_router.launch_router`,
-//! sgl-router's `pd_router.rs`) in front of kvserve (or SGLang) prefill and decode servers.
+//! `kvserve router`: sgl-router (`sglang_router.launch_router`) in front of kvserve (or
+//! SGLang) servers, in one of two modes.
 //!
-//! Each generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`) gets a
-//! prefill and a decode worker from the role's selection policy, a random `bootstrap_room`,
+//! Regular mode (`--worker-urls URL…`, sgl-router's `router.rs`): each generation request
+//! goes to one worker, chosen among the healthy ones by a [`policies::LoadBalancingPolicy`]
+//! (`random`, `round_robin`, `power_of_two`, `cache_aware`, `kv_events`) from the request's prompt and the
+//! router's in-flight counts; see [`regular`] for retries. Workers are health-checked, and
+//! added and removed at run time (`/add_worker`, `/remove_worker`, `/list_workers`).
+//!
+//! PD mode (`--pd-disaggregation`, sgl-router's `pd_router.rs`): each generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`) gets a
+//! prefill worker from the prefill policy (any of the regular mode's but `kv_events`, on the
+//! router's in-flight counts) and a decode worker (`random` or `round_robin`), a random `bootstrap_room`,
 //! and the prefill's `bootstrap_host` / `bootstrap_port`; it is sent to both at once and
 //! answered from decode (its stream relayed as it arrives), with the prefill's cached-token
 //! count merged in. A worker that fails ends the request with a 502 naming it (or, once a
@@ -13,7 +20,14 @@
 //!
 //! One job per module, in the direction calls go (no module imports one that imports it):
 //! - [`config`]: the flags ([`RouterArgs`]) and the validated [`RouterConfig`];
-//! - [`policy`]: worker selection (`random`, `round_robin`) and bootstrap rooms;
+//! - [`policy`]: the selector behind `random` / `round_robin` (PD decode workers, and the
+//!   policies' random draws) and bootstrap rooms;
+//! - [`policies`]: the regular mode's policies behind one trait (a simulator can run them);
+//! - [`workers`]: the regular workers, their health and loads; [`health`]: their checks and
+//!   the policy's periodic trim; [`admin`]: `/add_worker`, `/remove_worker`, `/list_workers`;
+//! - [`kv_subscriber`]: the `kv_events` policy's ZMQ subscribers, feeding its index;
+//! - [`prompt`]: what a body routes on; [`regular`]: the regular mode's dispatch and retry;
+//! - [`answer`]: the request timer and error answers both modes share;
 //! - [`inject`]: the bootstrap fields in the request body, the prefill's copy;
 //! - [`merge`]: cached-token merging, server-sent-event parsing;
 //! - [`upstream`]: one call to a worker and its failures ([`upstream::UpstreamError`]);
@@ -24,26 +38,42 @@
 //! The command (`src/commands/router.rs`) runs [`serve`] until Ctrl-C; tests and programs
 //! embed a router with [`spawn`].
 
+pub mod admin;
+pub mod answer;
 pub mod config;
+pub mod health;
 pub mod info;
 pub mod inject;
+pub mod kv_subscriber;
 pub mod merge;
 pub mod metrics;
+pub mod policies;
 pub mod policy;
+pub mod prompt;
 pub mod proxy;
+pub mod regular;
 pub mod relay;
 pub mod upstream;
+pub mod workers;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::routing::{get, post};
 
-pub use config::{PolicyKind, PrefillWorker, RouterArgs, RouterConfig, WorkerUrl};
+pub use config::{
+    CacheAwareConfig, HealthConfig, PolicyKind, PrefillWorker, RouterArgs, RouterConfig, WorkerUrl,
+};
 pub use metrics::RouterMetrics;
 
 use crate::error::{EngineError, Result};
 use metrics::Role;
+use policies::Prompt;
+use policies::{KvIndex, LoadBalancingPolicy};
 use policy::{RoomGenerator, Selector};
+use workers::{InFlight, WorkerRegistry};
 
 /// What every request of one router shares.
 #[derive(Debug)]
@@ -52,9 +82,20 @@ pub struct RouterState {
     pub config: RouterConfig,
     /// The HTTP client to the workers (connect and read timeouts from `config`).
     client: reqwest::Client,
-    prefill_selector: Selector,
+    /// PD mode: the prefill servers as the policies see them (ids and in-flight loads, in the
+    /// order of `config.prefill`), and the policy that picks one.
+    prefill_workers: WorkerRegistry,
+    prefill_policy: Box<dyn LoadBalancingPolicy>,
     decode_selector: Selector,
     rooms: RoomGenerator,
+    /// Regular mode: the workers.
+    pub workers: WorkerRegistry,
+    /// Regular mode: how a worker is picked.
+    pub policy: Box<dyn LoadBalancingPolicy>,
+    /// `kv_events`: which worker holds which pages (its subscribers write it).
+    pub kv_index: Arc<Mutex<KvIndex>>,
+    /// `kv_events`: each worker's event subscriber.
+    pub subscribers: kv_subscriber::Subscribers,
     /// The router's counters.
     pub metrics: RouterMetrics,
 }
@@ -70,10 +111,30 @@ impl RouterState {
                 path: "the router's HTTP client".into(),
                 source: std::io::Error::other(e),
             })?;
+        let workers = WorkerRegistry::default();
+        for url in &config.workers {
+            // Distinct by construction (`RouterArgs::config` refuses duplicates).
+            let _ = workers.add(url.clone(), true);
+        }
+        let kv_index = Arc::new(Mutex::new(KvIndex::default()));
+        let prefill_workers = WorkerRegistry::default();
+        for p in &config.prefill {
+            let _ = prefill_workers.add(p.url.clone(), true);
+        }
         Ok(RouterState {
-            prefill_selector: Selector::new(config.prefill_policy),
+            prefill_workers,
+            prefill_policy: policies::build(
+                config.prefill_policy,
+                config.cache_aware,
+                None,
+                Arc::default(),
+            ),
             decode_selector: Selector::new(config.decode_policy),
             rooms: RoomGenerator::default(),
+            workers,
+            policy: policies::build(config.policy, config.cache_aware, None, kv_index.clone()),
+            kv_index,
+            subscribers: kv_subscriber::Subscribers::default(),
             metrics: RouterMetrics::with_workers(
                 (config
                     .prefill
@@ -84,6 +145,12 @@ impl RouterState {
                         .decode
                         .iter()
                         .map(|d| (Role::Decode, d.base().to_string())),
+                )
+                .chain(
+                    config
+                        .workers
+                        .iter()
+                        .map(|w| (Role::Worker, w.base().to_string())),
                 ),
             ),
             client,
@@ -91,20 +158,48 @@ impl RouterState {
         })
     }
 
-    /// The prefill and decode workers of the next request.
-    pub fn pick(&self) -> (&PrefillWorker, &WorkerUrl) {
-        let p = self.prefill_selector.pick(self.config.prefill.len());
+    /// The prefill (chosen by the prefill policy from `prompt`, counted in flight until the
+    /// returned guard drops) and decode workers of the next request.
+    pub fn pick(&self, prompt: &Prompt) -> (&PrefillWorker, InFlight, &WorkerUrl) {
+        let (workers, candidates) = self.prefill_workers.candidates(&[]);
+        // Every prefill server is a candidate (PD mode does not health-check them), in order.
+        let p = self
+            .prefill_policy
+            .select(&candidates, prompt)
+            .unwrap_or(0)
+            .min(self.config.prefill.len() - 1);
         let d = self.decode_selector.pick(self.config.decode.len());
-        (&self.config.prefill[p], &self.config.decode[d])
+        (
+            &self.config.prefill[p],
+            InFlight::new(workers[p].clone()),
+            &self.config.decode[d],
+        )
     }
 }
 
 /// The router's routes.
 pub fn app(state: Arc<RouterState>) -> axum::Router {
-    axum::Router::new()
-        .route("/generate", post(proxy::generate))
-        .route("/v1/completions", post(proxy::completions))
-        .route("/v1/chat/completions", post(proxy::chat_completions))
+    let mut r = axum::Router::new();
+    for route in ["/generate", "/v1/completions", "/v1/chat/completions"] {
+        r = if state.config.is_pd() {
+            r.route(
+                route,
+                post(move |s: State<Arc<RouterState>>, h: HeaderMap, b: Bytes| {
+                    proxy::dual_dispatch(s.0, route, h, b)
+                }),
+            )
+        } else {
+            r.route(
+                route,
+                post(move |s: State<Arc<RouterState>>, h: HeaderMap, b: Bytes| {
+                    regular::route(s.0, route, h, b)
+                }),
+            )
+        };
+    }
+    r.route("/add_worker", post(admin::add_worker))
+        .route("/remove_worker", post(admin::remove_worker))
+        .route("/list_workers", get(admin::list_workers))
         .route("/v1/models", get(info::models))
         .route("/health", get(info::health))
         .route("/metrics", get(info::metrics))
@@ -125,11 +220,35 @@ pub async fn serve(
         .map(|a| a.to_string())
         .unwrap_or_default();
     let state = Arc::new(RouterState::new(config)?);
-    let server = std::future::IntoFuture::into_future(axum::serve(listener, app(state)));
-    tokio::select! {
+    let upkeep = {
+        let state = state.clone();
+        async move {
+            if state.config.is_pd() {
+                std::future::pending::<()>().await;
+            }
+            let workers = state.workers.all();
+            for (w, endpoint) in workers.iter().zip(&state.config.kv_events) {
+                state.subscribers.start(
+                    endpoint.clone(),
+                    state.config.kv_events_topic.clone(),
+                    w.id,
+                    state.kv_index.clone(),
+                );
+            }
+            tokio::join!(
+                health::health_loop(state.clone()),
+                health::maintenance_loop(state)
+            );
+        }
+    };
+    let server = std::future::IntoFuture::into_future(axum::serve(listener, app(state.clone())));
+    let r = tokio::select! {
         r = server => r.map_err(|source| EngineError::Io { path: local, source }),
         () = shutdown => Ok(()),
-    }
+        () = upkeep => Ok(()),
+    };
+    state.subscribers.stop_all();
+    r
 }
 
 /// A router on its own thread and tokio runtime, stopped on drop: for tests and programs that

@@ -63,14 +63,15 @@ impl Selector {
     }
 
     /// An index in `0..n` (`0` when `n == 0`): `round_robin` cycles 0, 1, …, n − 1, 0, …
-    /// across all callers; `random` is uniform.
+    /// across all callers; every other kind is uniform.
     pub fn pick(&self, n: usize) -> usize {
         if n == 0 {
             return 0;
         }
         match self.kind {
             PolicyKind::RoundRobin => (self.counter.fetch_add(1, Relaxed) % n as u64) as usize,
-            PolicyKind::Random => ((self.rng.next() as u128 * n as u128) >> 64) as usize,
+            // The other policies draw their random choices through a `random` selector.
+            _ => ((self.rng.next() as u128 * n as u128) >> 64) as usize,
         }
     }
 }

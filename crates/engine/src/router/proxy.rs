@@ -14,94 +14,39 @@
 //!   requests.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 
-use super::inject::{batch_size, inject_bootstrap, is_stream, parse_body, prefill_body, BadBody};
+use super::answer::{bad_body, begin, failed, DurationGuard};
+use super::inject::{batch_size, inject_bootstrap, is_stream, prefill_body};
 use super::merge::{merge_cached, PrefillCached};
 use super::metrics::Role;
+use super::prompt::routing_prompt;
 use super::relay::{PrefillAnswer, Relay};
 use super::upstream::{quote, Call, Failure, UpstreamError};
 use super::RouterState;
-use crate::server::ApiError;
 
-/// `POST /generate`.
-pub async fn generate(s: State<Arc<RouterState>>, h: HeaderMap, body: Bytes) -> Response {
-    dual_dispatch(s.0, "/generate", h, body).await
-}
-
-/// `POST /v1/completions`.
-pub async fn completions(s: State<Arc<RouterState>>, h: HeaderMap, body: Bytes) -> Response {
-    dual_dispatch(s.0, "/v1/completions", h, body).await
-}
-
-/// `POST /v1/chat/completions`.
-pub async fn chat_completions(s: State<Arc<RouterState>>, h: HeaderMap, body: Bytes) -> Response {
-    dual_dispatch(s.0, "/v1/chat/completions", h, body).await
-}
-
-/// Records a request's duration when dropped: at the end of its answer, or when the client
-/// goes away.
-pub struct DurationGuard {
-    state: Arc<RouterState>,
-    route: &'static str,
-    start: Instant,
-}
-
-impl Drop for DurationGuard {
-    fn drop(&mut self) {
-        self.state
-            .metrics
-            .duration(self.route, self.start.elapsed());
-    }
-}
-
-/// The answer to a failed worker call, counted in the metrics.
-pub fn failed(state: &RouterState, route: &str, e: UpstreamError) -> Response {
-    state.metrics.error(route, e.error_type());
-    if e.is_worker_fault() {
-        state.metrics.worker_error(e.role, &e.worker);
-    }
-    e.into_response()
-}
-
-fn bad_body(state: &RouterState, route: &str, e: BadBody) -> Response {
-    state.metrics.error(route, "bad_request");
-    let err = ApiError::bad_request("invalid_value", e.message);
-    match e.param {
-        Some(p) => err.param(p),
-        None => err,
-    }
-    .into_response()
-}
-
-async fn dual_dispatch(
+/// One generation request at `route`, dispatched to a prefill and a decode worker.
+pub async fn dual_dispatch(
     state: Arc<RouterState>,
     route: &'static str,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    state.metrics.request(route);
-    let timer = DurationGuard {
-        state: state.clone(),
-        route,
-        start: Instant::now(),
-    };
-    let mut body = match parse_body(&body) {
-        Ok(b) => b,
-        Err(e) => return bad_body(&state, route, e),
+    let (timer, mut body) = match begin(&state, route, &body) {
+        Ok(started) => started,
+        Err(r) => return *r,
     };
     let batch = match batch_size(&body) {
         Ok(b) => b,
         Err(e) => return bad_body(&state, route, e),
     };
-    let (prefill, decode) = state.pick();
+    let prompt = routing_prompt(route, &body);
+    let (prefill, in_flight, decode) = state.pick(&prompt);
     inject_bootstrap(
         &mut body,
         batch,
@@ -129,7 +74,10 @@ async fn dual_dispatch(
     let decode_bytes = serde_json::to_vec(&body).unwrap_or_default();
 
     let dispatch = Dispatch {
-        prefill: Box::pin(prefill_call.post_json(prefill_bytes)),
+        prefill: Box::pin(async move {
+            let _in_flight = in_flight;
+            prefill_call.post_json(prefill_bytes).await
+        }),
         state,
         route,
         timer,

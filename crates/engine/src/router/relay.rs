@@ -16,8 +16,8 @@ use axum::body::Bytes;
 use futures_util::stream::{self, Stream};
 use serde_json::Value;
 
+use super::answer::DurationGuard;
 use super::merge::{has_cached, merge_cached, take_event, NotJson, PrefillCached, SseEvent};
-use super::proxy::DurationGuard;
 use super::upstream::{Call, Failure, UpstreamError};
 use super::RouterState;
 

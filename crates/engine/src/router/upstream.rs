@@ -57,14 +57,16 @@ pub struct UpstreamError {
 }
 
 impl UpstreamError {
-    /// `error_type` for the router's metrics: `prefill_error` / `decode_error`, or
-    /// `prefill_client_error` / `decode_client_error` for a 4xx passed on.
+    /// `error_type` for the router's metrics: `prefill_error` / `decode_error` /
+    /// `worker_error`, or `…_client_error` for a 4xx passed on.
     pub fn error_type(&self) -> &'static str {
         match (self.role, &self.failure) {
             (Role::Prefill, Failure::ClientError { .. }) => "prefill_client_error",
             (Role::Decode, Failure::ClientError { .. }) => "decode_client_error",
+            (Role::Worker, Failure::ClientError { .. }) => "worker_client_error",
             (Role::Prefill, _) => "prefill_error",
             (Role::Decode, _) => "decode_error",
+            (Role::Worker, _) => "worker_error",
         }
     }
 
@@ -73,9 +75,14 @@ impl UpstreamError {
         !matches!(self.failure, Failure::ClientError { .. })
     }
 
+    /// Whether the worker could not be reached at all (it is likely down).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self.failure, Failure::Unreachable(_))
+    }
+
     /// The message for people.
     pub fn message(&self) -> String {
-        let who = format!("{} worker {}", self.role.as_str(), self.worker);
+        let who = format!("{} {}", self.role.worker_noun(), self.worker);
         match &self.failure {
             Failure::Unreachable(why) => format!("{who} could not be reached: {why}"),
             Failure::ServerError { status, body } => format!("{who} answered {status}: {body}"),
