@@ -21,7 +21,8 @@ use super::super::columns::ColumnBlock;
 use super::dot::dot_tile;
 use super::elem::{hsum, hsum8, Bf16, Elem, F16, F32};
 
-/// Whether the CPU runs these kernels (AVX-512F, and the AVX2 set: see [`super::available`]),
+/// Whether the CPU runs these kernels (AVX-512F and AVX-512VL, which lets the 256-bit
+/// halves of the reduction use all 32 registers; and the AVX2 set: see [`super::available`]),
 /// detected once. `KVSERVE_CPU_NO_AVX512=1` turns them off (the AVX2 kernels run instead), for
 /// comparing the two on one machine; results are the same either way.
 pub(crate) fn available() -> bool {
@@ -29,6 +30,7 @@ pub(crate) fn available() -> bool {
     *AVAILABLE.get_or_init(|| {
         super::available()
             && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
             && std::env::var_os("KVSERVE_CPU_NO_AVX512").is_none_or(|v| v != "1")
     })
 }
@@ -99,21 +101,26 @@ impl Elem512 for Bf16 {
 ///
 /// # Safety
 /// Every `a[h]` must be valid for `d` f32 reads, every `b[p][s]` for `d` elements of `E`, and
-/// the CPU must have AVX-512F, AVX2, FMA and F16C.
+/// the CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
 unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
     a: &[*const f32; H],
     b: &[[*const u8; 2]; P],
     d: usize,
 ) -> [[[f32; H]; 2]; P] {
     // SAFETY: every access is below `d` elements of its row (see the function's contract).
+    // (Plain loops, no closures or `array::from_fn`: those are compiled without this
+    // function's target features, so the registers would go through memory.)
     unsafe {
         let mut c = [[_mm512_setzero_ps(); H]; P];
         let chunks = d / 8;
         for ch in 0..chunks {
             let off = ch * 8 * E::BYTES;
-            let w: [__m512; P] =
-                std::array::from_fn(|p| E::load8x2(b[p][0].add(off), b[p][1].add(off)));
+            let mut w = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                w[p] = E::load8x2(b[p][0].add(off), b[p][1].add(off));
+            }
             for h in 0..H {
                 let x = _mm256_castps_pd(_mm256_loadu_ps(a[h].add(ch * 8)));
                 let x = _mm512_castpd_ps(_mm512_broadcast_f64x4(x));
@@ -123,28 +130,35 @@ unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
             }
         }
         // The 2·H·P eight-lane accumulators, in the order (p, half, h).
-        let half = |i: usize| -> __m256 {
-            let (p, s, h) = (i / (2 * H), i / H % 2, i % H);
-            let z = c[p][h];
-            if s == 0 {
-                _mm512_castps512_ps256(z)
-            } else {
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(z)))
+        let mut halves = [[[_mm256_setzero_ps(); H]; 2]; P];
+        for p in 0..P {
+            for h in 0..H {
+                let z = c[p][h];
+                halves[p][0][h] = _mm512_castps512_ps256(z);
+                halves[p][1][h] =
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(z)));
             }
-        };
+        }
+        let at = |i: usize| (i / (2 * H), i / H % 2, i % H);
         let mut out = [[[0.0f32; H]; 2]; P];
         let n = 2 * H * P;
         let mut k = 0;
         while k + 8 <= n {
-            let r = hsum8(std::array::from_fn(|i| half(k + i)));
+            let mut v = [_mm256_setzero_ps(); 8];
+            for (i, v) in v.iter_mut().enumerate() {
+                let (p, s, h) = at(k + i);
+                *v = halves[p][s][h];
+            }
+            let r = hsum8(v);
             for (i, r) in r.into_iter().enumerate() {
-                let i = k + i;
-                out[i / (2 * H)][i / H % 2][i % H] = r;
+                let (p, s, h) = at(k + i);
+                out[p][s][h] = r;
             }
             k += 8;
         }
         for i in k..n {
-            out[i / (2 * H)][i / H % 2][i % H] = hsum(half(i));
+            let (p, s, h) = at(i);
+            out[p][s][h] = hsum(halves[p][s][h]);
         }
         for p in 0..P {
             for s in 0..2 {
@@ -168,7 +182,7 @@ const MR: usize = 8;
 /// whatever the tile an element falls in. Blocks `w` so a block stays in cache over all rows.
 ///
 /// # Safety
-/// The CPU must have AVX-512F, AVX2, FMA and F16C ([`available`]). Lengths are asserted.
+/// The CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C ([`available`]). Lengths are asserted.
 #[inline(always)]
 unsafe fn matmul<E: Elem512>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
     let cols = out.cols();
@@ -198,11 +212,11 @@ unsafe fn matmul<E: Elem512>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBloc
 
 macro_rules! matmul_for {
     ($name:ident, $elem:ty) => {
-        /// [`matmul`] for one weight element type, compiled for AVX-512F + AVX2 + FMA + F16C.
+        /// [`matmul`] for one weight element type, compiled for AVX-512F and VL, AVX2, FMA and F16C.
         ///
         /// # Safety
         /// The CPU must have them ([`available`]). Lengths are asserted.
-        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
         pub(crate) unsafe fn $name(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
             // SAFETY: forwarded contract.
             unsafe { matmul::<$elem>(x, w, k, out) }
@@ -219,7 +233,7 @@ matmul_for!(matmul_bf16, Bf16);
 /// arithmetic).
 ///
 /// # Safety
-/// The CPU must have AVX-512F, AVX2, FMA and F16C. (Rows are sliced with bounds checks.)
+/// The CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C. (Rows are sliced with bounds checks.)
 #[inline(always)]
 unsafe fn matmul_tile<E: Elem512, const H: usize, const P: usize>(
     x: &[f32],
