@@ -61,17 +61,23 @@ impl RopeCache {
         let per_token = x.len() / positions.len();
         for (tok, cs) in x.chunks_exact_mut(per_token).zip(cs.chunks_exact(half)) {
             for head in tok.chunks_exact_mut(cfg.head_dim) {
-                for (i, &(cos, sin)) in cs.iter().enumerate() {
-                    let (a, b) = match cfg.style {
-                        RopeStyle::Neox => (i, i + half),
-                        RopeStyle::GptJ => (2 * i, 2 * i + 1),
-                    };
-                    let (xa, xb) = (head[a], head[b]);
-                    head[a] = xa * cos - xb * sin;
-                    head[b] = xb * cos + xa * sin;
-                }
+                rotate_head(head, cs, cfg.style);
             }
         }
+    }
+}
+
+/// Rotates one head by the (cos, sin) pairs `cs` (pair `i` of the head, as `style` pairs them).
+fn rotate_head(head: &mut [f32], cs: &[(f32, f32)], style: RopeStyle) {
+    let half = cs.len();
+    for (i, &(cos, sin)) in cs.iter().enumerate() {
+        let (a, b) = match style {
+            RopeStyle::Neox => (i, i + half),
+            RopeStyle::GptJ => (2 * i, 2 * i + 1),
+        };
+        let (xa, xb) = (head[a], head[b]);
+        head[a] = xa * cos - xb * sin;
+        head[b] = xb * cos + xa * sin;
     }
 }
 
@@ -79,22 +85,19 @@ impl RopeCache {
 mod tests {
     use super::*;
 
-    /// One rotation computed from scratch, as the backend did before the cache.
+    /// One rotation with its table computed from scratch, as the backend did before the cache.
     fn direct(x: &mut [f32], positions: &[u32], inv: &[f64], cfg: &RopeConfig) {
         let half = cfg.rotary_dim / 2;
         for (tok, &pos) in x.chunks_exact_mut(x.len() / positions.len()).zip(positions) {
-            for head in tok.chunks_exact_mut(cfg.head_dim) {
-                for (i, &f) in inv.iter().enumerate().take(half) {
+            let cs: Vec<(f32, f32)> = inv[..half]
+                .iter()
+                .map(|&f| {
                     let (s, c) = (pos as f64 * f).sin_cos();
-                    let (cos, sin) = (c as f32, s as f32);
-                    let (a, b) = match cfg.style {
-                        RopeStyle::Neox => (i, i + half),
-                        RopeStyle::GptJ => (2 * i, 2 * i + 1),
-                    };
-                    let (xa, xb) = (head[a], head[b]);
-                    head[a] = xa * cos - xb * sin;
-                    head[b] = xb * cos + xa * sin;
-                }
+                    (c as f32, s as f32)
+                })
+                .collect();
+            for head in tok.chunks_exact_mut(cfg.head_dim) {
+                rotate_head(head, &cs, cfg.style);
             }
         }
     }

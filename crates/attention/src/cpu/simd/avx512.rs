@@ -20,6 +20,7 @@ use std::sync::OnceLock;
 use super::super::columns::ColumnBlock;
 use super::dot::dot_tile;
 use super::elem::{hsum, hsum8, Bf16, Elem, F16, F32};
+use super::matmul::{for_each_tile, matmul_for};
 
 /// Whether the CPU runs these kernels (AVX-512F and AVX-512VL, which lets the 256-bit
 /// halves of the reduction use all 32 registers; and the AVX2 set: see [`super::available`]),
@@ -185,48 +186,25 @@ const MR: usize = 8;
 /// The CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C ([`available`]). Lengths are asserted.
 #[inline(always)]
 unsafe fn matmul<E: Elem512>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
-    let cols = out.cols();
-    assert!(k > 0 && x.len() % k == 0 && w.len() >= cols.end * k * E::BYTES);
-    let m = x.len() / k;
-    // About 256 KiB of w per block.
-    let nb = (65536 * 4 / (k * E::BYTES)).max(12);
-    for j0 in cols.clone().step_by(nb) {
-        let j1 = (j0 + nb).min(cols.end);
-        for i0 in (0..m).step_by(MR) {
-            let rows = (m - i0).min(MR);
-            macro_rules! tile_rows {
-                ($($h:literal => $p:literal),*) => {
-                    match rows {
-                        $($h => matmul_tile::<E, $h, $p>(x, w, k, i0, j0..j1, out),)*
-                        _ => matmul_tile::<E, 8, 3>(x, w, k, i0, j0..j1, out),
-                    }
-                };
-            }
-            // SAFETY: rows i0 .. i0 + rows of x and j0 .. j1 of w exist (asserted lengths);
-            // the CPU per contract. The fewer the rows, the more weight pairs per tile (as
-            // many accumulators as fit in the 32 registers, and enough chains in flight).
-            unsafe { tile_rows!(1 => 6, 2 => 6, 3 => 4, 4 => 4, 5 => 3, 6 => 3, 7 => 3) }
+    for_each_tile(x, w, k, E::BYTES, MR, out, |i0, rows, js, out| {
+        macro_rules! tile_rows {
+            ($($h:literal => $p:literal),*) => {
+                match rows {
+                    $($h => matmul_tile::<E, $h, $p>(x, w, k, i0, js, out),)*
+                    _ => matmul_tile::<E, 8, 3>(x, w, k, i0, js, out),
+                }
+            };
         }
-    }
+        // SAFETY: rows i0 .. i0 + rows of x and js of w exist (`for_each_tile` asserts the
+        // lengths); the CPU per contract. The fewer the rows, the more weight pairs per tile
+        // (as many accumulators as fit in the 32 registers, and enough chains in flight).
+        unsafe { tile_rows!(1 => 6, 2 => 6, 3 => 4, 4 => 4, 5 => 3, 6 => 3, 7 => 3) }
+    });
 }
 
-macro_rules! matmul_for {
-    ($name:ident, $elem:ty) => {
-        /// [`matmul`] for one weight element type, compiled for AVX-512F and VL, AVX2, FMA and F16C.
-        ///
-        /// # Safety
-        /// The CPU must have them ([`available`]). Lengths are asserted.
-        #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-        pub(crate) unsafe fn $name(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
-            // SAFETY: forwarded contract.
-            unsafe { matmul::<$elem>(x, w, k, out) }
-        }
-    };
-}
-
-matmul_for!(matmul_f32, F32);
-matmul_for!(matmul_f16, F16);
-matmul_for!(matmul_bf16, Bf16);
+matmul_for!(matmul_f32, F32, "avx512f,avx512vl,avx2,fma,f16c");
+matmul_for!(matmul_f16, F16, "avx512f,avx512vl,avx2,fma,f16c");
+matmul_for!(matmul_bf16, Bf16, "avx512f,avx512vl,avx2,fma,f16c");
 
 /// Rows `i0 .. i0 + H` of `x` against rows `js` of `w`, into `out`: `P` pairs of weight rows
 /// at a time, then single pairs, then a last odd row through the AVX2 tile (the same

@@ -17,45 +17,65 @@ const MR: usize = 4;
 /// The CPU must have AVX2, FMA and F16C ([`super::available`]). Lengths are asserted.
 #[inline(always)]
 unsafe fn matmul<E: Elem>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
+    for_each_tile(x, w, k, E::BYTES, MR, out, |i0, rows, js, out| {
+        // SAFETY: rows i0 .. i0 + rows of x and js of w exist (`for_each_tile` asserts the
+        // lengths); the CPU per contract.
+        unsafe {
+            match rows {
+                1 => matmul_tile::<E, 1>(x, w, k, i0, js, out),
+                2 => matmul_tile::<E, 2>(x, w, k, i0, js, out),
+                3 => matmul_tile::<E, 3>(x, w, k, i0, js, out),
+                _ => matmul_tile::<E, 4>(x, w, k, i0, js, out),
+            }
+        }
+    });
+}
+
+/// The cache blocking both matmuls share: `out`'s columns (rows of `w`, `k` elements of
+/// `bytes` each) in blocks of about 256 KiB of `w`, each kept in cache over all rows of `x`,
+/// which go through `tile(i0, rows, block, out)` `mr` at a time (fewer at the end).
+#[inline(always)]
+pub(super) fn for_each_tile(
+    x: &[f32],
+    w: &[u8],
+    k: usize,
+    bytes: usize,
+    mr: usize,
+    out: &mut ColumnBlock<'_>,
+    mut tile: impl FnMut(usize, usize, std::ops::Range<usize>, &mut ColumnBlock<'_>),
+) {
     let cols = out.cols();
-    assert!(k > 0 && x.len() % k == 0 && w.len() >= cols.end * k * E::BYTES);
+    assert!(k > 0 && x.len() % k == 0 && w.len() >= cols.end * k * bytes);
     let m = x.len() / k;
-    // About 256 KiB of w per block.
-    let nb = (65536 * 4 / (k * E::BYTES)).max(3);
+    let nb = (65536 * 4 / (k * bytes)).max(12);
     for j0 in cols.clone().step_by(nb) {
         let j1 = (j0 + nb).min(cols.end);
-        for i0 in (0..m).step_by(MR) {
-            let rows = (m - i0).min(MR);
-            // SAFETY: rows i0 .. i0 + rows of x and j0 .. j1 of w exist (asserted lengths).
-            unsafe {
-                match rows {
-                    1 => matmul_tile::<E, 1>(x, w, k, i0, j0..j1, out),
-                    2 => matmul_tile::<E, 2>(x, w, k, i0, j0..j1, out),
-                    3 => matmul_tile::<E, 3>(x, w, k, i0, j0..j1, out),
-                    _ => matmul_tile::<E, 4>(x, w, k, i0, j0..j1, out),
-                }
-            }
+        for i0 in (0..m).step_by(mr) {
+            tile(i0, (m - i0).min(mr), j0..j1, out);
         }
     }
 }
 
+/// Defines `$name`, the matmul of this module (`matmul::<$elem>` where it is invoked) compiled
+/// for the target features `$features` (the AVX2 and AVX-512 modules share it).
 macro_rules! matmul_for {
-    ($name:ident, $elem:ty) => {
-        /// [`matmul`] for one weight element type, compiled for AVX2 + FMA + F16C.
+    ($name:ident, $elem:ty, $features:literal) => {
+        #[doc = concat!("`matmul` for one weight element type, compiled for ", $features, ".")]
         ///
         /// # Safety
-        /// The CPU must have AVX2, FMA and F16C ([`super::available`]). Lengths are asserted.
-        #[target_feature(enable = "avx2,fma,f16c")]
+        /// The CPU must have those features (the module's `available`). Lengths are asserted.
+        #[target_feature(enable = $features)]
         pub(crate) unsafe fn $name(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
             // SAFETY: forwarded contract.
             unsafe { matmul::<$elem>(x, w, k, out) }
         }
     };
 }
+pub(super) use matmul_for;
 
-matmul_for!(matmul_f32, F32);
-matmul_for!(matmul_f16, F16);
-matmul_for!(matmul_bf16, Bf16);
+matmul_for!(matmul_f32, F32, "avx2,fma,f16c");
+matmul_for!(matmul_f16, F16, "avx2,fma,f16c");
+matmul_for!(matmul_bf16, Bf16, "avx2,fma,f16c");
 
 /// Rows `i0 .. i0 + H` of `x` against rows `js` of `w`, into `out`.
 ///
