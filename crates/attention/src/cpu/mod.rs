@@ -2,7 +2,10 @@
 //! [`Backend::upload_weight`]), a batch-invariant matmul, and paged attention over a
 //! [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where the CPU
 //! has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention kernel run
-//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows).
+//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows);
+//! where it also has AVX-512F and VL the matmul runs 512-bit tiles (`simd::avx512`) with the
+//! same results bit for bit. The rotary embedding keeps its cos/sin table across the calls of
+//! a forward pass (`rope`).
 //!
 //! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
 //! by blocks of output columns (`columns`), attention by requests and long prefills by pieces
