@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use super::super::columns::ColumnBlock;
 use super::dot::dot_tile;
 use super::elem::{hsum, hsum8, Bf16, Elem, F16, F32};
-use super::matmul::{for_each_tile, matmul_for};
+use super::matmul::{blocking, matmul_for};
 
 /// Whether the CPU runs these kernels (AVX-512F and AVX-512VL, which lets the 256-bit
 /// halves of the reduction use all 32 registers; and the AVX2 set: see [`super::available`]),
@@ -186,20 +186,26 @@ const MR: usize = 8;
 /// The CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C ([`available`]). Lengths are asserted.
 #[inline(always)]
 unsafe fn matmul<E: Elem512>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
-    for_each_tile(x, w, k, E::BYTES, MR, out, |i0, rows, js, out| {
-        macro_rules! tile_rows {
-            ($($h:literal => $p:literal),*) => {
-                match rows {
-                    $($h => matmul_tile::<E, $h, $p>(x, w, k, i0, js, out),)*
-                    _ => matmul_tile::<E, 8, 3>(x, w, k, i0, js, out),
-                }
-            };
+    let (m, nb) = blocking(x, w, k, E::BYTES, out);
+    let cols = out.cols();
+    // Plain loops, no closure (see `dot_tile2`).
+    for j0 in cols.clone().step_by(nb) {
+        let js = j0..(j0 + nb).min(cols.end);
+        for i0 in (0..m).step_by(MR) {
+            macro_rules! tile_rows {
+                ($($h:literal => $p:literal),*) => {
+                    match (m - i0).min(MR) {
+                        $($h => matmul_tile::<E, $h, $p>(x, w, k, i0, js.clone(), out),)*
+                        _ => matmul_tile::<E, 8, 3>(x, w, k, i0, js.clone(), out),
+                    }
+                };
+            }
+            // SAFETY: rows i0 .. i0 + rows of x and js of w exist (`blocking` asserts the
+            // lengths); the CPU per contract. The fewer the rows, the more weight pairs per
+            // tile (as many accumulators as fit in the 32 registers, and enough chains).
+            unsafe { tile_rows!(1 => 6, 2 => 6, 3 => 4, 4 => 4, 5 => 3, 6 => 3, 7 => 3) }
         }
-        // SAFETY: rows i0 .. i0 + rows of x and js of w exist (`for_each_tile` asserts the
-        // lengths); the CPU per contract. The fewer the rows, the more weight pairs per tile
-        // (as many accumulators as fit in the 32 registers, and enough chains in flight).
-        unsafe { tile_rows!(1 => 6, 2 => 6, 3 => 4, 4 => 4, 5 => 3, 6 => 3, 7 => 3) }
-    });
+    }
 }
 
 matmul_for!(matmul_f32, F32, "avx512f,avx512vl,avx2,fma,f16c");

@@ -17,43 +17,40 @@ const MR: usize = 4;
 /// The CPU must have AVX2, FMA and F16C ([`super::available`]). Lengths are asserted.
 #[inline(always)]
 unsafe fn matmul<E: Elem>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
-    for_each_tile(x, w, k, E::BYTES, MR, out, |i0, rows, js, out| {
-        // SAFETY: rows i0 .. i0 + rows of x and js of w exist (`for_each_tile` asserts the
-        // lengths); the CPU per contract.
-        unsafe {
-            match rows {
-                1 => matmul_tile::<E, 1>(x, w, k, i0, js, out),
-                2 => matmul_tile::<E, 2>(x, w, k, i0, js, out),
-                3 => matmul_tile::<E, 3>(x, w, k, i0, js, out),
-                _ => matmul_tile::<E, 4>(x, w, k, i0, js, out),
+    let (m, nb) = blocking(x, w, k, E::BYTES, out);
+    let cols = out.cols();
+    // Plain loops, no closure: a closure is compiled without the caller's target features,
+    // so the kernels' intrinsics would become calls.
+    for j0 in cols.clone().step_by(nb) {
+        let js = j0..(j0 + nb).min(cols.end);
+        for i0 in (0..m).step_by(MR) {
+            // SAFETY: rows i0 .. i0 + rows of x and js of w exist (`blocking` asserts the
+            // lengths); the CPU per contract.
+            unsafe {
+                match (m - i0).min(MR) {
+                    1 => matmul_tile::<E, 1>(x, w, k, i0, js.clone(), out),
+                    2 => matmul_tile::<E, 2>(x, w, k, i0, js.clone(), out),
+                    3 => matmul_tile::<E, 3>(x, w, k, i0, js.clone(), out),
+                    _ => matmul_tile::<E, 4>(x, w, k, i0, js.clone(), out),
+                }
             }
         }
-    });
+    }
 }
 
-/// The cache blocking both matmuls share: `out`'s columns (rows of `w`, `k` elements of
-/// `bytes` each) in blocks of about 256 KiB of `w`, each kept in cache over all rows of `x`,
-/// which go through `tile(i0, rows, block, out)` `mr` at a time (fewer at the end).
+/// The cache blocking both matmuls share, after checking the lengths: `x`'s rows `m`, and the
+/// rows of `w` (`k` elements of `bytes` each) per block of `out`'s columns, about 256 KiB of
+/// `w`, which stays in cache while all rows of `x` go through it.
 #[inline(always)]
-pub(super) fn for_each_tile(
+pub(super) fn blocking(
     x: &[f32],
     w: &[u8],
     k: usize,
     bytes: usize,
-    mr: usize,
-    out: &mut ColumnBlock<'_>,
-    mut tile: impl FnMut(usize, usize, std::ops::Range<usize>, &mut ColumnBlock<'_>),
-) {
-    let cols = out.cols();
-    assert!(k > 0 && x.len() % k == 0 && w.len() >= cols.end * k * bytes);
-    let m = x.len() / k;
-    let nb = (65536 * 4 / (k * bytes)).max(12);
-    for j0 in cols.clone().step_by(nb) {
-        let j1 = (j0 + nb).min(cols.end);
-        for i0 in (0..m).step_by(mr) {
-            tile(i0, (m - i0).min(mr), j0..j1, out);
-        }
-    }
+    out: &ColumnBlock<'_>,
+) -> (usize, usize) {
+    assert!(k > 0 && x.len() % k == 0 && w.len() >= out.cols().end * k * bytes);
+    (x.len() / k, (65536 * 4 / (k * bytes)).max(12))
 }
 
 /// Defines `$name`, the matmul of this module (`matmul::<$elem>` where it is invoked) compiled
