@@ -97,6 +97,20 @@ pub(crate) fn column_bounds(threads: usize, row_work: usize, n: usize) -> Vec<us
 /// One job of [`matmul`]: the columns of `out` (all rows of `x`).
 fn matmul_block(x: &[f32], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) {
     #[cfg(target_arch = "x86_64")]
+    if super::simd::avx512::available() {
+        use super::simd::avx512;
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked); lengths are asserted
+        // inside.
+        unsafe {
+            match w {
+                Weights::F32(w) => avx512::matmul_f32(x, bytemuck::cast_slice(w), k, out),
+                Weights::F16(w) => avx512::matmul_f16(x, bytemuck::cast_slice(w), k, out),
+                Weights::Bf16(w) => avx512::matmul_bf16(x, bytemuck::cast_slice(w), k, out),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::simd::available() {
         use super::simd;
         // SAFETY: the CPU has AVX2, FMA and F16C (checked); lengths are asserted inside.

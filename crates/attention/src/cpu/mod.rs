@@ -2,7 +2,10 @@
 //! [`Backend::upload_weight`]), a batch-invariant matmul, and paged attention over a
 //! [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where the CPU
 //! has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention kernel run
-//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows).
+//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows);
+//! where it also has AVX-512F and VL the matmul runs 512-bit tiles (`simd::avx512`) with the
+//! same results bit for bit. The rotary embedding keeps its cos/sin table across the calls of
+//! a forward pass (`rope`).
 //!
 //! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
 //! by blocks of output columns (`columns`), attention by requests and long prefills by pieces
@@ -14,9 +17,12 @@ mod columns;
 mod dense;
 mod pool;
 mod primitives;
+mod rope;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 mod split;
+
+use std::sync::Arc;
 
 use kv_pool::{HostKvStore, KvBuffer, KvLayout, KvStore};
 
@@ -25,11 +31,12 @@ use crate::check;
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
 use crate::params::AttentionParams;
-use crate::rope::{RopeConfig, RopeStyle};
+use crate::rope::RopeConfig;
 
 use attention::{RowSource, Scratch, Sources};
 use pool::Pool;
 use primitives::Geom;
+use rope::RopeCache;
 
 /// Work on one request: `(request, its q rows, its output rows, scratch)`.
 type RequestFn<'a> = dyn Fn(usize, &[f32], &mut [f32], &mut Scratch) + Sync + 'a;
@@ -136,6 +143,8 @@ impl Default for CpuConfig {
 pub struct CpuBackend {
     config: CpuConfig,
     pool: Pool,
+    /// The last rotary table (see `rope`).
+    rope: Arc<RopeCache>,
 }
 
 /// The CPU backend's per-batch plan: the validated metadata, and the same batch with its long
@@ -157,7 +166,11 @@ impl CpuBackend {
     /// A backend with `config`, and its pool of `threads` workers (at least 1).
     pub fn new(config: CpuConfig) -> Result<Self> {
         let pool = Pool::new(config.threads)?;
-        Ok(CpuBackend { config, pool })
+        Ok(CpuBackend {
+            config,
+            pool,
+            rope: Arc::default(),
+        })
     }
 
     /// The backend's settings.
@@ -284,26 +297,7 @@ impl Backend for CpuBackend {
     fn rotary(&self, x: &mut CpuTensor, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
         let inv = check::rotary(&x.shape, positions.len(), cfg)?;
         x.f32s("rotary")?;
-        let heads = x.shape[1];
-        let half = cfg.rotary_dim / 2;
-        let mut cs = vec![(0.0f32, 0.0f32); half];
-        for (tok, &pos) in x.data.chunks_exact_mut(heads * cfg.head_dim).zip(positions) {
-            for (c, &f) in cs.iter_mut().zip(&inv) {
-                let (s, co) = (pos as f64 * f).sin_cos();
-                *c = (co as f32, s as f32);
-            }
-            for head in tok.chunks_exact_mut(cfg.head_dim) {
-                for (i, &(cos, sin)) in cs.iter().enumerate() {
-                    let (a, b) = match cfg.style {
-                        RopeStyle::Neox => (i, i + half),
-                        RopeStyle::GptJ => (2 * i, 2 * i + 1),
-                    };
-                    let (xa, xb) = (head[a], head[b]);
-                    head[a] = xa * cos - xb * sin;
-                    head[b] = xb * cos + xa * sin;
-                }
-            }
-        }
+        self.rope.rotate(&mut x.data, positions, &inv, cfg);
         Ok(())
     }
 

@@ -1,0 +1,55 @@
+//! The AVX2 dot-product tile: `H` f32 rows against `P` rows of an element type, eight lanes
+//! per dot product in the module's fixed order, sharing every load.
+
+use std::arch::x86_64::*;
+
+use super::elem::{hsum, hsum8, Elem};
+
+/// Dot products of `H` f32 rows `a[h]` with `P` rows `b[p]` of `E`, `d` elements each, in the
+/// module's fixed order: `out[p][h] = a[h]·b[p]` (an `H × P` register tile sharing every load).
+///
+/// # Safety
+/// Every `a[h]` must be valid for `d` f32 reads, every `b[p]` for `d` elements of `E`, and the
+/// CPU must have AVX2, FMA and F16C.
+#[inline(always)]
+pub(super) unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
+    a: &[*const f32; H],
+    b: [*const u8; P],
+    d: usize,
+) -> [[f32; H]; P] {
+    // SAFETY: every access is below `d` elements of its row (see the function's contract).
+    unsafe {
+        let mut c = [[_mm256_setzero_ps(); H]; P];
+        let chunks = d / 8;
+        for ch in 0..chunks {
+            let k: [__m256; P] = std::array::from_fn(|p| E::load8(b[p].add(ch * 8 * E::BYTES)));
+            for h in 0..H {
+                let q = _mm256_loadu_ps(a[h].add(ch * 8));
+                for p in 0..P {
+                    c[p][h] = _mm256_fmadd_ps(q, k[p], c[p][h]);
+                }
+            }
+        }
+        let mut s = [[0.0f32; H]; P];
+        // Eight accumulators at a time through one transposed reduction, the rest one by one.
+        let mut k = 0;
+        while k + 8 <= H * P {
+            let r = hsum8(std::array::from_fn(|i| c[(k + i) / H][(k + i) % H]));
+            for (i, r) in r.into_iter().enumerate() {
+                s[(k + i) / H][(k + i) % H] = r;
+            }
+            k += 8;
+        }
+        for k in k..H * P {
+            s[k / H][k % H] = hsum(c[k / H][k % H]);
+        }
+        for p in 0..P {
+            for h in 0..H {
+                for e in chunks * 8..d {
+                    s[p][h] = (*a[h].add(e)).mul_add(E::load1(b[p].add(e * E::BYTES)), s[p][h]);
+                }
+            }
+        }
+        s
+    }
+}
