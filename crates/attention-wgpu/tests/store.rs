@@ -36,23 +36,9 @@ fn shapes(dtype: KvDtype) -> Vec<KvShape> {
     ]
 }
 
-/// Every byte of the store: raw rows of every layer and buffer, then all pages packed.
+/// Every byte of the store (`kv_pool::testing::dump_store`).
 fn dump(s: &dyn KvStore) -> Vec<u8> {
-    let layout = *s.layout();
-    let all: Vec<Slot> = (0..layout.rows() as u32).map(Slot).collect();
-    let mut out = Vec::new();
-    for layer in 0..layout.shape.layers as usize {
-        for &b in layout.shape.buffers() {
-            let mut rows = vec![0u8; all.len() * layout.shape.row_bytes(b)];
-            s.read_raw(layer, b, &all, &mut rows).unwrap();
-            out.extend(rows);
-        }
-    }
-    let pages: Vec<Page> = (1..=layout.pages() as u32).map(Page).collect();
-    let mut packed = vec![0u8; pages.len() * layout.page_bytes()];
-    s.read_pages(&pages, &mut packed).unwrap();
-    out.extend(packed);
-    out
+    kv_pool::testing::dump_store(s).unwrap()
 }
 
 fn same_ops(backend: &WgpuBackend, layout: KvLayout, rng: &mut SplitMix64) {

@@ -99,18 +99,9 @@ fn metadata_refuses_bad_requests() {
     ));
 }
 
-fn dump(store: &HostKvStore) -> Vec<u8> {
-    let layout = store.layout();
-    let all: Vec<Slot> = (0..layout.rows() as u32).map(Slot).collect();
-    let mut out = Vec::new();
-    for layer in 0..layout.shape.layers as usize {
-        for &b in layout.shape.buffers() {
-            let mut buf = vec![0u8; all.len() * layout.shape.row_bytes(b)];
-            store.read_raw(layer, b, &all, &mut buf).unwrap();
-            out.extend(buf);
-        }
-    }
-    out
+/// Every byte of the store (`kv_pool::testing::dump_store`).
+fn dump(s: &dyn KvStore) -> Vec<u8> {
+    kv_pool::testing::dump_store(s).unwrap()
 }
 
 #[test]

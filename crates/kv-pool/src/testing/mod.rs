@@ -145,3 +145,24 @@ pub fn random_host_store(
     }
     s
 }
+
+/// Every byte a store holds, as its trait reads them: the raw rows of every layer and buffer
+/// (the padding page included), then every page in the canonical packed format. Two stores
+/// with equal dumps hold the same KV; a store whose dump did not change was not written.
+pub fn dump_store(s: &dyn crate::KvStore) -> crate::Result<Vec<u8>> {
+    let layout = *s.layout();
+    let all: Vec<crate::Slot> = (0..layout.rows() as u32).map(crate::Slot).collect();
+    let mut out = Vec::new();
+    for layer in 0..layout.shape.layers as usize {
+        for &b in layout.shape.buffers() {
+            let mut rows = vec![0u8; all.len() * layout.shape.row_bytes(b)];
+            s.read_raw(layer, b, &all, &mut rows)?;
+            out.extend(rows);
+        }
+    }
+    let pages: Vec<crate::Page> = (1..=layout.pages() as u32).map(crate::Page).collect();
+    let mut packed = vec![0u8; pages.len() * layout.page_bytes()];
+    s.read_pages(&pages, &mut packed)?;
+    out.extend(packed);
+    Ok(out)
+}
