@@ -14,7 +14,7 @@ use crate::pd::control::{read_msg, write_msg, ControlMsg, FrameError};
 use crate::pd::error::PdError;
 use crate::pd::kv_poll::KvPoll;
 use crate::pd::log;
-use crate::pd::manager::{Peer, Room, Shared, State};
+use crate::pd::state::{Peer, Room, Shared, State};
 
 /// Creates a room bound to the prefill at `bootstrap`, starting that peer's connection when
 /// there is none.

@@ -33,6 +33,7 @@ mod manager;
 mod prefill;
 mod receiver;
 mod sender;
+mod state;
 
 pub use bootstrap::{RankAddr, RankRegistration, ServerInfo};
 pub use config::{PdConfig, PdRole, PdStats, ServerCompat, TransferAux, TransferInfo};

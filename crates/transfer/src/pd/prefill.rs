@@ -17,8 +17,7 @@ use crate::pd::control::{read_msg, write_msg, ControlMsg, FrameError};
 use crate::pd::error::PdError;
 use crate::pd::kv_poll::KvPoll;
 use crate::pd::log;
-use crate::pd::manager::{PendingInfo, PrefillConn, Room, Shared, State};
-use crate::pd::sender::Job;
+use crate::pd::state::{Job, PendingInfo, PrefillConn, Room, Shared, State};
 
 /// Binds the control listener on the bootstrap host (any port) and starts accepting.
 pub(crate) fn start_listener(shared: &Arc<Shared>) -> Result<SocketAddr, PdError> {

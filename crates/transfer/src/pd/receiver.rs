@@ -11,7 +11,7 @@ use crate::pd::control::ControlMsg;
 use crate::pd::decode;
 use crate::pd::error::PdError;
 use crate::pd::kv_poll::KvPoll;
-use crate::pd::manager::Shared;
+use crate::pd::state::Shared;
 
 /// The decode side of one request's transfer (SGLang's `KVReceiver`). Created by
 /// [`KvManager::create_receiver`](crate::pd::KvManager::create_receiver): `Bootstrapping` until

@@ -7,25 +7,11 @@ use kv_pool::Page;
 use tokio::sync::mpsc;
 
 use crate::coalesce;
-use crate::engine::TransferBlock;
 use crate::pd::config::{TransferAux, TransferInfo};
 use crate::pd::error::PdError;
 use crate::pd::kv_poll::KvPoll;
-use crate::pd::manager::Shared;
 use crate::pd::prefill;
-
-/// Work for a room's transfer worker.
-#[derive(Debug)]
-pub(crate) enum Job {
-    /// One chunk's blocks; `aux` with the last chunk.
-    Send {
-        blocks: Vec<TransferBlock>,
-        aux: Option<TransferAux>,
-    },
-    /// Stop: wait for the batches in flight, then answer decode (`ack`: ABORT_ACK for decode's
-    /// abort, else a Failed status).
-    Abort { ack: bool },
-}
+use crate::pd::state::{Job, Shared};
 
 /// The prefill side of one request's transfer (SGLang's `KVSender`). Created by
 /// [`KvManager::create_sender`](crate::pd::KvManager::create_sender); `Bootstrapping` until the
