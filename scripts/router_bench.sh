@@ -3,7 +3,9 @@
 # pools (--max-total-tokens) behind `kvserve router`, the generated-shared-prefix workload with
 # more groups than one instance can cache, `kvserve bench --url <router>` once per policy
 # (every instance's cache flushed in between), then the same workload on one instance with
-# three times the pool (the single-big-instance ideal). Prints one line per run.
+# three times the pool (the single-big-instance ideal). Prints one line per run, then the
+# simulator's figures for the same workload and cluster (`kvserve sim --dp 3`, the router's
+# policy code over simulated instances), to compare hit rates with the loopback run.
 #
 #   scripts/router_bench.sh [path/to/kvserve] [extra bench flags…]
 #
@@ -80,3 +82,9 @@ done
 
 start big serve --port 0 --threads 1 --max-total-tokens $((3 * TOKENS))
 printf '%-13s %s\n' "one instance ×3 pool" "$(bench "$PORT" "$@")"
+
+echo "simulated (kvserve sim --dp 3, the same workload, pools and page size; TTFT from the cost model):"
+"$K" sim --workload gsp --gsp-num-groups "$GROUPS_N" --gsp-prompts-per-group "$PER_GROUP" \
+    --gsp-system-prompt-len "$SYSTEM" --gsp-question-len "$QUESTION" --gsp-output-len "$OUTPUT" \
+    --request-rate "$RATE" --page-size 16 --max-total-tokens "$TOKENS" --dp 3 \
+    --router-policy "$(echo $POLICIES | tr ' ' ',')" --quiet --no-timings | tail -n +3

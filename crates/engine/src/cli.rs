@@ -805,11 +805,15 @@ pub struct SimArgs {
     /// LPM falls back to FCFS above this many waiting requests.
     #[arg(long, default_value_t = 128, help_heading = "Scheduler")]
     pub lpm_fallback_threshold: usize,
+    /// A cluster behind the router: `--dp N --router-policy …`.
+    #[command(flatten)]
+    pub router: crate::sim_dp::DpArgs,
 
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub format: OutputFormat,
-    /// Also draw output throughput against pool size into this PNG file.
+    /// Also draw output throughput against pool size into this PNG file (with --dp: hit rate
+    /// against instances per router policy, and TTFT p50 into FILE-ttft.png beside it).
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
     /// Prove the pool partition after every scheduler step (slow).

@@ -34,6 +34,8 @@
 //! - [`cache_sim`] (trace replay through the radix cache for every eviction policy and capacity
 //!   of a sweep) and [`sim`] (the real scheduler over a cost model): the libraries of
 //!   `kvserve cache-sim` and `kvserve sim`.
+//! - [`sim_dp`]: `kvserve sim --dp N --router-policy …`, a cluster of simulated instances
+//!   behind the router's real load-balancing policies (`router::policies`).
 //! - [`sim_tier`]: the simulated host tier and L3 store both simulators put behind the tree
 //!   with `--enable-hierarchical-cache` (a bookkeeping cache controller; no bytes move).
 //! - [`report`] (aligned table, JSON lines) and [`plot`] (PNG, fonts embedded); [`runtime`]
@@ -85,6 +87,7 @@ pub mod runtime;
 pub mod server;
 pub mod setup;
 pub mod sim;
+pub mod sim_dp;
 pub mod sim_tier;
 pub mod workload;
 

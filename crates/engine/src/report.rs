@@ -121,6 +121,32 @@ pub fn render_table(results: &[ReplayResult], opts: TableOptions<'_>) -> String 
     out
 }
 
+/// Rows of cells as an aligned table, columns two spaces apart: the columns in `left` flush
+/// left, the others right; trailing spaces trimmed.
+pub fn align_rows(rows: &[Vec<String>], left: &[usize]) -> String {
+    let columns = rows.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, v)| {
+                if left.contains(&c) {
+                    format!("{v:<w$}", w = widths[c])
+                } else {
+                    format!("{v:>w$}", w = widths[c])
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
 /// Renders `results` as JSON lines: one object per replay.
 pub fn render_json_lines(results: &[ReplayResult]) -> String {
     let mut out = String::new();

@@ -796,3 +796,98 @@ fn transfer_bench_json_has_both_throughputs() {
     );
     assert_fails(&["transfer-bench", "--duration", "0"], &["--duration"]);
 }
+
+#[test]
+fn sim_dp_json_plots_and_bad_flags() {
+    let png = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sim_dp.png");
+    let ttft = png.with_file_name("sim_dp-ttft.png");
+    let _ = std::fs::remove_file(&png);
+    let _ = std::fs::remove_file(&ttft);
+    let gsp = [
+        "sim",
+        "--workload",
+        "gsp",
+        "--gsp-num-groups",
+        "4",
+        "--gsp-prompts-per-group",
+        "3",
+        "--gsp-system-prompt-len",
+        "128",
+        "--gsp-question-len",
+        "16",
+        "--gsp-output-len",
+        "4",
+        "--request-rate",
+        "8",
+        "--page-size",
+        "16",
+        "--max-total-tokens",
+        "512",
+    ];
+    let mut args = gsp.to_vec();
+    args.extend([
+        "--dp",
+        "1,2",
+        "--router-policy",
+        "cache_aware,kv_events",
+        "--format",
+        "json",
+        "--quiet",
+        "--plot",
+        png.to_str().unwrap(),
+    ]);
+    let o = kvserve(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let keys: Vec<(u64, &str)> = lines
+        .iter()
+        .map(|v| {
+            (
+                v["dp"].as_u64().unwrap(),
+                v["router_policy"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            (1, "cache_aware"),
+            (1, "kv_events"),
+            (2, "cache_aware"),
+            (2, "kv_events")
+        ]
+    );
+    for v in &lines {
+        let routed: u64 = v["routed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .sum();
+        assert_eq!(routed, 12, "{v}");
+        assert!(v["hit_rate"].as_f64().unwrap() > 0.0, "{v}");
+    }
+    assert!(png.exists() && ttft.exists());
+
+    let with = |extra: &[&'static str]| {
+        let mut a = gsp.to_vec();
+        a.extend_from_slice(extra);
+        a
+    };
+    assert_fails(&with(&["--dp", "0"]), &["--dp"]);
+    assert_fails(
+        &with(&["--dp", "2", "--router-policy", "fastest"]),
+        &["--router-policy"],
+    );
+    assert_fails(
+        &with(&["--dp", "2", "--enable-hierarchical-cache"]),
+        &["--enable-hierarchical-cache", "no host tier"],
+    );
+    assert_fails(
+        &with(&["--dp", "2", "--cache-threshold", "2"]),
+        &["--cache-threshold"],
+    );
+}

@@ -294,6 +294,45 @@ fn a_subscriber_rebuilds_the_cache_from_the_events_live_and_by_replay() {
     assert!(kv["replay_requests"].as_u64().unwrap() >= 1);
 }
 
+/// The replay buffer is bounded by `buffer_steps`: a replay from 0 after more batches than
+/// that sends only the last `buffer_steps`, in order (the router's subscriber then reports
+/// the rest as missed).
+#[test]
+fn the_replay_buffer_keeps_the_last_buffer_steps_batches() {
+    if !common::python_can_import("zmq, msgpack", "KVSERVE_REQUIRE_PYZMQ") {
+        return;
+    }
+    let srv = start(&[
+        "--kv-events-config",
+        r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv", "buffer_steps": 3}"#,
+    ]);
+    for g in 0..6u32 {
+        let ids: Vec<u32> = (0..48).map(|i| 100 * g + i).collect();
+        let (status, v) = post(
+            srv.port,
+            "/generate",
+            json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}),
+        );
+        assert_eq!(status, 200, "{v}");
+    }
+    let n = published(srv.port);
+    assert!(n > 3, "{n} batches");
+    // Every batch through the publisher thread (and so in its buffer).
+    for _ in 0..500 {
+        if kv_info(srv.port)["batches_sent"] == n {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let kv = kv_info(srv.port);
+    assert_eq!(kv["batches_sent"], n);
+    let mut sub = Subscriber::spawn(&kv, false);
+    writeln!(sub.stdin, "replay 0").unwrap();
+    let seqs = sub.answer()["seqs"].clone();
+    assert_eq!(seqs, json!([n - 3, n - 2, n - 1]));
+}
+
 /// A bad `--kv-events-config` stops the binary with exit code 2, naming the flag and the key.
 #[test]
 fn a_bad_kv_events_config_exits_2_naming_the_flag() {

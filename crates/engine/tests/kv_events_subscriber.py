@@ -12,6 +12,8 @@ asks for a replay from 0 at once, as a subscriber that joins a running server do
 Commands on stdin, one per line, answers on stdout as one JSON line each:
   sync N  -> wait (at most 60 s) until batches 0..N-1 are applied, then answer the state:
              {"applied", "blocks" (sorted), "live_seqs", "replayed_seqs", "errors"}
+  replay S -> ask the replay socket for every batch from S on, without applying them; answer
+             {"seqs": the sequence numbers it sent before END_SEQ} (at most 10 s)
   quit
 """
 
@@ -124,6 +126,25 @@ class Subscriber:
         }
 
 
+def replay_seqs(endpoint, start):
+    """The sequence numbers a fresh DEALER gets for a replay from `start`, up to END_SEQ."""
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    seqs = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not dealer.poll(100):
+            continue
+        frames = dealer.recv_multipart()
+        if frames[1] == END_SEQ:
+            break
+        seqs.append(int.from_bytes(frames[1], "big"))
+    dealer.close(linger=0)
+    return {"seqs": seqs}
+
+
 def main():
     endpoint, replay_endpoint, topic = sys.argv[1:4]
     s = Subscriber(endpoint, replay_endpoint, topic)
@@ -140,6 +161,9 @@ def main():
         if not line or line.strip() == "quit":
             return
         cmd, arg = line.split()
+        if cmd == "replay":
+            print(json.dumps(replay_seqs(replay_endpoint, int(arg))), flush=True)
+            continue
         assert cmd == "sync", line
         print(json.dumps(s.sync(int(arg))), flush=True)
 

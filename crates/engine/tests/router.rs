@@ -466,6 +466,43 @@ async fn stream_events_pass_through_as_they_arrive() {
     assert_eq!(rest.matches("\"cached_tokens\":5").count(), 2, "{rest}");
 }
 
+/// PD decode servers are chosen by the same policies as prefill ones: with `cache_aware` a
+/// group's prompts share a decode server (and a prefill server), the other group goes to the
+/// other (the one with the smaller tree).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_keeps_a_prefix_on_one_prefill_and_one_decode_worker() {
+    let (p0, p1) = (mock(Kind::Prefill, 0).await, mock(Kind::Prefill, 0).await);
+    let (d0, d1) = (mock(Kind::Decode, 0).await, mock(Kind::Decode, 0).await);
+    let (_r, base) = router(
+        &[(&p0.url(), 9001), (&p1.url(), 9002)],
+        &[&d0.url(), &d1.url()],
+        PolicyKind::CacheAware,
+    );
+    let groups = [
+        "You are a pirate who answers every question in rhyme. ",
+        "Translate the following sentence into formal French: ",
+    ];
+    let mut seen = Vec::new();
+    for i in 0..8 {
+        let text = format!("{}question {i}", groups[[0, 1, 1, 0, 0, 1, 0, 1][i]]);
+        let (status, _) = post_json(&format!("{base}/generate"), &json!({"text": text})).await;
+        assert_eq!(status, 200);
+        let who = |ms: [&Mock; 2]| {
+            ms.iter()
+                .position(|m| m.bodies().iter().any(|(_, b)| b["text"] == json!(text)))
+                .unwrap()
+        };
+        seen.push((who([&p0, &p1]), who([&d0, &d1])));
+    }
+    let (a, b) = (seen[0], seen[1]);
+    assert!(a.0 != b.0 && a.1 != b.1, "{seen:?}");
+    let want: Vec<_> = [0, 1, 1, 0, 0, 1, 0, 1]
+        .iter()
+        .map(|&g| if g == 0 { a } else { b })
+        .collect();
+    assert_eq!(seen, want);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_alternates_prefill_and_decode_workers() {
     let (p0, p1) = (mock(Kind::Prefill, 0).await, mock(Kind::Prefill, 0).await);
@@ -504,11 +541,11 @@ async fn round_robin_alternates_prefill_and_decode_workers() {
     );
 }
 
-/// Waits until `n` reaches `want`, at most `limit`.
-async fn wait_for(n: &AtomicUsize, want: usize, limit: Duration) -> bool {
+/// Waits until `done()` holds, at most `limit`; whether it did.
+async fn until(limit: Duration, done: impl Fn() -> bool) -> bool {
     let start = Instant::now();
     while start.elapsed() < limit {
-        if n.load(SeqCst) >= want {
+        if done() {
             return true;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -516,17 +553,23 @@ async fn wait_for(n: &AtomicUsize, want: usize, limit: Duration) -> bool {
     false
 }
 
+/// Waits until `n` reaches `want`, at most `limit`.
+async fn wait_for(n: &AtomicUsize, want: usize, limit: Duration) -> bool {
+    until(limit, || n.load(SeqCst) >= want).await
+}
+
+/// Waits until `m` got `want` requests, at most `limit`.
+async fn got_requests(m: &Mock, want: usize, limit: Duration) -> bool {
+    until(limit, || m.bodies().len() >= want).await
+}
+
 /// Whether every request `m` got is dropped unanswered within 5 s (a request cancelled
 /// before it was sent never arrives: nothing to drop).
 async fn all_dropped(m: &Mock) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(5) {
-        if m.dropped.load(SeqCst) == m.bodies().len() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
+    until(Duration::from_secs(5), || {
+        m.dropped.load(SeqCst) == m.bodies().len()
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -701,6 +744,14 @@ async fn a_client_that_disconnects_mid_stream_drops_both_upstream_requests() {
         .unwrap();
     let first = resp.chunk().await.unwrap().unwrap();
     assert!(String::from_utf8_lossy(&first).contains("\"usage\":null"));
+    // The router sends both requests at once, but decode's first event can reach the client
+    // before the prefill mock has read its request: dropping the client then cancels a
+    // request the prefill never got (nothing to count as dropped). Wait until it has it (the
+    // mock counts a drop from the moment it records the body, in the same poll).
+    assert!(
+        got_requests(&p, 1, Duration::from_secs(5)).await,
+        "prefill request never arrived"
+    );
     drop(resp);
     assert!(
         wait_for(&d.dropped, 1, Duration::from_secs(5)).await,
@@ -907,9 +958,11 @@ fn the_binary_refuses_bad_flags_with_a_clear_error() {
                 "--decode",
                 "http://b:2",
                 "--policy",
-                "cache_aware",
+                "kv_events",
+                "--prefill-policy",
+                "random",
             ],
-            "--decode-policy: cache_aware: the PD router picks decode workers by random or round_robin only",
+            "--decode-policy: kv_events: the PD router does not read KV events",
         ),
         (vec![], "--worker-urls: give at least one worker URL"),
         (

@@ -10,19 +10,22 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{get, post, start, Server};
-use engine::router::{spawn, PolicyKind, RouterConfig};
+use engine::router::{spawn, EventSource, PolicyKind, RouterConfig};
 use serde_json::{json, Value};
 
-fn worker() -> (Server, String) {
+/// A worker publishing its KV events, with a replay socket; its event endpoints.
+fn worker() -> (Server, EventSource) {
     let srv = start(&[
         "--kv-events-config",
-        r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "topic": "kv"}"#,
+        r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv"}"#,
     ]);
-    let endpoint = get(srv.port, "/get_server_info")["engine"]["kv_events"]["endpoint"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    (srv, endpoint)
+    let kv = &get(srv.port, "/get_server_info")["engine"]["kv_events"];
+    let source = EventSource {
+        endpoint: kv["endpoint"].as_str().unwrap().to_string(),
+        replay: Some(kv["replay_endpoint"].as_str().unwrap().to_string()),
+    };
+    (srv, source)
 }
 
 /// The router's view: pages held per worker.
@@ -72,7 +75,7 @@ fn sent(router: u16) -> Vec<u64> {
 
 #[test]
 fn requests_follow_the_pages_each_worker_really_holds() {
-    let workers: Vec<(Server, String)> = (0..3).map(|_| worker()).collect();
+    let workers: Vec<(Server, EventSource)> = (0..3).map(|_| worker()).collect();
     let urls: Vec<String> = workers
         .iter()
         .map(|(s, _)| format!("http://127.0.0.1:{}", s.port))
@@ -123,13 +126,25 @@ fn requests_follow_the_pages_each_worker_really_holds() {
         json!(0)
     );
 
-    // Run time: a worker added with its event endpoint is followed; removed ones are gone
-    // from the index at once.
+    // Run time: a worker added with its event endpoints is followed, what it cached before
+    // included (replayed when its next batch shows the gap); removed ones are gone from the
+    // index at once.
     let (late, late_events) = worker();
     let late_url = format!("http://127.0.0.1:{}", late.port);
+    let d: Vec<u32> = (0..96).map(|i| 9000 + i).collect();
+    let (status, v) = post(
+        late.port,
+        "/generate",
+        json!({"input_ids": d, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}),
+    );
+    assert_eq!(status, 200, "{v}");
     let (status, v) = post(rp, &format!("/add_worker?url={late_url}"), json!({}));
     assert_eq!(status, 400, "kv_events needs the endpoint: {v}");
-    let add = format!("/add_worker?url={late_url}&kv_events={late_events}");
+    let add = format!(
+        "/add_worker?url={late_url}&kv_events={}&kv_events_replay={}",
+        late_events.endpoint,
+        late_events.replay.as_deref().unwrap()
+    );
     let (status, v) = post(rp, &add, json!({}));
     assert_eq!(status, 200, "{v}");
     for u in &urls {
@@ -138,8 +153,13 @@ fn requests_follow_the_pages_each_worker_really_holds() {
     }
     assert_eq!(pages(rp), [0], "only the new worker, holding nothing yet");
     std::thread::sleep(Duration::from_millis(500));
-    let e: Vec<u32> = (0..64).map(|i| 7000 + i).collect();
+    // E holds at most 2 pages; D's pages (at least 96 / page − 1) come only by replay.
+    let e: Vec<u32> = (0..32).map(|i| 7000 + i).collect();
     generate(rp, &e);
-    wait_pages(rp, |p| p[0] > 0);
+    wait_pages(rp, |p| p[0] >= 96 / page);
+    assert_eq!(
+        get(rp, "/get_server_info")["router"]["kv_index"]["unplaced_pages"],
+        json!(0)
+    );
     let _: Value = get(rp, "/list_workers");
 }

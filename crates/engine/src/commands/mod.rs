@@ -9,6 +9,7 @@ pub mod info;
 pub mod router;
 pub mod serve;
 pub mod sim;
+pub mod sim_dp;
 pub mod transfer_bench;
 
 use std::io::{IsTerminal, Write};

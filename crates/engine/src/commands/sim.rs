@@ -1,7 +1,8 @@
 //! `kvserve sim`: the serving simulation swept over schedule policies × eviction policies × pool
 //! sizes (`crate::sim` runs it); print a table or JSON lines, optionally plot output throughput
 //! against pool size. With `--enable-hierarchical-cache` the tree has a simulated host tier
-//! (and L3 store) and the table adds the prompt tokens served per tier.
+//! (and L3 store) and the table adds the prompt tokens served per tier. With `--dp` the
+//! configurations are clusters behind the router instead (`super::sim_dp`).
 
 use std::io::Write;
 use std::time::Instant;
@@ -120,6 +121,9 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
             }
         }
     }
+    if !args.router.dp.is_empty() {
+        return super::sim_dp::sim_dp(args, &workload.name, &requests, &configs, out);
+    }
     if !args.quiet {
         eprintln!(
             "note: {} requests ({}), {} configurations, {} on {} × {}, context {context_len}",
@@ -142,33 +146,16 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
     bar.finish_and_clear();
     let outcomes = outcomes?;
     let wall = start.elapsed().as_secs_f64();
-    let text = match args.format {
-        OutputFormat::Table => {
-            let mut t = format!(
-                "workload: {}\n{} requests, {} on {} × {} (tp {}), page size {}\n",
-                workload.name,
-                requests.len(),
-                cost.model.name,
-                args.tp,
-                cost.accel.name,
-                args.tp,
-                args.page_size
-            );
-            t.push_str(&render_table(&outcomes, !args.no_timings));
-            if !args.no_timings {
-                t.push_str(&format!(
-                    "total wall time {wall:.2} s for {} configurations\n",
-                    outcomes.len()
-                ));
-            }
-            t
-        }
-        OutputFormat::Json => outcomes
-            .iter()
-            .map(|o| serde_json::to_string(o).map(|l| l + "\n"))
-            .collect::<std::result::Result<String, _>>()
-            .map_err(|e| EngineError::arg("--format", e.to_string()))?,
-    };
+    let table = || render_table(&outcomes, !args.no_timings);
+    let text = output_text(
+        args,
+        &workload.name,
+        requests.len(),
+        &cost,
+        table,
+        &outcomes,
+        wall,
+    )?;
     write_out(out, &text)?;
     if let Some(path) = &args.plot {
         let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
@@ -200,4 +187,38 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The output of `sim` (also with `--dp`): a header and `table()` with the total wall time,
+/// or one JSON line per item of `json`.
+pub(super) fn output_text<T: serde::Serialize>(
+    args: &SimArgs,
+    workload: &str,
+    requests: usize,
+    cost: &CostModel,
+    table: impl FnOnce() -> String,
+    json: &[T],
+    wall: f64,
+) -> Result<String> {
+    Ok(match args.format {
+        OutputFormat::Table => {
+            let mut t = format!(
+                "workload: {workload}\n{requests} requests, {} on {} × {} (tp {}), page size {}\n",
+                cost.model.name, args.tp, cost.accel.name, args.tp, args.page_size
+            );
+            t.push_str(&table());
+            if !args.no_timings {
+                t.push_str(&format!(
+                    "total wall time {wall:.2} s for {} configurations\n",
+                    json.len()
+                ));
+            }
+            t
+        }
+        OutputFormat::Json => json
+            .iter()
+            .map(|o| serde_json::to_string(o).map(|l| l + "\n"))
+            .collect::<std::result::Result<String, _>>()
+            .map_err(|e| EngineError::arg("--format", e.to_string()))?,
+    })
 }

@@ -18,7 +18,7 @@ pub mod publisher;
 pub use config::{KvEventsConfig, PublisherKind};
 pub use decode::decode_batch;
 pub use encode::encode_batch;
-pub use publisher::ZmqEventPublisher;
+pub use publisher::{ZmqEventPublisher, END_SEQ};
 
 /// What can go wrong with KV events.
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,8 @@
 //! The regular router's worker management at run time (sgl-router's endpoints):
 //! `POST /add_worker?url=URL` (probed once: it starts healthy if its `/health` answers, else
 //! it waits for its health checks; under `kv_events` also `&kv_events=tcp://HOST:PORT`, its
-//! event endpoint, which the router then follows), `POST /remove_worker?url=URL` (the policy
+//! event endpoint, which the router then follows, and optionally `&kv_events_replay=` its
+//! replay endpoint), `POST /remove_worker?url=URL` (the policy
 //! forgets it, its events are no longer followed; requests in flight there finish) and
 //! `GET /list_workers`.
 
@@ -14,7 +15,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::json;
 
-use super::config::{check_endpoint, PolicyKind, WorkerUrl};
+use super::config::{check_endpoint, EventSource, PolicyKind, WorkerUrl};
 use super::health::probe;
 use super::RouterState;
 use crate::server::ApiError;
@@ -24,6 +25,7 @@ use crate::server::ApiError;
 pub struct UrlParam {
     url: Option<String>,
     kv_events: Option<String>,
+    kv_events_replay: Option<String>,
 }
 
 fn parse(p: &UrlParam) -> Result<WorkerUrl, ApiError> {
@@ -81,13 +83,32 @@ pub async fn add_worker(State(s): State<Arc<RouterState>>, Query(p): Query<UrlPa
             .into_response()
         }
     };
+    let replay = match (&events, &p.kv_events_replay) {
+        (_, None) => None,
+        (Some(_), Some(r)) => match check_endpoint(r) {
+            Ok(()) => Some(r.clone()),
+            Err(m) => {
+                return ApiError::bad_request("invalid_value", m)
+                    .param("kv_events_replay")
+                    .into_response()
+            }
+        },
+        (None, Some(_)) => {
+            return ApiError::bad_request(
+                "invalid_value",
+                "a replay endpoint goes with the kv_events policy's &kv_events=",
+            )
+            .param("kv_events_replay")
+            .into_response()
+        }
+    };
     let healthy = probe(&s.client, &url, s.config.health.timeout).await;
     match s.workers.add(url.clone(), healthy) {
         Ok(w) => {
             if let Some(endpoint) = events {
                 let topic = s.config.kv_events_topic.clone();
-                s.subscribers
-                    .start(endpoint, topic, w.id, s.kv_index.clone());
+                let source = EventSource { endpoint, replay };
+                s.subscribers.start(source, topic, w.id, s.kv_index.clone());
             }
             eprintln!("kvserve: router: added worker {url} (healthy: {healthy})");
             Json(json!({"success": true, "url": url.base(), "healthy": healthy})).into_response()

@@ -56,6 +56,15 @@ impl PolicyKind {
     }
 }
 
+/// Where a worker publishes its KV events (`kv_events`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventSource {
+    /// The PUB endpoint (`tcp://HOST:PORT`).
+    pub endpoint: String,
+    /// The replay (ROUTER) endpoint, if the worker has one.
+    pub replay: Option<String>,
+}
+
 /// `cache_aware`'s settings (sgl-router's flags and defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CacheAwareConfig {
@@ -117,6 +126,10 @@ pub struct RouterArgs {
     /// `endpoint`, e.g. tcp://127.0.0.1:5557), in the order of --worker-urls.
     #[arg(long, value_name = "ENDPOINT", num_args = 1.., action = ArgAction::Append)]
     pub worker_kv_events: Vec<String>,
+    /// kv_events: each regular worker's replay endpoint (its --kv-events-config
+    /// `replay_endpoint`), in the order of --worker-urls; a sequence gap is then filled from it.
+    #[arg(long, value_name = "ENDPOINT", num_args = 1.., action = ArgAction::Append)]
+    pub worker_kv_events_replay: Vec<String>,
     /// kv_events: the workers' event topic (their --kv-events-config `topic`).
     #[arg(long, default_value = "")]
     pub kv_events_topic: String,
@@ -138,8 +151,9 @@ pub struct RouterArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
-    /// How prefill and decode workers are picked.
-    #[arg(long, value_enum, default_value_t = PolicyKind::Random)]
+    /// How workers are picked (regular mode), and prefill and decode workers (PD mode);
+    /// sgl-router's default, cache_aware.
+    #[arg(long, value_enum, default_value_t = PolicyKind::CacheAware)]
     pub policy: PolicyKind,
     /// The prefill workers' policy (default: --policy).
     #[arg(long, value_enum)]
@@ -249,8 +263,8 @@ pub struct PrefillWorker {
 pub struct RouterConfig {
     /// The regular workers at start (more may be added at run time); empty in PD mode.
     pub workers: Vec<WorkerUrl>,
-    /// kv_events: the KV-event endpoint of each of `workers` (empty otherwise).
-    pub kv_events: Vec<String>,
+    /// kv_events: the KV-event endpoints of each of `workers` (empty otherwise).
+    pub kv_events: Vec<EventSource>,
     /// kv_events: the topic the router subscribes to.
     pub kv_events_topic: String,
     /// How regular workers are picked.
@@ -408,13 +422,10 @@ impl RouterArgs {
                 "kv_events: the PD router does not read KV events (use cache_aware)",
             ));
         }
-        if !matches!(decode_policy, PolicyKind::Random | PolicyKind::RoundRobin) {
+        if decode_policy == PolicyKind::KvEvents {
             return Err(EngineError::arg(
                 "--decode-policy",
-                format!(
-                    "{}: the PD router picks decode workers by random or round_robin only",
-                    decode_policy.as_str()
-                ),
+                "kv_events: the PD router does not read KV events (use cache_aware)",
             ));
         }
         let prefill = group_prefill(&self.prefill)?
@@ -478,14 +489,20 @@ impl RouterArgs {
 }
 
 impl RouterArgs {
-    /// `--worker-kv-events`, checked against the policy and the number of workers.
-    fn kv_events(&self, policy: PolicyKind, workers: usize) -> Result<Vec<String>> {
+    /// `--worker-kv-events` and `--worker-kv-events-replay`, checked against the policy and
+    /// the number of workers.
+    fn kv_events(&self, policy: PolicyKind, workers: usize) -> Result<Vec<EventSource>> {
         let flag = "--worker-kv-events";
         let given = &self.worker_kv_events;
+        let replay = &self.worker_kv_events_replay;
         if policy != PolicyKind::KvEvents {
-            if !given.is_empty() {
+            if !given.is_empty() || !replay.is_empty() {
                 return Err(EngineError::arg(
-                    flag,
+                    if given.is_empty() {
+                        "--worker-kv-events-replay"
+                    } else {
+                        flag
+                    },
                     "only the kv_events policy reads KV events",
                 ));
             }
@@ -500,10 +517,29 @@ impl RouterArgs {
                 ),
             ));
         }
+        if !replay.is_empty() && replay.len() != workers {
+            return Err(EngineError::arg(
+                "--worker-kv-events-replay",
+                format!(
+                    "one replay endpoint per worker, or none: {} for {workers} workers",
+                    replay.len()
+                ),
+            ));
+        }
         for e in given {
             check_endpoint(e).map_err(|m| EngineError::arg(flag, m))?;
         }
-        Ok(given.clone())
+        for e in replay {
+            check_endpoint(e).map_err(|m| EngineError::arg("--worker-kv-events-replay", m))?;
+        }
+        Ok(given
+            .iter()
+            .enumerate()
+            .map(|(i, e)| EventSource {
+                endpoint: e.clone(),
+                replay: replay.get(i).cloned(),
+            })
+            .collect())
     }
 
     /// `cache_aware`'s settings, checked.

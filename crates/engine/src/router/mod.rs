@@ -8,8 +8,8 @@
 //! added and removed at run time (`/add_worker`, `/remove_worker`, `/list_workers`).
 //!
 //! PD mode (`--pd-disaggregation`, sgl-router's `pd_router.rs`): each generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`) gets a
-//! prefill worker from the prefill policy (any of the regular mode's but `kv_events`, on the
-//! router's in-flight counts) and a decode worker (`random` or `round_robin`), a random `bootstrap_room`,
+//! prefill worker from the prefill policy and a decode worker from the decode policy (any of
+//! the regular mode's but `kv_events`, on the router's in-flight counts), a random `bootstrap_room`,
 //! and the prefill's `bootstrap_host` / `bootstrap_port`; it is sent to both at once and
 //! answered from decode (its stream relayed as it arrives), with the prefill's cached-token
 //! count merged in. A worker that fails ends the request with a 502 naming it (or, once a
@@ -20,8 +20,8 @@
 //!
 //! One job per module, in the direction calls go (no module imports one that imports it):
 //! - [`config`]: the flags ([`RouterArgs`]) and the validated [`RouterConfig`];
-//! - [`policy`]: the selector behind `random` / `round_robin` (PD decode workers, and the
-//!   policies' random draws) and bootstrap rooms;
+//! - [`policy`]: the selector behind `random` / `round_robin` (and the policies' random
+//!   draws) and bootstrap rooms;
 //! - [`policies`]: the regular mode's policies behind one trait (a simulator can run them);
 //! - [`workers`]: the regular workers, their health and loads; [`health`]: their checks and
 //!   the policy's periodic trim; [`admin`]: `/add_worker`, `/remove_worker`, `/list_workers`;
@@ -64,7 +64,8 @@ use axum::http::HeaderMap;
 use axum::routing::{get, post};
 
 pub use config::{
-    CacheAwareConfig, HealthConfig, PolicyKind, PrefillWorker, RouterArgs, RouterConfig, WorkerUrl,
+    CacheAwareConfig, EventSource, HealthConfig, PolicyKind, PrefillWorker, RouterArgs,
+    RouterConfig, WorkerUrl,
 };
 pub use metrics::RouterMetrics;
 
@@ -72,7 +73,7 @@ use crate::error::{EngineError, Result};
 use metrics::Role;
 use policies::Prompt;
 use policies::{KvIndex, LoadBalancingPolicy};
-use policy::{RoomGenerator, Selector};
+use policy::RoomGenerator;
 use workers::{InFlight, WorkerRegistry};
 
 /// What every request of one router shares.
@@ -86,7 +87,9 @@ pub struct RouterState {
     /// order of `config.prefill`), and the policy that picks one.
     prefill_workers: WorkerRegistry,
     prefill_policy: Box<dyn LoadBalancingPolicy>,
-    decode_selector: Selector,
+    /// PD mode: the decode servers likewise (in the order of `config.decode`) and theirs.
+    decode_workers: WorkerRegistry,
+    decode_policy: Box<dyn LoadBalancingPolicy>,
     rooms: RoomGenerator,
     /// Regular mode: the workers.
     pub workers: WorkerRegistry,
@@ -121,6 +124,10 @@ impl RouterState {
         for p in &config.prefill {
             let _ = prefill_workers.add(p.url.clone(), true);
         }
+        let decode_workers = WorkerRegistry::default();
+        for d in &config.decode {
+            let _ = decode_workers.add(d.clone(), true);
+        }
         Ok(RouterState {
             prefill_workers,
             prefill_policy: policies::build(
@@ -129,7 +136,13 @@ impl RouterState {
                 None,
                 Arc::default(),
             ),
-            decode_selector: Selector::new(config.decode_policy),
+            decode_workers,
+            decode_policy: policies::build(
+                config.decode_policy,
+                config.cache_aware,
+                None,
+                Arc::default(),
+            ),
             rooms: RoomGenerator::default(),
             workers,
             policy: policies::build(config.policy, config.cache_aware, None, kv_index.clone()),
@@ -158,23 +171,43 @@ impl RouterState {
         })
     }
 
-    /// The prefill (chosen by the prefill policy from `prompt`, counted in flight until the
-    /// returned guard drops) and decode workers of the next request.
-    pub fn pick(&self, prompt: &Prompt) -> (&PrefillWorker, InFlight, &WorkerUrl) {
-        let (workers, candidates) = self.prefill_workers.candidates(&[]);
-        // Every prefill server is a candidate (PD mode does not health-check them), in order.
-        let p = self
-            .prefill_policy
-            .select(&candidates, prompt)
-            .unwrap_or(0)
-            .min(self.config.prefill.len() - 1);
-        let d = self.decode_selector.pick(self.config.decode.len());
-        (
-            &self.config.prefill[p],
-            InFlight::new(workers[p].clone()),
-            &self.config.decode[d],
-        )
+    /// The prefill and decode workers of the next request, each chosen by its role's policy
+    /// from `prompt` and the router's in-flight counts, and counted in flight until its guard
+    /// drops (sgl-router's PD router: `select_pd_pair`).
+    pub fn pick(&self, prompt: &Prompt) -> PdPick<'_> {
+        // Every server is a candidate (PD mode does not health-check them), in order.
+        let choose = |registry: &WorkerRegistry, policy: &dyn LoadBalancingPolicy, n: usize| {
+            let (workers, candidates) = registry.candidates(&[]);
+            let i = policy.select(&candidates, prompt).unwrap_or(0).min(n - 1);
+            (i, InFlight::new(workers[i].clone()))
+        };
+        let (p, prefill_in_flight) = choose(
+            &self.prefill_workers,
+            self.prefill_policy.as_ref(),
+            self.config.prefill.len(),
+        );
+        let (d, decode_in_flight) = choose(
+            &self.decode_workers,
+            self.decode_policy.as_ref(),
+            self.config.decode.len(),
+        );
+        PdPick {
+            prefill: &self.config.prefill[p],
+            decode: &self.config.decode[d],
+            in_flight: [prefill_in_flight, decode_in_flight],
+        }
     }
+}
+
+/// A PD request's workers ([`RouterState::pick`]); both count it in flight while this lives.
+#[derive(Debug)]
+pub struct PdPick<'a> {
+    /// The prefill server.
+    pub prefill: &'a PrefillWorker,
+    /// The decode server.
+    pub decode: &'a WorkerUrl,
+    /// The in-flight guards of the prefill and the decode server.
+    pub in_flight: [InFlight; 2],
 }
 
 /// The router's routes.
@@ -227,9 +260,9 @@ pub async fn serve(
                 std::future::pending::<()>().await;
             }
             let workers = state.workers.all();
-            for (w, endpoint) in workers.iter().zip(&state.config.kv_events) {
+            for (w, source) in workers.iter().zip(&state.config.kv_events) {
                 state.subscribers.start(
-                    endpoint.clone(),
+                    source.clone(),
                     state.config.kv_events_topic.clone(),
                     w.id,
                     state.kv_index.clone(),

@@ -21,12 +21,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 
-use super::answer::{bad_body, begin, failed, DurationGuard};
+use super::answer::{bad_body, begin, failed};
 use super::inject::{batch_size, inject_bootstrap, is_stream, prefill_body};
 use super::merge::{merge_cached, PrefillCached};
 use super::metrics::Role;
 use super::prompt::routing_prompt;
-use super::relay::{PrefillAnswer, Relay};
+use super::relay::{Held, PrefillAnswer, Relay};
 use super::upstream::{quote, Call, Failure, UpstreamError};
 use super::RouterState;
 
@@ -46,7 +46,11 @@ pub async fn dual_dispatch(
         Err(e) => return bad_body(&state, route, e),
     };
     let prompt = routing_prompt(route, &body);
-    let (prefill, in_flight, decode) = state.pick(&prompt);
+    let super::PdPick {
+        prefill,
+        decode,
+        in_flight: [in_flight, decode_in_flight],
+    } = state.pick(&prompt);
     inject_bootstrap(
         &mut body,
         batch,
@@ -80,7 +84,10 @@ pub async fn dual_dispatch(
         }),
         state,
         route,
-        timer,
+        held: Held {
+            timer,
+            decode: decode_in_flight,
+        },
     };
     if stream {
         dispatch.streamed(decode_call, decode_bytes).await
@@ -94,7 +101,7 @@ struct Dispatch {
     prefill: PrefillAnswer,
     state: Arc<RouterState>,
     route: &'static str,
-    timer: DurationGuard,
+    held: Held,
 }
 
 impl Dispatch {
@@ -121,7 +128,7 @@ impl Dispatch {
         if let Some(p) = p {
             merge_cached(&mut d, &PrefillCached::from_answer(&p));
         }
-        drop(self.timer);
+        drop(self.held);
         Json::<Value>(d).into_response()
     }
 
@@ -183,9 +190,9 @@ impl Dispatch {
             prefill,
             state,
             route,
-            timer,
+            held,
         } = self;
-        let relay = Relay::new(decode, resp, prefill, prefill_done, state, route, timer);
+        let relay = Relay::new(decode, resp, prefill, prefill_done, state, route, held);
         (
             StatusCode::OK,
             [

@@ -19,6 +19,7 @@ use serde_json::Value;
 use super::answer::DurationGuard;
 use super::merge::{has_cached, merge_cached, take_event, NotJson, PrefillCached, SseEvent};
 use super::upstream::{Call, Failure, UpstreamError};
+use super::workers::InFlight;
 use super::RouterState;
 
 /// The prefill's pending JSON answer.
@@ -35,6 +36,15 @@ enum Prefill {
     Ready(PrefillCached),
 }
 
+/// What a PD request holds until its answer is complete: its latency timer, and its count
+/// in flight on the decode server.
+pub struct Held {
+    /// The request timer (observed on drop).
+    pub timer: DurationGuard,
+    /// The decode server's in-flight count.
+    pub decode: InFlight,
+}
+
 /// The state of one relayed stream.
 pub struct Relay {
     decode_call: Call,
@@ -44,7 +54,7 @@ pub struct Relay {
     finished: bool,
     state: Arc<RouterState>,
     route: &'static str,
-    _timer: DurationGuard,
+    _held: Held,
 }
 
 impl Relay {
@@ -56,7 +66,7 @@ impl Relay {
         prefill_done: Option<Value>,
         state: Arc<RouterState>,
         route: &'static str,
-        timer: DurationGuard,
+        held: Held,
     ) -> Self {
         let prefill = match prefill_done {
             Some(v) => Prefill::Ready(PrefillCached::from_answer(&v)),
@@ -70,7 +80,7 @@ impl Relay {
             finished: false,
             state,
             route,
-            _timer: timer,
+            _held: held,
         }
     }
 

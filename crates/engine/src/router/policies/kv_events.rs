@@ -83,27 +83,17 @@ impl LoadBalancingPolicy for KvEvents {
 mod tests {
     use super::*;
     use crate::router::policies::candidates;
-    use radix_cache::events::{chain_digests, digest_to_block_id};
     use radix_cache::KvEvent;
 
     const P: usize = 4;
 
     fn ids(tokens: &[u32]) -> Vec<i64> {
-        chain_digests(None, tokens, P)
-            .iter()
-            .map(digest_to_block_id)
-            .collect()
+        crate::router::policies::block_ids(tokens, P)
     }
 
     /// A worker's `BlockStored` for pages `from..` of `tokens`.
     fn stored(tokens: &[u32], from: usize) -> KvEvent {
-        let all = ids(tokens);
-        KvEvent::BlockStored {
-            block_hashes: all[from..].to_vec(),
-            parent_block_hash: from.checked_sub(1).map(|i| all[i]),
-            token_ids: tokens[from * P..].to_vec(),
-            block_size: P as u32,
-        }
+        crate::router::policies::stored_pages(tokens, from, tokens.len() / P, P)
     }
 
     #[test]

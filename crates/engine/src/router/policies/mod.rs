@@ -113,6 +113,33 @@ pub fn build(
     }
 }
 
+/// The chained block ids of `tokens`' whole pages of `page` tokens (for tests).
+#[cfg(test)]
+pub(crate) fn block_ids(tokens: &[u32], page: usize) -> Vec<i64> {
+    use radix_cache::events::{chain_digests, digest_to_block_id};
+    chain_digests(None, tokens, page)
+        .iter()
+        .map(digest_to_block_id)
+        .collect()
+}
+
+/// A worker's `BlockStored` for pages `from..to` of `tokens` (for tests).
+#[cfg(test)]
+pub(crate) fn stored_pages(
+    tokens: &[u32],
+    from: usize,
+    to: usize,
+    page: usize,
+) -> radix_cache::KvEvent {
+    let all = block_ids(tokens, page);
+    radix_cache::KvEvent::BlockStored {
+        block_hashes: all[from..to].to_vec(),
+        parent_block_hash: from.checked_sub(1).map(|i| all[i]),
+        token_ids: tokens[from * page..to * page].to_vec(),
+        block_size: page as u32,
+    }
+}
+
 /// Candidates `0..` with these loads (for tests).
 #[cfg(test)]
 pub(crate) fn candidates(loads: &[usize]) -> Vec<Candidate> {
