@@ -805,6 +805,12 @@ pub struct SimArgs {
     /// LPM falls back to FCFS above this many waiting requests.
     #[arg(long, default_value_t = 128, help_heading = "Scheduler")]
     pub lpm_fallback_threshold: usize,
+    /// Allocator policies to compare by page contiguity (comma-separated, or all): token
+    /// (FIFO), paged (LIFO), sorted (paged with sorted release, as in PD), best-fit. Adds the
+    /// contiguity table: runs per request, PD transfer blocks, page-table reads, free-page
+    /// fragmentation. Default: SGLang's choice by page size, unmeasured.
+    #[arg(long, value_name = "A1,A2,...", help_heading = "Scheduler")]
+    pub allocator: Option<String>,
 
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
@@ -812,6 +818,10 @@ pub struct SimArgs {
     /// Also draw output throughput against pool size into this PNG file.
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
+    /// With --allocator: draw the share of free pages in long runs over simulated time into
+    /// this PNG file.
+    #[arg(long, value_name = "FILE.png", requires = "allocator")]
+    pub contiguity_plot: Option<PathBuf>,
     /// Prove the pool partition after every scheduler step (slow).
     #[arg(long)]
     pub check: bool,

@@ -132,6 +132,38 @@ pub fn render_json_lines(results: &[ReplayResult]) -> String {
     out
 }
 
+/// Aligns rows of cells into columns two spaces apart: the first `left` columns left-aligned
+/// (names), the rest right-aligned (figures); trailing spaces trimmed.
+pub fn align_columns(rows: &[Vec<String>], left: usize) -> String {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(String::len)
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, v)| {
+                if c < left {
+                    format!("{v:<w$}", w = widths[c])
+                } else {
+                    format!("{v:>w$}", w = widths[c])
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

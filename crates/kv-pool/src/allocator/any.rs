@@ -29,11 +29,16 @@ impl AnyAllocator {
     /// `page_size == 1` (`TokenToKVPoolAllocator`), [`PagedAllocator`] otherwise
     /// (`PagedTokenToKVPoolAllocator`).
     pub fn for_page_size(size: usize, page_size: u32) -> Result<Self> {
-        Ok(if page_size == 1 {
-            AnyAllocator::Token(TokenAllocator::new(size)?)
+        Self::by_name(Self::name_for_page_size(page_size), size, page_size)
+    }
+
+    /// The name of the implementation [`AnyAllocator::for_page_size`] picks for `page_size`.
+    pub fn name_for_page_size(page_size: u32) -> &'static str {
+        if page_size == 1 {
+            Self::NAMES[0]
         } else {
-            AnyAllocator::Paged(PagedAllocator::new(size, page_size)?)
-        })
+            Self::NAMES[1]
+        }
     }
 
     /// The implementation named `name` (one of [`AnyAllocator::NAMES`]; `-` and `_` alike) at
