@@ -808,6 +808,12 @@ pub struct SimArgs {
     /// A cluster behind the router: `--dp N --router-policy …`.
     #[command(flatten)]
     pub router: crate::sim_dp::DpArgs,
+    /// Allocator policies to compare by page contiguity (comma-separated, or all): token
+    /// (FIFO), paged (LIFO), sorted (paged with sorted release, as in PD), best-fit. Adds the
+    /// contiguity table: runs per request, PD transfer blocks, page-table reads, free-page
+    /// fragmentation. Default: SGLang's choice by page size, unmeasured.
+    #[arg(long, value_name = "A1,A2,...", help_heading = "Scheduler")]
+    pub allocator: Option<String>,
 
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
@@ -816,6 +822,10 @@ pub struct SimArgs {
     /// against instances per router policy, and TTFT p50 into FILE-ttft.png beside it).
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
+    /// With --allocator: draw the share of free pages in long runs over simulated time into
+    /// this PNG file.
+    #[arg(long, value_name = "FILE.png", requires = "allocator")]
+    pub contiguity_plot: Option<PathBuf>,
     /// Prove the pool partition after every scheduler step (slow).
     #[arg(long)]
     pub check: bool,

@@ -87,6 +87,7 @@ pub mod runtime;
 pub mod server;
 pub mod setup;
 pub mod sim;
+pub mod sim_contiguity;
 pub mod sim_dp;
 pub mod sim_tier;
 pub mod workload;

@@ -122,11 +122,18 @@ pub fn render_table(results: &[ReplayResult], opts: TableOptions<'_>) -> String 
 }
 
 /// Rows of cells as an aligned table, columns two spaces apart: the columns in `left` flush
-/// left, the others right; trailing spaces trimmed.
+/// left (names), the others right (figures); trailing spaces trimmed. Rows may be shorter than
+/// others (their missing cells are empty).
 pub fn align_rows(rows: &[Vec<String>], left: &[usize]) -> String {
-    let columns = rows.first().map_or(0, Vec::len);
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
-        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(String::len)
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     let mut out = String::new();
     for row in rows {

@@ -13,15 +13,16 @@ use std::time::Instant;
 
 use kv_pool::rng::SplitMix64;
 use scheduler::{
-    replay, Clock, CostModel, ReplayConfig, SchedulePolicy, SchedulerConfig, SimExecutor,
+    replay_observed, Clock, CostModel, ReplayConfig, SchedulePolicy, SchedulerConfig, SimExecutor,
     SimReport, SimRequest,
 };
 use serde::Serialize;
 
 use crate::error::{EngineError, Result};
-use crate::setup::build_scheduler;
+use crate::setup::components::build_scheduler_with;
 use crate::setup::components::TreeTier;
 use crate::setup::pool::whole_pages;
+use crate::sim_contiguity::{AllocatorChoice, ContiguityOutcome};
 use crate::sim_tier::{SimController, SimTier};
 use crate::workload::Workload;
 
@@ -105,6 +106,9 @@ pub struct SimConfig {
     pub max_concurrency: Option<usize>,
     /// A simulated host tier (and L3 store) behind the radix tree.
     pub tier: Option<SimTier>,
+    /// `--allocator`: this policy, with its contiguity measured (`None`: SGLang's choice by
+    /// page size, unmeasured).
+    pub allocator: Option<AllocatorChoice>,
 }
 
 /// The figures of one configuration (the JSON line of `--format json`).
@@ -149,6 +153,9 @@ pub struct SimOutcome {
     /// With a host tier: the hits per tier (their fields join the JSON line; absent without).
     #[serde(flatten)]
     pub tiers: Option<SimTierHits>,
+    /// With `--allocator`: the allocator and its contiguity figures (joined to the JSON line).
+    #[serde(flatten)]
+    pub contiguity: Option<ContiguityOutcome>,
 }
 
 /// A simulation's prompt tokens served per tier (`cached_tokens` = device + host + storage).
@@ -165,7 +172,13 @@ pub struct SimTierHits {
 }
 
 impl SimOutcome {
-    fn new(cfg: &SimConfig, r: &SimReport, seconds: f64, host_slots: Option<usize>) -> Self {
+    fn new(
+        cfg: &SimConfig,
+        r: &SimReport,
+        seconds: f64,
+        host_slots: Option<usize>,
+        contiguity: Option<ContiguityOutcome>,
+    ) -> Self {
         SimOutcome {
             schedule_policy: cfg.scheduler.schedule_policy.to_string(),
             eviction_policy: if cfg.radix {
@@ -203,6 +216,7 @@ impl SimOutcome {
                     storage_hit_tokens: storage,
                 }
             }),
+            contiguity,
         }
     }
 }
@@ -235,15 +249,24 @@ pub fn run_one(
             (Some(tier), Some(host))
         }
     };
-    let mut sched = build_scheduler(
-        cfg.scheduler.clone(),
+    let mut sched_cfg = cfg.scheduler.clone();
+    let alloc = match cfg.allocator {
+        None => kv_pool::AnyAllocator::for_page_size(capacity, p)?,
+        Some(choice) => {
+            let (alloc, need_sort) = choice.build(capacity, p)?;
+            sched_cfg.need_sort |= need_sort;
+            alloc
+        }
+    };
+    let mut sched = build_scheduler_with(
+        sched_cfg,
         cfg.radix,
         &cfg.eviction_policy,
-        capacity,
+        alloc,
         tier,
         false,
     )?;
-    let mut exec = SimExecutor {
+    let mut sim = SimExecutor {
         cost: cfg.cost.clone(),
     };
     let start = Instant::now();
@@ -251,8 +274,31 @@ pub fn run_one(
         clock: Clock::Charged,
         max_concurrency: cfg.max_concurrency,
     };
-    let report =
-        replay(requests, &mut sched, &mut exec, replay_cfg, progress).map_err(sched_err)?;
+    let probe = crate::sim_contiguity::probe(p);
+    let report = if cfg.allocator.is_some() {
+        let mut exec = probe.executor(&mut sim);
+        replay_observed(
+            requests,
+            &mut sched,
+            &mut exec,
+            replay_cfg,
+            progress,
+            &mut |s, step, now| probe.observe(s, step, now),
+        )
+    } else {
+        replay_observed(
+            requests,
+            &mut sched,
+            &mut sim,
+            replay_cfg,
+            progress,
+            &mut |_, _, _| {},
+        )
+    }
+    .map_err(sched_err)?;
+    let contiguity = cfg
+        .allocator
+        .map(|choice| ContiguityOutcome::new(choice.name(), &probe.report()));
     let cfg = SimConfig {
         capacity_tokens: capacity,
         ..cfg.clone()
@@ -262,6 +308,7 @@ pub fn run_one(
         &report,
         start.elapsed().as_secs_f64(),
         host_slots,
+        contiguity,
     ))
 }
 
@@ -330,6 +377,11 @@ pub fn render_table(outcomes: &[SimOutcome], timings: bool) -> String {
     if tiered {
         rows[0].extend(["host_pool", "device_hit", "host_hit", "storage_hit"].map(String::from));
     }
+    // With --allocator, which one (the contiguity table has its figures).
+    let measured = outcomes.iter().any(|o| o.contiguity.is_some());
+    if measured {
+        rows[0].push("allocator".into());
+    }
     if timings {
         rows[0].push("wall_s".into());
     }
@@ -359,6 +411,10 @@ pub fn render_table(outcomes: &[SimOutcome], timings: bool) -> String {
                 ]),
                 None => row.extend(["-"; 4].map(String::from)),
             }
+        }
+        if measured {
+            let name = o.contiguity.as_ref().map(|c| c.allocator.as_str());
+            row.push(name.unwrap_or("-").to_string());
         }
         if timings {
             row.push(format!("{:.2}", o.seconds));
@@ -415,6 +471,7 @@ mod tests {
             cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
             max_concurrency: None,
             tier: None,
+            allocator: None,
         }
     }
 
@@ -543,7 +600,7 @@ mod tests {
             config: tier.setup.tree_config(host),
             controller: Box::new(SimController::new(true)),
         };
-        let mut sched = build_scheduler(
+        let mut sched = crate::setup::build_scheduler(
             base.scheduler.clone(),
             true,
             "lru",

@@ -317,6 +317,25 @@ fn sim_table_snapshot() {
     insta::assert_snapshot!(checked_table(&args));
 }
 
+/// `sim --allocator all`: every allocator policy on the same workload, with the contiguity
+/// table (runs per request, PD transfer blocks, page-table reads, free-page fragmentation).
+#[test]
+fn sim_allocator_contiguity_snapshot() {
+    let mut args = vec!["sim"];
+    args.extend(SMALL_GSP);
+    args.extend([
+        "--request-rate",
+        "8",
+        "--max-total-tokens",
+        "1024,4096",
+        "--allocator",
+        "all",
+    ]);
+    insta::assert_snapshot!(checked_table(&args));
+    assert_fails(&["sim", "--allocator", "buddy"], &["--allocator", "buddy"]);
+    assert_fails(&["sim", "--contiguity-plot", "x.png"], &["--allocator"]);
+}
+
 #[test]
 fn sim_json_lines_carry_every_field_and_no_cache_reuses_nothing() {
     let mut args = vec!["sim"];
@@ -521,7 +540,7 @@ fn info_lists_this_build() {
     let text = stdout(&o);
     for needle in [
         "backends:           cpu",
-        "allocators:         token, paged",
+        "allocators:         token, paged, best_fit",
         "prefix caches:      radix, chunk",
         "cost-aware",
         "LlamaForCausalLM",

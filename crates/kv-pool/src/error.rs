@@ -82,6 +82,15 @@ pub enum KvPoolError {
     #[error("allocator state does not fit: {0}")]
     StateMismatch(String),
 
+    /// An allocator name that names none of this crate's implementations.
+    #[error("unknown allocator {name:?}; expected one of {expected}")]
+    UnknownAllocator {
+        /// The name given.
+        name: String,
+        /// The names accepted.
+        expected: String,
+    },
+
     /// A row index is outside the request-to-token table (or is the padding row 0).
     #[error("{row} is outside 1..={rows}")]
     RowOutOfRange {

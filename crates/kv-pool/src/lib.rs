@@ -7,7 +7,11 @@
 //! - Level two, the slot allocators behind the [`Allocator`] trait: [`TokenAllocator`] (page size
 //!   1, FIFO reuse) and [`PagedAllocator`] (page size `P`, LIFO reuse, SGLang's three-phase
 //!   `alloc_extend` and `alloc_decode`), with free groups, the sorted-release mode used for PD
-//!   transfer, backup/restore, and double-free detection.
+//!   transfer, backup/restore, and double-free detection; and [`BestFitAllocator`], a research
+//!   placement policy (each request's pages grow in place, else take the smallest free run
+//!   that holds them).
+//! - Contiguity, measured (module [`contiguity`]): page runs per request and the free pages'
+//!   fragmentation, what decides PD transfer blocks and page-table reads per request.
 //! - The KV bytes: [`KvShape`] / [`KvLayout`] (MHA/GQA, MLA, DoubleSparse; f32, f16, bf16, fp8
 //!   with scales) and their byte math, the [`KvStore`] trait that host memory and every device
 //!   backend implement, and [`HostKvStore`] (on its own heap buffers, or in memory given as a
@@ -43,6 +47,7 @@
 #![warn(missing_docs)]
 
 pub mod allocator;
+pub mod contiguity;
 pub mod dtype;
 pub mod error;
 pub mod host_memory;
@@ -59,9 +64,10 @@ pub mod testing;
 pub mod tier;
 
 pub use allocator::{
-    Allocator, AllocatorState, AnyAllocator, DecodeRequest, ExtendRequest, PagedAllocator,
-    TokenAllocator,
+    Allocator, AllocatorState, AnyAllocator, BestFitAllocator, DecodeRequest, ExtendRequest,
+    PagedAllocator, TokenAllocator,
 };
+pub use contiguity::{FreeFragmentation, RunStats};
 pub use error::{KvPoolError, Result};
 pub use host_memory::HostMemory;
 pub use host_pool::{HostKvPool, HostLayout, HostPoolSize, HostPoolSizeInput};

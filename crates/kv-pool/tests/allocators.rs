@@ -6,8 +6,8 @@
 use kv_pool::allocator::{Fifo, Lifo, SlotAllocator};
 use kv_pool::testing::{self, dec, ext, FreePiece, Op};
 use kv_pool::{
-    Allocator, AnyAllocator, DecodeRequest, ExtendRequest, KvPoolError, Page, PagedAllocator, Slot,
-    TokenAllocator,
+    Allocator, AnyAllocator, BestFitAllocator, DecodeRequest, ExtendRequest, KvPoolError, Page,
+    PagedAllocator, Slot, TokenAllocator,
 };
 use proptest::prelude::*;
 
@@ -256,6 +256,32 @@ fn any_allocator_conforms() {
     });
 }
 
+#[test]
+fn best_fit_allocator_conforms() {
+    conforms(&[1, 4, 16], |size, p| {
+        BestFitAllocator::new(size, p).unwrap()
+    });
+}
+
+#[test]
+fn every_allocator_by_name_conforms() {
+    for name in AnyAllocator::NAMES {
+        conforms(&[1, 4], |size, p| {
+            let a = AnyAllocator::by_name(name, size, p).unwrap();
+            assert_eq!(a.name(), name);
+            a
+        });
+    }
+    assert!(matches!(
+        AnyAllocator::by_name("buddy", 64, 4),
+        Err(KvPoolError::UnknownAllocator { .. })
+    ));
+    assert_eq!(
+        AnyAllocator::by_name("best-fit", 64, 4).unwrap().name(),
+        "best_fit"
+    );
+}
+
 /// An allocator outside kv-pool's own types, as a user would write one: a paged allocator whose
 /// `free` only frees the page of the first slot it is given (a plausible bug).
 struct FirstPageOnly(PagedAllocator);
@@ -404,12 +430,17 @@ fn implementations() -> Vec<(&'static str, u32, Maker)> {
     fn any(size: usize, p: u32) -> Box<dyn Allocator> {
         Box::new(AnyAllocator::for_page_size(size, p).unwrap())
     }
+    fn best_fit(size: usize, p: u32) -> Box<dyn Allocator> {
+        Box::new(BestFitAllocator::new(size, p).unwrap())
+    }
     vec![
         ("token", 1, token as Maker),
         ("any P=1", 1, any),
         ("any P=8", 8, any),
         ("paged P=1", 1, paged),
         ("paged P=4", 4, paged),
+        ("best_fit P=1", 1, best_fit),
+        ("best_fit P=4", 4, best_fit),
     ]
 }
 

@@ -34,6 +34,8 @@
 //!   prefetch bytes, which [`ForwardBatch`] carries); [`simulate`] replays timed requests on a simulated
 //!   clock and reports hit rate, throughput, TTFT and inter-token latency through
 //!   [`summary::RunSummary`], the one place those figures are computed.
+//!   [`sim_contiguity::ContiguityProbe`] measures what the allocator does to page contiguity
+//!   there (runs per request, page-table reads, PD transfer blocks, free-page fragmentation).
 //!
 //! ## Invariants
 //! - Plain synchronous CPU logic: no async, no I/O, no device calls. Time is a logical clock,
@@ -67,6 +69,7 @@ pub mod req;
 pub mod schedule_policy;
 pub mod scheduler;
 pub mod sim;
+pub mod sim_contiguity;
 pub mod summary;
 
 pub use batch::{BatchResult, Executor, FakeExecutor, ForwardBatch, ForwardMode};
@@ -81,6 +84,7 @@ pub use req::{FinishReason, Req, ReqId, SamplingLimits};
 pub use schedule_policy::{AddResult, Admission, Candidate, PrefillAdder};
 pub use scheduler::Scheduler;
 pub use sim::{
-    replay, simulate, Accelerator, Clock, CostModel, ModelShape, ReplayConfig, SimExecutor,
-    SimReport, SimRequest,
+    replay, replay_observed, simulate, Accelerator, Clock, CostModel, ModelShape, ReplayConfig,
+    SimExecutor, SimReport, SimRequest,
 };
+pub use sim_contiguity::{ContiguityProbe, ContiguityReport};

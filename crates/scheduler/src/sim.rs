@@ -38,6 +38,7 @@ use radix_cache::PrefixCache;
 
 use crate::batch::{BatchResult, Executor, ForwardBatch};
 use crate::error::{Result, SchedulerError};
+use crate::report::StepReport;
 use crate::req::{FinishReason, ReqId, SamplingLimits};
 use crate::scheduler::Scheduler;
 use crate::summary::{RunSummary, RunTotals};
@@ -404,6 +405,29 @@ pub fn replay<C: PrefixCache, A: Allocator>(
     config: ReplayConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SimReport> {
+    replay_observed(
+        requests,
+        scheduler,
+        exec,
+        config,
+        progress,
+        &mut |_, _, _| {},
+    )
+}
+
+/// What [`replay_observed`] calls after every step: the scheduler, the step's report and the
+/// clock after the step (e.g. `sim_contiguity::ContiguityProbe::observe`).
+pub type StepObserver<'a, C, A> = dyn FnMut(&Scheduler<C, A>, &StepReport, f64) + 'a;
+
+/// [`replay`], calling `observe` after every step.
+pub fn replay_observed<C: PrefixCache, A: Allocator>(
+    requests: &[SimRequest],
+    scheduler: &mut Scheduler<C, A>,
+    exec: &mut dyn Executor,
+    config: ReplayConfig,
+    progress: &mut dyn FnMut(usize, usize),
+    observe: &mut StepObserver<'_, C, A>,
+) -> Result<SimReport> {
     if config.max_concurrency == Some(0) {
         return Err(SchedulerError::InvalidConfig {
             field: "max_concurrency",
@@ -466,6 +490,7 @@ pub fn replay<C: PrefixCache, A: Allocator>(
             Clock::Charged => step.elapsed_s,
             Clock::Wall => started.elapsed().as_secs_f64(),
         };
+        observe(scheduler, &step, now);
         stalled = if step.mode.is_none() && step.finished.is_empty() {
             stalled + 1
         } else {

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use scheduler::summary::per_second;
-use scheduler::{replay, Clock, ReplayConfig, SimReport, SimRequest};
+use scheduler::{replay_observed, Clock, ReplayConfig, SimReport, SimRequest};
 use serde::Serialize;
 
 use super::{progress_bar, write_out};
@@ -19,6 +19,7 @@ use crate::engine_metrics::HiCacheMetrics;
 use crate::error::{EngineError, Result};
 use crate::setup::{build, EngineSetup};
 use crate::sim::sim_requests;
+use crate::sim_contiguity::ContiguityOutcome;
 
 /// The figures of one run (a JSON object of `--json`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -59,6 +60,10 @@ pub struct BenchOutcome {
     /// With HiCache: the cached tokens per tier (device, host, storage); `None` without it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tier_hit_tokens: Option<TierHits>,
+    /// In process: the allocator's page contiguity (`crate::sim_contiguity`); `None` with
+    /// `--url`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub contiguity: Option<ContiguityOutcome>,
     /// Every request's TTFT, sorted.
     #[serde(skip)]
     pub ttft_s: Vec<f64>,
@@ -99,6 +104,7 @@ impl BenchOutcome {
             retractions: r.retractions,
             steps: r.steps,
             tier_hit_tokens: None,
+            contiguity: None,
             ttft_s: r.ttft_s,
         }
     }
@@ -118,8 +124,16 @@ pub fn run_bench(
         clock: Clock::Wall,
         max_concurrency,
     };
-    let report = replay(requests, &mut sched, &mut exec, config, progress)
-        .map_err(|e| EngineError::Simulation(e.to_string()))?;
+    let probe = crate::sim_contiguity::probe(setup.scheduler.page_size);
+    let report = replay_observed(
+        requests,
+        &mut sched,
+        &mut probe.executor(&mut exec),
+        config,
+        progress,
+        &mut |s, step, now| probe.observe(s, step, now),
+    )
+    .map_err(|e| EngineError::Simulation(e.to_string()))?;
     sched
         .check_invariants()
         .map_err(|message| EngineError::CheckFailed {
@@ -131,6 +145,10 @@ pub fn run_bench(
         report,
         ideal_hit_rate,
     );
+    outcome.contiguity = Some(ContiguityOutcome::new(
+        kv_pool::AnyAllocator::name_for_page_size(setup.scheduler.page_size),
+        &probe.report(),
+    ));
     outcome.tier_hit_tokens = HiCacheMetrics::of(&sched).map(|h| TierHits {
         device: h.device_hit_tokens,
         host: h.host_hit_tokens,
@@ -159,6 +177,9 @@ pub fn render(outcomes: &[BenchOutcome], wall_s: f64) -> String {
             o.prefill_tokens,
             o.retractions
         );
+        if let Some(c) = &o.contiguity {
+            out += &format!("[{}] {c}\n", o.cache);
+        }
         if let Some(t) = o.tier_hit_tokens {
             out += &format!(
                 "[{}] cached tokens by tier: device {} | host {} | storage {}\n",
@@ -369,7 +390,12 @@ mod tests {
         assert_eq!(without.cached_tokens, 0);
         assert!(with.cached_tokens > 0 && with.prefill_tokens < without.prefill_tokens);
         assert!(with.hit_rate <= ideal + 1e-9);
+        // Every finished request's pages were measured, in at least one run each.
+        let c = with.contiguity.as_ref().expect("in process");
+        assert_eq!(c.measured_requests, 8);
+        assert!(c.runs_per_request >= 1.0 && c.page_table_runs <= c.page_table_pages);
         let text = render(&[with, without], 1.0);
         assert!(text.contains("radix cache vs none"), "{text}");
+        assert!(text.contains("[radix] allocator paged:"), "{text}");
     }
 }

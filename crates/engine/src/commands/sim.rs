@@ -16,6 +16,7 @@ use crate::cli::{OutputFormat, SimArgs, WorkloadDefaults};
 use crate::error::{EngineError, Result};
 use crate::setup::pool::{cost_model_kv_shape, given_pool_plan, simulated_plan};
 use crate::sim::{parse_schedule_policies, render_table, run_sweep, sim_requests, SimConfig};
+use crate::sim_contiguity::{parse_allocators, plot_fragmentation, render_contiguity_table};
 use crate::sim_tier::SimTier;
 
 /// `kvserve sim`.
@@ -88,36 +89,43 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
             .collect::<Result<_>>()?
     };
     let chunk = (args.chunked_prefill_size > 0).then_some(args.chunked_prefill_size as usize);
+    let allocators: Vec<Option<_>> = match &args.allocator {
+        None => vec![None],
+        Some(list) => parse_allocators(list)?.into_iter().map(Some).collect(),
+    };
     let mut configs = Vec::new();
     for &policy in &schedule_policies {
         for eviction in &eviction_policies {
             for plan in &plans {
-                configs.push(SimConfig {
-                    scheduler: SchedulerConfig {
-                        page_size: args.page_size,
-                        context_len,
-                        max_running_requests: plan.max_running_requests(),
-                        max_prefill_tokens: args.max_prefill_tokens,
-                        chunked_prefill_size: chunk,
-                        schedule_policy: policy,
-                        lpm_fallback_threshold: args.lpm_fallback_threshold,
-                        schedule_conservativeness: args.schedule_conservativeness,
-                        enable_mixed_chunk: args.enable_mixed_chunk,
-                        strict: args.check,
-                        seed: args.source.seed,
-                        ..SchedulerConfig::default()
-                    },
-                    eviction_policy: if args.disable_radix_cache {
-                        "lru".into()
-                    } else {
-                        eviction.clone()
-                    },
-                    radix: !args.disable_radix_cache,
-                    capacity_tokens: plan.max_total_num_tokens(),
-                    cost: cost.clone(),
-                    max_concurrency: args.arrivals.max_concurrency.map(|n| n as usize),
-                    tier: tier.clone(),
-                });
+                for &allocator in &allocators {
+                    configs.push(SimConfig {
+                        scheduler: SchedulerConfig {
+                            page_size: args.page_size,
+                            context_len,
+                            max_running_requests: plan.max_running_requests(),
+                            max_prefill_tokens: args.max_prefill_tokens,
+                            chunked_prefill_size: chunk,
+                            schedule_policy: policy,
+                            lpm_fallback_threshold: args.lpm_fallback_threshold,
+                            schedule_conservativeness: args.schedule_conservativeness,
+                            enable_mixed_chunk: args.enable_mixed_chunk,
+                            strict: args.check,
+                            seed: args.source.seed,
+                            ..SchedulerConfig::default()
+                        },
+                        eviction_policy: if args.disable_radix_cache {
+                            "lru".into()
+                        } else {
+                            eviction.clone()
+                        },
+                        radix: !args.disable_radix_cache,
+                        capacity_tokens: plan.max_total_num_tokens(),
+                        cost: cost.clone(),
+                        max_concurrency: args.arrivals.max_concurrency.map(|n| n as usize),
+                        tier: tier.clone(),
+                        allocator,
+                    });
+                }
             }
         }
     }
@@ -146,7 +154,20 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
     bar.finish_and_clear();
     let outcomes = outcomes?;
     let wall = start.elapsed().as_secs_f64();
-    let table = || render_table(&outcomes, !args.no_timings);
+    let table = || {
+        let mut t = render_table(&outcomes, !args.no_timings);
+        if args.allocator.is_some() {
+            t.push_str(&format!(
+                "\nallocator contiguity (page size {}; transfer blocks per region; free runs \
+                 averaged over samples every {} steps; long_runs: share of free pages in runs >= {} tokens, over samples with free pages)\n",
+                args.page_size,
+                crate::sim_contiguity::SAMPLE_EVERY_STEPS,
+                crate::sim_contiguity::LONG_RUN_TOKENS
+            ));
+            t.push_str(&render_contiguity_table(&contiguity_rows(&outcomes)));
+        }
+        t
+    };
     let text = output_text(
         args,
         &workload.name,
@@ -157,6 +178,17 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
         wall,
     )?;
     write_out(out, &text)?;
+    if let Some(path) = &args.contiguity_plot {
+        plot_fragmentation(
+            &contiguity_rows(&outcomes),
+            &workload.name,
+            args.page_size,
+            path,
+        )?;
+        if !args.quiet {
+            eprintln!("note: contiguity plot written to {}", path.display());
+        }
+    }
     if let Some(path) = &args.plot {
         let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
         for o in &outcomes {
@@ -221,4 +253,23 @@ pub(super) fn output_text<T: serde::Serialize>(
             .collect::<std::result::Result<String, _>>()
             .map_err(|e| EngineError::arg("--format", e.to_string()))?,
     })
+}
+
+/// The contiguity table's rows: every measured outcome, labelled by what else varies.
+fn contiguity_rows(
+    outcomes: &[crate::sim::SimOutcome],
+) -> Vec<crate::sim_contiguity::ContiguityRow<'_>> {
+    outcomes
+        .iter()
+        .filter_map(|o| {
+            let c = o.contiguity.as_ref()?;
+            Some(crate::sim_contiguity::ContiguityRow {
+                label: format!(
+                    "{}/{}/{}",
+                    o.schedule_policy, o.eviction_policy, o.capacity_tokens
+                ),
+                outcome: c,
+            })
+        })
+        .collect()
 }

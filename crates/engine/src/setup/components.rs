@@ -141,6 +141,19 @@ pub fn build_scheduler(
     tier: Option<TreeTier>,
     kv_events: bool,
 ) -> Result<Scheduler> {
+    let alloc = AnyAllocator::for_page_size(capacity, config.page_size)?;
+    build_scheduler_with(config, radix, eviction_policy, alloc, tier, kv_events)
+}
+
+/// [`build_scheduler`] over a given allocator (`kvserve sim --allocator`).
+pub fn build_scheduler_with(
+    config: SchedulerConfig,
+    radix: bool,
+    eviction_policy: &str,
+    alloc: AnyAllocator,
+    tier: Option<TreeTier>,
+    kv_events: bool,
+) -> Result<Scheduler> {
     let p = config.page_size;
     let cache = if radix {
         let policy = AnyEvictionPolicy::from_name(eviction_policy)?;
@@ -155,7 +168,6 @@ pub fn build_scheduler(
     } else {
         AnyPrefixCache::Chunk(ChunkCache::new(p))
     };
-    let alloc = AnyAllocator::for_page_size(capacity, p)?;
     Scheduler::new(config, cache, alloc).map_err(|e| match e {
         scheduler::SchedulerError::InvalidConfig { field, reason } => {
             EngineError::arg(field, reason)

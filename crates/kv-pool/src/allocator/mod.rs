@@ -1,6 +1,7 @@
-//! Slot allocators: the [`Allocator`] trait and its two implementations, [`TokenAllocator`]
+//! Slot allocators: the [`Allocator`] trait and SGLang's two implementations, [`TokenAllocator`]
 //! (page size 1, FIFO reuse, SGLang's `TokenToKVPoolAllocator`) and [`PagedAllocator`] (page size
-//! `P`, LIFO reuse, SGLang's `PagedTokenToKVPoolAllocator`).
+//! `P`, LIFO reuse, SGLang's `PagedTokenToKVPoolAllocator`), plus [`BestFitAllocator`], a
+//! placement policy measured for page contiguity.
 //!
 //! Both are one generic [`SlotAllocator`] whose [`ReuseOrder`] decides where freed pages go:
 //! FIFO appends them in the order given, LIFO prepends them sorted ascending (SGLang's
@@ -14,7 +15,10 @@
 //!
 //! Files, each one job (dependencies point down the list, never back):
 //! - `api`: the [`Allocator`] trait and its batch entries [`ExtendRequest`], [`DecodeRequest`].
-//! - `order`: [`ReuseOrder`] with [`Fifo`] and [`Lifo`].
+//! - `order`: [`ReuseOrder`] with [`Fifo`] and [`Lifo`], and [`PageWant`] (one request's share
+//!   of a batch, for an order that places pages per request).
+//! - `best_fit`: [`BestFit`], a research order: each request's pages grow in place, else go to
+//!   the smallest free run that holds them ([`BestFitAllocator`]).
 //! - `state`: the free/release lists and allocation bitmap, and its snapshot [`AllocatorState`].
 //! - `bitmap`: word-at-a-time bitmap access and run detection for the hot paths.
 //! - `render`: [`render_page_runs`], the compact page-list rendering.
@@ -23,11 +27,14 @@
 //! - `validate`: batch validation for `alloc_extend` / `alloc_decode` (`last_loc`, page demand).
 //! - `ops`: `impl Allocator for SlotAllocator`.
 //! - `any`: [`AnyAllocator`], the enum over this crate's implementations.
+//!
+//! Contiguity metrics over what an allocator hands out are in [`crate::contiguity`].
 
 // `api` first: enum_dispatch must see the trait before `any`'s enum to expand the impl there.
 mod api;
 
 mod any;
+mod best_fit;
 mod bitmap;
 mod free;
 mod ops;
@@ -39,7 +46,8 @@ mod validate;
 
 pub use any::AnyAllocator;
 pub use api::{Allocator, DecodeRequest, ExtendRequest};
-pub use order::{Fifo, Lifo, ReuseOrder};
+pub use best_fit::BestFit;
+pub use order::{Fifo, Lifo, PageWant, ReuseOrder};
 pub use render::render_page_runs;
-pub use slot::{PagedAllocator, SlotAllocator, TokenAllocator};
+pub use slot::{BestFitAllocator, PagedAllocator, SlotAllocator, TokenAllocator};
 pub use state::AllocatorState;

@@ -2,11 +2,46 @@
 //! `alloc_decode`, page-granular `free`, free groups, sorted release and backup/restore.
 
 use super::api::{Allocator, DecodeRequest, ExtendRequest};
-use super::order::ReuseOrder;
+use super::order::{PageWant, ReuseOrder};
 use super::slot::SlotAllocator;
 use super::state::{AllocatorState, PoolState};
 use crate::error::{KvPoolError, Result};
 use crate::ids::{Page, Slot};
+
+impl<O: ReuseOrder> SlotAllocator<O> {
+    /// Each request's new pages and last page, for an order that places per request (empty,
+    /// and free, for the others).
+    fn extend_wants(&self, batch: &[ExtendRequest]) -> Vec<PageWant> {
+        if !O::PLACES_PER_REQUEST {
+            return Vec::new();
+        }
+        let p = self.page_size as usize;
+        batch
+            .iter()
+            .map(|r| PageWant {
+                pages: r.seq_len.div_ceil(p) - r.prefix_len.div_ceil(p),
+                after: r.last_loc.map(|l| self.page_of(l.0)),
+            })
+            .collect()
+    }
+
+    /// The decode requests that start a fresh page, with their last page (see
+    /// `extend_wants`).
+    fn decode_wants(&self, batch: &[DecodeRequest]) -> Vec<PageWant> {
+        if !O::PLACES_PER_REQUEST {
+            return Vec::new();
+        }
+        let p = self.page_size as usize;
+        batch
+            .iter()
+            .filter(|r| (r.seq_len - 1) % p == 0)
+            .map(|r| PageWant {
+                pages: 1,
+                after: r.last_loc.map(|l| self.page_of(l.0)),
+            })
+            .collect()
+    }
+}
 
 impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
     fn page_size(&self) -> u32 {
@@ -35,7 +70,7 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
         }
         let pages = n / p;
         self.ensure_free_pages(pages, pages)?;
-        self.take_pages(pages);
+        self.take_pages(pages, &[PageWant { pages, after: None }]);
         out.reserve(n);
         for &page in &self.scratch {
             out.extend(Page(page).slots(self.page_size));
@@ -46,7 +81,8 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
     fn alloc_extend(&mut self, batch: &[ExtendRequest], out: &mut Vec<Slot>) -> Result<()> {
         let (demand, merge_when) = self.validate_extend(batch)?;
         self.ensure_free_pages(demand, merge_when)?;
-        self.take_pages(demand);
+        let wants = self.extend_wants(batch);
+        self.take_pages(demand, &wants);
         let p = self.page_size;
         let total: usize = batch.iter().map(|r| r.seq_len - r.prefix_len).sum();
         out.reserve(total);
@@ -92,7 +128,8 @@ impl<O: ReuseOrder> Allocator for SlotAllocator<O> {
             demand
         };
         self.ensure_free_pages(demand, merge_when)?;
-        self.take_pages(demand);
+        let wants = self.decode_wants(batch);
+        self.take_pages(demand, &wants);
         let p = self.page_size as usize;
         out.reserve(batch.len());
         let mut next_page = 0usize;

@@ -27,12 +27,32 @@ pub trait ReuseOrder: fmt::Debug + Default + Clone + Send + Sync + 'static {
         let pages: Vec<u32> = (first..=last).collect();
         Self::give(free, &pages);
     }
+    /// Whether the order places each request's pages itself ([`ReuseOrder::take_for`] gets
+    /// the batch's [`PageWant`]s); `false`: one [`ReuseOrder::take`] of the batch's demand.
+    const PLACES_PER_REQUEST: bool = false;
     /// Moves `k ≤ free.len()` pages from the head into `out`, head first.
     fn take(free: &mut VecDeque<u32>, k: usize, out: &mut Vec<u32>);
+    /// Moves `Σ wants[i].pages ≤ free.len()` pages into `out`, want by want: want `i`'s pages
+    /// are the `wants[i].pages` entries after want `i − 1`'s. Called instead of `take` only when
+    /// [`ReuseOrder::PLACES_PER_REQUEST`]; the default takes the whole demand from the head.
+    fn take_for(free: &mut VecDeque<u32>, wants: &[PageWant], out: &mut Vec<u32>) {
+        Self::take(free, wants.iter().map(|w| w.pages).sum(), out);
+    }
     /// The free list in reuse order, head first.
     fn head_first(free: &VecDeque<u32>) -> Vec<u32>;
     /// A free list that hands out `ascending` in ascending order.
     fn from_ascending(ascending: Vec<u32>) -> VecDeque<u32>;
+}
+
+/// One request's share of a batch allocation, for orders that place pages per request
+/// ([`ReuseOrder::PLACES_PER_REQUEST`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageWant {
+    /// Fresh pages the request needs.
+    pub pages: usize,
+    /// The request's last page before the call (the page of its `last_loc`), if known: its new
+    /// pages continue its run best right after it.
+    pub after: Option<u32>,
 }
 
 /// Runs shorter than this are pushed page by page: cheaper than `extend`'s setup.

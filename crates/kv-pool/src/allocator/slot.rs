@@ -5,8 +5,9 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use super::api::Allocator;
+use super::best_fit::BestFit;
 use super::bitmap::BitmapWord;
-use super::order::{Fifo, Lifo, ReuseOrder};
+use super::order::{Fifo, Lifo, PageWant, ReuseOrder};
 use super::render::render_page_runs;
 use super::state::PoolState;
 use crate::error::{KvPoolError, Result};
@@ -18,6 +19,10 @@ pub type TokenAllocator = SlotAllocator<Fifo>;
 /// Page size `P`, LIFO reuse: SGLang's `PagedTokenToKVPoolAllocator`.
 #[doc(alias = "PagedTokenToKVPoolAllocator")]
 pub type PagedAllocator = SlotAllocator<Lifo>;
+
+/// Page size `P`, best-fit placement per request with growth in place: a research policy
+/// (see [`BestFit`]), not one of SGLang's.
+pub type BestFitAllocator = SlotAllocator<BestFit>;
 
 /// The allocator behind [`TokenAllocator`] and [`PagedAllocator`]; `O` picks the reuse order.
 #[derive(Debug, Clone)]
@@ -45,6 +50,14 @@ impl TokenAllocator {
 impl PagedAllocator {
     /// A paged allocator over pages `1..=size/P` (slots `P..size+P`); `size` must be a positive
     /// multiple of `page_size`.
+    pub fn new(size: usize, page_size: u32) -> Result<Self> {
+        Self::with_page_size(size, page_size)
+    }
+}
+
+impl BestFitAllocator {
+    /// A best-fit allocator over pages `1..=size/P`; `size` must be a positive multiple of
+    /// `page_size`.
     pub fn new(size: usize, page_size: u32) -> Result<Self> {
         Self::with_page_size(size, page_size)
     }
@@ -127,11 +140,17 @@ impl<O: ReuseOrder> SlotAllocator<O> {
         })
     }
 
-    /// Moves `pages` pages from the head of the free list into `self.scratch`, marking them
-    /// allocated. The caller has checked availability.
-    pub(super) fn take_pages(&mut self, pages: usize) {
+    /// Moves `pages` pages from the free list into `self.scratch`, marking them allocated: from
+    /// the head, or placed want by want by an order that places per request (`wants` then
+    /// splits `pages` by request). The caller has checked availability.
+    pub(super) fn take_pages(&mut self, pages: usize, wants: &[PageWant]) {
         self.scratch.clear();
-        O::take(&mut self.state.free, pages, &mut self.scratch);
+        if O::PLACES_PER_REQUEST && !wants.is_empty() {
+            O::take_for(&mut self.state.free, wants, &mut self.scratch);
+        } else {
+            O::take(&mut self.state.free, pages, &mut self.scratch);
+        }
+        debug_assert_eq!(self.scratch.len(), pages);
         // Consecutive pages share a bitmap word: accumulate in a register, store once per word.
         let mut word = BitmapWord {
             index: usize::MAX,
