@@ -4,8 +4,9 @@
 //! `cargo bench -p radix-cache --bench mooncake`
 //!
 //! The trace is `shared/traces/mooncake_conversation.jsonl` beside the checkout (12,031
-//! requests), or the file `KVSERVE_MOONCAKE_TRACE` names; without it the benches print why and
-//! skip. Each request is its full 512-token blocks, one block id as one token (P = 1), as W2.
+//! requests), or the file `KVSERVE_MOONCAKE_TRACE` names (e.g. the repository's
+//! `traces/mooncake_synthetic.jsonl`, a second trace of the same form); without it the benches
+//! print why and skip. Each request is its full 512-token blocks, one block id as one token (P = 1), as W2.
 //!
 //! - `mooncake_match_insert/P=1` (W2): `match_prefix` then `insert` of every request into an
 //!   empty tree, slot values from a counter; throughput in blocks.

@@ -10,7 +10,8 @@
 //!   eviction policy (called statically): keys floored to whole pages, children found by their
 //!   first page, nodes split on partial matches, lock counts
 //!   exactly as SGLang. Nodes live in an arena; token keys and slot values live in two parallel
-//!   arenas, so a split copies nothing. Beyond SGLang: evictable leaves are kept ordered by the
+//!   arenas, so a split copies nothing (they reserve address space for 1 Mi tokens on their
+//!   first growth, so growing to that size never copies either). Beyond SGLang: evictable leaves are kept ordered by the
 //!   policy's key and updated incrementally (`evict` is O(log n) per freed node, O(1) under
 //!   LRU and FIFO, whose leaves arrive in key order and sit in a list); a leaf can be
 //!   evicted partially (only the tail pages needed); time is a logical clock (one tick per

@@ -14,6 +14,7 @@ impl<O: ReuseOrder> SlotAllocator<O> {
     /// whose pages are all allocated (a request's or a leaf's slots, the common case), frees
     /// its pages a bitmap word at a time and returns `true`. Otherwise changes nothing and
     /// returns `false`: the general path then frees or names the error.
+    #[inline]
     pub(super) fn free_run(&mut self, slots: &[Slot]) -> bool {
         let (Some(first), Some(last)) = (slots.first(), slots.last()) else {
             return false;
@@ -22,28 +23,37 @@ impl<O: ReuseOrder> SlotAllocator<O> {
         if base < self.page_size
             || top >= self.slot_end()
             || top.wrapping_sub(base) as usize != slots.len() - 1
-            || consecutive_run(slots) != slots.len()
+            || (slots.len() > 2 && consecutive_run(slots) != slots.len())
         {
             return false;
         }
         let (lo, hi) = (self.page_of(base), self.page_of(top));
-        let words = (lo / 64) as usize..=(hi / 64) as usize;
-        let mask = |w: usize| {
-            let (a, b) = (lo.max(w as u32 * 64), hi.min(w as u32 * 64 + 63));
-            (u64::MAX >> (63 - b % 64)) & (u64::MAX << (a % 64))
-        };
         let allocated = &mut self.state.allocated;
-        if !words.clone().all(|w| allocated[w] & mask(w) == mask(w)) {
-            return false;
-        }
-        for w in words {
-            allocated[w] &= !mask(w);
+        // Bits a..=b of one word (a ≤ b, both in the word).
+        let bits = |a: u32, b: u32| (u64::MAX >> (63 - b % 64)) & (u64::MAX << (a % 64));
+        if lo / 64 == hi / 64 {
+            // One word (every run of up to 64 pages that does not cross a word boundary).
+            let (w, mask) = ((lo / 64) as usize, bits(lo, hi));
+            if allocated[w] & mask != mask {
+                return false;
+            }
+            allocated[w] &= !mask;
+        } else {
+            let words = (lo / 64) as usize..=(hi / 64) as usize;
+            let mask = |w: usize| bits(lo.max(w as u32 * 64), hi.min(w as u32 * 64 + 63));
+            if !words.clone().all(|w| allocated[w] & mask(w) == mask(w)) {
+                return false;
+            }
+            for w in words {
+                allocated[w] &= !mask(w);
+            }
         }
         self.return_run(lo, hi);
         true
     }
 
     /// `free`'s general path: any slots, in any order, repeats allowed.
+    #[inline(never)]
     pub(super) fn free_runs(&mut self, slots: &[Slot]) -> Result<()> {
         // One pass over maximal runs of consecutive slots (the common case: a request's slots),
         // found 64 at a time with branch-free compares; each page a run covers is visited once.

@@ -26,6 +26,12 @@ use crate::NodeId;
 /// The parent index of a root (roots have no parent).
 pub(super) const NONE: u32 = u32::MAX;
 
+/// Tokens the token and slot arenas reserve on their first growth (4 MiB of address space
+/// each). Pages are committed only when written, so the reservation costs nothing until used,
+/// and growth up to it never copies: doubling from empty copied every arena into fresh memory
+/// (about 1.5 times its final size faulted in, for W1 most of its wall time).
+const ARENA_RESERVE: usize = 1 << 20;
+
 /// A node's children, found by their first page.
 #[derive(Debug, Default, Clone)]
 pub(super) struct Children {
@@ -282,10 +288,18 @@ impl<P: EvictionPolicy> RadixCache<P> {
         }
     }
 
+    /// The root of namespace `extra_key`, created on first use (the default namespace's lookup
+    /// inline, everything else out of line).
+    #[inline]
     pub(super) fn root_index(&mut self, extra_key: Option<&str>) -> u32 {
         if extra_key.is_none() && self.default_root != NONE {
             return self.default_root;
         }
+        self.root_index_slow(extra_key)
+    }
+
+    #[inline(never)]
+    fn root_index_slow(&mut self, extra_key: Option<&str>) -> u32 {
         if let Some(&r) = self.roots.get(&extra_key.map(str::to_string)) {
             return r;
         }
@@ -337,6 +351,18 @@ impl<P: EvictionPolicy> RadixCache<P> {
         } else {
             self.nodes.push(node);
             (self.nodes.len() - 1) as u32
+        }
+    }
+
+    /// Room for `extra` more tokens in the token and slot arenas: the first growth reserves
+    /// [`ARENA_RESERVE`], later ones double (so appends stay amortised O(1)).
+    #[inline]
+    pub(super) fn reserve_arenas(&mut self, extra: usize) {
+        let (len, cap) = (self.tokens.len(), self.tokens.capacity());
+        if len + extra > cap {
+            let target = (len + extra).max(2 * cap).max(ARENA_RESERVE);
+            self.tokens.reserve_exact(target - len);
+            self.slots.reserve_exact(target - self.slots.len());
         }
     }
 

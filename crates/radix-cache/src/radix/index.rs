@@ -52,10 +52,10 @@ impl<P: EvictionPolicy> RadixCache<P> {
             let stats = self.stats(i);
             let key = self.policy.key(&stats);
             if old != Some(key) {
-                if let Some(old) = old {
-                    self.index.remove(old, i);
+                match old {
+                    Some(old) => self.index.rekey(old, key, i),
+                    None => self.index.insert(key, i),
                 }
-                self.index.insert(key, i);
                 self.nodes[i as usize].indexed = Some(key);
             }
         } else if let Some(old) = old {

@@ -105,6 +105,19 @@ impl LeafOrder {
         self.listed += 1;
     }
 
+    /// Moves node `i` from key `old` to key `new`. The list's tail whose key grows (LRU's
+    /// leaf touched again: a match and the insert after it) only takes the new key in place.
+    pub(super) fn rekey(&mut self, old: EvictionKey, new: EvictionKey, i: u32) {
+        if self.tail == i && new >= old {
+            if let Some(link) = self.links.get_mut(i as usize).filter(|l| l.in_list) {
+                link.key = new;
+                return;
+            }
+        }
+        self.remove(old, i);
+        self.insert(new, i);
+    }
+
     /// Removes node `i`, held under `key`.
     pub(super) fn remove(&mut self, key: EvictionKey, i: u32) {
         let ix = i as usize;
@@ -190,6 +203,16 @@ mod tests {
             for step in 0..20_000 {
                 let i = (rng.next_u64() % 64) as u32;
                 match held[i as usize] {
+                    Some(key) if rng.next_u64() % 3 == 0 => {
+                        // A touch: the key grows (usually) or drops back.
+                        clock += (rng.next_u64() % 2) as i64;
+                        let new = k(clock - (rng.next_u64() % 8 == 0) as i64 * 40);
+                        assert!(order.contains(key, i));
+                        order.rekey(key, new, i);
+                        reference.remove(&(key, i));
+                        reference.insert((new, i));
+                        held[i as usize] = Some(new);
+                    }
                     Some(key) => {
                         assert!(order.contains(key, i));
                         order.remove(key, i);
