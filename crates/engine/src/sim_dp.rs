@@ -242,6 +242,12 @@ pub fn run_dp(requests: &[SimRequest], cfg: &DpConfig) -> Result<DpOutcome> {
             "the cluster simulation (--dp) has no host tier",
         ));
     }
+    if cfg.instance.allocator.is_some() {
+        return Err(EngineError::arg(
+            "--allocator",
+            "the cluster simulation (--dp) measures no allocator contiguity; run it without --dp",
+        ));
+    }
     let sc = &cfg.instance;
     let capacity = whole_pages(sc.capacity_tokens, sc.scheduler.page_size)?;
     let events = cfg.policy == PolicyKind::KvEvents;
@@ -578,6 +584,7 @@ mod tests {
                 cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
                 max_concurrency: None,
                 tier: None,
+                allocator: None,
             },
             dp,
             policy,
@@ -617,6 +624,12 @@ mod tests {
             2.0,
             None,
         ));
+        assert!(matches!(
+            run_dp(&reqs, &c),
+            Err(EngineError::InvalidArgument { .. })
+        ));
+        let mut c = cluster(PolicyKind::Random, 2, 512);
+        c.instance.allocator = Some(crate::sim_contiguity::AllocatorChoice::BestFit);
         assert!(matches!(
             run_dp(&reqs, &c),
             Err(EngineError::InvalidArgument { .. })
