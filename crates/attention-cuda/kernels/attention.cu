@@ -4,12 +4,25 @@
 //
 // Specialised by KV_DTYPE (store element), HEAD_DIM (query/key head), V_HEAD_DIM (value head)
 // and PAGE_FAMILY (0: page size 1, the page table holds slots; 1: a power of two, positions
-// split by shift and mask; 2: any page size).
+// split by shift and mask; 2: any page size). MLA 1 is absorbed multi-head latent attention
+// (SGLang's MLA decode/extend): the store has one row of HEAD_DIM elements per token, the
+// latent (V_HEAD_DIM = kv_lora_rank elements) then the rotary key; scores take the whole row
+// and values are its first V_HEAD_DIM elements, so the host passes the key buffer as v_cache,
+// kv_heads 1 and v_scale equal to k_scale.
 //
 // The plan buffer (built on the host, src/plan.rs) starts with a header of 4 offsets into
 // itself: [tok_req, tok_pos, kv_indptr, kv_indices]. Token t of the batch belongs to request
 // plan[tok_req + t] and sits at position plan[tok_pos + t]; request r's pages are
 // plan[kv_indices + plan[kv_indptr + r] ..].
+
+#ifndef MLA
+#define MLA 0
+#endif
+#if MLA
+#define V_ROW HEAD_DIM // a value is the head of the latent row
+#else
+#define V_ROW V_HEAD_DIM
+#endif
 
 #define ATTN_THREADS 128
 #define ATTN_V_PER_THREAD ((V_HEAD_DIM + ATTN_THREADS - 1) / ATTN_THREADS)
@@ -101,7 +114,7 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
             if (d < V_HEAD_DIM) {
                 float a = acc[i] * alpha;
                 for (unsigned int jj = 0; jj < count; ++jj) {
-                    const kv_t* vr = v_cache + ((size_t)s_slot[jj] * kv_heads + kvh) * V_HEAD_DIM;
+                    const kv_t* vr = v_cache + ((size_t)s_slot[jj] * kv_heads + kvh) * V_ROW;
                     a += s_p[jj] * kv_load(vr, d);
                 }
                 acc[i] = a;

@@ -2,13 +2,14 @@
 //!
 //! [`CudaBackend`] implements [`attention::Backend`] with CUDA C++ kernels: the dense ops of a
 //! decoder layer (a tiled matmul, RMSNorm, rotary, SiLU-and-mul, residual add, embedding), KV
-//! writes at `out_cache_loc`, and paged attention (MHA / GQA / MQA, causal over each request's
-//! cached prefix plus its new tokens, the KV range split across blocks and merged by
-//! log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
+//! writes at `out_cache_loc`, and paged attention (MHA / GQA / MQA and absorbed MLA, causal
+//! over each request's cached prefix plus its new tokens, the KV range split across blocks and
+//! merged by log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
 //!
 //! - [`kernels`]: the `.cu` sources under `kernels/` (embedded), specialised by `#define`s
-//!   (store dtype f32/f16/bf16/fp8, head dim, page-size family) into the [`Spec`]s of [`specs`]; every
-//!   specialisation is compiled to PTX by NVRTC in CI (feature `cuda`, [`nvrtc`]).
+//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family) into the [`Spec`]s
+//!   of [`specs`]; every specialisation is compiled to PTX by NVRTC in CI (feature `cuda`,
+//!   [`nvrtc`]).
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
 //!   copies, and launches by specialisation and kernel name. The CPU emulation
 //!   (`attention-cuda-emu`, tests only) implements it by compiling the same `.cu` sources with
@@ -23,9 +24,10 @@
 //! - Like every backend, it never allocates or frees slots: attention writes the new K/V at the
 //!   plan's `out_cache_loc`, then reads every position back from the store.
 //! - Bad input is a typed error, checked on the host with [`attention::check`] and
-//!   [`kv_pool::store::check`] before anything is launched; store dtypes and attention kinds
-//!   without kernels (MLA, DoubleSparse, head dims outside [`kernels::SPEC_HEAD_DIMS`]) are
-//!   typed `Unsupported` errors, announced by [`Backend::kv_support`](attention::Backend::kv_support).
+//!   [`kv_pool::store::check`] before anything is launched; attention kinds and shapes without
+//!   kernels (DoubleSparse, head dims outside [`kernels::SPEC_HEAD_DIMS`], MLA shapes outside
+//!   [`kernels::SPEC_MLA_DIMS`]) are typed `Unsupported` errors, announced by
+//!   [`Backend::kv_support`](attention::Backend::kv_support).
 //! - Stored bytes equal [`kv_pool::HostKvStore`]'s: the kernels round f32 to f16, bf16 and
 //!   fp8 (e4m3, e5m2; saturating, with the layer's scales) to nearest even, as kv-pool's
 //!   encoder does.
