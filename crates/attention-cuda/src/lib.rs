@@ -45,6 +45,10 @@ pub mod backend;
 pub mod cudarc_device;
 pub mod device;
 pub mod geometry;
+#[cfg(feature = "rocm")]
+pub mod hip_device;
+#[cfg(feature = "rocm")]
+pub mod hiprtc;
 pub mod kernels;
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub mod nvrtc;
@@ -57,7 +61,9 @@ pub mod tensor;
 pub use backend::{CudaBackend, CudaConfig, CudaPlan};
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
-pub use device::{Device, KernelArg, LaunchConfig};
+pub use device::{packed_args, Device, KernelArg, LaunchConfig};
+#[cfg(feature = "rocm")]
+pub use hip_device::{HipDevice, HipError, HipReport};
 pub use specs::{Source, Spec};
 pub use store::CudaKvStore;
 pub use tensor::CudaTensor;
