@@ -4,7 +4,7 @@
 //! whether the kernels run on a GPU or in the CPU emulation.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use attention::{
     check, AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, Result,
@@ -61,13 +61,25 @@ impl<D: Device> fmt::Debug for CudaBackend<D> {
     }
 }
 
-/// The backend's plan for one batch: the page table and the write list in device memory.
+/// The backend's plan for one batch: the page table and the write list in device memory, and
+/// the split-KV scratch its layers share.
 pub struct CudaPlan<D: Device> {
     meta: BatchMetadata,
     table: D::Buffer,
     writes: D::Buffer,
     kept_writes: usize,
     max_kv_len: usize,
+    scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
+}
+
+/// `paged_attention`'s partial outputs and log-sum-exps, allocated by the first layer that
+/// attends with the plan and reused by every later one (replaced by a larger pair when a call
+/// needs more), so a layer allocates nothing but its output. Launches run in order on the
+/// device, so a layer's kernels overwrite the scratch only after the previous layer's merge
+/// has read it.
+struct SplitScratch<B> {
+    o: B,
+    lse: B,
 }
 
 impl<D: Device> fmt::Debug for CudaPlan<D> {
@@ -227,8 +239,24 @@ impl<D: Device> CudaBackend<D> {
             ATTN_THREADS as usize,
         );
         let partials = split.num_splits as usize * n * a.q_heads;
-        let partial_o = self.device.alloc_zeroed(partials * a.v_head_dim * 4)?;
-        let partial_lse = self.device.alloc_zeroed(partials * 4)?;
+        let (o_bytes, lse_bytes) = (partials * a.v_head_dim * 4, partials * 4);
+        let mut slot = plan
+            .scratch
+            .lock()
+            .map_err(|_| AttentionError::Device("split scratch poisoned".into()))?;
+        let scratch = match slot.take() {
+            Some(s) if self.device.len(&s.o) >= o_bytes && self.device.len(&s.lse) >= lse_bytes => {
+                s
+            }
+            smaller => {
+                drop(smaller); // freed before the larger pair is allocated
+                SplitScratch {
+                    o: self.device.alloc_zeroed(o_bytes)?,
+                    lse: self.device.alloc_zeroed(lse_bytes)?,
+                }
+            }
+        };
+        let (partial_o, partial_lse) = (&scratch.o, &scratch.lse);
         self.device.launch(
             &a.spec,
             "paged_attention",
@@ -238,8 +266,8 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::Buf(a.k_cache),
                 KernelArg::Buf(a.v_cache),
                 KernelArg::Buf(&plan.table),
-                KernelArg::Buf(&partial_o),
-                KernelArg::Buf(&partial_lse),
+                KernelArg::Buf(partial_o),
+                KernelArg::Buf(partial_lse),
                 KernelArg::U32(dim("q_heads", a.q_heads)?),
                 KernelArg::U32(dim("kv_heads", a.kv_heads)?),
                 KernelArg::U32(a.page_size),
@@ -255,12 +283,13 @@ impl<D: Device> CudaBackend<D> {
             "merge_states",
             geometry::per_row("merge_states", n * a.q_heads, ATTN_THREADS)?,
             &[
-                KernelArg::Buf(&partial_o),
-                KernelArg::Buf(&partial_lse),
+                KernelArg::Buf(partial_o),
+                KernelArg::Buf(partial_lse),
                 KernelArg::Buf(&out.buf),
                 KernelArg::U32(split.num_splits),
             ],
         )?;
+        *slot = Some(scratch);
         Ok(out)
     }
 }
@@ -462,6 +491,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             writes: self.buffer_from(bytemuck::cast_slice(&writes))?,
             kept_writes: writes[0] as usize,
             max_kv_len: meta.kv_lens().iter().copied().max().unwrap_or(0),
+            scratch: Mutex::new(None),
         })
     }
 
