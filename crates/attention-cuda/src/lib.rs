@@ -17,6 +17,8 @@
 //! - [`plan`] and [`geometry`]: host-side planning (page-table packing, write lists, split-KV
 //!   plans) and launch geometry, plain functions unit-tested on their own.
 //! - [`backend`], [`store`], [`tensor`]: the trait implementations.
+//! - Devices: `cudarc_device` (NVIDIA, features `cuda-12`/`cuda-13`) and `hip_device` (AMD,
+//!   feature `rocm`, kernels compiled by `hiprtc`); the emulation's lives in its own crate.
 //!
 //! ## Invariants
 //! - The kernel sources stay within what NVRTC, hipRTC and the emulation compile: no
@@ -33,11 +35,13 @@
 //!   encoder does.
 //! - The crate builds with no features and no CUDA anywhere; the `cuda` feature adds cudarc
 //!   with dynamic loading, whose libraries are checked with `is_culib_present()` before any
-//!   call (cudarc's loader panics otherwise).
+//!   call (cudarc's loader panics otherwise). `rocm` links libamdhip64 (hip-sys), so it builds
+//!   only where the HIP headers are installed; the device count is asked before any other call.
+//! - A plan's split-KV scratch is allocated once and reused by every layer of the batch.
 //!
 //! ## Where it sits
 //! Depends on `attention` (the traits it implements) and `kv-pool` (the store trait and its
-//! validation), and with `cuda` on cudarc. Its tests and `attention-cuda-emu`'s conformance
+//! validation), with `cuda` on cudarc and with `rocm` on hip-sys. Its tests and `attention-cuda-emu`'s conformance
 //! test run the shared suite from `attention::conformance`.
 
 pub mod backend;
