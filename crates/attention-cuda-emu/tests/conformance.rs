@@ -1,6 +1,6 @@
 //! The shared conformance suite from `attention` on `CudaBackend<EmuDevice>`: attention-cuda's
-//! kernels, compiled for the CPU, against the f64 reference. Cases without kernels yet (MLA,
-//! DoubleSparse) are skipped with their reason through `Backend::kv_support`.
+//! kernels, compiled for the CPU, against the f64 reference. Cases without kernels yet
+//! (DoubleSparse) are skipped with their reason through `Backend::kv_support`.
 
 use attention::conformance::{self, AttentionCase, CaseKind, SuiteSize};
 use attention::Backend;
@@ -34,21 +34,25 @@ fn emu_attention_conformance_quick() {
     };
     let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
     report(&outcomes);
-    // Every MHA case has kernels (every store dtype), so it must have run.
+    // Every MHA and MLA case has kernels (every store dtype), so it must have run.
     let runnable = conformance::attention_cases(SuiteSize::Quick)
         .iter()
-        .filter(|c| matches!(c.kind, CaseKind::Mha { .. }))
+        .filter(|c| has_kernels(c))
         .count();
     let ran = outcomes.iter().filter(|o| o.skipped.is_none()).count();
     println!("{ran} of {} cases ran", outcomes.len());
     assert_eq!(ran, runnable);
 }
 
-/// The quick suite gives each shape and page size two dtypes in rotation; here every MHA case
-/// runs over the other three store dtypes too.
+fn has_kernels(case: &AttentionCase) -> bool {
+    matches!(case.kind, CaseKind::Mha { .. } | CaseKind::Mla { .. })
+}
+
+/// The quick suite gives each MHA shape and page size two dtypes in rotation (MLA one); here
+/// every MHA and MLA case runs over the other store dtypes too.
 #[test]
-fn emu_attention_conformance_every_mha_shape_and_dtype() {
-    let Some(b) = backend("emu_attention_every_mha_shape", CudaConfig::default()) else {
+fn emu_attention_conformance_every_shape_and_dtype() {
+    let Some(b) = backend("emu_attention_every_shape", CudaConfig::default()) else {
         return;
     };
     // The quick suite's own cases run in emu_attention_conformance_quick.
@@ -59,7 +63,7 @@ fn emu_attention_conformance_every_mha_shape_and_dtype() {
             .collect();
     let mut outcomes = Vec::new();
     for case in conformance::attention_cases(SuiteSize::Quick) {
-        if !matches!(case.kind, CaseKind::Mha { .. }) {
+        if !has_kernels(&case) {
             continue;
         }
         for dtype in KvDtype::ALL {
@@ -89,7 +93,7 @@ fn emu_attention_conformance_split_extremes() {
         };
         let outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
             .iter()
-            .filter(|c| matches!(c.kind, CaseKind::Mha { .. }))
+            .filter(|c| has_kernels(c))
             .step_by(3)
             .map(|c| conformance::run_attention_case(&b, c).unwrap())
             .collect();
@@ -109,7 +113,11 @@ fn unsupported_stores_are_announced() {
     }
     let ds = kv_pool::KvShape::double_sparse(2, 64, 64, 8, 1, KvDtype::F16).unwrap();
     assert!(b.kv_support(&ds).unwrap_err().contains("DoubleSparse"));
-    let mla = kv_pool::KvShape::mla(32, 16, 1, KvDtype::F16).unwrap();
+    for (rank, rope) in attention_cuda::kernels::SPEC_MLA_DIMS {
+        let mla = kv_pool::KvShape::mla(rank, rope, 1, KvDtype::Bf16).unwrap();
+        assert_eq!(b.kv_support(&mla), Ok(()));
+    }
+    let mla = kv_pool::KvShape::mla(32, 8, 1, KvDtype::F16).unwrap();
     assert!(b.kv_support(&mla).unwrap_err().contains("MLA"));
     let odd = kv_pool::KvShape::mha(2, 72, 72, 1, KvDtype::F16).unwrap();
     assert!(b.kv_support(&odd).unwrap_err().contains("head dims"));

@@ -1,23 +1,26 @@
-//! A whole decoder on the emulated CUDA kernels: greedy decoding of a tiny Llama-shaped model
-//! (random untied weights, head dim 64 so the attention kernels are specialised for it) through
-//! the model crate's `ModelRunner`, against the CPU backend. The backends sum in different
-//! orders, so logits agree within a bound (relative L2 per row) and the greedy tokens must be
-//! equal: a prefill of a batch of prompts, then batched decode steps, over f32 and bf16 stores.
+//! Whole decoders on the emulated CUDA kernels: greedy decoding of a tiny Llama-shaped model
+//! (random untied weights, head dim 64 so the attention kernels are specialised for it) and of
+//! the tiny DeepSeek-V2-shaped MLA model (absorbed MLA over the latent store, rope dim 16 so
+//! `kv_lora_rank + rope` is a compiled MLA shape) through the model crate's `ModelRunner`,
+//! against the CPU backend. The backends sum in different orders, so logits agree within a
+//! bound (relative L2 per row) and the greedy tokens must be equal: a prefill of a batch of
+//! prompts, then batched decode steps, over f32 and bf16 stores.
 
 use attention::{Backend, CpuBackend};
 use attention_cuda::{CudaBackend, CudaConfig};
 use attention_cuda_emu::emu_or_skip;
 use kv_pool::{KvDtype, KvLayout, Slot};
-use model::tiny::{random_weights, tiny_config};
+use model::tiny::{random_weights, tiny_config, tiny_mla_config};
 use model::{
-    AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Model, ModelConfig, ModelRunner,
+    AttentionMode, ForwardInput, ForwardRequest, LogitsMode, MlaConfig, Model, ModelConfig,
+    ModelRunner,
 };
 
 const PAGE: u32 = 16;
 const PAGES_PER_REQUEST: u32 = 4;
 const STEPS: usize = 6;
 
-fn config() -> ModelConfig {
+fn llama_config() -> ModelConfig {
     ModelConfig {
         head_dim: 64,
         vocab_size: 512,
@@ -25,6 +28,25 @@ fn config() -> ModelConfig {
         bos_token_id: None,
         eos_token_ids: Vec::new(),
         ..tiny_config()
+    }
+}
+
+/// The tiny MLA preset with `qk_rope_head_dim` 16 (latent rows of 32 + 16, a compiled shape)
+/// and an untied LM head (tied random embeddings make greedy decoding repeat the last token).
+fn mla_config() -> ModelConfig {
+    let base = tiny_mla_config();
+    let mla = base.mla.clone().expect("the MLA preset");
+    ModelConfig {
+        head_dim: mla.qk_nope_head_dim + 16,
+        mla: Some(MlaConfig {
+            qk_rope_head_dim: 16,
+            ..mla
+        }),
+        vocab_size: 512,
+        tie_word_embeddings: false,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+        ..base
     }
 }
 
@@ -38,8 +60,12 @@ fn prompts() -> Vec<Vec<u32>> {
 }
 
 /// Per request, the greedy tokens and the logit rows they came from.
-fn greedy<B: Backend>(backend: B, dtype: KvDtype) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
-    let config = config();
+fn greedy<B: Backend>(
+    backend: B,
+    config: &ModelConfig,
+    dtype: KvDtype,
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
+    let config = config.clone();
     let model = Model::load(&backend, config.clone(), &random_weights(&config, 0x5eed)).unwrap();
     let shape = config.kv_shape(dtype).unwrap();
     let n = prompts().len();
@@ -93,15 +119,24 @@ fn greedy<B: Backend>(backend: B, dtype: KvDtype) -> (Vec<Vec<u32>>, Vec<Vec<Vec
 
 #[test]
 fn tiny_decoder_greedy_matches_cpu() {
-    let Some(device) = emu_or_skip("tiny_decoder_greedy_matches_cpu") else {
+    greedy_matches_cpu("tiny_decoder_greedy_matches_cpu", &llama_config());
+}
+
+#[test]
+fn tiny_mla_decoder_greedy_matches_cpu() {
+    greedy_matches_cpu("tiny_mla_decoder_greedy_matches_cpu", &mla_config());
+}
+
+fn greedy_matches_cpu(test: &str, config: &ModelConfig) {
+    let Some(device) = emu_or_skip(test) else {
         return;
     };
     let emu = CudaBackend::new(device, CudaConfig::default());
     // f32 stores: only summation order differs. bf16 stores: both round K/V identically (the
     // device store's bytes equal the host's), so the same bound holds with margin.
     for (dtype, bound) in [(KvDtype::F32, 1e-4), (KvDtype::Bf16, 1e-3)] {
-        let (want_tokens, want_logits) = greedy(CpuBackend::default(), dtype);
-        let (got_tokens, got_logits) = greedy(emu.clone(), dtype);
+        let (want_tokens, want_logits) = greedy(CpuBackend::default(), config, dtype);
+        let (got_tokens, got_logits) = greedy(emu.clone(), config, dtype);
         for (r, (w, g)) in want_logits.iter().zip(&got_logits).enumerate() {
             for (step, (w, g)) in w.iter().zip(g).enumerate() {
                 let num: f64 = w

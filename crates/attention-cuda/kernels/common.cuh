@@ -15,7 +15,11 @@
 #define KVS_KERNEL extern "C" __global__
 #endif
 
-#if defined(__HIP_PLATFORM_AMD__)
+// HIP (clang defines __HIP__ for HIP sources, hipRTC included; hipRTC 5.x does not define
+// __HIP_PLATFORM_AMD__ before the source): __shfl_xor over the whole wavefront. WARP_SIZE stays
+// 32 on a 64-wide wavefront: xor masks below 32 never leave a lane's aligned group of 32, so
+// the reductions below reduce over 32 lanes, as on NVIDIA.
+#if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__)
 #define KVS_SHFL_XOR(v, m) __shfl_xor((v), (m))
 #else
 #define KVS_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))

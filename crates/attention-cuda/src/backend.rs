@@ -4,7 +4,7 @@
 //! whether the kernels run on a GPU or in the CPU emulation.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use attention::{
     check, AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, Result,
@@ -61,13 +61,25 @@ impl<D: Device> fmt::Debug for CudaBackend<D> {
     }
 }
 
-/// The backend's plan for one batch: the page table and the write list in device memory.
+/// The backend's plan for one batch: the page table and the write list in device memory, and
+/// the split-KV scratch its layers share.
 pub struct CudaPlan<D: Device> {
     meta: BatchMetadata,
     table: D::Buffer,
     writes: D::Buffer,
     kept_writes: usize,
     max_kv_len: usize,
+    scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
+}
+
+/// `paged_attention`'s partial outputs and log-sum-exps, allocated by the first layer that
+/// attends with the plan and reused by every later one (replaced by a larger pair when a call
+/// needs more), so a layer allocates nothing but its output. Launches run in order on the
+/// device, so a layer's kernels overwrite the scratch only after the previous layer's merge
+/// has read it.
+struct SplitScratch<B> {
+    o: B,
+    lse: B,
 }
 
 impl<D: Device> fmt::Debug for CudaPlan<D> {
@@ -141,11 +153,144 @@ impl<D: Device> CudaBackend<D> {
                 kernels::attention(shape.dtype, d, dv, 1)?;
                 Ok((h, d, dv))
             }
-            KvKind::Mla { .. } => Err("MLA attention has no CUDA kernel yet".into()),
+            KvKind::Mla { .. } => Err("attention over an MLA store is attention_mla".into()),
             KvKind::DoubleSparse { .. } => {
                 Err("DoubleSparse attention has no CUDA kernel yet".into())
             }
         }
+    }
+}
+
+/// One `paged_attention` call: the specialisation, the query, the layer's cache buffers and
+/// the scalars the kernel takes.
+struct PagedAttention<'a, D: Device> {
+    spec: kernels::Spec,
+    q: &'a CudaTensor<D>,
+    k_cache: &'a D::Buffer,
+    v_cache: &'a D::Buffer,
+    q_heads: usize,
+    kv_heads: usize,
+    v_head_dim: usize,
+    page_size: u32,
+    scale: f32,
+    k_scale: f32,
+    v_scale: f32,
+}
+
+impl<D: Device> CudaBackend<D> {
+    /// The scales the kernels divide by when storing and multiply by when reading: the
+    /// layer's for fp8 stores, 1 otherwise (as the host store).
+    fn kernel_scales(store: &CudaKvStore<D>, layer: usize) -> Result<(f32, f32)> {
+        let scales = store.scales(layer)?;
+        Ok(if store.layout().shape.dtype.is_fp8() {
+            scales
+        } else {
+            (1.0, 1.0)
+        })
+    }
+
+    /// Writes the batch's new rows `src` (one per token) into `buffer` of `layer` at the
+    /// plan's `out_cache_loc`, converted to the store dtype (divided by `scale`).
+    fn store_new_rows(
+        &self,
+        plan: &CudaPlan<D>,
+        store: &CudaKvStore<D>,
+        layer: usize,
+        buffer: KvBuffer,
+        src: &CudaTensor<D>,
+        scale: f32,
+    ) -> Result<()> {
+        if plan.kept_writes == 0 {
+            return Ok(());
+        }
+        let row = store.layout().shape.row_elems(buffer);
+        self.device.launch(
+            store.spec(),
+            "store_kv",
+            geometry::per_row("store_kv", plan.kept_writes, ROW_THREADS)?,
+            &[
+                KernelArg::Buf(&src.buf),
+                KernelArg::Buf(&plan.writes),
+                KernelArg::Buf(store.buffer(layer, buffer)),
+                KernelArg::U32(dim("row", row)?),
+                KernelArg::F32(scale),
+            ],
+        )
+    }
+
+    /// Attention of every token of the plan over its request's positions `0..=pos`, read back
+    /// from the store: the KV range split across blocks by a [`SplitPlan`], then the splits
+    /// merged by their log-sum-exp. Returns `[tokens, q_heads, v_head_dim]`.
+    fn paged_attention(
+        &self,
+        plan: &CudaPlan<D>,
+        a: &PagedAttention<'_, D>,
+    ) -> Result<CudaTensor<D>> {
+        let n = plan.meta.num_tokens();
+        let out = self.zeros(&[n, a.q_heads, a.v_head_dim])?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let split = SplitPlan::new(
+            n,
+            a.q_heads,
+            plan.max_kv_len,
+            self.config.split_kv_target_blocks,
+            ATTN_THREADS as usize,
+        );
+        let partials = split.num_splits as usize * n * a.q_heads;
+        let (o_bytes, lse_bytes) = (partials * a.v_head_dim * 4, partials * 4);
+        let mut slot = plan
+            .scratch
+            .lock()
+            .map_err(|_| AttentionError::Device("split scratch poisoned".into()))?;
+        let scratch = match slot.take() {
+            Some(s) if self.device.len(&s.o) >= o_bytes && self.device.len(&s.lse) >= lse_bytes => {
+                s
+            }
+            smaller => {
+                drop(smaller); // freed before the larger pair is allocated
+                SplitScratch {
+                    o: self.device.alloc_zeroed(o_bytes)?,
+                    lse: self.device.alloc_zeroed(lse_bytes)?,
+                }
+            }
+        };
+        let (partial_o, partial_lse) = (&scratch.o, &scratch.lse);
+        self.device.launch(
+            &a.spec,
+            "paged_attention",
+            geometry::attention(n, a.q_heads, split)?,
+            &[
+                KernelArg::Buf(&a.q.buf),
+                KernelArg::Buf(a.k_cache),
+                KernelArg::Buf(a.v_cache),
+                KernelArg::Buf(&plan.table),
+                KernelArg::Buf(partial_o),
+                KernelArg::Buf(partial_lse),
+                KernelArg::U32(dim("q_heads", a.q_heads)?),
+                KernelArg::U32(dim("kv_heads", a.kv_heads)?),
+                KernelArg::U32(a.page_size),
+                KernelArg::U32(a.page_size.trailing_zeros()),
+                KernelArg::U32(split.split_size),
+                KernelArg::F32(a.scale),
+                KernelArg::F32(a.k_scale),
+                KernelArg::F32(a.v_scale),
+            ],
+        )?;
+        self.device.launch(
+            &a.spec,
+            "merge_states",
+            geometry::per_row("merge_states", n * a.q_heads, ATTN_THREADS)?,
+            &[
+                KernelArg::Buf(partial_o),
+                KernelArg::Buf(partial_lse),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(split.num_splits),
+            ],
+        )?;
+        *slot = Some(scratch);
+        Ok(out)
     }
 }
 
@@ -163,7 +308,19 @@ impl<D: Device> Backend for CudaBackend<D> {
     }
 
     fn kv_support(&self, shape: &KvShape) -> std::result::Result<(), String> {
-        Self::mha_dims(shape).map(|_| ())
+        match shape.kind {
+            KvKind::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+            } => kernels::attention_mla(
+                shape.dtype,
+                kv_lora_rank as usize,
+                qk_rope_head_dim as usize,
+                1,
+            )
+            .map(|_| ()),
+            _ => Self::mha_dims(shape).map(|_| ()),
+        }
     }
 
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<CudaTensor<D>> {
@@ -334,6 +491,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             writes: self.buffer_from(bytemuck::cast_slice(&writes))?,
             kept_writes: writes[0] as usize,
             max_kv_len: meta.kv_lens().iter().copied().max().unwrap_or(0),
+            scratch: Mutex::new(None),
         })
     }
 
@@ -356,81 +514,34 @@ impl<D: Device> Backend for CudaBackend<D> {
             params,
         )?;
         Self::mha_dims(&layout.shape).map_err(AttentionError::Unsupported)?;
-        let n = plan.meta.num_tokens();
-        let out = self.zeros(&[n, geo.q_heads, geo.v_head_dim])?;
-        if n == 0 {
-            return Ok(out);
-        }
-        let page_size = layout.page_size;
-        let spec = kernels::attention(layout.shape.dtype, geo.head_dim, geo.v_head_dim, page_size)
-            .map_err(AttentionError::Unsupported)?;
-        let (k_scale, v_scale) = store.scales(layer)?;
-        let (k_scale, v_scale) = if layout.shape.dtype.is_fp8() {
-            (k_scale, v_scale)
-        } else {
-            (1.0, 1.0)
-        };
+        let spec = kernels::attention(
+            layout.shape.dtype,
+            geo.head_dim,
+            geo.v_head_dim,
+            layout.page_size,
+        )
+        .map_err(AttentionError::Unsupported)?;
+        let (k_scale, v_scale) = Self::kernel_scales(store, layer)?;
         // 1. The new tokens' K and V at out_cache_loc, converted to the store dtype.
-        for (buffer, src, scale) in [(KvBuffer::Key, k, k_scale), (KvBuffer::Value, v, v_scale)] {
-            self.device.launch(
-                store.spec(),
-                "store_kv",
-                geometry::per_row("store_kv", plan.kept_writes, ROW_THREADS)?,
-                &[
-                    KernelArg::Buf(&src.buf),
-                    KernelArg::Buf(&plan.writes),
-                    KernelArg::Buf(store.buffer(layer, buffer)),
-                    KernelArg::U32(dim("row", layout.shape.row_elems(buffer))?),
-                    KernelArg::F32(scale),
-                ],
-            )?;
-        }
-        // 2. Attention over every position read back from the store, split across blocks.
-        let split = SplitPlan::new(
-            n,
-            geo.q_heads,
-            plan.max_kv_len,
-            self.config.split_kv_target_blocks,
-            ATTN_THREADS as usize,
-        );
-        let partials = split.num_splits as usize * n * geo.q_heads;
-        let partial_o = self.device.alloc_zeroed(partials * geo.v_head_dim * 4)?;
-        let partial_lse = self.device.alloc_zeroed(partials * 4)?;
-        let page_shift = page_size.trailing_zeros();
-        self.device.launch(
-            &spec,
-            "paged_attention",
-            geometry::attention(n, geo.q_heads, split)?,
-            &[
-                KernelArg::Buf(&q.buf),
-                KernelArg::Buf(store.buffer(layer, KvBuffer::Key)),
-                KernelArg::Buf(store.buffer(layer, KvBuffer::Value)),
-                KernelArg::Buf(&plan.table),
-                KernelArg::Buf(&partial_o),
-                KernelArg::Buf(&partial_lse),
-                KernelArg::U32(dim("q_heads", geo.q_heads)?),
-                KernelArg::U32(dim("kv_heads", geo.kv_heads)?),
-                KernelArg::U32(page_size),
-                KernelArg::U32(page_shift),
-                KernelArg::U32(split.split_size),
-                KernelArg::F32(params.scale),
-                KernelArg::F32(k_scale),
-                KernelArg::F32(v_scale),
-            ],
-        )?;
-        // 3. The splits merged by their log-sum-exp.
-        self.device.launch(
-            &spec,
-            "merge_states",
-            geometry::per_row("merge_states", n * geo.q_heads, ATTN_THREADS)?,
-            &[
-                KernelArg::Buf(&partial_o),
-                KernelArg::Buf(&partial_lse),
-                KernelArg::Buf(&out.buf),
-                KernelArg::U32(split.num_splits),
-            ],
-        )?;
-        Ok(out)
+        self.store_new_rows(plan, store, layer, KvBuffer::Key, k, k_scale)?;
+        self.store_new_rows(plan, store, layer, KvBuffer::Value, v, v_scale)?;
+        // 2. Attention over every position read back from the store.
+        self.paged_attention(
+            plan,
+            &PagedAttention {
+                spec,
+                q,
+                k_cache: store.buffer(layer, KvBuffer::Key),
+                v_cache: store.buffer(layer, KvBuffer::Value),
+                q_heads: geo.q_heads,
+                kv_heads: geo.kv_heads,
+                v_head_dim: geo.v_head_dim,
+                page_size: layout.page_size,
+                scale: params.scale,
+                k_scale,
+                v_scale,
+            },
+        )
     }
 
     fn attention_mla(
@@ -443,9 +554,31 @@ impl<D: Device> Backend for CudaBackend<D> {
         params: &AttentionParams,
     ) -> Result<CudaTensor<D>> {
         let layout = *store.layout();
-        check::attention_mla(layer, &plan.meta, &layout, &q.shape, &latent.shape, params)?;
-        Err(AttentionError::Unsupported(
-            "MLA attention has no CUDA kernel yet".into(),
-        ))
+        let (heads, d, dv) =
+            check::attention_mla(layer, &plan.meta, &layout, &q.shape, &latent.shape, params)?;
+        let spec = kernels::attention_mla(layout.shape.dtype, dv, d - dv, layout.page_size)
+            .map_err(AttentionError::Unsupported)?;
+        let (k_scale, _) = Self::kernel_scales(store, layer)?;
+        // 1. The new tokens' latent rows at out_cache_loc.
+        self.store_new_rows(plan, store, layer, KvBuffer::Key, latent, k_scale)?;
+        // 2. Every head attends over the one latent row per position: scores over the whole
+        //    row, values its first kv_lora_rank elements (the same buffer, the same scale).
+        let latent_rows = store.buffer(layer, KvBuffer::Key);
+        self.paged_attention(
+            plan,
+            &PagedAttention {
+                spec,
+                q,
+                k_cache: latent_rows,
+                v_cache: latent_rows,
+                q_heads: heads,
+                kv_heads: 1,
+                v_head_dim: dv,
+                page_size: layout.page_size,
+                scale: params.scale,
+                k_scale,
+                v_scale: k_scale,
+            },
+        )
     }
 }

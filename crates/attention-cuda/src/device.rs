@@ -64,3 +64,52 @@ pub trait Device: Send + Sync {
         args: &[KernelArg<'_, Self::Buffer>],
     ) -> Result<()>;
 }
+
+/// The kernel's arguments packed as one parameter buffer, the layout `cuLaunchKernel` and
+/// `hipModuleLaunchKernel` take through `extra` (`*_LAUNCH_PARAM_BUFFER_POINTER`): each value at
+/// the next offset aligned to its size (pointers 8 bytes, `u32` and `f32` 4), little-endian,
+/// the total rounded up to 8. `address` gives a buffer's device address.
+pub fn packed_args<B>(args: &[KernelArg<'_, B>], address: impl Fn(&B) -> u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(args.len() * 8);
+    for arg in args {
+        let bytes: Vec<u8> = match arg {
+            KernelArg::Buf(b) => address(b).to_le_bytes().to_vec(),
+            KernelArg::U32(x) => x.to_le_bytes().to_vec(),
+            KernelArg::F32(x) => x.to_le_bytes().to_vec(),
+        };
+        out.resize(out.len().next_multiple_of(bytes.len()), 0);
+        out.extend_from_slice(&bytes);
+    }
+    out.resize(out.len().next_multiple_of(8), 0);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_args_align_each_value_to_its_size() {
+        let (a, b) = (0x1122_3344_5566_7788u64, 0x99u64);
+        let args = [
+            KernelArg::U32(7),
+            KernelArg::Buf(&a),
+            KernelArg::F32(1.5),
+            KernelArg::U32(9),
+            KernelArg::Buf(&b),
+            KernelArg::U32(3),
+        ];
+        let p = packed_args(&args, |&x| x);
+        let mut want = Vec::new();
+        want.extend(7u32.to_le_bytes());
+        want.extend([0; 4]); // the pointer that follows starts at 8
+        want.extend(a.to_le_bytes());
+        want.extend(1.5f32.to_le_bytes());
+        want.extend(9u32.to_le_bytes());
+        want.extend(b.to_le_bytes());
+        want.extend(3u32.to_le_bytes());
+        want.extend([0; 4]); // the total is a multiple of 8
+        assert_eq!(p, want);
+        assert!(packed_args::<u64>(&[], |&x| x).is_empty());
+    }
+}

@@ -4,7 +4,8 @@
 
 use kv_pool::KvDtype;
 
-pub use crate::specs::{all_specs, Source, Spec, SPEC_HEAD_DIMS};
+use crate::specs::attention_spec;
+pub use crate::specs::{all_specs, Source, Spec, SPEC_HEAD_DIMS, SPEC_MLA_DIMS};
 
 /// `kernels/common.cuh`: dtype conversions and block reductions, prepended to every source.
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
@@ -76,15 +77,36 @@ pub fn attention(
              key and value dims, not {head_dim}/{v_head_dim}"
         ));
     }
-    Ok(Spec {
-        source: Source::Attention,
-        defines: vec![
-            ("KV_DTYPE", kv),
-            ("HEAD_DIM", head_dim as u32),
-            ("V_HEAD_DIM", v_head_dim as u32),
-            ("PAGE_FAMILY", page_family(page_size)),
-        ],
-    })
+    let (d, dv) = (head_dim as u32, v_head_dim as u32);
+    Ok(attention_spec(kv, d, dv, page_family(page_size), false))
+}
+
+/// The absorbed-MLA attention kernels for a store of `dtype` whose rows are `kv_lora_rank`
+/// latent elements then `rope_dim` rotary-key elements, pages of `page_size`; `Err(reason)`
+/// when no specialisation exists.
+pub fn attention_mla(
+    dtype: KvDtype,
+    kv_lora_rank: usize,
+    rope_dim: usize,
+    page_size: u32,
+) -> Result<Spec, String> {
+    let kv = kv_dtype_define(dtype)?;
+    let Some(&(rank, rope)) = SPEC_MLA_DIMS
+        .iter()
+        .find(|&&(r, p)| r as usize == kv_lora_rank && p as usize == rope_dim)
+    else {
+        return Err(format!(
+            "the CUDA MLA attention kernels are compiled for (kv_lora_rank, rope dim) \
+             {SPEC_MLA_DIMS:?}, not ({kv_lora_rank}, {rope_dim})"
+        ));
+    };
+    Ok(attention_spec(
+        kv,
+        rank + rope,
+        rank,
+        page_family(page_size),
+        true,
+    ))
 }
 
 #[cfg(test)]
@@ -103,7 +125,14 @@ mod tests {
                     assert!(all.contains(&spec), "{}", spec.name());
                 }
             }
+            for (r, rope) in SPEC_MLA_DIMS {
+                for p in [1, 16, 48] {
+                    let spec = attention_mla(dtype, r as usize, rope as usize, p).unwrap();
+                    assert!(all.contains(&spec), "{}", spec.name());
+                }
+            }
         }
+        assert!(attention_mla(KvDtype::F16, 512, 32, 1).is_err());
         assert!(attention(KvDtype::F16, 72, 72, 1).is_err());
         assert!(attention(KvDtype::F16, 64, 128, 1).is_err());
     }

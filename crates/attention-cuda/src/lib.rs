@@ -2,13 +2,14 @@
 //!
 //! [`CudaBackend`] implements [`attention::Backend`] with CUDA C++ kernels: the dense ops of a
 //! decoder layer (a tiled matmul, RMSNorm, rotary, SiLU-and-mul, residual add, embedding), KV
-//! writes at `out_cache_loc`, and paged attention (MHA / GQA / MQA, causal over each request's
-//! cached prefix plus its new tokens, the KV range split across blocks and merged by
-//! log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
+//! writes at `out_cache_loc`, and paged attention (MHA / GQA / MQA and absorbed MLA, causal
+//! over each request's cached prefix plus its new tokens, the KV range split across blocks and
+//! merged by log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
 //!
 //! - [`kernels`]: the `.cu` sources under `kernels/` (embedded), specialised by `#define`s
-//!   (store dtype f32/f16/bf16/fp8, head dim, page-size family) into the [`Spec`]s of [`specs`]; every
-//!   specialisation is compiled to PTX by NVRTC in CI (feature `cuda`, [`nvrtc`]).
+//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family) into the [`Spec`]s
+//!   of [`specs`]; every specialisation is compiled to PTX by NVRTC in CI (feature `cuda`,
+//!   [`nvrtc`]).
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
 //!   copies, and launches by specialisation and kernel name. The CPU emulation
 //!   (`attention-cuda-emu`, tests only) implements it by compiling the same `.cu` sources with
@@ -16,6 +17,8 @@
 //! - [`plan`] and [`geometry`]: host-side planning (page-table packing, write lists, split-KV
 //!   plans) and launch geometry, plain functions unit-tested on their own.
 //! - [`backend`], [`store`], [`tensor`]: the trait implementations.
+//! - Devices: `cudarc_device` (NVIDIA, features `cuda-12`/`cuda-13`) and `hip_device` (AMD,
+//!   feature `rocm`, kernels compiled by `hiprtc`); the emulation's lives in its own crate.
 //!
 //! ## Invariants
 //! - The kernel sources stay within what NVRTC, hipRTC and the emulation compile: no
@@ -23,19 +26,22 @@
 //! - Like every backend, it never allocates or frees slots: attention writes the new K/V at the
 //!   plan's `out_cache_loc`, then reads every position back from the store.
 //! - Bad input is a typed error, checked on the host with [`attention::check`] and
-//!   [`kv_pool::store::check`] before anything is launched; store dtypes and attention kinds
-//!   without kernels (MLA, DoubleSparse, head dims outside [`kernels::SPEC_HEAD_DIMS`]) are
-//!   typed `Unsupported` errors, announced by [`Backend::kv_support`](attention::Backend::kv_support).
+//!   [`kv_pool::store::check`] before anything is launched; attention kinds and shapes without
+//!   kernels (DoubleSparse, head dims outside [`kernels::SPEC_HEAD_DIMS`], MLA shapes outside
+//!   [`kernels::SPEC_MLA_DIMS`]) are typed `Unsupported` errors, announced by
+//!   [`Backend::kv_support`](attention::Backend::kv_support).
 //! - Stored bytes equal [`kv_pool::HostKvStore`]'s: the kernels round f32 to f16, bf16 and
 //!   fp8 (e4m3, e5m2; saturating, with the layer's scales) to nearest even, as kv-pool's
 //!   encoder does.
 //! - The crate builds with no features and no CUDA anywhere; the `cuda` feature adds cudarc
 //!   with dynamic loading, whose libraries are checked with `is_culib_present()` before any
-//!   call (cudarc's loader panics otherwise).
+//!   call (cudarc's loader panics otherwise). `rocm` links libamdhip64 (hip-sys), so it builds
+//!   only where the HIP headers are installed; the device count is asked before any other call.
+//! - A plan's split-KV scratch is allocated once and reused by every layer of the batch.
 //!
 //! ## Where it sits
 //! Depends on `attention` (the traits it implements) and `kv-pool` (the store trait and its
-//! validation), and with `cuda` on cudarc. Its tests and `attention-cuda-emu`'s conformance
+//! validation), with `cuda` on cudarc and with `rocm` on hip-sys. Its tests and `attention-cuda-emu`'s conformance
 //! test run the shared suite from `attention::conformance`.
 
 pub mod backend;
@@ -43,6 +49,10 @@ pub mod backend;
 pub mod cudarc_device;
 pub mod device;
 pub mod geometry;
+#[cfg(feature = "rocm")]
+pub mod hip_device;
+#[cfg(feature = "rocm")]
+pub mod hiprtc;
 pub mod kernels;
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub mod nvrtc;
@@ -55,7 +65,9 @@ pub mod tensor;
 pub use backend::{CudaBackend, CudaConfig, CudaPlan};
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
-pub use device::{Device, KernelArg, LaunchConfig};
+pub use device::{packed_args, Device, KernelArg, LaunchConfig};
+#[cfg(feature = "rocm")]
+pub use hip_device::{HipDevice, HipError, HipReport};
 pub use specs::{Source, Spec};
 pub use store::CudaKvStore;
 pub use tensor::CudaTensor;

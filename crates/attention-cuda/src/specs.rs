@@ -59,6 +59,10 @@ pub const SPEC_KV_DTYPES: [u32; 5] = [0, 1, 2, 3, 4];
 pub const SPEC_HEAD_DIMS: [u32; 4] = [64, 96, 128, 256];
 /// `PAGE_FAMILY` values: 0 page size 1, 1 a power of two, 2 any.
 pub const SPEC_PAGE_FAMILIES: [u32; 3] = [0, 1, 2];
+/// `(kv_lora_rank, qk_rope_head_dim)` of the MLA stores the attention kernel is compiled for
+/// (`MLA 1`, `HEAD_DIM` their sum, `V_HEAD_DIM` the rank): DeepSeek-V2/V3's 512 + 64, and
+/// 32 + 16 for the conformance suite and the tiny MLA decoder.
+pub const SPEC_MLA_DIMS: [(u32, u32); 2] = [(512, 64), (32, 16)];
 
 impl Spec {
     /// A unique identifier, usable as a C symbol suffix: the source's stem and the defines'
@@ -84,6 +88,30 @@ impl Spec {
     }
 }
 
+/// The attention source specialised for a store dtype (`KV_DTYPE`), key and value head dims, a
+/// page-size family and, for absorbed MLA, `MLA 1` (values are the head of the key row).
+pub fn attention_spec(
+    kv: u32,
+    head_dim: u32,
+    v_head_dim: u32,
+    page_family: u32,
+    mla: bool,
+) -> Spec {
+    let mut defines = vec![
+        ("KV_DTYPE", kv),
+        ("HEAD_DIM", head_dim),
+        ("V_HEAD_DIM", v_head_dim),
+        ("PAGE_FAMILY", page_family),
+    ];
+    if mla {
+        defines.push(("MLA", 1));
+    }
+    Spec {
+        source: Source::Attention,
+        defines,
+    }
+}
+
 /// Every specialisation of every source: what CI compiles with NVRTC and the emulation
 /// compiles for the CPU.
 pub fn all_specs() -> Vec<Spec> {
@@ -100,15 +128,14 @@ pub fn all_specs() -> Vec<Spec> {
     for kv in SPEC_KV_DTYPES {
         for hd in SPEC_HEAD_DIMS {
             for pf in SPEC_PAGE_FAMILIES {
-                specs.push(Spec {
-                    source: Source::Attention,
-                    defines: vec![
-                        ("KV_DTYPE", kv),
-                        ("HEAD_DIM", hd),
-                        ("V_HEAD_DIM", hd),
-                        ("PAGE_FAMILY", pf),
-                    ],
-                });
+                specs.push(attention_spec(kv, hd, hd, pf, false));
+            }
+        }
+    }
+    for kv in SPEC_KV_DTYPES {
+        for (rank, rope) in SPEC_MLA_DIMS {
+            for pf in SPEC_PAGE_FAMILIES {
+                specs.push(attention_spec(kv, rank + rope, rank, pf, true));
             }
         }
     }

@@ -9,17 +9,10 @@ use attention_cuda::nvrtc;
 /// The architecture the PTX targets (Hopper; PTX is forward compatible to newer GPUs).
 const ARCH: &str = "compute_90";
 
+mod common;
+
 fn nvrtc_or_skip(test: &str) -> bool {
-    match nvrtc::available() {
-        Ok(()) => true,
-        Err(reason) => {
-            if std::env::var("KVSERVE_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
-                panic!("{test}: KVSERVE_REQUIRE_NVRTC=1 but {reason}");
-            }
-            println!("skipping {test}: {reason}");
-            false
-        }
-    }
+    common::found_or_skip(test, "KVSERVE_REQUIRE_NVRTC", nvrtc::available())
 }
 
 #[test]

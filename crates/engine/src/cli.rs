@@ -340,8 +340,8 @@ pub struct EngineArgs {
     /// the built-in tiny preset, which needs no download.
     #[arg(long, value_name = "DIR", help_heading = "Engine")]
     pub model_path: Option<PathBuf>,
-    /// Compute backend: cpu, wgpu, cuda (among those compiled into this build; see `kvserve
-    /// info`).
+    /// Compute backend: cpu, wgpu, cuda, rocm (among those compiled into this build; see
+    /// `kvserve info`).
     #[arg(long, default_value = "cpu", help_heading = "Engine")]
     pub backend: String,
     /// CPU threads (default: the available cores).

@@ -45,7 +45,7 @@
 //! ```text
 //! engine ─┬─> scheduler ──> radix-cache ──> kv-pool
 //!         ├─> model ──> attention ──> kv-pool
-//!         ├─> attention backends (cpu; wgpu, cuda by feature)
+//!         ├─> attention backends (cpu; wgpu, cuda, rocm by feature)
 //!         └─> transfer ──> kv-pool
 //! ```
 //!

@@ -515,6 +515,10 @@ fn bench_bad_input_exits_with_code_2() {
         &["--backend", "not compiled"],
     );
     assert_fails(
+        &["bench", "--backend", "rocm"],
+        &["--backend", "not compiled"],
+    );
+    assert_fails(
         &["bench", "--kv-cache-dtype", "int3"],
         &["--kv-cache-dtype"],
     );

@@ -16,11 +16,18 @@ pub enum BackendKind {
     Wgpu,
     /// `crates/attention-cuda` on an NVIDIA GPU through cudarc (feature `cuda`, or `cuda-13`).
     Cuda,
+    /// `crates/attention-cuda` on an AMD GPU through HIP and hipRTC (feature `rocm`).
+    Rocm,
 }
 
 impl BackendKind {
     /// Every backend kind, compiled or not, in `--backend` order.
-    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda];
+    pub const ALL: [BackendKind; 4] = [
+        BackendKind::Cpu,
+        BackendKind::Wgpu,
+        BackendKind::Cuda,
+        BackendKind::Rocm,
+    ];
 
     /// The `--backend` value.
     pub fn name(self) -> &'static str {
@@ -28,6 +35,7 @@ impl BackendKind {
             BackendKind::Cpu => "cpu",
             BackendKind::Wgpu => "wgpu",
             BackendKind::Cuda => "cuda",
+            BackendKind::Rocm => "rocm",
         }
     }
 
@@ -37,6 +45,7 @@ impl BackendKind {
             BackendKind::Cpu => None,
             BackendKind::Wgpu => Some("wgpu"),
             BackendKind::Cuda => Some("cuda"),
+            BackendKind::Rocm => Some("rocm"),
         }
     }
 
@@ -47,6 +56,7 @@ impl BackendKind {
             BackendKind::Cpu => true,
             BackendKind::Wgpu => cfg!(feature = "wgpu"),
             BackendKind::Cuda => cfg!(any(feature = "cuda", feature = "cuda-13")),
+            BackendKind::Rocm => cfg!(feature = "rocm"),
         }
     }
 

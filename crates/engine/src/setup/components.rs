@@ -81,6 +81,8 @@ pub enum AnyRunner {
     Wgpu(WgpuRunner),
     /// On CUDA (a [`crate::error::NotCompiled`] stand-in without feature `cuda`).
     Cuda(CudaRunner),
+    /// On ROCm (a [`crate::error::NotCompiled`] stand-in without feature `rocm`).
+    Rocm(RocmRunner),
 }
 
 impl fmt::Debug for AnyRunner {
@@ -116,6 +118,7 @@ impl AnyRunner {
             }
             BackendKind::Wgpu => Ok(WgpuRunner::build(setup, capacity)?.into()),
             BackendKind::Cuda => Ok(CudaRunner::build(setup, capacity)?.into()),
+            BackendKind::Rocm => Ok(RocmRunner::build(setup, capacity)?.into()),
         }
     }
 }
@@ -294,6 +297,30 @@ impl BuildRunner for CudaRunner {
 #[cfg(not(any(feature = "cuda", feature = "cuda-13")))]
 not_compiled_backend!(CudaRunner, BackendKind::Cuda);
 
+/// The model on the ROCm backend (AMD GPU 0; the CUDA backend's kernels through hipRTC).
+#[cfg(feature = "rocm")]
+pub type RocmRunner = ModelRunner<attention_cuda::CudaBackend<attention_cuda::HipDevice>>;
+
+#[cfg(feature = "rocm")]
+impl BuildRunner for RocmRunner {
+    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+        let device = attention_cuda::HipDevice::new(0)
+            .map_err(|e| EngineError::arg("--backend", format!("rocm: {e}")))?;
+        let backend = attention_cuda::CudaBackend::new(device, Default::default());
+        runner_on(backend, setup, capacity)
+    }
+
+    fn probe() -> Option<String> {
+        Some(match attention_cuda::HipDevice::new(0) {
+            Ok(d) => d.report().to_string(),
+            Err(e) => format!("none: {e}"),
+        })
+    }
+}
+
+#[cfg(not(feature = "rocm"))]
+not_compiled_backend!(RocmRunner, BackendKind::Rocm);
+
 /// Everything a component choice can name in this build, for `kvserve info` and for error
 /// messages.
 #[derive(Debug, Clone, Serialize)]
@@ -395,6 +422,7 @@ impl Inventory {
         let probes = [
             (BackendKind::Wgpu, <WgpuRunner as BuildRunner>::probe()),
             (BackendKind::Cuda, <CudaRunner as BuildRunner>::probe()),
+            (BackendKind::Rocm, <RocmRunner as BuildRunner>::probe()),
         ];
         self.devices = probes
             .into_iter()

@@ -1,0 +1,90 @@
+//! The `rocm` feature without an AMD GPU: every kernel × every specialisation compiles to an
+//! AMD code object with hipRTC (for `gfx90a`, CDNA2 with 64-wide wavefronts), a broken source
+//! is rejected with hipRTC's log, and opening a device that is not there is a typed error.
+//! Without a working hipRTC the compile tests print why and pass, unless
+//! `KVSERVE_REQUIRE_HIPRTC=1` (CI).
+#![cfg(feature = "rocm")]
+
+use attention_cuda::kernels::{self, all_specs};
+use attention_cuda::{hiprtc, HipDevice, HipError};
+
+/// The architecture the code objects target (MI200; hipRTC 5.2 knows gfx908/90a/1030/1100).
+const ARCH: &str = "gfx90a";
+
+mod common;
+
+fn hiprtc_or_skip(test: &str) -> bool {
+    common::found_or_skip(test, "KVSERVE_REQUIRE_HIPRTC", hiprtc::available())
+}
+
+#[test]
+fn every_specialisation_compiles_with_hiprtc() {
+    if !hiprtc_or_skip("every_specialisation_compiles_with_hiprtc") {
+        return;
+    }
+    let specs = all_specs();
+    let start = std::time::Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|w| {
+                let specs = &specs;
+                s.spawn(move || {
+                    specs
+                        .iter()
+                        .skip(w)
+                        .step_by(threads)
+                        .filter_map(|spec| match hiprtc::compile(spec, ARCH) {
+                            Ok(code) if code.starts_with(b"\x7fELF") => None,
+                            Ok(_) => Some(format!("{}: the code object is not ELF", spec.name())),
+                            Err(e) => Some(e),
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a compile thread panicked"))
+            .collect()
+    });
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    println!(
+        "{} specialisations compiled with hipRTC {:?} for {ARCH} in {:.1?} ({threads} threads)",
+        specs.len(),
+        hiprtc::available().unwrap(),
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_broken_kernel_is_rejected_with_the_log() {
+    if !hiprtc_or_skip("a_broken_kernel_is_rejected_with_the_log") {
+        return;
+    }
+    let spec = attention_cuda::Spec {
+        source: attention_cuda::Source::Attention,
+        defines: vec![("KV_DTYPE", 7)],
+    };
+    let err = hiprtc::compile(&spec, ARCH).unwrap_err();
+    assert!(err.contains("KV_DTYPE must be"), "{err}");
+    assert!(hiprtc::compile(&kernels::dense(), ARCH).is_ok());
+}
+
+/// Opening a device is a typed error when there is none (this machine, CI), never a panic; on
+/// a machine with an AMD GPU, device 0 opens and an ordinal past the count is refused.
+#[test]
+fn a_missing_device_is_a_typed_error() {
+    match HipDevice::new(0) {
+        Ok(d) => println!("device 0: {}", d.report()),
+        Err(e) => {
+            println!("device 0: {e}");
+            assert!(matches!(e, HipError::NoDevice { ordinal: 0, .. }), "{e:?}");
+        }
+    }
+    let e = HipDevice::new(4096).unwrap_err();
+    assert!(
+        matches!(e, HipError::NoDevice { ordinal: 4096, .. }),
+        "{e:?}"
+    );
+}
