@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Writes a Llama-family Hugging Face checkpoint (config.json + one model.safetensors, f32 or
-bf16) as a GGUF file for llama.cpp, without torch: the tensor names, the q/k row permutation and
+"""Writes a Llama-family Hugging Face checkpoint (config.json + one model.safetensors, f32,
+bf16 or f16) as a GGUF file for llama.cpp, without torch: the tensor names, the q/k row permutation and
 the metadata keys follow llama.cpp's convert_hf_to_gguf.py (conversion/llama.py), the tensors
-keep their dtype (2-D weights f32 or bf16, norms f32). The vocabulary is written as a
+keep their dtype (2-D weights f32, bf16 or f16, norms f32). The vocabulary is written as a
 byte-level-BPE ("gpt2") token list of the tokenizer.json's tokens with no merges: enough for
 llama-bench, llama-batched-bench and generation from token ids (what issue #18's comparison
 uses), not for llama.cpp's own text tokenisation.
@@ -67,7 +67,7 @@ def main():
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // n_head)
 
     tensors = list(read_safetensors(src / "model.safetensors"))
-    bf16 = any(dt == "BF16" for _, dt, shape, _ in tensors if len(shape) == 2)
+    half = {dt for _, dt, shape, _ in tensors if len(shape) == 2} & {"BF16", "F16"}
     w = gguf.GGUFWriter(out, "llama")
     w.add_name(src.name)
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
@@ -80,7 +80,8 @@ def main():
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(head_dim)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"BF16": gguf.LlamaFileType.MOSTLY_BF16, "F16": gguf.LlamaFileType.MOSTLY_F16}
+                    .get(min(half, default=None), gguf.LlamaFileType.ALL_F32))
 
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     assert [i for _, i in vocab] == list(range(cfg["vocab_size"])), "vocab ids must be 0..vocab_size"
@@ -109,6 +110,9 @@ def main():
             arr = permute(arr, n_head, n_kv)
         if len(shape) == 1 and dtype == "BF16":  # norms in f32, as the converter writes them
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
+            dtype = "F32"
+        elif len(shape) == 1 and dtype == "F16":
+            arr = arr.view(np.float16).astype(np.float32)
             dtype = "F32"
         qtype = {"F32": gguf.GGMLQuantizationType.F32, "BF16": gguf.GGMLQuantizationType.BF16,
                  "F16": gguf.GGMLQuantizationType.F16}[dtype]

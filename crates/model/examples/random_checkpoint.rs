@@ -3,7 +3,7 @@
 //! embeddings), for benchmarking the CPU backend with nothing downloaded:
 //!
 //! ```text
-//! cargo run --release -p model --example random_checkpoint -- DIR [f32|bf16]
+//! cargo run --release -p model --example random_checkpoint -- DIR [f32|bf16|f16]
 //! kvserve bench --model-path DIR --workload random ...
 //! ```
 //!
@@ -45,12 +45,13 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut args = std::env::args().skip(1);
     let dir = PathBuf::from(
         args.next()
-            .ok_or("usage: random_checkpoint DIR [f32|bf16]")?,
+            .ok_or("usage: random_checkpoint DIR [f32|bf16|f16]")?,
     );
-    let bf16 = match args.next().as_deref() {
-        None | Some("f32") => false,
-        Some("bf16") => true,
-        Some(other) => return Err(format!("unknown dtype {other} (f32 or bf16)").into()),
+    let (dtype, torch_dtype) = match args.next().as_deref() {
+        None | Some("f32") => (Dtype::F32, "float32"),
+        Some("bf16") => (Dtype::BF16, "bfloat16"),
+        Some("f16") => (Dtype::F16, "float16"),
+        Some(other) => return Err(format!("unknown dtype {other} (f32, bf16 or f16)").into()),
     };
     std::fs::create_dir_all(&dir)?;
     let c = smollm2_135m();
@@ -71,7 +72,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         "bos_token_id": 1,
         "eos_token_id": 2,
         "hidden_act": "silu",
-        "torch_dtype": if bf16 { "bfloat16" } else { "float32" },
+        "torch_dtype": torch_dtype,
     });
     std::fs::write(
         dir.join("config.json"),
@@ -88,17 +89,21 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tokenizer.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace));
     tokenizer.save(dir.join("tokenizer.json"), false)?;
     let weights = random_weights(&c, 0x5eed);
-    let dtype = if bf16 { Dtype::BF16 } else { Dtype::F32 };
     let bytes: Vec<(&String, Vec<usize>, Vec<u8>)> = weights
         .iter()
         .map(|(name, t)| {
-            let bytes = if bf16 {
-                t.data
+            let bytes = match dtype {
+                Dtype::BF16 => t
+                    .data
                     .iter()
                     .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-                    .collect()
-            } else {
-                t.data.iter().flat_map(|v| v.to_le_bytes()).collect()
+                    .collect(),
+                Dtype::F16 => t
+                    .data
+                    .iter()
+                    .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                    .collect(),
+                _ => t.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
             };
             (name, t.shape.clone(), bytes)
         })

@@ -162,6 +162,30 @@ fn sum_squares(x: &[f32]) -> f32 {
     s
 }
 
+/// Jobs of at least [`MIN_ELEMWISE`] elements each (at most one per thread) for a row-wise op
+/// over `len` elements in rows of `d`: rows per job.
+pub(crate) fn rows_per_job(pool: &Pool, len: usize, d: usize) -> usize {
+    let jobs = pool.threads().min(len / MIN_ELEMWISE).max(1);
+    (len / d.max(1)).div_ceil(jobs).max(1)
+}
+
+/// [`rms_norm`] split by rows over `pool` when large (each row is computed alone, so the
+/// split changes nothing).
+pub(crate) fn rms_norm_rows(pool: &Pool, x: &[f32], weight: &[f32], eps: f32, dst: &mut [f32]) {
+    let per = rows_per_job(pool, dst.len(), weight.len()) * weight.len();
+    let items: Vec<(&[f32], &mut [f32])> = x.chunks(per).zip(dst.chunks_mut(per)).collect();
+    pool.for_each(items, |(x, dst)| rms_norm(x, weight, eps, dst));
+}
+
+/// `x += y` element-wise, split over `pool` when large.
+pub(crate) fn add_assign(pool: &Pool, x: &mut [f32], y: &[f32]) {
+    let per = rows_per_job(pool, x.len(), 1);
+    let items: Vec<(&mut [f32], &[f32])> = x.chunks_mut(per).zip(y.chunks(per)).collect();
+    pool.for_each(items, |(x, y)| {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b)
+    });
+}
+
 /// RMSNorm of each `d`-row of `x` into `dst`.
 pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, dst: &mut [f32]) {
     let d = weight.len();
@@ -176,9 +200,7 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, dst: &mut [f32]) {
 /// `silu(gate) · up` for rows `[gate(d), up(d)]`, split by rows over `pool` when large (each
 /// element is computed alone, so the split changes nothing).
 pub(crate) fn silu_mul_rows(pool: &Pool, x: &[f32], d: usize, dst: &mut [f32]) {
-    let m = dst.len() / d;
-    let jobs = pool.threads().min(dst.len() / MIN_ELEMWISE).max(1);
-    let per = m.div_ceil(jobs);
+    let per = rows_per_job(pool, dst.len(), d);
     let items: Vec<(&[f32], &mut [f32])> =
         x.chunks(per * 2 * d).zip(dst.chunks_mut(per * d)).collect();
     pool.for_each(items, |(x, dst)| silu_mul(x, d, dst));
@@ -361,6 +383,29 @@ mod tests {
             let mut got = vec![0.0; m * d];
             silu_mul_rows(&Pool::new(t).unwrap(), &x, d, &mut got);
             assert!(got == want, "{t} threads");
+        }
+    }
+
+    /// `rms_norm` and `add_assign` split by rows over 1, 2 and 3 threads give the same bits.
+    #[test]
+    fn rms_norm_and_add_do_not_depend_on_threads() {
+        let mut rng = SplitMix64::new(9);
+        let (m, d) = (71, 576);
+        let x = nonzero_vec(&mut rng, m * d);
+        let y = nonzero_vec(&mut rng, m * d);
+        let w = nonzero_vec(&mut rng, d);
+        let mut want = vec![0.0; m * d];
+        rms_norm(&x, &w, 1e-5, &mut want);
+        let mut sum = x.clone();
+        sum.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+        for t in 1..=3 {
+            let pool = Pool::new(t).unwrap();
+            let mut got = vec![0.0; m * d];
+            rms_norm_rows(&pool, &x, &w, 1e-5, &mut got);
+            assert!(got == want, "rms_norm, {t} threads");
+            let mut got = x.clone();
+            add_assign(&pool, &mut got, &y);
+            assert!(got == sum, "add, {t} threads");
         }
     }
 

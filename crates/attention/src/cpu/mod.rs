@@ -9,10 +9,12 @@
 //!
 //! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
 //! by blocks of output columns (`columns`), attention by requests and long prefills by pieces
-//! of query tokens (`split`), `silu_mul` by rows; every output element is computed by one job
-//! in a fixed order, so results are bitwise the same for any thread count.
+//! of query tokens (`split`), RMSNorm, the residual add, the rotary embedding and `silu_mul` by
+//! rows; every output element is computed by one job in a fixed order, so results are bitwise
+//! the same for any thread count. Op outputs reuse the buffers of dropped tensors (`buffers`).
 
 mod attention;
+mod buffers;
 mod columns;
 mod dense;
 mod pool;
@@ -102,8 +104,16 @@ impl CpuTensor {
     }
 
     /// The elements, row-major, without a copy.
-    pub fn into_data(self) -> Vec<f32> {
-        self.data
+    pub fn into_data(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.data)
+    }
+}
+
+/// A dropped tensor's buffer goes back to this thread's free list for the next op's output
+/// (`buffers`).
+impl Drop for CpuTensor {
+    fn drop(&mut self) {
+        buffers::give(std::mem::take(&mut self.data));
     }
 }
 
@@ -268,18 +278,17 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn reshape(&self, t: CpuTensor, shape: &[usize]) -> Result<CpuTensor> {
+    fn reshape(&self, mut t: CpuTensor, shape: &[usize]) -> Result<CpuTensor> {
         check::reshape(&t.shape, shape)?;
-        Ok(CpuTensor {
-            shape: shape.to_vec(),
-            ..t
-        })
+        t.shape = shape.to_vec();
+        Ok(t)
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
         let xs = x.f32s("matmul")?;
-        let mut out = vec![0.0; m * n];
+        // Every element is written (zeros for k = 0).
+        let mut out = buffers::take(m * n);
         dense::matmul(&self.pool, xs, w.weights(), m, k, n, &mut out);
         CpuTensor::new(out, &[m, n])
     }
@@ -287,9 +296,10 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         check::rms_norm(&x.shape, &weight.shape)?;
         let (xs, ws) = (x.f32s("rms_norm")?, weight.f32s("rms_norm")?);
-        let mut out = vec![0.0; xs.len()];
+        // Every row is written.
+        let mut out = buffers::take(xs.len());
         if !out.is_empty() {
-            dense::rms_norm(xs, ws, eps, &mut out);
+            dense::rms_norm_rows(&self.pool, xs, ws, eps, &mut out);
         }
         CpuTensor::new(out, &x.shape)
     }
@@ -297,14 +307,16 @@ impl Backend for CpuBackend {
     fn rotary(&self, x: &mut CpuTensor, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
         let inv = check::rotary(&x.shape, positions.len(), cfg)?;
         x.f32s("rotary")?;
-        self.rope.rotate(&mut x.data, positions, &inv, cfg);
+        self.rope
+            .rotate(&self.pool, &mut x.data, positions, &inv, cfg);
         Ok(())
     }
 
     fn silu_mul(&self, x: &CpuTensor) -> Result<CpuTensor> {
         let (m, d) = check::silu_mul(&x.shape)?;
         let xs = x.f32s("silu_mul")?;
-        let mut out = vec![0.0; m * d];
+        // Every element is written (none when d = 0).
+        let mut out = buffers::take(m * d);
         if d > 0 {
             dense::silu_mul_rows(&self.pool, xs, d, &mut out);
         }
@@ -315,7 +327,7 @@ impl Backend for CpuBackend {
         check::add_assign(&x.shape, &y.shape)?;
         x.f32s("add_assign")?;
         let ys = y.f32s("add_assign")?;
-        x.data.iter_mut().zip(ys).for_each(|(a, b)| *a += b);
+        dense::add_assign(&self.pool, &mut x.data, ys);
         Ok(())
     }
 
@@ -404,7 +416,7 @@ impl Backend for CpuBackend {
             v_row: kv_heads * dv,
             v_in_k: false,
         };
-        let mut out = vec![0.0f32; n * q_heads * dv];
+        let mut out = buffers::take_zeroed(n * q_heads * dv);
         let sparse = params.double_sparse.as_ref().filter(|_| meta.is_decode());
         // The same rows, long requests in pieces (see `split`).
         let meta = plan.pieces.as_ref().unwrap_or(meta);
@@ -463,7 +475,7 @@ impl Backend for CpuBackend {
             v_row: 0,
             v_in_k: true,
         };
-        let mut out = vec![0.0f32; n * heads * dv];
+        let mut out = buffers::take_zeroed(n * heads * dv);
         let scale = params.scale;
         let meta = plan.pieces.as_ref().unwrap_or(meta);
         self.for_each_request(

@@ -5,6 +5,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::dense::rows_per_job;
+use super::pool::Pool;
+
 use crate::rope::{RopeConfig, RopeStyle};
 
 /// The last table: `cs[t · half + i]` = (cos, sin) of `positions[t] · inv[i]`.
@@ -51,19 +54,34 @@ impl RopeCache {
     }
 
     /// Rotates every head of `x` (`[positions.len(), heads, cfg.head_dim]`, checked by the
-    /// caller) at its token's position, with the inverse frequencies `inv`.
-    pub(crate) fn rotate(&self, x: &mut [f32], positions: &[u32], inv: &[f64], cfg: &RopeConfig) {
+    /// caller) at its token's position, with the inverse frequencies `inv`; split by tokens
+    /// over `pool` when large (each head is rotated alone, so the split changes nothing).
+    pub(crate) fn rotate(
+        &self,
+        pool: &Pool,
+        x: &mut [f32],
+        positions: &[u32],
+        inv: &[f64],
+        cfg: &RopeConfig,
+    ) {
         let half = cfg.rotary_dim / 2;
         if half == 0 || positions.is_empty() {
             return;
         }
         let cs = self.table(positions, inv, half);
         let per_token = x.len() / positions.len();
-        for (tok, cs) in x.chunks_exact_mut(per_token).zip(cs.chunks_exact(half)) {
-            for head in tok.chunks_exact_mut(cfg.head_dim) {
-                rotate_head(head, cs, cfg.style);
+        let tokens = rows_per_job(pool, x.len(), per_token);
+        let items: Vec<_> = x
+            .chunks_mut(tokens * per_token)
+            .zip(cs.chunks(tokens * half))
+            .collect();
+        pool.for_each(items, |(x, cs)| {
+            for (tok, cs) in x.chunks_exact_mut(per_token).zip(cs.chunks_exact(half)) {
+                for head in tok.chunks_exact_mut(cfg.head_dim) {
+                    rotate_head(head, cs, cfg.style);
+                }
             }
-        }
+        });
     }
 }
 
@@ -107,6 +125,7 @@ mod tests {
     #[test]
     fn cached_table_gives_the_direct_result() {
         let cache = RopeCache::default();
+        let pool = Pool::new(3).unwrap();
         for style in [RopeStyle::Neox, RopeStyle::GptJ] {
             let cfg = RopeConfig {
                 style,
@@ -114,6 +133,16 @@ mod tests {
             };
             let other = RopeConfig::neox(16, 500.0);
             let x: Vec<f32> = (0..3 * 2 * 16).map(|i| (i as f32 * 0.37).sin()).collect();
+            // Enough tokens for the pool to split them.
+            let long: Vec<u32> = (0..2048).map(|p| p * 7 % 5000).collect();
+            let x_long: Vec<f32> = (0..2048 * 2 * 16)
+                .map(|i| (i as f32 * 0.11).cos())
+                .collect();
+            let (mut got, mut want) = (x_long.clone(), x_long);
+            let inv = cfg.inv_freqs().unwrap();
+            cache.rotate(&pool, &mut got, &long, &inv, &cfg);
+            direct(&mut want, &long, &inv, &cfg);
+            assert!(got == want, "split over the pool");
             for (positions, cfg) in [
                 (&[0u32, 5, 9][..], &cfg),
                 (&[0, 5, 9], &cfg),
@@ -123,7 +152,7 @@ mod tests {
             ] {
                 let inv = cfg.inv_freqs().unwrap();
                 let (mut got, mut want) = (x.clone(), x.clone());
-                cache.rotate(&mut got, positions, &inv, cfg);
+                cache.rotate(&pool, &mut got, positions, &inv, cfg);
                 direct(&mut want, positions, &inv, cfg);
                 assert!(got == want, "{positions:?} {:?}", cfg.style);
             }

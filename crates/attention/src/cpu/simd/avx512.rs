@@ -99,6 +99,8 @@ impl Elem512 for Bf16 {
 
 /// Dot products of `H` f32 rows `a[h]` with `P` pairs of rows `b[p] = [lo, hi]` of `E`, `d`
 /// elements each, in the fixed order (see the module docs): `out[p][s][h] = a[h]·b[p][s]`.
+/// With `ahead > 0` it also prefetches the bytes `ahead` past each weight row as it reads it
+/// (a hint: no effect on the result).
 ///
 /// # Safety
 /// Every `a[h]` must be valid for `d` f32 reads, every `b[p][s]` for `d` elements of `E`, and
@@ -109,6 +111,7 @@ unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
     a: &[*const f32; H],
     b: &[[*const u8; 2]; P],
     d: usize,
+    ahead: usize,
 ) -> [[[f32; H]; 2]; P] {
     // SAFETY: every access is below `d` elements of its row (see the function's contract).
     // (Plain loops, no closures or `array::from_fn`: those are compiled without this
@@ -118,6 +121,15 @@ unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
         let chunks = d / 8;
         for ch in 0..chunks {
             let off = ch * 8 * E::BYTES;
+            if ahead > 0 && off % 64 == 0 {
+                // Hints only (they never fault, so the address may lie past the weight).
+                for p in 0..P {
+                    for s in 0..2 {
+                        let at = b[p][s].wrapping_add(off + ahead);
+                        _mm_prefetch::<_MM_HINT_T0>(at.cast());
+                    }
+                }
+            }
             let mut w = [_mm512_setzero_ps(); P];
             for p in 0..P {
                 w[p] = E::load8x2(b[p][0].add(off), b[p][1].add(off));
@@ -177,6 +189,9 @@ unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
 
 /// Rows of `x` per matmul tile.
 const MR: usize = 8;
+
+/// Tiles of at most this many `x` rows prefetch the next tile's weight rows.
+const PREFETCH_MAX_ROWS: usize = 2;
 
 /// `out[i, j] = x_i · w_j` for the rows of `x` (`k` each) and the columns `j` of `out` (rows of
 /// `w`, `k` elements of `E` each, little-endian bytes): bitwise [`super::matmul`]'s result,
@@ -239,18 +254,26 @@ unsafe fn matmul_tile<E: Elem512, const H: usize, const P: usize>(
             }
         }
     };
+    // A tile of few rows (decode) streams its weight rows from memory once: it prefetches
+    // the next tile's rows as it goes (the 2P rows it reads at once are too short a stream
+    // each for the hardware prefetcher). Tiles of more rows reuse a cached block of `w`.
+    let ahead = if H <= PREFETCH_MAX_ROWS {
+        2 * P * rb
+    } else {
+        0
+    };
     let mut j = js.start;
     while j + 2 * P <= js.end {
         let b: [[*const u8; 2]; P] = std::array::from_fn(|p| [row(j + 2 * p), row(j + 2 * p + 1)]);
         // SAFETY: the x rows hold k f32 and the 2P w rows k elements of E each (sliced); CPU
         // per contract.
-        let t = unsafe { dot_tile2::<E, H, P>(&a, &b, k) };
+        let t = unsafe { dot_tile2::<E, H, P>(&a, &b, k, ahead) };
         put(j, &t);
         j += 2 * P;
     }
     while j + 2 <= js.end {
         // SAFETY: as above, one pair of w rows.
-        let t = unsafe { dot_tile2::<E, H, 1>(&a, &[[row(j), row(j + 1)]], k) };
+        let t = unsafe { dot_tile2::<E, H, 1>(&a, &[[row(j), row(j + 1)]], k, 0) };
         put(j, &t);
         j += 2;
     }
