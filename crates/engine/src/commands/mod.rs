@@ -65,3 +65,37 @@ fn jobs(flag: Option<u32>) -> usize {
         |j| j as usize,
     )
 }
+
+/// The output of `sim` (also with `--dp`): a header and `table()` with the total wall time,
+/// or one JSON line per item of `json`.
+fn output_text<T: serde::Serialize>(
+    args: &crate::cli::SimArgs,
+    workload: &str,
+    requests: usize,
+    cost: &scheduler::CostModel,
+    table: impl FnOnce() -> String,
+    json: &[T],
+    wall: f64,
+) -> Result<String> {
+    Ok(match args.format {
+        crate::cli::OutputFormat::Table => {
+            let mut t = format!(
+                "workload: {workload}\n{requests} requests, {} on {} × {} (tp {}), page size {}\n",
+                cost.model.name, args.tp, cost.accel.name, args.tp, args.page_size
+            );
+            t.push_str(&table());
+            if !args.no_timings {
+                t.push_str(&format!(
+                    "total wall time {wall:.2} s for {} configurations\n",
+                    json.len()
+                ));
+            }
+            t
+        }
+        crate::cli::OutputFormat::Json => json
+            .iter()
+            .map(|o| serde_json::to_string(o).map(|l| l + "\n"))
+            .collect::<std::result::Result<String, _>>()
+            .map_err(|e| EngineError::arg("--format", e.to_string()))?,
+    })
+}

@@ -10,9 +10,9 @@ use std::time::Instant;
 use kv_pool::MemoryPlan;
 use scheduler::{Accelerator, CostModel, ModelShape, SchedulerConfig};
 
-use super::{jobs, progress_bar, write_out, PROGRESS};
+use super::{jobs, output_text, progress_bar, write_out, PROGRESS};
 use crate::cache_sim::parse_policies;
-use crate::cli::{OutputFormat, SimArgs, WorkloadDefaults};
+use crate::cli::{SimArgs, WorkloadDefaults};
 use crate::error::{EngineError, Result};
 use crate::setup::pool::{cost_model_kv_shape, given_pool_plan, simulated_plan};
 use crate::sim::{parse_schedule_policies, render_table, run_sweep, sim_requests, SimConfig};
@@ -219,40 +219,6 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The output of `sim` (also with `--dp`): a header and `table()` with the total wall time,
-/// or one JSON line per item of `json`.
-pub(super) fn output_text<T: serde::Serialize>(
-    args: &SimArgs,
-    workload: &str,
-    requests: usize,
-    cost: &CostModel,
-    table: impl FnOnce() -> String,
-    json: &[T],
-    wall: f64,
-) -> Result<String> {
-    Ok(match args.format {
-        OutputFormat::Table => {
-            let mut t = format!(
-                "workload: {workload}\n{requests} requests, {} on {} × {} (tp {}), page size {}\n",
-                cost.model.name, args.tp, cost.accel.name, args.tp, args.page_size
-            );
-            t.push_str(&table());
-            if !args.no_timings {
-                t.push_str(&format!(
-                    "total wall time {wall:.2} s for {} configurations\n",
-                    json.len()
-                ));
-            }
-            t
-        }
-        OutputFormat::Json => json
-            .iter()
-            .map(|o| serde_json::to_string(o).map(|l| l + "\n"))
-            .collect::<std::result::Result<String, _>>()
-            .map_err(|e| EngineError::arg("--format", e.to_string()))?,
-    })
 }
 
 /// The contiguity table's rows: every measured outcome, labelled by what else varies.

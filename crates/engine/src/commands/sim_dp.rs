@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use scheduler::SimRequest;
 
-use super::sim::output_text;
+use super::output_text;
 use super::{jobs, progress_bar, write_out};
 use crate::cli::SimArgs;
 use crate::error::{EngineError, Result};
