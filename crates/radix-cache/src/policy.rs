@@ -296,6 +296,16 @@ impl AnyEvictionPolicy {
     }
 }
 
+/// A boxed policy of this crate converts as the policy itself, so code written when
+/// [`crate::RadixCache::new`] took `Box<dyn EvictionPolicy>` (`RadixCache::new(page,
+/// Box::new(BuiltinPolicy::Lru))`, as in the peer-radix benchmark) still builds, now with static
+/// dispatch.
+impl<P: Into<AnyEvictionPolicy>> From<Box<P>> for AnyEvictionPolicy {
+    fn from(policy: Box<P>) -> Self {
+        (*policy).into()
+    }
+}
+
 /// Cost-aware eviction: GreedyDual-Size-Frequency (Cao & Irani 1997; Cherkasova 1998) with the
 /// cost of recomputing a node's KV.
 ///
@@ -539,6 +549,14 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("future"));
+    }
+
+    #[test]
+    fn a_boxed_policy_builds_the_same_cache() {
+        let boxed = crate::RadixCache::new(16, Box::new(BuiltinPolicy::Slru));
+        assert_eq!(boxed.policy_name(), "slru");
+        let cost: AnyEvictionPolicy = Box::new(CostAware::default()).into();
+        assert_eq!(cost.name(), "cost-aware");
     }
 
     #[test]
