@@ -436,7 +436,7 @@ pub fn parse_schedule_policies(s: &str) -> Result<Vec<SchedulePolicy>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::workload::{GspConfig, Request};
     use scheduler::{Accelerator, ModelShape};
@@ -455,7 +455,8 @@ mod tests {
         .unwrap()
     }
 
-    fn config(policy: SchedulePolicy, capacity: usize) -> SimConfig {
+    /// One instance's settings for the tests (also `sim_dp`'s clusters).
+    pub(crate) fn config(policy: SchedulePolicy, capacity: usize) -> SimConfig {
         SimConfig {
             scheduler: SchedulerConfig {
                 page_size: 16,

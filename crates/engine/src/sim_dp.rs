@@ -542,7 +542,7 @@ mod tests {
     use crate::sim::{sim_requests, Arrivals};
     use crate::workload::GspConfig;
     use proptest::prelude::*;
-    use scheduler::{Accelerator, CostModel, ModelShape, SchedulePolicy, SchedulerConfig};
+    use scheduler::SchedulePolicy;
 
     const ALL: [PolicyKind; 5] = [
         PolicyKind::Random,
@@ -569,23 +569,7 @@ mod tests {
 
     fn cluster(policy: PolicyKind, dp: usize, capacity: usize) -> DpConfig {
         DpConfig {
-            instance: SimConfig {
-                scheduler: SchedulerConfig {
-                    page_size: 16,
-                    context_len: 4096,
-                    max_running_requests: 64,
-                    schedule_policy: SchedulePolicy::Fcfs,
-                    strict: true,
-                    ..SchedulerConfig::default()
-                },
-                eviction_policy: "lru".into(),
-                radix: true,
-                capacity_tokens: capacity,
-                cost: CostModel::new(ModelShape::LLAMA3_8B, Accelerator::H100, 1),
-                max_concurrency: None,
-                tier: None,
-                allocator: None,
-            },
+            instance: crate::sim::tests::config(SchedulePolicy::Fcfs, capacity),
             dp,
             policy,
             cache_aware: CacheAwareConfig::default(),
