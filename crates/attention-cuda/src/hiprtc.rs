@@ -69,9 +69,18 @@ impl Drop for Handle {
     }
 }
 
+/// Held for the whole of every compile: hipRTC (ROCm 5.2's, in `libamdhip64`) is not safe to
+/// call from two threads at once: concurrent `hiprtcCompileProgram` calls corrupt the heap
+/// (glibc's "double free or corruption" and segfaults, about one run in three of the hipRTC
+/// test when it compiled on two threads). Compiles are therefore serialised process-wide.
+static COMPILE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Compiles `spec` to a code object for `arch` (an `--offload-arch` value such as `"gfx90a"`);
-/// `Err` carries hipRTC's log.
+/// `Err` carries hipRTC's log. Safe to call from any thread: calls are serialised
+/// ([`COMPILE_LOCK`]).
 pub fn compile(spec: &Spec, arch: &str) -> Result<Vec<u8>, String> {
+    // A poisoned lock only means another compile panicked; hipRTC's state is per program.
+    let _serialised = COMPILE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let name = spec.name();
     let cstr = |s: String| CString::new(s).map_err(|_| format!("{name}: a NUL in the source"));
     let src = cstr(source_text(spec))?;

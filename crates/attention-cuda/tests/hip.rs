@@ -24,6 +24,9 @@ fn every_specialisation_compiles_with_hiprtc() {
     }
     let specs = all_specs();
     let start = std::time::Instant::now();
+    // Several threads call `compile` at once on purpose: hipRTC itself corrupts the heap under
+    // concurrent compiles, and `compile` must serialise them (this test crashed about one run
+    // in three before it did).
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let failures: Vec<String> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
