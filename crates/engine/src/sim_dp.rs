@@ -94,27 +94,16 @@ impl DpArgs {
         }
     }
 
-    /// `cache_aware`'s settings.
+    /// `cache_aware`'s settings, checked ([`CacheAwareConfig::checked`]).
     pub fn cache_aware(&self) -> Result<CacheAwareConfig> {
-        if !(self.cache_threshold.is_finite() && (0.0..=1.0).contains(&self.cache_threshold)) {
-            return Err(EngineError::arg(
-                "--cache-threshold",
-                format!("{} is not in [0, 1]", self.cache_threshold),
-            ));
-        }
-        if !(self.balance_rel_threshold.is_finite() && self.balance_rel_threshold >= 1.0) {
-            return Err(EngineError::arg(
-                "--balance-rel-threshold",
-                format!("{} is not a factor ≥ 1", self.balance_rel_threshold),
-            ));
-        }
-        Ok(CacheAwareConfig {
+        CacheAwareConfig {
             cache_threshold: self.cache_threshold,
             balance_abs_threshold: self.balance_abs_threshold,
             balance_rel_threshold: self.balance_rel_threshold,
-            eviction_interval_secs: self.eviction_interval.max(1),
+            eviction_interval_secs: self.eviction_interval,
             max_tree_size: self.max_tree_size,
-        })
+        }
+        .checked()
     }
 }
 

@@ -92,6 +92,33 @@ impl Default for CacheAwareConfig {
     }
 }
 
+impl CacheAwareConfig {
+    /// These settings, or an error naming the flag whose value is out of range: the cache
+    /// threshold is a share in [0, 1], the relative balance threshold a finite number ≥ 0, and
+    /// an eviction interval of 0 means 1 s (a trim every 0 s would spin).
+    pub fn checked(self) -> Result<CacheAwareConfig> {
+        if !(self.cache_threshold.is_finite() && (0.0..=1.0).contains(&self.cache_threshold)) {
+            return Err(EngineError::arg(
+                "--cache-threshold",
+                format!("{} is not between 0 and 1", self.cache_threshold),
+            ));
+        }
+        if !(self.balance_rel_threshold.is_finite() && self.balance_rel_threshold >= 0.0) {
+            return Err(EngineError::arg(
+                "--balance-rel-threshold",
+                format!(
+                    "{} is not a non-negative number",
+                    self.balance_rel_threshold
+                ),
+            ));
+        }
+        Ok(CacheAwareConfig {
+            eviction_interval_secs: self.eviction_interval_secs.max(1),
+            ..self
+        })
+    }
+}
+
 /// The regular router's health checks (sgl-router's flags and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HealthConfig {
@@ -544,28 +571,14 @@ impl RouterArgs {
 
     /// `cache_aware`'s settings, checked.
     fn cache_aware(&self) -> Result<CacheAwareConfig> {
-        if !(0.0..=1.0).contains(&self.cache_threshold) {
-            return Err(EngineError::arg(
-                "--cache-threshold",
-                format!("{} is not between 0 and 1", self.cache_threshold),
-            ));
-        }
-        if !(self.balance_rel_threshold.is_finite() && self.balance_rel_threshold >= 0.0) {
-            return Err(EngineError::arg(
-                "--balance-rel-threshold",
-                format!(
-                    "{} is not a non-negative number",
-                    self.balance_rel_threshold
-                ),
-            ));
-        }
-        Ok(CacheAwareConfig {
+        CacheAwareConfig {
             cache_threshold: self.cache_threshold,
             balance_abs_threshold: self.balance_abs_threshold,
             balance_rel_threshold: self.balance_rel_threshold,
             eviction_interval_secs: self.eviction_interval,
             max_tree_size: self.max_tree_size,
-        })
+        }
+        .checked()
     }
 }
 
