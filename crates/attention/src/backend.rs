@@ -100,6 +100,15 @@ pub trait Backend {
     /// `[m, n]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
 
+    /// `x · Wᵢᵀ` for every weight of `ws` (each `[nᵢ, k]` with `x`'s `k`): the results of
+    /// [`matmul`](Backend::matmul) for each, bitwise, in order. A backend may run them as one
+    /// op: the CPU backend splits the union of their output columns over its threads (one
+    /// dispatch for SGLang's `QKVParallelLinear` instead of three). The default calls
+    /// `matmul` per weight.
+    fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Tensor]) -> Result<Vec<Self::Tensor>> {
+        ws.iter().map(|w| self.matmul(x, w)).collect()
+    }
+
     /// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) · weight`; `x` is `[m, d]`,
     /// `weight` is `[d]`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;

@@ -52,6 +52,40 @@ fn model_shaped_matmuls_do_not_depend_on_threads() {
     }
 }
 
+/// The fused QKV projection (`matmul_many`) gives each projection's `matmul` bitwise on 1, 2
+/// and 3 threads, at decode and prefill batch sizes; a weight of another `k` is a typed error.
+#[test]
+fn matmul_many_equals_separate_matmuls_on_any_threads() {
+    let mut rng = SplitMix64::new(12);
+    let (k, ns) = (576, [576, 192, 192]);
+    let ws: Vec<Vec<f32>> = ns.iter().map(|&n| nonzero_vec(&mut rng, n * k)).collect();
+    for m in [1, 3, 37] {
+        let x = nonzero_vec(&mut rng, m * k);
+        let want: Vec<Vec<u32>> = ws
+            .iter()
+            .zip(ns)
+            .map(|(w, n)| matmul_bits(&backend(1), &x, w, m, k, n))
+            .collect();
+        for t in 1..=3 {
+            let b = backend(t);
+            let xt = b.upload(&x, &[m, k]).unwrap();
+            let wt: Vec<_> = ws
+                .iter()
+                .zip(ns)
+                .map(|(w, n)| b.upload(w, &[n, k]).unwrap())
+                .collect();
+            let got = b.matmul_many(&xt, &[&wt[0], &wt[1], &wt[2]]).unwrap();
+            assert_eq!(got.len(), 3);
+            for (i, g) in got.iter().enumerate() {
+                let bits: Vec<u32> = b.download(g).unwrap().iter().map(|v| v.to_bits()).collect();
+                assert!(bits == want[i], "m {m}, {t} threads, weight {i}");
+            }
+            let bad = b.upload(&ws[1][..192 * 100], &[192, 100]).unwrap();
+            assert!(b.matmul_many(&xt, &[&wt[0], &bad]).is_err());
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 

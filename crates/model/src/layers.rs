@@ -1,7 +1,7 @@
 //! Pieces shared by the decoders: checkpoint validation and loading against the expected
 //! tensor list, the embedding / final norm / LM head trunk, and the gated SiLU MLP.
 
-use attention::{Backend, TensorDtype};
+use attention::{AttentionError, Backend, TensorDtype};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -202,4 +202,22 @@ impl<B: Backend> DenseMlp<B> {
         let act = backend.silu_mul(&gu)?;
         Ok(backend.matmul(&act, &self.down)?)
     }
+}
+
+/// `x · Wᵢᵀ` for the `N` weights of `ws` as one backend op ([`Backend::matmul_many`]: the fused
+/// QKV projection), bitwise the `N` matmuls.
+pub(crate) fn matmul_n<B: Backend, const N: usize>(
+    backend: &B,
+    x: &B::Tensor,
+    ws: [&B::Tensor; N],
+) -> Result<[B::Tensor; N]> {
+    let outs = backend.matmul_many(x, &ws)?;
+    let got = outs.len();
+    <[B::Tensor; N]>::try_from(outs).map_err(|_| {
+        ModelError::Attention(AttentionError::LengthMismatch {
+            what: "matmul_many results",
+            expected: N,
+            got,
+        })
+    })
 }

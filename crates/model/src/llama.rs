@@ -9,7 +9,7 @@ use attention::{AttentionParams, Backend, DeviceTensor};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::layers::{mlp_tensors, trunk_tensors, DenseMlp, Loader, Trunk};
+use crate::layers::{matmul_n, mlp_tensors, trunk_tensors, DenseMlp, Loader, Trunk};
 use crate::weights::TensorSource;
 
 /// One decoder layer's weights on the backend. Biases stay on the host and are broadcast to
@@ -215,9 +215,8 @@ impl<B: Backend> LlamaModel<B> {
             Ok(())
         };
         let h = backend.rms_norm(x, &w.input_norm, eps)?;
-        let mut q = backend.matmul(&h, &w.q_proj)?;
-        let mut k = backend.matmul(&h, &w.k_proj)?;
-        let mut v = backend.matmul(&h, &w.v_proj)?;
+        // SGLang's QKVParallelLinear: one op over the three projections.
+        let [mut q, mut k, mut v] = matmul_n(backend, &h, [&w.q_proj, &w.k_proj, &w.v_proj])?;
         drop(h);
         add_bias(&mut q, &w.q_bias)?;
         add_bias(&mut k, &w.k_bias)?;

@@ -36,7 +36,7 @@ use attention::{AttentionParams, Backend, DeviceTensor, RopeConfig};
 
 use crate::config::{MlaConfig, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
-use crate::layers::{mlp_tensors, trunk_tensors, DenseMlp, Loader, Trunk};
+use crate::layers::{matmul_n, mlp_tensors, trunk_tensors, DenseMlp, Loader, Trunk};
 use crate::weights::{HostTensor, TensorSource};
 
 /// The query path of a layer, with `W_UK` folded in.
@@ -388,7 +388,8 @@ impl<B: Backend> MlaModel<B> {
         // Query: absorbed no-position part and rotary part, per head.
         let (q_abs, mut q_pe) = match &w.q {
             QueryProj::Plain { absorbed, rope } => {
-                (backend.matmul(&h, absorbed)?, backend.matmul(&h, rope)?)
+                let [a, r] = matmul_n(backend, &h, [absorbed, rope])?;
+                (a, r)
             }
             QueryProj::Lora {
                 q_a,
@@ -398,7 +399,8 @@ impl<B: Backend> MlaModel<B> {
             } => {
                 let qa = backend.matmul(&h, q_a)?;
                 let qa = backend.rms_norm(&qa, q_a_norm, eps)?;
-                (backend.matmul(&qa, absorbed)?, backend.matmul(&qa, rope)?)
+                let [a, r] = matmul_n(backend, &qa, [absorbed, rope])?;
+                (a, r)
             }
         };
         let q_abs = backend.reshape(q_abs, &[n, heads, r])?;
@@ -407,9 +409,8 @@ impl<B: Backend> MlaModel<B> {
         let q = backend.concat_last(&q_abs, &q_pe)?;
         drop((q_abs, q_pe));
         // Latent row: normalised c_kv, then the rotary key shared by all heads.
-        let ckv = backend.matmul(&h, &w.kv_a_latent)?;
+        let [ckv, k_pe] = matmul_n(backend, &h, [&w.kv_a_latent, &w.kv_a_rope])?;
         let ckv = backend.rms_norm(&ckv, &w.kv_a_norm, eps)?;
-        let k_pe = backend.matmul(&h, &w.kv_a_rope)?;
         drop(h);
         let mut k_pe = backend.reshape(k_pe, &[n, 1, dr])?;
         backend.rotary(&mut k_pe, positions, &rope)?;

@@ -64,17 +64,51 @@ pub(crate) fn matmul(
     n: usize,
     dst: &mut [f32],
 ) {
-    assert!(x.len() == m * k && w.len() == n * k && dst.len() == m * n);
-    if m == 0 || n == 0 {
-        return;
+    matmul_many(pool, x, m, k, vec![(w, n, dst)]);
+}
+
+/// [`matmul`] of `x[m, k]` by several weights at once, `parts` = `(w[n, k], n, dst[m, n])`
+/// each: one pool dispatch over the union of their output columns (the fused QKV projection),
+/// each element computed exactly as [`matmul`] computes it, so the bits are the same.
+pub(crate) fn matmul_many(
+    pool: &Pool,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    parts: Vec<(Weights<'_>, usize, &mut [f32])>,
+) {
+    let total: usize = parts.iter().map(|(_, n, _)| n).sum();
+    assert!(x.len() == m * k);
+    let mut jobs = Vec::new();
+    let mut bounds = column_bounds(pool.threads(), m * k, total.max(1)).into_iter();
+    let mut next = bounds.next();
+    let mut off = 0;
+    for (w, n, dst) in parts {
+        assert!(w.len() == n * k && dst.len() == m * n);
+        if m == 0 || n == 0 {
+            continue;
+        }
+        if k == 0 {
+            dst.fill(0.0);
+            continue;
+        }
+        // This part's columns cut where the union's blocks are cut.
+        let mut local = vec![0];
+        while let Some(b) = next.filter(|&b| b < off + n) {
+            if b > off {
+                local.push(b - off);
+            }
+            next = bounds.next();
+        }
+        local.push(n);
+        off += n;
+        jobs.extend(
+            ColumnBlock::split(dst, n, &local)
+                .into_iter()
+                .map(|b| (w, b)),
+        );
     }
-    if k == 0 {
-        dst.fill(0.0);
-        return;
-    }
-    let bounds = column_bounds(pool.threads(), m * k, n);
-    let blocks = ColumnBlock::split(dst, n, &bounds);
-    pool.for_each(blocks, |mut out| matmul_block(x, w, k, &mut out));
+    pool.for_each(jobs, |(w, mut out)| matmul_block(x, w, k, &mut out));
 }
 
 /// Column bounds `0 = b_0 < … = n` of a matmul's jobs for `row_work = m · k` multiply-adds per
@@ -406,6 +440,63 @@ mod tests {
             let mut got = x.clone();
             add_assign(&pool, &mut got, &y);
             assert!(got == sum, "add, {t} threads");
+        }
+    }
+
+    /// `matmul_many` gives each weight's `matmul` bitwise, for 1, 2 and 3 threads, with
+    /// column counts that cut the union's blocks inside and across the weights (the QKV
+    /// shapes of SmolLM2, odd ones, an empty weight, 16-bit weights).
+    #[test]
+    fn matmul_many_equals_one_matmul_per_weight() {
+        let mut rng = SplitMix64::new(10);
+        for (m, k, ns) in [
+            (1, 576, vec![576, 192, 192]),
+            (3, 64, vec![5, 0, 7, 1]),
+            (9, 300, vec![131, 64]),
+            (1, 8, vec![1]),
+        ] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let ws: Vec<Vec<f32>> = ns.iter().map(|&n| nonzero_vec(&mut rng, n * k)).collect();
+            let bf: Vec<Vec<u16>> = ws
+                .iter()
+                .map(|w| {
+                    w.iter()
+                        .map(|&v| half::bf16::from_f32(v).to_bits())
+                        .collect()
+                })
+                .collect();
+            for t in 1..=3 {
+                let pool = Pool::new(t).unwrap();
+                for half in [false, true] {
+                    let weights: Vec<Weights<'_>> = if half {
+                        bf.iter().map(|w| Weights::Bf16(w)).collect()
+                    } else {
+                        ws.iter().map(|w| Weights::F32(w)).collect()
+                    };
+                    let want: Vec<Vec<f32>> = weights
+                        .iter()
+                        .zip(&ns)
+                        .map(|(&w, &n)| {
+                            let mut out = vec![0.0; m * n];
+                            matmul(&Pool::default(), &x, w, m, k, n, &mut out);
+                            out
+                        })
+                        .collect();
+                    let mut got: Vec<Vec<f32>> =
+                        ns.iter().map(|&n| vec![f32::NAN; m * n]).collect();
+                    let parts = weights
+                        .iter()
+                        .zip(&ns)
+                        .zip(&mut got)
+                        .map(|((&w, &n), out)| (w, n, &mut out[..]))
+                        .collect();
+                    matmul_many(&pool, &x, m, k, parts);
+                    for (g, w) in got.iter().zip(&want) {
+                        let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{m}x{k} by {ns:?}, {t} threads, 16-bit {half}");
+                    }
+                }
+            }
         }
     }
 

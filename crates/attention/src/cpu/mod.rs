@@ -8,7 +8,8 @@
 //! a forward pass (`rope`).
 //!
 //! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
-//! by blocks of output columns (`columns`), attention by requests and long prefills by pieces
+//! by blocks of output columns (`columns`; [`Backend::matmul_many`] cuts the union of several
+//! weights' columns, one dispatch for a layer's q, k and v), attention by requests and long prefills by pieces
 //! of query tokens (`split`), RMSNorm, the residual add, the rotary embedding and `silu_mul` by
 //! rows; every output element is computed by one job in a fixed order, so results are bitwise
 //! the same for any thread count. Op outputs reuse the buffers of dropped tensors (`buffers`).
@@ -291,6 +292,30 @@ impl Backend for CpuBackend {
         let mut out = buffers::take(m * n);
         dense::matmul(&self.pool, xs, w.weights(), m, k, n, &mut out);
         CpuTensor::new(out, &[m, n])
+    }
+
+    /// One pool dispatch over the union of the weights' output columns.
+    fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuTensor]) -> Result<Vec<CpuTensor>> {
+        let mut dims = Vec::with_capacity(ws.len());
+        for w in ws {
+            dims.push(check::matmul(&x.shape, &w.shape)?);
+        }
+        let xs = x.f32s("matmul")?;
+        // Every element of every output is written (zeros for k = 0).
+        let mut outs: Vec<Vec<f32>> = dims.iter().map(|&(m, _, n)| buffers::take(m * n)).collect();
+        if let Some(&(m, k, _)) = dims.first() {
+            let parts = ws
+                .iter()
+                .zip(&dims)
+                .zip(&mut outs)
+                .map(|((w, &(_, _, n)), out)| (w.weights(), n, &mut out[..]))
+                .collect();
+            dense::matmul_many(&self.pool, xs, m, k, parts);
+        }
+        outs.into_iter()
+            .zip(&dims)
+            .map(|(out, &(m, _, n))| CpuTensor::new(out, &[m, n]))
+            .collect()
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {

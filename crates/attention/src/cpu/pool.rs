@@ -7,7 +7,9 @@
 //! back to back (a decode step is some 200 matmuls of tens of microseconds), so between ops a
 //! worker spins on the batch counter for a while before it sleeps: waking a sleeping thread
 //! costs more than most ops (a general-purpose pool that parks its workers and the caller
-//! spent about 14% of a decode step in the scheduler).
+//! spent about 14% of a decode step in the scheduler). A batch makes the wake-up system call
+//! only when some worker sleeps. An idle backend (a server between requests) therefore costs
+//! no CPU once its workers have spun for [`SPIN`] (`KVSERVE_CPU_SPIN_US`).
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -18,8 +20,17 @@ use std::{fmt, thread};
 
 use crate::error::{AttentionError, Result};
 
-/// How long an idle worker spins for the next batch before it sleeps.
+/// How long an idle worker spins for the next batch before it sleeps, unless
+/// `KVSERVE_CPU_SPIN_US` (microseconds) says otherwise.
 const SPIN: Duration = Duration::from_millis(2);
+
+/// The spin length: `KVSERVE_CPU_SPIN_US` if set to a number, else [`SPIN`].
+fn spin_from_env() -> Duration {
+    std::env::var("KVSERVE_CPU_SPIN_US")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .map_or(SPIN, Duration::from_micros)
+}
 
 /// A job of the current batch, its lifetime erased (see [`Pool::run`]).
 type Job = &'static (dyn Fn(usize) + Sync);
@@ -35,8 +46,14 @@ struct Batch {
 #[derive(Default)]
 struct Shared {
     batch: Mutex<Batch>,
-    /// Signalled (under `batch`) when a batch is published or the pool shuts down.
+    /// Signalled (under `batch`) when a batch is published or the pool shuts down, if a
+    /// worker sleeps on it.
     wake: Condvar,
+    /// Workers waiting on `wake` (changed under `batch`): a batch published while none is
+    /// sleeps needs no wake-up call (a system call each).
+    sleepers: AtomicUsize,
+    /// How long an idle worker spins before it sleeps.
+    spin: Duration,
     /// Bumped (under `batch`) for every published batch.
     generation: AtomicU64,
     /// The next job index to claim, and the jobs finished, of the current batch.
@@ -80,13 +97,15 @@ impl Shared {
                 }
                 std::hint::spin_loop();
                 spins += 1;
-                if spins % 1024 == 0 && start.elapsed() > SPIN {
+                if spins % 1024 == 0 && start.elapsed() >= self.spin {
                     let mut b = self.lock_batch();
+                    self.sleepers.fetch_add(1, Ordering::Relaxed);
                     while self.generation.load(Ordering::Acquire) == seen
                         && !self.shutdown.load(Ordering::Acquire)
                     {
                         b = self.wake.wait(b).unwrap_or_else(|e| e.into_inner());
                     }
+                    self.sleepers.fetch_sub(1, Ordering::Relaxed);
                 }
             }
             // Announce before reading the batch, so the caller waits for us (see `run`).
@@ -162,7 +181,10 @@ impl Pool {
         if threads == 1 {
             return Ok(Pool::default());
         }
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            spin: spin_from_env(),
+            ..Shared::default()
+        });
         let mut handles = Vec::with_capacity(threads - 1);
         for i in 1..threads {
             let s = Arc::clone(&shared);
@@ -240,7 +262,9 @@ impl Pool {
             b.job = Some(erased);
             b.count = count;
             s.generation.fetch_add(1, Ordering::AcqRel);
-            s.wake.notify_all();
+            if s.sleepers.load(Ordering::Relaxed) > 0 {
+                s.wake.notify_all();
+            }
         }
         s.work(erased, count);
         while s.done.load(Ordering::Acquire) < count {
@@ -296,7 +320,25 @@ mod tests {
     /// Workers that went to sleep wake up for the next batch.
     #[test]
     fn sleeping_workers_wake_up() {
-        let pool = Pool::new(2).unwrap();
+        let pool = Pool::new(3).unwrap();
+        let shared = &pool.workers.as_ref().unwrap().shared;
+        let spin = shared.spin;
+        for _ in 0..2 {
+            // Both workers spin out and sleep (counted, so the next batch wakes them).
+            let start = Instant::now();
+            while shared.sleepers.load(Ordering::Relaxed) < 2 {
+                assert!(
+                    start.elapsed() < spin + Duration::from_secs(10),
+                    "workers never slept"
+                );
+                thread::sleep(spin / 4 + Duration::from_micros(50));
+            }
+            let hits = AtomicUsize::new(0);
+            pool.for_each(vec![1, 2, 3, 4], |v| {
+                hits.fetch_add(v, Ordering::Relaxed);
+            });
+            assert_eq!(hits.load(Ordering::Relaxed), 10);
+        }
         thread::sleep(SPIN * 3);
         let hits = AtomicUsize::new(0);
         pool.for_each(vec![1, 2, 3, 4], |v| {
