@@ -87,6 +87,7 @@ fn emu_attention_conformance_split_extremes() {
     for (name, target) in [("no split", 1), ("max split", 1 << 20)] {
         let config = CudaConfig {
             split_kv_target_blocks: target,
+            ..CudaConfig::default()
         };
         let Some(b) = backend("emu_attention_split_extremes", config) else {
             return;

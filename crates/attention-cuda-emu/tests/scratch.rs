@@ -68,6 +68,7 @@ fn layers_reuse_the_plans_split_scratch() {
         },
         CudaConfig {
             split_kv_target_blocks: 1 << 20,
+            ..CudaConfig::default()
         },
     );
     let (heads, d, layers) = (2usize, 64usize, 4usize);

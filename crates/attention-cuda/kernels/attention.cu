@@ -26,8 +26,59 @@
 
 #define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / WARP_SIZE)
-#define ATTN_V_PER_THREAD ((V_HEAD_DIM + ATTN_THREADS - 1) / ATTN_THREADS)
-#define ATTN_K_PER_LANE ((HEAD_DIM + WARP_SIZE - 1) / WARP_SIZE)
+
+// Load widths (see paged_attention's comment). A vector of K_WORDS 32-bit words of a key row
+// (4: 16 bytes) is one load when the row's byte length is a multiple of the vector's size, so
+// every vector of every row is aligned (the buffers are at least 16-byte aligned); rows of
+// other lengths take 8- or 4-byte vectors, or one element per load when the row is not a
+// whole number of words. Values likewise, over the value row's stride (V_ROW) and the part
+// read (V_HEAD_DIM).
+#if (HEAD_DIM * KV_BYTES) % 16 == 0
+#define K_WORDS 4
+#elif (HEAD_DIM * KV_BYTES) % 8 == 0
+#define K_WORDS 2
+#elif (HEAD_DIM * KV_BYTES) % 4 == 0
+#define K_WORDS 1
+#else
+#define K_WORDS 0
+#endif
+#if (V_ROW * KV_BYTES) % 16 == 0 && (V_HEAD_DIM * KV_BYTES) % 16 == 0
+#define V_WORDS 4
+#elif (V_ROW * KV_BYTES) % 8 == 0 && (V_HEAD_DIM * KV_BYTES) % 8 == 0
+#define V_WORDS 2
+#elif (V_ROW * KV_BYTES) % 4 == 0 && (V_HEAD_DIM * KV_BYTES) % 4 == 0
+#define V_WORDS 1
+#else
+#define V_WORDS 0
+#endif
+// K_EPV / V_EPV elements per load; K_LOAD / V_LOAD(p, out) decode the load at p into out.
+#if K_WORDS
+#define K_EPV (K_WORDS * KV_PER_WORD)
+#define K_LOAD(p, out) kv_load_words<K_WORDS>((p), (out))
+#else
+#define K_EPV 1
+#define K_LOAD(p, out) ((out)[0] = kv_load((p), 0))
+#endif
+#if V_WORDS
+#define V_EPV (V_WORDS * KV_PER_WORD)
+#define V_LOAD(p, out) kv_load_words<V_WORDS>((p), (out))
+#else
+#define V_EPV 1
+#define V_LOAD(p, out) ((out)[0] = kv_load((p), 0))
+#endif
+// Loads per key row; K_LANES lanes read one row (its loads rounded up to a power of two, at
+// most the warp), so a warp reads WARP_SIZE / K_LANES rows at once, K_VECS_PER_LANE loads
+// each.
+#define K_VECS (HEAD_DIM / K_EPV)
+#define K_LANES                                                                                \
+    (K_VECS > 16 ? 32 : K_VECS > 8 ? 16 : K_VECS > 4 ? 8 : K_VECS > 2 ? 4 : K_VECS > 1 ? 2 : 1)
+#define K_VECS_PER_LANE ((K_VECS + K_LANES - 1) / K_LANES)
+// Loads per value row; the block's threads form V_GROUPS groups of V_GROUP threads, each
+// group reading one value row (V_VECS_PER_THREAD loads per thread).
+#define V_VECS (V_HEAD_DIM / V_EPV)
+#define V_GROUP (V_VECS < ATTN_THREADS ? V_VECS : ATTN_THREADS)
+#define V_GROUPS (ATTN_THREADS / V_GROUP)
+#define V_VECS_PER_THREAD ((V_VECS + V_GROUP - 1) / V_GROUP)
 
 #define PLAN_TOK_REQ 0
 #define PLAN_TOK_POS 1
@@ -48,15 +99,16 @@ __device__ inline unsigned int kvs_slot(const unsigned int* pages, unsigned int 
 #endif
 }
 
-// part[k] is this lane's partial sum for key k of its warp (WARP_SIZE keys); returns the full
-// sum over the warp's lanes of key `lane`. A butterfly that halves the live keys at each step
-// (16 + 8 + 4 + 2 + 1 = 31 shuffles for 32 keys, against 5 per key for a reduction per key): at
-// the step of width h a lane with bit h set keeps the upper half of its live keys and sends
-// the lower half to lane ^ h, which keeps the lower half, so the keys a lane ends with are
-// those whose index bits equal its own.
-__device__ inline float kvs_warp_transpose_sum(float* part) {
+// part[k] (k < N, N a power of two ≤ WARP_SIZE) is this lane's partial sum for the k-th key
+// of its group of N lanes (lanes that differ only in their low log2(N) bits); returns, in the
+// lane at position i of the group, the group's full sum for key i. A butterfly that halves
+// the live keys at each step (N − 1 shuffles, 31 for N = 32, against log2(N) per key for a
+// reduction per key): at the step of width h a lane with bit h set keeps the upper half of
+// its live keys and sends the lower half to lane ^ h, which keeps the lower half, so the keys
+// a lane ends with are those whose index bits equal its own.
+template <int N> __device__ inline float kvs_lane_transpose_sum(float* part) {
 #pragma unroll
-    for (int h = WARP_SIZE / 2; h > 0; h >>= 1) {
+    for (int h = N / 2; h > 0; h >>= 1) {
         const bool upper = (threadIdx.x & h) != 0;
 #pragma unroll
         for (int i = 0; i < h; ++i) {
@@ -74,16 +126,24 @@ __device__ inline float kvs_warp_transpose_sum(float* part) {
 // empty split).
 //
 // Memory access (the kernel is bound by reading the cache):
-// - Keys: warp w scores the chunk's keys w·32 … w·32 + 31. For each of them in turn the whole
-//   warp reads the key row, lane l the elements l, l + 32, …: one instruction reads 32
-//   consecutive elements of one row (64 bytes for f16, 128 for f32), a coalesced access, where
-//   a thread per key would touch 32 rows, 32 transactions per instruction. Each lane keeps
-//   partial dot products for the warp's 32 keys (the scaled query in shared memory), and
-//   kvs_warp_transpose_sum leaves key l's score in lane l, so thread t holds the score of key
-//   t of the chunk for the block-wide softmax step.
-// - Values: thread t accumulates value element t (and t + 128, …) over the chunk's keys, so
-//   for each key the block reads consecutive elements of one value row: coalesced as well.
+// - Keys: warp w scores the chunk's keys w·32 … w·32 + 31. A key row is read by K_LANES lanes
+//   (its 16-byte vectors rounded up to a power of two: 16 lanes for a 128-element f16 row of
+//   256 bytes, 8 for an fp8 one), lane i of a group its i-th, (i + K_LANES)-th, … vector of
+//   K_EPV elements (4 f32, 8 f16/bf16, 16 fp8). So one load instruction of the warp reads
+//   32 × 16 = 512 bytes: whole rows of WARP_SIZE / K_LANES keys, every byte of each row
+//   exactly once, coalesced (element-wise loads took four 64-byte instructions for an f16
+//   row). Group g of the warp reads keys g·K_LANES, g·K_LANES + 1, … in turn and each lane
+//   keeps partial dot products for them (the scaled query in shared memory);
+//   kvs_lane_transpose_sum then leaves key l's score in lane l, so thread t holds the score
+//   of key t of the chunk for the block-wide softmax step.
+// - Values: the block splits into V_GROUPS groups; group g reads the value rows of keys g,
+//   g + V_GROUPS, … of the chunk, thread i of the group the i-th (i + V_GROUP-th, …) vector of
+//   each, so every load instruction reads whole 16-byte vectors of consecutive rows' elements
+//   (again coalesced). Each thread accumulates its elements over its group's keys; at the end
+//   the groups' sums are added in group order through shared memory (a fixed order, so the
+//   result does not depend on the batch).
 // - The page table: each thread resolves the slot of its own key once per chunk (s_slot).
+// Rows whose length is no multiple of 16 bytes fall back to narrower loads (K_WORDS above).
 KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t* v_cache,
                                 const unsigned int* plan, float* partial_o, float* partial_lse,
                                 unsigned int q_heads, unsigned int kv_heads,
@@ -94,6 +154,7 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
     __shared__ float s_p[ATTN_THREADS];
     __shared__ unsigned int s_slot[ATTN_THREADS];
     __shared__ float s_red[ATTN_WARPS];
+    __shared__ float s_o[V_GROUPS * V_HEAD_DIM];
 
     const unsigned int t = threadIdx.x;
     const unsigned int lane = t % WARP_SIZE;
@@ -116,10 +177,13 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
     }
     __syncthreads();
 
+    // This thread's value group and its place in it.
+    const unsigned int vgroup = t / V_GROUP;
+    const unsigned int vlane = t % V_GROUP;
     float m = KVS_NEG_INF;
     float l = 0.0f;
-    float acc[ATTN_V_PER_THREAD];
-    for (int i = 0; i < ATTN_V_PER_THREAD; ++i) {
+    float acc[V_VECS_PER_THREAD * V_EPV];
+    for (int i = 0; i < V_VECS_PER_THREAD * V_EPV; ++i) {
         acc[i] = 0.0f;
     }
     for (unsigned int c = begin; c < end; c += ATTN_THREADS) {
@@ -130,28 +194,43 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
         const unsigned int first = c + warp * WARP_SIZE;
         const unsigned int left = first < end ? end - first : 0;
         const unsigned int nkeys = left < WARP_SIZE ? left : WARP_SIZE;
-        float part[WARP_SIZE];
+        // This lane's key group (keys group·K_LANES …) and its place in the group.
+        const unsigned int group = lane / K_LANES;
+        const unsigned int glane = lane % K_LANES;
+        float part[K_LANES];
 #pragma unroll
-        for (int kk = 0; kk < WARP_SIZE; ++kk) {
+        for (int kk = 0; kk < K_LANES; ++kk) {
             part[kk] = 0.0f;
         }
         // Not unrolled (the key loop inside is): the code stays small for wide heads.
 #pragma unroll 1
-        for (int i = 0; i < ATTN_K_PER_LANE; ++i) {
-            const unsigned int d = lane + i * WARP_SIZE;
-            if (d < HEAD_DIM) {
-                const float qd = s_q[d];
+        for (int i = 0; i < K_VECS_PER_LANE; ++i) {
+            const unsigned int v = glane + i * K_LANES;
+            if (v < K_VECS) {
+                float qv[K_EPV];
 #pragma unroll
-                for (int kk = 0; kk < WARP_SIZE; ++kk) {
-                    if ((unsigned int)kk < nkeys) {
+                for (int e = 0; e < K_EPV; ++e) {
+                    qv[e] = s_q[v * K_EPV + e];
+                }
+#pragma unroll
+                for (int kk = 0; kk < K_LANES; ++kk) {
+                    const unsigned int key = group * K_LANES + kk; // of the warp's 32
+                    if (key < nkeys) {
                         const kv_t* kr = k_cache +
-                            ((size_t)s_slot[warp * WARP_SIZE + kk] * kv_heads + kvh) * HEAD_DIM;
-                        part[kk] += qd * kv_load(kr, d);
+                            ((size_t)s_slot[warp * WARP_SIZE + key] * kv_heads + kvh) * HEAD_DIM;
+                        float kx[K_EPV];
+                        K_LOAD(kr + v * K_EPV, kx);
+                        float dot = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < K_EPV; ++e) {
+                            dot += qv[e] * kx[e];
+                        }
+                        part[kk] += dot;
                     }
                 }
             }
         }
-        const float dot = kvs_warp_transpose_sum(part);
+        const float dot = kvs_lane_transpose_sum<K_LANES>(part);
         const float s = j < end ? dot * k_scale : KVS_NEG_INF;
         const float chunk_max = kvs_block_max(s, s_red);
         const float new_m = fmaxf(m, chunk_max);
@@ -161,26 +240,49 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
         l = l * alpha + kvs_block_sum(p, s_red); // its barrier also publishes s_p
         m = new_m;
         const unsigned int count = end - c < ATTN_THREADS ? end - c : ATTN_THREADS;
-        for (int i = 0; i < ATTN_V_PER_THREAD; ++i) {
-            const unsigned int d = t + i * ATTN_THREADS;
-            if (d < V_HEAD_DIM) {
-                float a = acc[i] * alpha;
-                for (unsigned int jj = 0; jj < count; ++jj) {
-                    const kv_t* vr = v_cache + ((size_t)s_slot[jj] * kv_heads + kvh) * V_ROW;
-                    a += s_p[jj] * kv_load(vr, d);
+        for (int i = 0; i < V_VECS_PER_THREAD * V_EPV; ++i) {
+            acc[i] *= alpha;
+        }
+        if (vgroup < V_GROUPS) {
+            for (unsigned int jj = vgroup; jj < count; jj += V_GROUPS) {
+                const float pj = s_p[jj];
+                const kv_t* vr = v_cache + ((size_t)s_slot[jj] * kv_heads + kvh) * V_ROW;
+                for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
+                    const unsigned int v = vlane + i * V_GROUP;
+                    if (v < V_VECS) {
+                        float vx[V_EPV];
+                        V_LOAD(vr + v * V_EPV, vx);
+#pragma unroll
+                        for (int e = 0; e < V_EPV; ++e) {
+                            acc[i * V_EPV + e] += pj * vx[e];
+                        }
+                    }
                 }
-                acc[i] = a;
             }
         }
         __syncthreads(); // s_p and s_slot are rewritten by the next chunk
     }
 
-    const size_t out = ((size_t)tok * q_heads + head) * num_splits + split;
-    for (int i = 0; i < ATTN_V_PER_THREAD; ++i) {
-        const unsigned int d = t + i * ATTN_THREADS;
-        if (d < V_HEAD_DIM) {
-            partial_o[out * V_HEAD_DIM + d] = l > 0.0f ? acc[i] / l * v_scale : 0.0f;
+    // The groups' sums, added in group order.
+    if (vgroup < V_GROUPS) {
+        for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
+            const unsigned int v = vlane + i * V_GROUP;
+            if (v < V_VECS) {
+#pragma unroll
+                for (int e = 0; e < V_EPV; ++e) {
+                    s_o[vgroup * V_HEAD_DIM + v * V_EPV + e] = acc[i * V_EPV + e];
+                }
+            }
         }
+    }
+    __syncthreads();
+    const size_t out = ((size_t)tok * q_heads + head) * num_splits + split;
+    for (unsigned int d = t; d < V_HEAD_DIM; d += ATTN_THREADS) {
+        float o = 0.0f;
+        for (unsigned int g = 0; g < V_GROUPS; ++g) {
+            o += s_o[g * V_HEAD_DIM + d];
+        }
+        partial_o[out * V_HEAD_DIM + d] = l > 0.0f ? o / l * v_scale : 0.0f;
     }
     if (t == 0) {
         partial_lse[out] = l > 0.0f ? m + logf(l) : KVS_NEG_INF;

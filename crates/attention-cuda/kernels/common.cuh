@@ -167,6 +167,54 @@ __device__ inline kv_t kv_from_f32(float f) {
 #else
 #error "KV_DTYPE must be 0 (f32), 1 (f16), 2 (bf16), 3 (fp8 e4m3) or 4 (fp8 e5m2)"
 #endif
+
+// Bytes per stored element (a preprocessor constant, so kernels can pick load widths with #if)
+// and elements per 32-bit word.
+#if KV_DTYPE == 0
+#define KV_BYTES 4
+#elif KV_DTYPE == 1 || KV_DTYPE == 2
+#define KV_BYTES 2
+#else
+#define KV_BYTES 1
+#endif
+#define KV_PER_WORD (4 / KV_BYTES)
+
+// Element e (0 ≤ e < KV_PER_WORD) of a 32-bit word of the store, as f32. Elements at lower
+// addresses sit in the lower bits (NVIDIA and AMD GPUs, and the emulation's x86/Arm hosts, are
+// little-endian).
+__device__ inline float kv_word_elem(unsigned int w, int e) {
+#if KV_DTYPE == 0
+    (void)e;
+    return __uint_as_float(w);
+#elif KV_DTYPE == 1
+    return kvs_f16_to_f32((unsigned short)(w >> (16 * e)));
+#elif KV_DTYPE == 2
+    return kvs_bf16_to_f32((unsigned short)(w >> (16 * e)));
+#elif KV_DTYPE == 3
+    return kvs_e4m3_to_f32((unsigned char)(w >> (8 * e)));
+#else
+    return kvs_f16_to_f32((unsigned short)(((w >> (8 * e)) & 0xffu) << 8));
+#endif
+}
+
+// W consecutive 32-bit words, aligned to their size, so one load instruction reads them all
+// (W = 4: a 16-byte load, `ld.global.v4.u32` on NVIDIA, `global_load_dwordx4` on AMD).
+template <int W> struct alignas(4 * W) kvs_words {
+    unsigned int w[W];
+};
+
+// Reads the W words at p (which must be 4·W-byte aligned) in one load and decodes their
+// W · KV_PER_WORD elements into out.
+template <int W> __device__ inline void kv_load_words(const kv_t* p, float* out) {
+    const kvs_words<W> x = *reinterpret_cast<const kvs_words<W>*>(p);
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+#pragma unroll
+        for (int e = 0; e < KV_PER_WORD; ++e) {
+            out[i * KV_PER_WORD + e] = kv_word_elem(x.w[i], e);
+        }
+    }
+}
 #endif
 
 __device__ inline float kvs_warp_sum(float v) {

@@ -13,6 +13,7 @@ use attention::{
 use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
 
 use crate::device::{Device, KernelArg};
+use crate::gemm::{self, GemmChoice, GemmPath};
 use crate::geometry::{self, ATTN_THREADS, ROW_THREADS, THREADS};
 use crate::kernels;
 use crate::plan::{page_table, write_list, SplitPlan};
@@ -25,12 +26,16 @@ pub struct CudaConfig {
     /// Attention blocks a batch should reach before the KV range stops being split (about two
     /// per SM: 264 for an H100's 132).
     pub split_kv_target_blocks: usize,
+    /// SGLang's `--enable-deterministic-inference`: batch-invariant ops, so GEMMs take the
+    /// crate's tiled kernel even where the vendor BLAS is loaded ([`crate::gemm`]).
+    pub enable_deterministic_inference: bool,
 }
 
 impl Default for CudaConfig {
     fn default() -> Self {
         CudaConfig {
             split_kv_target_blocks: 264,
+            enable_deterministic_inference: false,
         }
     }
 }
@@ -39,6 +44,7 @@ impl Default for CudaConfig {
 pub struct CudaBackend<D: Device> {
     device: Arc<D>,
     config: CudaConfig,
+    gemm: GemmChoice,
 }
 
 /// A clone shares the device (its memory, kernels and stream), so tensors and stores of one
@@ -48,6 +54,7 @@ impl<D: Device> Clone for CudaBackend<D> {
         CudaBackend {
             device: Arc::clone(&self.device),
             config: self.config,
+            gemm: self.gemm.clone(),
         }
     }
 }
@@ -57,6 +64,7 @@ impl<D: Device> fmt::Debug for CudaBackend<D> {
         f.debug_struct("CudaBackend")
             .field("device", &self.device.name())
             .field("config", &self.config)
+            .field("gemm", &self.gemm)
             .finish()
     }
 }
@@ -107,15 +115,22 @@ fn dim(what: &'static str, x: usize) -> Result<u32> {
 impl<D: Device> CudaBackend<D> {
     /// A backend on `device`.
     pub fn new(device: D, config: CudaConfig) -> Self {
+        let gemm = gemm::choose(config.enable_deterministic_inference, device.blas());
         CudaBackend {
             device: Arc::new(device),
             config,
+            gemm,
         }
     }
 
     /// The device the backend launches on.
     pub fn device(&self) -> &D {
         &self.device
+    }
+
+    /// The GEMM path `matmul` takes, and why (for `kvserve info`).
+    pub fn gemm_choice(&self) -> &GemmChoice {
+        &self.gemm
     }
 
     fn buffer_from(&self, bytes: &[u8]) -> Result<D::Buffer> {
@@ -355,8 +370,14 @@ impl<D: Device> Backend for CudaBackend<D> {
 
     fn matmul(&self, x: &CudaTensor<D>, w: &CudaTensor<D>) -> Result<CudaTensor<D>> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
-        let out = self.zeros(&[m, n])?;
-        if m * n > 0 {
+        let mut out = self.zeros(&[m, n])?;
+        if m * n == 0 {
+            return Ok(out);
+        }
+        if let (GemmPath::Blas, Ok(args)) = (self.gemm.path, gemm::sgemm_args(m, k, n)) {
+            self.device
+                .blas_sgemm(&args, &w.buf, &x.buf, &mut out.buf)?;
+        } else {
             self.dense(
                 "matmul",
                 geometry::matmul(m, n)?,

@@ -5,18 +5,22 @@
 //!
 //! Every cudarc call is preceded by `is_culib_present()` checks in [`CudarcDevice::new`]
 //! (cudarc's loader panics when a library is missing): no driver and no device are typed
-//! [`CudaError`]s, never panics.
+//! [`CudaError`]s, never panics. cuBLAS is optional: when libcublas loads and a handle opens
+//! on the device's stream, [`Device::blas`] offers it for GEMMs ([`crate::gemm`]); otherwise
+//! it says why not and the backend uses its own kernel.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use attention::{AttentionError, Result};
+use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, PushKernelArg,
 };
 
-use crate::device::{Device, KernelArg, LaunchConfig};
+use crate::device::{check_range, Device, KernelArg, LaunchConfig};
+use crate::gemm::{Op, SgemmArgs};
+use crate::kernel_cache::KernelCache;
 use crate::nvrtc;
 use crate::specs::Spec;
 
@@ -91,7 +95,18 @@ pub struct CudarcDevice {
     stream: Arc<CudaStream>,
     arch: String,
     report: CudaReport,
-    functions: Mutex<HashMap<(String, String), CudaFunction>>,
+    functions: KernelCache<CudaFunction>,
+    /// cuBLAS on `stream`, or why it is not available.
+    blas: std::result::Result<CudaBlas, String>,
+}
+
+/// cuBLAS on `stream` when libcublas loads and a handle opens, or why not.
+fn open_cublas(stream: &Arc<CudaStream>) -> std::result::Result<CudaBlas, String> {
+    // SAFETY: only tries to dlopen libcublas by its candidate names; no other state.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err("libcublas could not be loaded".into());
+    }
+    CudaBlas::new(Arc::clone(stream)).map_err(|e| format!("cuBLAS did not initialise: {e}"))
 }
 
 impl fmt::Debug for CudarcDevice {
@@ -122,12 +137,14 @@ impl CudarcDevice {
             compute_capability: (major, minor),
             total_bytes: ctx.total_mem().map_err(err)?,
         };
+        let stream = ctx.default_stream();
         Ok(CudarcDevice {
-            stream: ctx.default_stream(),
+            blas: open_cublas(&stream),
+            stream,
             ctx,
             arch: format!("compute_{major}{minor}"),
             report,
-            functions: Mutex::new(HashMap::new()),
+            functions: KernelCache::default(),
         })
     }
 
@@ -137,34 +154,15 @@ impl CudarcDevice {
     }
 
     fn function(&self, spec: &Spec, kernel: &str) -> Result<CudaFunction> {
-        let key = (spec.name(), kernel.to_string());
-        let mut cache = self
-            .functions
-            .lock()
-            .map_err(|_| AttentionError::Device("kernel cache poisoned".into()))?;
-        if let Some(f) = cache.get(&key) {
-            return Ok(f.clone());
-        }
-        let ptx = nvrtc::compile(spec, &self.arch).map_err(AttentionError::Device)?;
-        let module = self.ctx.load_module(ptx).map_err(driver)?;
-        for k in spec.source.kernels() {
-            let f = module.load_function(k).map_err(driver)?;
-            cache.insert((key.0.clone(), k.to_string()), f);
-        }
-        cache
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| AttentionError::Device(format!("{} has no kernel {kernel}", key.0)))
+        self.functions.get_or_load(spec, kernel, |names| {
+            let ptx = nvrtc::compile(spec, &self.arch).map_err(AttentionError::Device)?;
+            let module = self.ctx.load_module(ptx).map_err(driver)?;
+            names
+                .iter()
+                .map(|k| module.load_function(k).map_err(driver))
+                .collect()
+        })
     }
-}
-
-fn range(what: &'static str, len: usize, offset: usize, n: usize) -> Result<()> {
-    if offset.checked_add(n).is_none_or(|end| end > len) {
-        return Err(AttentionError::Device(format!(
-            "{what}: {n} bytes at offset {offset} overrun a buffer of {len}"
-        )));
-    }
-    Ok(())
 }
 
 impl Device for CudarcDevice {
@@ -179,7 +177,7 @@ impl Device for CudarcDevice {
     }
 
     fn write(&self, dst: &mut CudaSlice<u8>, offset: usize, src: &[u8]) -> Result<()> {
-        range("write", dst.len(), offset, src.len())?;
+        check_range("write", dst.len(), offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
@@ -188,7 +186,7 @@ impl Device for CudarcDevice {
     }
 
     fn read(&self, src: &CudaSlice<u8>, offset: usize, dst: &mut [u8]) -> Result<()> {
-        range("read", src.len(), offset, dst.len())?;
+        check_range("read", src.len(), offset, dst.len())?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -234,5 +232,53 @@ impl Device for CudarcDevice {
         // into the launch when it is queued.
         unsafe { builder.launch(cfg) }.map_err(driver)?;
         Ok(())
+    }
+
+    fn blas(&self) -> std::result::Result<&str, String> {
+        self.blas.as_ref().map(|_| "cuBLAS").map_err(Clone::clone)
+    }
+
+    fn blas_sgemm(
+        &self,
+        args: &SgemmArgs,
+        w: &CudaSlice<u8>,
+        x: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let blas = self
+            .blas
+            .as_ref()
+            .map_err(|e| AttentionError::Device(e.clone()))?;
+        args.check_bytes(w.len(), x.len(), out.len())
+            .map_err(AttentionError::Device)?;
+        let (a_len, b_len, c_len) = args.elems();
+        let short = || AttentionError::Device("sgemm: a buffer is shorter than its view".into());
+        // SAFETY: the buffers hold f32 tensors the backend wrote (cuMemAlloc aligns them to
+        // 256 bytes), and check_bytes verified they hold the elements viewed.
+        let (a, b) = unsafe { (w.transmute::<f32>(a_len), x.transmute::<f32>(b_len)) };
+        let (a, b) = (a.ok_or_else(short)?, b.ok_or_else(short)?);
+        // SAFETY: as above, for the output.
+        let mut c = unsafe { out.transmute_mut::<f32>(c_len) }.ok_or_else(short)?;
+        let op = |o: Op| match o {
+            Op::N => cublasOperation_t::CUBLAS_OP_N,
+            Op::T => cublasOperation_t::CUBLAS_OP_T,
+        };
+        let cfg = GemmConfig {
+            transa: op(args.transa),
+            transb: op(args.transb),
+            m: args.m,
+            n: args.n,
+            k: args.k,
+            alpha: 1.0f32,
+            lda: args.lda,
+            ldb: args.ldb,
+            beta: 0.0f32,
+            ldc: args.ldc,
+        };
+        // SAFETY: `args` come from `gemm::sgemm_args`, whose mapping the host SGEMM
+        // (`gemm::sgemm_host`) checks, and the views hold every element those dimensions and
+        // leading dimensions reach (check_bytes); the call is queued on the device's stream.
+        unsafe { blas.gemm(cfg, &a, &b, &mut c) }
+            .map_err(|e| AttentionError::Device(format!("cuBLAS sgemm: {e}")))
     }
 }

@@ -4,8 +4,9 @@
 //! `cuLaunchKernel` takes them. The backend's host logic is generic over it, so the same
 //! planning, validation and launch code drives the GPU and the emulated kernels.
 
-use attention::Result;
+use attention::{AttentionError, Result};
 
+use crate::gemm::SgemmArgs;
 use crate::specs::Spec;
 
 /// A launch's geometry: `grid` blocks (x, y, z) of `block` threads (1-D blocks only).
@@ -63,6 +64,39 @@ pub trait Device: Send + Sync {
         cfg: LaunchConfig,
         args: &[KernelArg<'_, Self::Buffer>],
     ) -> Result<()>;
+
+    /// The vendor BLAS this device runs f32 GEMMs through (`"cuBLAS"`), or why there is none
+    /// (its library did not load, or the device has none). The default: none.
+    fn blas(&self) -> std::result::Result<&str, String> {
+        Err(format!("no vendor BLAS on {}", self.name()))
+    }
+
+    /// Runs `args` through the vendor BLAS with A = `w`, B = `x`, C = `out` (see
+    /// [`SgemmArgs`]), ordered after every earlier launch and copy. The backend calls it only
+    /// when [`blas`](Device::blas) is `Ok`; the default refuses with `blas`'s reason.
+    fn blas_sgemm(
+        &self,
+        args: &SgemmArgs,
+        w: &Self::Buffer,
+        x: &Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (args, w, x, out);
+        Err(AttentionError::Device(
+            self.blas().err().unwrap_or_else(|| "vendor BLAS".into()),
+        ))
+    }
+}
+
+/// Checks that `n` bytes at byte `offset` fit a buffer of `len` bytes (a host copy's bounds,
+/// checked before any device call); `what` names the copy in the error.
+pub fn check_range(what: &'static str, len: usize, offset: usize, n: usize) -> Result<()> {
+    if offset.checked_add(n).is_none_or(|end| end > len) {
+        return Err(AttentionError::Device(format!(
+            "{what}: {n} bytes at offset {offset} overrun a buffer of {len}"
+        )));
+    }
+    Ok(())
 }
 
 /// The kernel's arguments packed as one parameter buffer, the layout `cuLaunchKernel` and
@@ -87,6 +121,17 @@ pub fn packed_args<B>(args: &[KernelArg<'_, B>], address: impl Fn(&B) -> u64) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copies_past_the_end_are_refused() {
+        assert!(check_range("read", 16, 8, 8).is_ok() && check_range("read", 16, 16, 0).is_ok());
+        let e = check_range("write", 16, 9, 8).unwrap_err();
+        assert!(
+            matches!(&e, AttentionError::Device(m) if m == "write: 8 bytes at offset 9 overrun a buffer of 16"),
+            "{e:?}"
+        );
+        assert!(check_range("read", 16, usize::MAX, 2).is_err());
+    }
 
     #[test]
     fn packed_args_align_each_value_to_its_size() {

@@ -9,16 +9,15 @@
 //! hip-sys's `hipError_t` is a Rust enum: the runtime this links against returns only the codes
 //! its own header (which hip-sys's bindings were generated from) declares.
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::fmt;
-use std::sync::Mutex;
 
 use attention::{AttentionError, Result};
 use hip_sys::hiprt::{self as hip, hipError_t};
 
-use crate::device::{packed_args, Device, KernelArg, LaunchConfig};
+use crate::device::{check_range, packed_args, Device, KernelArg, LaunchConfig};
 use crate::hiprtc;
+use crate::kernel_cache::KernelCache;
 use crate::specs::Spec;
 
 /// Why no HIP device could be opened.
@@ -145,7 +144,7 @@ unsafe impl Send for Function {}
 pub struct HipDevice {
     ordinal: c_int,
     report: HipReport,
-    functions: Mutex<HashMap<(String, String), Function>>,
+    functions: KernelCache<Function>,
 }
 
 impl fmt::Debug for HipDevice {
@@ -215,7 +214,7 @@ impl HipDevice {
                 arch,
                 total_bytes: total,
             },
-            functions: Mutex::new(HashMap::new()),
+            functions: KernelCache::default(),
         })
     }
 
@@ -231,30 +230,24 @@ impl HipDevice {
     }
 
     fn function(&self, spec: &Spec, kernel: &str) -> Result<Function> {
-        let key = (spec.name(), kernel.to_string());
-        let mut cache = self
-            .functions
-            .lock()
-            .map_err(|_| AttentionError::Device("kernel cache poisoned".into()))?;
-        if let Some(&f) = cache.get(&key) {
-            return Ok(f);
-        }
-        let code = hiprtc::compile(spec, &self.report.arch).map_err(AttentionError::Device)?;
-        let mut module: hip::hipModule_t = std::ptr::null_mut();
-        // SAFETY: `code` is a complete code object from hipRTC; the module is kept loaded for
-        // the life of the process (its functions are cached).
-        check(unsafe { hip::hipModuleLoadData(&mut module, code.as_ptr().cast()) })?;
-        for k in spec.source.kernels() {
-            let name = CString::new(*k).map_err(|_| AttentionError::Device("bad name".into()))?;
-            let mut f: hip::hipFunction_t = std::ptr::null_mut();
-            // SAFETY: a loaded module and a NUL-terminated name.
-            check(unsafe { hip::hipModuleGetFunction(&mut f, module, name.as_ptr()) })?;
-            cache.insert((key.0.clone(), k.to_string()), Function(f));
-        }
-        cache
-            .get(&key)
-            .copied()
-            .ok_or_else(|| AttentionError::Device(format!("{} has no kernel {kernel}", key.0)))
+        self.functions.get_or_load(spec, kernel, |names| {
+            let code = hiprtc::compile(spec, &self.report.arch).map_err(AttentionError::Device)?;
+            let mut module: hip::hipModule_t = std::ptr::null_mut();
+            // SAFETY: `code` is a complete code object from hipRTC; the module is kept loaded
+            // for the life of the process (its functions are cached).
+            check(unsafe { hip::hipModuleLoadData(&mut module, code.as_ptr().cast()) })?;
+            names
+                .iter()
+                .map(|k| {
+                    let name =
+                        CString::new(*k).map_err(|_| AttentionError::Device("bad name".into()))?;
+                    let mut f: hip::hipFunction_t = std::ptr::null_mut();
+                    // SAFETY: a loaded module and a NUL-terminated name.
+                    check(unsafe { hip::hipModuleGetFunction(&mut f, module, name.as_ptr()) })?;
+                    Ok(Function(f))
+                })
+                .collect()
+        })
     }
 }
 
@@ -272,15 +265,6 @@ impl OkOrErr for hipError_t {
     }
 }
 
-fn range(what: &'static str, len: usize, offset: usize, n: usize) -> Result<()> {
-    if offset.checked_add(n).is_none_or(|end| end > len) {
-        return Err(AttentionError::Device(format!(
-            "{what}: {n} bytes at offset {offset} overrun a buffer of {len}"
-        )));
-    }
-    Ok(())
-}
-
 /// `HIP_LAUNCH_PARAM_BUFFER_POINTER`, `_SIZE` and `_END` of `hip_runtime_api.h`.
 const PARAM_BUFFER_POINTER: usize = 1;
 const PARAM_BUFFER_SIZE: usize = 2;
@@ -291,6 +275,14 @@ impl Device for HipDevice {
 
     fn name(&self) -> &str {
         "rocm"
+    }
+
+    fn blas(&self) -> std::result::Result<&str, String> {
+        Err(
+            "hipBLAS is not linked (hip-sys's `blas` feature needs hipBLAS and rocBLAS at \
+             build time, which Debian's ROCm lacks)"
+                .into(),
+        )
     }
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<HipBuffer> {
@@ -306,7 +298,7 @@ impl Device for HipDevice {
     }
 
     fn write(&self, dst: &mut HipBuffer, offset: usize, src: &[u8]) -> Result<()> {
-        range("write", dst.len, offset, src.len())?;
+        check_range("write", dst.len, offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
@@ -323,7 +315,7 @@ impl Device for HipDevice {
     }
 
     fn read(&self, src: &HipBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
-        range("read", src.len, offset, dst.len())?;
+        check_range("read", src.len, offset, dst.len())?;
         if dst.is_empty() {
             return Ok(());
         }

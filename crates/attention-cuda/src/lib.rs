@@ -16,9 +16,15 @@
 //!   g++, so the shared conformance suite runs the kernels' logic without a GPU.
 //! - [`plan`] and [`geometry`]: host-side planning (page-table packing, write lists, split-KV
 //!   plans) and launch geometry, plain functions unit-tested on their own.
+//! - [`gemm`]: the GEMM path, chosen once per backend: the device's vendor BLAS (cuBLAS when
+//!   libcublas loads) by default, the tiled kernel (batch-invariant) when there is none or with
+//!   [`CudaConfig::enable_deterministic_inference`] (SGLang's
+//!   `--enable-deterministic-inference`).
 //! - [`backend`], [`store`], [`tensor`]: the trait implementations.
 //! - Devices: `cudarc_device` (NVIDIA, features `cuda-12`/`cuda-13`) and `hip_device` (AMD,
-//!   feature `rocm`, kernels compiled by `hiprtc`); the emulation's lives in its own crate.
+//!   feature `rocm`, kernels compiled by `hiprtc`), sharing [`kernel_cache`] (compile and load
+//!   a specialisation on its first launch) and [`device::check_range`]; the emulation's lives
+//!   in its own crate.
 //!
 //! ## Invariants
 //! - The kernel sources stay within what NVRTC, hipRTC and the emulation compile: no
@@ -48,11 +54,13 @@ pub mod backend;
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub mod cudarc_device;
 pub mod device;
+pub mod gemm;
 pub mod geometry;
 #[cfg(feature = "rocm")]
 pub mod hip_device;
 #[cfg(feature = "rocm")]
 pub mod hiprtc;
+pub mod kernel_cache;
 pub mod kernels;
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub mod nvrtc;
@@ -66,6 +74,7 @@ pub use backend::{CudaBackend, CudaConfig, CudaPlan};
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
 pub use device::{packed_args, Device, KernelArg, LaunchConfig};
+pub use gemm::{GemmChoice, GemmPath};
 #[cfg(feature = "rocm")]
 pub use hip_device::{HipDevice, HipError, HipReport};
 pub use specs::{Source, Spec};

@@ -5,7 +5,6 @@
 //! `KVSERVE_REQUIRE_HIPRTC=1` (CI).
 #![cfg(feature = "rocm")]
 
-use attention_cuda::kernels::{self, all_specs};
 use attention_cuda::{hiprtc, HipDevice, HipError};
 
 /// The architecture the code objects target (MI200; hipRTC 5.2 knows gfx908/90a/1030/1100).
@@ -22,41 +21,19 @@ fn every_specialisation_compiles_with_hiprtc() {
     if !hiprtc_or_skip("every_specialisation_compiles_with_hiprtc") {
         return;
     }
-    let specs = all_specs();
-    let start = std::time::Instant::now();
     // Several threads call `compile` at once on purpose: hipRTC itself corrupts the heap under
     // concurrent compiles, and `compile` must serialise them (this test crashed about one run
     // in three before it did).
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let failures: Vec<String> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|w| {
-                let specs = &specs;
-                s.spawn(move || {
-                    specs
-                        .iter()
-                        .skip(w)
-                        .step_by(threads)
-                        .filter_map(|spec| match hiprtc::compile(spec, ARCH) {
-                            Ok(code) if code.starts_with(b"\x7fELF") => None,
-                            Ok(_) => Some(format!("{}: the code object is not ELF", spec.name())),
-                            Err(e) => Some(e),
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().expect("a compile thread panicked"))
-            .collect()
-    });
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-    println!(
-        "{} specialisations compiled with hipRTC {:?} for {ARCH} in {:.1?} ({threads} threads)",
-        specs.len(),
-        hiprtc::available().unwrap(),
-        start.elapsed()
+    common::compile_every_spec(
+        &format!("with hipRTC {:?} for {ARCH}", hiprtc::available().unwrap()),
+        |spec| hiprtc::compile(spec, ARCH),
+        |spec, code| {
+            if code.starts_with(b"\x7fELF") {
+                Ok(())
+            } else {
+                Err(format!("{}: the code object is not ELF", spec.name()))
+            }
+        },
     );
 }
 
@@ -65,13 +42,7 @@ fn a_broken_kernel_is_rejected_with_the_log() {
     if !hiprtc_or_skip("a_broken_kernel_is_rejected_with_the_log") {
         return;
     }
-    let spec = attention_cuda::Spec {
-        source: attention_cuda::Source::Attention,
-        defines: vec![("KV_DTYPE", 7)],
-    };
-    let err = hiprtc::compile(&spec, ARCH).unwrap_err();
-    assert!(err.contains("KV_DTYPE must be"), "{err}");
-    assert!(hiprtc::compile(&kernels::dense(), ARCH).is_ok());
+    common::a_broken_source_is_rejected_with_the_log(|spec| hiprtc::compile(spec, ARCH));
 }
 
 /// Opening a device is a typed error when there is none (this machine, CI), never a panic; on

@@ -76,6 +76,11 @@ pub struct EngineArgs {
     /// Let running decodes ride along in prefill batches.
     #[arg(long, help_heading = "Engine")]
     pub enable_mixed_chunk: bool,
+    /// Batch-invariant ops: on the cuda and rocm backends, GEMMs take kvserve's own tiled
+    /// kernel instead of cuBLAS (whose algorithm depends on the batch size), so a request's
+    /// output is bitwise the same in any batch.
+    #[arg(long, help_heading = "Engine")]
+    pub enable_deterministic_inference: bool,
     #[command(flatten)]
     pub hicache: HiCacheArgs,
 }
@@ -205,6 +210,7 @@ impl EngineArgs {
         };
         setup.scheduler.schedule_conservativeness = self.schedule_conservativeness;
         setup.scheduler.enable_mixed_chunk = self.enable_mixed_chunk;
+        setup.enable_deterministic_inference = self.enable_deterministic_inference;
         setup.threads = self
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

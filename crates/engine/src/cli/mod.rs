@@ -75,6 +75,9 @@ pub struct InfoArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Report the GEMM path the cuda/rocm backends take with this `serve`/`bench` flag.
+    #[arg(long)]
+    pub enable_deterministic_inference: bool,
 }
 
 mod engine;

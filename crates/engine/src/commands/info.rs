@@ -9,7 +9,7 @@ use crate::setup::Inventory;
 
 /// `kvserve info`.
 pub fn info(args: &InfoArgs, out: &mut dyn Write) -> Result<()> {
-    let inventory = Inventory::of_this_build().probe();
+    let inventory = Inventory::of_this_build().probe(args.enable_deterministic_inference);
     let text = if args.json {
         serde_json::to_string_pretty(&inventory)
             .map_err(|e| EngineError::arg("--json", e.to_string()))?

@@ -102,6 +102,7 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         "schedule_policy": cfg.schedule_policy.as_str(),
         "schedule_conservativeness": cfg.schedule_conservativeness,
         "enable_mixed_chunk": cfg.enable_mixed_chunk,
+        "enable_deterministic_inference": setup.enable_deterministic_inference,
         "disable_radix_cache": !radix,
         "radix_eviction_policy": setup.eviction_policy,
         "max_queued_requests": cfg.max_queued_requests,

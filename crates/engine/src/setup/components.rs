@@ -184,9 +184,11 @@ pub fn build_scheduler_with(
 pub trait BuildRunner: Sized {
     /// Builds the model of `setup` on this backend with a KV store of `capacity` slots.
     fn build(setup: &EngineSetup, capacity: usize) -> Result<Self>;
-    /// Opens the backend's device and describes it, or says why it cannot (`None` for a
-    /// backend with nothing to open).
-    fn probe() -> Option<String> {
+    /// Opens the backend's device and describes it (with the GEMM path it would take under
+    /// `--enable-deterministic-inference` = `deterministic`), or says why it cannot (`None`
+    /// for a backend with nothing to open).
+    fn probe(deterministic: bool) -> Option<String> {
+        let _ = deterministic;
         None
     }
 }
@@ -261,7 +263,7 @@ impl BuildRunner for WgpuRunner {
         runner_on(backend, setup, capacity)
     }
 
-    fn probe() -> Option<String> {
+    fn probe(_deterministic: bool) -> Option<String> {
         Some(
             match attention_wgpu::WgpuBackend::new(attention_wgpu::WgpuConfig::default()) {
                 Ok(b) => b.report().to_string(),
@@ -273,6 +275,27 @@ impl BuildRunner for WgpuRunner {
 
 #[cfg(not(feature = "wgpu"))]
 not_compiled_backend!(WgpuRunner, BackendKind::Wgpu);
+/// The CUDA/ROCm backend's tunables for `setup`.
+#[cfg(any(feature = "cuda", feature = "cuda-13", feature = "rocm"))]
+fn cuda_config(setup: &EngineSetup) -> attention_cuda::CudaConfig {
+    attention_cuda::CudaConfig {
+        enable_deterministic_inference: setup.enable_deterministic_inference,
+        ..Default::default()
+    }
+}
+
+/// `kvserve info`'s line for an opened CUDA/ROCm device: what it is and the GEMM path a
+/// backend on it takes (the backend's own choice, `attention_cuda::gemm::choose`).
+#[cfg(any(feature = "cuda", feature = "cuda-13", feature = "rocm"))]
+fn cuda_probe(
+    report: impl fmt::Display,
+    device: &impl attention_cuda::Device,
+    deterministic: bool,
+) -> String {
+    let gemm = attention_cuda::gemm::choose(deterministic, device.blas());
+    format!("{report}; GEMMs: {gemm}")
+}
+
 /// The model on the CUDA backend (device 0).
 #[cfg(any(feature = "cuda", feature = "cuda-13"))]
 pub type CudaRunner = ModelRunner<attention_cuda::CudaBackend<attention_cuda::CudarcDevice>>;
@@ -282,13 +305,13 @@ impl BuildRunner for CudaRunner {
     fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
         let device = attention_cuda::CudarcDevice::new(0)
             .map_err(|e| EngineError::arg("--backend", format!("cuda: {e}")))?;
-        let backend = attention_cuda::CudaBackend::new(device, Default::default());
+        let backend = attention_cuda::CudaBackend::new(device, cuda_config(setup));
         runner_on(backend, setup, capacity)
     }
 
-    fn probe() -> Option<String> {
+    fn probe(deterministic: bool) -> Option<String> {
         Some(match attention_cuda::CudarcDevice::new(0) {
-            Ok(d) => d.report().to_string(),
+            Ok(d) => cuda_probe(d.report(), &d, deterministic),
             Err(e) => format!("none: {e}"),
         })
     }
@@ -306,13 +329,13 @@ impl BuildRunner for RocmRunner {
     fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
         let device = attention_cuda::HipDevice::new(0)
             .map_err(|e| EngineError::arg("--backend", format!("rocm: {e}")))?;
-        let backend = attention_cuda::CudaBackend::new(device, Default::default());
+        let backend = attention_cuda::CudaBackend::new(device, cuda_config(setup));
         runner_on(backend, setup, capacity)
     }
 
-    fn probe() -> Option<String> {
+    fn probe(deterministic: bool) -> Option<String> {
         Some(match attention_cuda::HipDevice::new(0) {
-            Ok(d) => d.report().to_string(),
+            Ok(d) => cuda_probe(d.report(), &d, deterministic),
             Err(e) => format!("none: {e}"),
         })
     }
@@ -418,11 +441,20 @@ impl Inventory {
     }
 
     /// Opens each compiled device backend's device and records what it found.
-    pub fn probe(mut self) -> Self {
+    pub fn probe(mut self, deterministic: bool) -> Self {
         let probes = [
-            (BackendKind::Wgpu, <WgpuRunner as BuildRunner>::probe()),
-            (BackendKind::Cuda, <CudaRunner as BuildRunner>::probe()),
-            (BackendKind::Rocm, <RocmRunner as BuildRunner>::probe()),
+            (
+                BackendKind::Wgpu,
+                <WgpuRunner as BuildRunner>::probe(deterministic),
+            ),
+            (
+                BackendKind::Cuda,
+                <CudaRunner as BuildRunner>::probe(deterministic),
+            ),
+            (
+                BackendKind::Rocm,
+                <RocmRunner as BuildRunner>::probe(deterministic),
+            ),
         ];
         self.devices = probes
             .into_iter()

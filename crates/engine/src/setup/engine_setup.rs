@@ -37,6 +37,8 @@ pub struct EngineSetup {
     pub hicache: Option<HiCacheSetup>,
     /// The radix cache records KV events (`--kv-events-config` with a publisher).
     pub kv_events: bool,
+    /// `--enable-deterministic-inference`: batch-invariant GEMMs on the cuda/rocm backends.
+    pub enable_deterministic_inference: bool,
 }
 
 /// Parses `--schedule-policy` for the bench (one policy).
@@ -68,6 +70,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         shared_kv: false,
         hicache: None,
         kv_events: false,
+        enable_deterministic_inference: false,
     }
 }
 

@@ -40,6 +40,13 @@ enum StoreAccess<'a> {
     /// The store's memory, in host addresses (the `cpu` backend).
     Memory(&'a dyn KvStore),
     /// A handle copying through the device's queue (`wgpu`).
+    #[cfg_attr(
+        not(feature = "wgpu"),
+        expect(
+            dead_code,
+            reason = "only the wgpu backend hands out device rows so far"
+        )
+    )]
     Rows(Arc<dyn DeviceKvRows>),
 }
 
