@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::{EngineArgs, HiCacheArgs, OutputFormat, WorkloadArgs};
+use super::{EngineArgs, HiCacheArgs, RunOutputArgs, WorkloadArgs};
 use crate::error::{EngineError, Result};
 use crate::sim::Arrivals;
 
@@ -203,9 +203,9 @@ pub struct SimArgs {
     #[arg(long, value_name = "A1,A2,...", help_heading = "Scheduler")]
     pub allocator: Option<String>,
 
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
-    pub format: OutputFormat,
+    /// Output format, threads, timings, progress.
+    #[command(flatten)]
+    pub output: RunOutputArgs,
     /// Also draw output throughput against pool size into this PNG file (with --dp: hit rate
     /// against instances per router policy, and TTFT p50 into FILE-ttft.png beside it).
     #[arg(long, value_name = "FILE.png")]
@@ -217,13 +217,4 @@ pub struct SimArgs {
     /// Prove the pool partition after every scheduler step (slow).
     #[arg(long)]
     pub check: bool,
-    /// Configurations simulated at once on threads (default: the available cores).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
-    pub jobs: Option<u32>,
-    /// Omit wall times from the table, so the output is reproducible byte for byte.
-    #[arg(long)]
-    pub no_timings: bool,
-    /// No progress bar and no notes on stderr.
-    #[arg(long)]
-    pub quiet: bool,
 }

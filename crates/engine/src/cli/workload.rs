@@ -156,9 +156,9 @@ pub struct CacheSimArgs {
     #[command(flatten)]
     pub hicache: HiCacheArgs,
 
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
-    pub format: OutputFormat,
+    /// Output format, threads, timings, progress.
+    #[command(flatten)]
+    pub output: RunOutputArgs,
     /// Also draw hit rate against capacity into this PNG file; with lru and belady in
     /// --policy, also the share of the LRU → Belady gap each other policy closes, into
     /// FILE-gap.png beside it.
@@ -168,10 +168,19 @@ pub struct CacheSimArgs {
     /// replay the kv-pool ownership partition.
     #[arg(long)]
     pub check: bool,
-    /// Replays run at once on threads (default: the available cores).
+}
+
+/// How `cache-sim` and `sim` print and how many of their runs go at once.
+#[derive(Debug, Clone, Args)]
+pub struct RunOutputArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    pub format: OutputFormat,
+    /// Replays or simulated configurations run at once on threads (default: the available
+    /// cores).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub jobs: Option<u32>,
-    /// Omit timings from the table, so the output is reproducible byte for byte.
+    /// Omit wall times from the table, so the output is reproducible byte for byte.
     #[arg(long)]
     pub no_timings: bool,
     /// No progress bar and no notes on stderr.

@@ -15,7 +15,7 @@ use crate::report::{render_json_lines, render_table, TableOptions};
 use crate::sim_tier::SimTier;
 
 fn note(args: &CacheSimArgs, msg: &str) {
-    if !args.quiet {
+    if !args.output.quiet {
         eprintln!("note: {msg}");
     }
 }
@@ -81,7 +81,7 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
         add(page_align_capacity(stats.never_evicting_capacity(), p)?);
     }
 
-    let jobs = jobs(args.jobs);
+    let jobs = jobs(args.output.jobs);
     let cfg = SweepConfig {
         policies,
         capacities,
@@ -91,7 +91,7 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
         tier,
     };
     let total = (cfg.policies.len() * cfg.capacities.len() * workload.requests.len()) as u64;
-    let bar = progress_bar(args.quiet, total, PROGRESS);
+    let bar = progress_bar(args.output.quiet, total, PROGRESS);
     let start = Instant::now();
     let results = run_sweep(&workload.requests, &cfg, &|n| bar.inc(n));
     bar.finish_and_clear();
@@ -108,16 +108,16 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
         );
     }
 
-    let text = match args.format {
+    let text = match args.output.format {
         OutputFormat::Table => {
             let mut t = render_table(
                 &results,
                 TableOptions {
                     workload: Some((&workload.name, &stats)),
-                    timings: !args.no_timings,
+                    timings: !args.output.no_timings,
                 },
             );
-            if !args.no_timings {
+            if !args.output.no_timings {
                 t.push_str(&format!(
                     "total wall time {wall:.2} s for {} replays on {} threads\n",
                     results.len(),
@@ -129,7 +129,7 @@ pub fn cache_sim(args: &CacheSimArgs, out: &mut dyn Write) -> Result<()> {
         OutputFormat::Json => render_json_lines(&results),
     };
     write_out(out, &text)?;
-    if args.format == OutputFormat::Json {
+    if args.output.format == OutputFormat::Json {
         note(
             args,
             &format!("total wall time {wall:.2} s for {} replays", results.len()),

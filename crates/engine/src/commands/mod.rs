@@ -77,14 +77,14 @@ fn output_text<T: serde::Serialize>(
     json: &[T],
     wall: f64,
 ) -> Result<String> {
-    Ok(match args.format {
+    Ok(match args.output.format {
         crate::cli::OutputFormat::Table => {
             let mut t = format!(
                 "workload: {workload}\n{requests} requests, {} on {} × {} (tp {}), page size {}\n",
                 cost.model.name, args.tp, cost.accel.name, args.tp, args.page_size
             );
             t.push_str(&table());
-            if !args.no_timings {
+            if !args.output.no_timings {
                 t.push_str(&format!(
                     "total wall time {wall:.2} s for {} configurations\n",
                     json.len()

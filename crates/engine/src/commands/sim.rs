@@ -132,7 +132,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
     if !args.router.dp.is_empty() {
         return super::sim_dp::sim_dp(args, &workload.name, &requests, &configs, out);
     }
-    if !args.quiet {
+    if !args.output.quiet {
         eprintln!(
             "note: {} requests ({}), {} configurations, {} on {} × {}, context {context_len}",
             requests.len(),
@@ -143,9 +143,9 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
             cost.accel.name
         );
     }
-    let jobs = jobs(args.jobs);
+    let jobs = jobs(args.output.jobs);
     let bar = progress_bar(
-        args.quiet,
+        args.output.quiet,
         (requests.len() * configs.len()) as u64,
         PROGRESS,
     );
@@ -155,7 +155,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
     let outcomes = outcomes?;
     let wall = start.elapsed().as_secs_f64();
     let table = || {
-        let mut t = render_table(&outcomes, !args.no_timings);
+        let mut t = render_table(&outcomes, !args.output.no_timings);
         if args.allocator.is_some() {
             t.push_str(&format!(
                 "\nallocator contiguity (page size {}; transfer blocks per region; free runs \
@@ -185,7 +185,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
             args.page_size,
             path,
         )?;
-        if !args.quiet {
+        if !args.output.quiet {
             eprintln!("note: contiguity plot written to {}", path.display());
         }
     }
@@ -214,7 +214,7 @@ pub fn sim(args: &SimArgs, out: &mut dyn Write) -> Result<()> {
             },
             path,
         )?;
-        if !args.quiet {
+        if !args.output.quiet {
             eprintln!("note: plot written to {}", path.display());
         }
     }

@@ -43,20 +43,20 @@ pub fn sim_dp(
             }
         }
     }
-    if !args.quiet {
+    if !args.output.quiet {
         eprintln!(
             "note: {} requests ({workload}), {} clusters",
             requests.len(),
             clusters.len()
         );
     }
-    let bar = progress_bar(args.quiet, clusters.len() as u64, PROGRESS_DP);
+    let bar = progress_bar(args.output.quiet, clusters.len() as u64, PROGRESS_DP);
     let start = Instant::now();
-    let outcomes = run_dp_sweep(requests, &clusters, jobs(args.jobs), &|| bar.inc(1));
+    let outcomes = run_dp_sweep(requests, &clusters, jobs(args.output.jobs), &|| bar.inc(1));
     bar.finish_and_clear();
     let outcomes = outcomes?;
     let wall = start.elapsed().as_secs_f64();
-    let table = || render_dp_table(&outcomes, !args.no_timings);
+    let table = || render_dp_table(&outcomes, !args.output.no_timings);
     let Some(first) = configs.first() else {
         return Err(EngineError::arg("--dp", "no configuration to simulate"));
     };
@@ -65,7 +65,7 @@ pub fn sim_dp(
     write_out(out, &text)?;
     if let Some(path) = &args.plot {
         plot_dp(&outcomes, workload, path)?;
-        if !args.quiet {
+        if !args.output.quiet {
             eprintln!("note: plots written to {} (and -ttft)", path.display());
         }
     }
