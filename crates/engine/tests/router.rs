@@ -235,6 +235,7 @@ fn config(prefill: &[(&str, u16)], decode: &[&str], policy: PolicyKind) -> Route
         decode_policy: policy,
         connect_timeout: Duration::from_secs(2),
         request_timeout: Duration::from_secs(30),
+        tokenizer: None,
         ..RouterConfig::new("http://unused:1", "http://unused:2").unwrap()
     }
 }

@@ -10,7 +10,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{get, post, start, Server};
-use engine::router::{spawn, EventSource, PolicyKind, RouterConfig};
+use engine::router::{spawn, BackgroundRouter, EventSource, PolicyKind, RouterConfig};
+use engine::setup::source::ModelSource;
 use serde_json::{json, Value};
 
 /// A worker publishing its KV events, with a replay socket; its event endpoints.
@@ -73,8 +74,16 @@ fn sent(router: u16) -> Vec<u64> {
         .collect()
 }
 
-#[test]
-fn requests_follow_the_pages_each_worker_really_holds() {
+/// Three workers behind a `kv_events` router (with `tokenizer`, its `--tokenizer-path`): the
+/// workers, their URLs, the router (stopped on drop) and its port.
+fn cluster(
+    tokenizer: Option<ModelSource>,
+) -> (
+    Vec<(Server, EventSource)>,
+    Vec<String>,
+    BackgroundRouter,
+    u16,
+) {
     let workers: Vec<(Server, EventSource)> = (0..3).map(|_| worker()).collect();
     let urls: Vec<String> = workers
         .iter()
@@ -84,10 +93,17 @@ fn requests_follow_the_pages_each_worker_really_holds() {
     let mut cfg = RouterConfig::regular(&refs, PolicyKind::KvEvents).unwrap();
     cfg.kv_events = workers.iter().map(|(_, e)| e.clone()).collect();
     cfg.kv_events_topic = "kv".into();
+    cfg.tokenizer = tokenizer;
     let r = spawn(cfg, "127.0.0.1:0", 2).unwrap();
     let rp = r.addr.port();
     // Let the subscriptions reach the PUB sockets.
     std::thread::sleep(Duration::from_millis(500));
+    (workers, urls, r, rp)
+}
+
+#[test]
+fn requests_follow_the_pages_each_worker_really_holds() {
+    let (workers, urls, _router, rp) = cluster(None);
 
     let a: Vec<u32> = (0..96).map(|i| 500 + i).collect();
     assert_eq!(generate(rp, &a), 0);
@@ -138,6 +154,17 @@ fn requests_follow_the_pages_each_worker_really_holds() {
         json!({"input_ids": d, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}),
     );
     assert_eq!(status, 200, "{v}");
+    // D's events leave the late worker before the router subscribes, so they are missed.
+    let start = Instant::now();
+    loop {
+        let kv = &get(late.port, "/get_server_info")["engine"]["kv_events"];
+        let published = kv["batches_published"].as_u64().unwrap();
+        if published > 0 && kv["batches_sent"].as_u64().unwrap() == published {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{kv}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let (status, v) = post(rp, &format!("/add_worker?url={late_url}"), json!({}));
     assert_eq!(status, 400, "kv_events needs the endpoint: {v}");
     let add = format!(
@@ -162,4 +189,76 @@ fn requests_follow_the_pages_each_worker_really_holds() {
         json!(0)
     );
     let _: Value = get(rp, "/list_workers");
+}
+
+/// Text prompts (`/generate` text, a completion's prompt, chat messages) through a router that
+/// has the workers' tokenizer (`--tokenizer-path tiny`): each goes to the worker that caches
+/// its prefix, as token ids do.
+#[test]
+fn text_prompts_follow_the_pages_with_the_workers_tokenizer() {
+    let (_workers, _urls, _router, rp) = cluster(Some(ModelSource::Tiny));
+
+    let long = |tag: &str| {
+        (0..60)
+            .map(|i| format!("{tag}{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let a = long("alpha");
+    let (status, v) = post(
+        rp,
+        "/generate",
+        json!({"text": a, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let held = wait_pages(rp, |p| p.iter().sum::<u64>() > 0);
+    let holder = held.iter().position(|&n| n > 0).unwrap();
+
+    // A completion whose prompt extends A's text: to A's holder, from its cache.
+    let before = sent(rp);
+    let (status, v) = post(
+        rp,
+        "/v1/completions",
+        json!({"model": "tiny", "prompt": format!("{a} and then some more words"),
+               "max_tokens": 1, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{v}"
+    );
+    let after = sent(rp);
+    assert_eq!(after[holder], before[holder] + 1, "{before:?} → {after:?}");
+
+    // A chat: a new prefix (to a worker holding nothing), then the conversation's next turn,
+    // which renders to the first turn's tokens and more: to the same worker, from its cache.
+    let chat = |messages: Value| {
+        let (status, v) = post(
+            rp,
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{v}");
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let first = json!([{"role": "system", "content": long("beta")},
+        {"role": "user", "content": "hello"}]);
+    chat(first.clone());
+    let p = wait_pages(rp, |p| p.iter().filter(|&&n| n > 0).count() == 2);
+    let talker = (0..3).find(|&i| i != holder && p[i] > 0).unwrap();
+    let before = sent(rp);
+    let mut next = first.as_array().unwrap().clone();
+    next.push(json!({"role": "assistant", "content": "hi"}));
+    next.push(json!({"role": "user", "content": "tell me more"}));
+    assert!(
+        chat(Value::Array(next)) > 0,
+        "the next turn reuses the first"
+    );
+    let after = sent(rp);
+    assert_eq!(after[talker], before[talker] + 1, "{before:?} → {after:?}");
 }

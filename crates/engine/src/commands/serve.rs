@@ -46,12 +46,7 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         .map_or(ModelSource::Tiny, ModelSource::Path);
     let config = source.config()?;
     let name = source.name();
-    let (tokenizer, chat_template) = match &source {
-        ModelSource::Tiny => (model::tiny::tiny_tokenizer(), None),
-        ModelSource::Path(dir) => {
-            model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))?
-        }
-    };
+    let (tokenizer, chat_template) = source.tokenizer()?;
     let chat = ChatPrompt::new(chat_template).map_err(|e| EngineError::Model(e.to_string()))?;
     let mut setup = args.engine.setup(config.max_position_embeddings)?;
     setup.scheduler.max_queued_requests = args.max_queued_requests;

@@ -13,6 +13,7 @@ use clap::{ArgAction, Args, ValueEnum};
 use reqwest::Url;
 
 use crate::error::{EngineError, Result};
+use crate::setup::source::ModelSource;
 
 /// SGLang's default bootstrap port (the prefill server's `--disaggregation-bootstrap-port`),
 /// used for a `--prefill URL` given without one.
@@ -221,6 +222,13 @@ pub struct RouterArgs {
     /// Passed checks in a row before a skipped worker gets requests again.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     pub health_success_threshold: u32,
+    /// The workers' model directory (its tokenizer.json and chat template), or `tiny` for
+    /// workers on the built-in model: text prompts (`text`, a text `prompt`, chat `messages`)
+    /// are then tokenized as the workers do, and every policy routes on token ids, so
+    /// `kv_events` matches them against the pages the workers hold. Without it, text routes
+    /// as text (`kv_events` then balances text by load only).
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer_path: Option<std::path::PathBuf>,
 }
 
 /// A worker's address: the base URL requests are sent under and the host it names.
@@ -312,6 +320,9 @@ pub struct RouterConfig {
     pub connect_timeout: Duration,
     /// Longest wait for the next bytes of a worker's response.
     pub request_timeout: Duration,
+    /// `--tokenizer-path`: the workers' model, whose tokenizer turns text prompts into the
+    /// token ids routed on (`None`: text routes as text).
+    pub tokenizer: Option<ModelSource>,
 }
 
 impl RouterConfig {
@@ -334,6 +345,7 @@ impl RouterConfig {
             decode_policy: PolicyKind::Random,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Duration::from_secs(1800),
+            tokenizer: None,
         })
     }
 
@@ -353,6 +365,7 @@ impl RouterConfig {
             decode_policy: policy,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Duration::from_secs(1800),
+            tokenizer: None,
         })
     }
 
@@ -393,6 +406,13 @@ fn parse_workers(urls: impl Iterator<Item = String>) -> Result<Vec<WorkerUrl>> {
 }
 
 impl RouterArgs {
+    /// `--tokenizer-path` as a model source.
+    fn tokenizer(&self) -> Option<ModelSource> {
+        self.tokenizer_path
+            .as_deref()
+            .map(ModelSource::from_tokenizer_arg)
+    }
+
     /// The validated configuration; errors name the flag.
     pub fn config(&self) -> Result<RouterConfig> {
         let cache_aware = self.cache_aware()?;
@@ -433,6 +453,7 @@ impl RouterArgs {
                 decode_policy: policy,
                 connect_timeout: DEFAULT_CONNECT_TIMEOUT,
                 request_timeout: Duration::from_secs(self.request_timeout_secs),
+                tokenizer: self.tokenizer(),
             });
         }
         if !self.worker_urls.is_empty() {
@@ -511,6 +532,7 @@ impl RouterArgs {
             decode_policy,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             request_timeout: Duration::from_secs(self.request_timeout_secs),
+            tokenizer: self.tokenizer(),
         })
     }
 }

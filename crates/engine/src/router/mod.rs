@@ -101,6 +101,8 @@ pub struct RouterState {
     pub subscribers: kv_subscriber::Subscribers,
     /// The router's counters.
     pub metrics: RouterMetrics,
+    /// `--tokenizer-path`: the workers' tokenizer, so text prompts route on token ids.
+    pub prompt_encoder: Option<prompt::PromptEncoder>,
 }
 
 impl RouterState {
@@ -120,6 +122,11 @@ impl RouterState {
             let _ = workers.add(url.clone(), true);
         }
         let kv_index = Arc::new(Mutex::new(KvIndex::default()));
+        let prompt_encoder = config
+            .tokenizer
+            .as_ref()
+            .map(prompt::PromptEncoder::load)
+            .transpose()?;
         let prefill_workers = WorkerRegistry::default();
         for p in &config.prefill {
             let _ = prefill_workers.add(p.url.clone(), true);
@@ -148,6 +155,7 @@ impl RouterState {
             policy: policies::build(config.policy, config.cache_aware, None, kv_index.clone()),
             kv_index,
             subscribers: kv_subscriber::Subscribers::default(),
+            prompt_encoder,
             metrics: RouterMetrics::with_workers(
                 (config
                     .prefill

@@ -45,7 +45,7 @@ pub async fn dual_dispatch(
         Ok(b) => b,
         Err(e) => return bad_body(&state, route, e),
     };
-    let prompt = routing_prompt(route, &body);
+    let prompt = routing_prompt(route, &body, state.prompt_encoder.as_ref());
     let super::PdPick {
         prefill,
         decode,

@@ -53,7 +53,7 @@ pub async fn route(
         Err(r) => return *r,
     };
     let mut timer = Some(timer);
-    let prompt = routing_prompt(route, &parsed);
+    let prompt = routing_prompt(route, &parsed, state.prompt_encoder.as_ref());
     let auth = headers.get(header::AUTHORIZATION).cloned();
     let mut tried: Vec<WorkerId> = Vec::new();
     let mut last: Option<UpstreamError> = None;

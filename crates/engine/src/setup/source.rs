@@ -21,6 +21,27 @@ impl ModelSource {
         }
     }
 
+    /// The tokenizer and the model's chat template (if it has one) the server encodes
+    /// prompts with.
+    pub fn tokenizer(&self) -> Result<(model::Tokenizer, Option<model::ChatTemplate>)> {
+        match self {
+            ModelSource::Tiny => Ok((model::tiny::tiny_tokenizer(), None)),
+            ModelSource::Path(dir) => {
+                model::load_tokenizer_dir(dir).map_err(|e| EngineError::Model(e.to_string()))
+            }
+        }
+    }
+
+    /// The source a `--tokenizer-path` names: a directory, or `tiny` (the built-in preset)
+    /// when no directory of that name exists.
+    pub fn from_tokenizer_arg(path: &std::path::Path) -> Self {
+        if path == std::path::Path::new("tiny") && !path.is_dir() {
+            ModelSource::Tiny
+        } else {
+            ModelSource::Path(path.to_path_buf())
+        }
+    }
+
     /// The name the server reports (`tiny`, or the directory).
     pub fn name(&self) -> String {
         match self {
