@@ -27,45 +27,19 @@
 #define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / WARP_SIZE)
 
-// Load widths (see paged_attention's comment). A vector of K_WORDS 32-bit words of a key row
-// (4: 16 bytes) is one load when the row's byte length is a multiple of the vector's size, so
-// every vector of every row is aligned (the buffers are at least 16-byte aligned); rows of
-// other lengths take 8- or 4-byte vectors, or one element per load when the row is not a
-// whole number of words. Values likewise, over the value row's stride (V_ROW) and the part
-// read (V_HEAD_DIM).
-#if (HEAD_DIM * KV_BYTES) % 16 == 0
-#define K_WORDS 4
-#elif (HEAD_DIM * KV_BYTES) % 8 == 0
-#define K_WORDS 2
-#elif (HEAD_DIM * KV_BYTES) % 4 == 0
-#define K_WORDS 1
-#else
-#define K_WORDS 0
+// Loads (see paged_attention's comment): keys and values are read as 16-byte vectors of
+// K_EPV / V_EPV elements, which needs every row's byte length (and the value part's) to be a
+// multiple of 16, so every vector of every row is aligned (the buffers are at least 16-byte
+// aligned). Every specialisation meets it (src/kernels.rs checks the list); a shape that does
+// not is a compile error rather than a slower untested path.
+#if (HEAD_DIM * KV_BYTES) % 16 != 0 || (V_ROW * KV_BYTES) % 16 != 0 ||                         \
+    (V_HEAD_DIM * KV_BYTES) % 16 != 0
+#error "key and value rows must be whole 16-byte vectors"
 #endif
-#if (V_ROW * KV_BYTES) % 16 == 0 && (V_HEAD_DIM * KV_BYTES) % 16 == 0
-#define V_WORDS 4
-#elif (V_ROW * KV_BYTES) % 8 == 0 && (V_HEAD_DIM * KV_BYTES) % 8 == 0
-#define V_WORDS 2
-#elif (V_ROW * KV_BYTES) % 4 == 0 && (V_HEAD_DIM * KV_BYTES) % 4 == 0
-#define V_WORDS 1
-#else
-#define V_WORDS 0
-#endif
-// K_EPV / V_EPV elements per load; K_LOAD / V_LOAD(p, out) decode the load at p into out.
-#if K_WORDS
-#define K_EPV (K_WORDS * KV_PER_WORD)
-#define K_LOAD(p, out) kv_load_words<K_WORDS>((p), (out))
-#else
-#define K_EPV 1
-#define K_LOAD(p, out) ((out)[0] = kv_load((p), 0))
-#endif
-#if V_WORDS
-#define V_EPV (V_WORDS * KV_PER_WORD)
-#define V_LOAD(p, out) kv_load_words<V_WORDS>((p), (out))
-#else
-#define V_EPV 1
-#define V_LOAD(p, out) ((out)[0] = kv_load((p), 0))
-#endif
+#define K_EPV KV_PER_VEC
+#define V_EPV KV_PER_VEC
+#define K_LOAD(p, out) kv_load_vec16((p), (out))
+#define V_LOAD(p, out) kv_load_vec16((p), (out))
 // Loads per key row; K_LANES lanes read one row (its loads rounded up to a power of two, at
 // most the warp), so a warp reads WARP_SIZE / K_LANES rows at once, K_VECS_PER_LANE loads
 // each.
@@ -143,7 +117,6 @@ template <int N> __device__ inline float kvs_lane_transpose_sum(float* part) {
 //   the groups' sums are added in group order through shared memory (a fixed order, so the
 //   result does not depend on the batch).
 // - The page table: each thread resolves the slot of its own key once per chunk (s_slot).
-// Rows whose length is no multiple of 16 bytes fall back to narrower loads (K_WORDS above).
 KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t* v_cache,
                                 const unsigned int* plan, float* partial_o, float* partial_lse,
                                 unsigned int q_heads, unsigned int kv_heads,
