@@ -267,9 +267,11 @@ impl<D: Device> CudaBackend<D> {
         if n == 0 {
             return Ok(out);
         }
+        // One block per group of heads_per_block query heads (MLA's share the latent rows).
+        let head_groups = a.q_heads.div_ceil(a.spec.heads_per_block() as usize);
         let split = SplitPlan::new(
             n,
-            a.q_heads,
+            head_groups,
             plan.max_kv_len,
             self.config.split_kv_target_blocks,
             ATTN_THREADS as usize,
@@ -296,7 +298,7 @@ impl<D: Device> CudaBackend<D> {
         self.launch(
             &a.spec,
             "paged_attention",
-            geometry::attention(n, a.q_heads, split)?,
+            geometry::attention(n, head_groups, split)?,
             &[
                 KernelArg::Buf(&a.q.buf),
                 KernelArg::Buf(a.k_cache),

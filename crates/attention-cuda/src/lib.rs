@@ -7,9 +7,10 @@
 //! merged by log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
 //!
 //! - [`kernels`]: the `.cu` sources under `kernels/` (embedded), specialised by `#define`s
-//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family) into the [`Spec`]s
-//!   of [`specs`]; every specialisation is compiled to PTX by NVRTC in CI (feature `cuda`,
-//!   [`nvrtc`]).
+//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family; MLA blocks serve
+//!   [`specs::MLA_HEADS_PER_BLOCK`] query heads, which share each latent read) into the
+//!   [`Spec`]s of [`specs`]; every specialisation is compiled to PTX by NVRTC and for gfx90a by
+//!   hipRTC in CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`).
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
 //!   copies, and launches by specialisation and kernel name. The CPU emulation
 //!   (`attention-cuda-emu`, tests only) implements it by compiling the same `.cu` sources with
