@@ -139,7 +139,8 @@ impl<D: Device> CudaBackend<D> {
         &self.gemm
     }
 
-    /// Installs (`Some`) or removes the graph pool the backend's ops go through.
+    /// An f32 tensor of `shape`: zeroed when eager, a pool buffer under a graph (which the
+    /// op's kernel overwrites whole).
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor<D>> {
         let n: usize = shape.iter().product();
         Ok(CudaTensor {
