@@ -245,3 +245,153 @@ impl<B> GraphPool<B> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::kernels;
+
+    /// Host memory as a device: buffers are byte vectors, launches are counted, not run.
+    #[derive(Default)]
+    struct HostDevice {
+        launched: Mutex<usize>,
+    }
+
+    impl Device for HostDevice {
+        type Buffer = Vec<u8>;
+        type Graph = std::convert::Infallible;
+
+        fn name(&self) -> &str {
+            "host"
+        }
+        fn alloc_zeroed(&self, bytes: usize) -> Result<Vec<u8>> {
+            Ok(vec![0; bytes.max(1)])
+        }
+        fn write(&self, dst: &mut Vec<u8>, offset: usize, src: &[u8]) -> Result<()> {
+            crate::device::check_range("write", dst.len(), offset, src.len())?;
+            dst[offset..offset + src.len()].copy_from_slice(src);
+            Ok(())
+        }
+        fn read(&self, src: &Vec<u8>, offset: usize, dst: &mut [u8]) -> Result<()> {
+            crate::device::check_range("read", src.len(), offset, dst.len())?;
+            dst.copy_from_slice(&src[offset..offset + dst.len()]);
+            Ok(())
+        }
+        fn len(&self, buf: &Vec<u8>) -> usize {
+            buf.len()
+        }
+        fn address(&self, buf: &Vec<u8>) -> usize {
+            buf.as_ptr() as usize
+        }
+        fn launch(
+            &self,
+            _: &Spec,
+            _: &str,
+            _: LaunchConfig,
+            _: &[KernelArg<'_, Vec<u8>>],
+        ) -> Result<()> {
+            *self.launched.lock().unwrap() += 1;
+            Ok(())
+        }
+    }
+
+    const CFG: LaunchConfig = LaunchConfig {
+        grid: [1, 1, 1],
+        block: 32,
+    };
+
+    fn message(r: Result<impl std::fmt::Debug>) -> String {
+        match r {
+            Err(AttentionError::Device(m)) => m,
+            r => panic!("expected a device error, got {r:?}"),
+        }
+    }
+
+    /// One "forward": an upload of `data`, an output allocation, a launch over both with
+    /// scalar `x`.
+    fn pass(
+        pool: &mut GraphPool<Vec<u8>>,
+        d: &HostDevice,
+        data: &[u8],
+        x: u32,
+    ) -> Result<[Arc<Vec<u8>>; 2]> {
+        let input = pool.upload(d, data, 8)?;
+        let out = pool.alloc(d, 16)?;
+        let args = [
+            KernelArg::Buf(&*input),
+            KernelArg::Buf(&*out),
+            KernelArg::U32(x),
+        ];
+        pool.launch(d, &kernels::dense(), "add_assign", CFG, &args)?;
+        Ok([input, out])
+    }
+
+    #[test]
+    fn warmup_capture_and_feed_share_buffers_and_check_launches() {
+        let d = HostDevice::default();
+        let mut pool = GraphPool::new(0, 0);
+        pool.start(Phase::Warmup);
+        let [warm_in, warm_out] = pass(&mut pool, &d, &[1, 2], 7).unwrap();
+        assert_eq!((pool.buffers(), *d.launched.lock().unwrap()), (2, 1));
+        assert_eq!(
+            &warm_in[..3],
+            &[1, 2, 0],
+            "the input is written, with room for 8"
+        );
+        drop((warm_in, warm_out));
+
+        pool.start(Phase::Capture);
+        let [cap_in, cap_out] = pass(&mut pool, &d, &[9, 9, 9], 7).unwrap();
+        assert_eq!(&cap_in[..3], &[1, 2, 0], "the capture writes no input");
+        assert_eq!((pool.launches(), *d.launched.lock().unwrap()), (1, 2));
+        let addresses = (cap_in.as_ptr(), cap_out.as_ptr());
+        drop((cap_in, cap_out));
+
+        // Feed: the same buffers, the input written, the launch checked and not issued.
+        pool.start(Phase::Feed);
+        let [fed_in, fed_out] = pass(&mut pool, &d, &[5, 6, 7], 7).unwrap();
+        assert_eq!((fed_in.as_ptr(), fed_out.as_ptr()), addresses);
+        assert_eq!(&fed_in[..3], &[5, 6, 7]);
+        assert_eq!(*d.launched.lock().unwrap(), 2);
+        pool.finish().unwrap();
+
+        // While the last feed's input is held, the next feed cannot refill it.
+        pool.start(Phase::Feed);
+        let m = message(pass(&mut pool, &d, &[1], 7));
+        assert!(m.contains("still held"), "{m}");
+        drop((fed_in, fed_out));
+
+        // A changed scalar, more data than the static input holds, and a shorter forward.
+        pool.start(Phase::Feed);
+        let m = message(pass(&mut pool, &d, &[1], 8));
+        assert!(m.contains("differs from the captured one"), "{m}");
+        pool.start(Phase::Feed);
+        let m = message(pass(&mut pool, &d, &[0; 9], 7));
+        assert!(m.contains("holds 8 bytes"), "{m}");
+        pool.start(Phase::Feed);
+        let _kept = pool.upload(&d, &[1], 8).unwrap();
+        let m = message(pool.finish());
+        assert!(m.contains("made 0 launches, the graph has 1"), "{m}");
+    }
+
+    #[test]
+    fn a_forward_that_allocates_more_than_its_warmup_is_refused() {
+        let d = HostDevice::default();
+        let mut pool = GraphPool::new(0, 0);
+        pool.start(Phase::Warmup);
+        pool.alloc(&d, 4).unwrap();
+        pool.start(Phase::Capture);
+        pool.alloc(&d, 4).unwrap();
+        let m = message(pool.alloc(&d, 4));
+        assert!(m.contains("its warmup made 1"), "{m}");
+        pool.start(Phase::Capture);
+        let m = message(pool.alloc(&d, 5));
+        assert!(m.contains("holds 4 bytes"), "{m}");
+        pool.start(Phase::Feed);
+        pool.alloc(&d, 4).unwrap();
+        let launch = pool.launch(&d, &kernels::dense(), "silu_mul", CFG, &[]);
+        assert!(message(launch).contains("more launches than the 0 captured"));
+    }
+}
