@@ -16,6 +16,10 @@
 //!   error, as is a block whose threads wait on barriers that can never complete.
 //! - Without a C++ compiler at build time the crate still builds; [`EmuDevice::new`] then
 //!   returns why, and tests skip with that reason unless `KVSERVE_REQUIRE_CUDA_EMU=1`.
+//! - Graph capture ([`Device::begin_capture`]) records launches (kernel, geometry and argument
+//!   values) instead of running them, and refuses allocations, copies and reads with a typed
+//!   error until the capture ends, as CUDA's stream capture does; a replay runs the recorded
+//!   launches in order.
 //! - What emulation cannot check: the GPU memory model (threads switch only at barriers, so a
 //!   missing barrier can go unnoticed) and speed. Out-of-bounds accesses are not trapped.
 //!
@@ -62,7 +66,30 @@ impl std::fmt::Debug for EmuBuffer {
 /// The emulated device (see the [crate docs](crate)).
 #[derive(Debug)]
 pub struct EmuDevice {
-    _private: (),
+    /// The launches recorded since `begin_capture`, or `None` outside a capture.
+    capture: std::sync::Mutex<Option<Vec<Recorded>>>,
+}
+
+/// One recorded launch: what `launch_compiled` takes, argument values included.
+#[derive(Debug, Clone)]
+struct Recorded {
+    spec: Spec,
+    kernel: String,
+    cfg: LaunchConfig,
+    values: Vec<u64>,
+}
+
+/// A captured graph of the emulated device: its launches, in order.
+#[derive(Debug)]
+pub struct EmuGraph {
+    launches: Vec<Recorded>,
+}
+
+impl EmuGraph {
+    /// The number of recorded launches.
+    pub fn launches(&self) -> usize {
+        self.launches.len()
+    }
 }
 
 #[cfg(not(kvs_emu_missing))]
@@ -90,7 +117,23 @@ impl EmuDevice {
         #[cfg(kvs_emu_missing)]
         return Err(env!("KVS_EMU_MISSING").to_string());
         #[cfg(not(kvs_emu_missing))]
-        Ok(EmuDevice { _private: () })
+        Ok(EmuDevice {
+            capture: std::sync::Mutex::new(None),
+        })
+    }
+
+    fn recording(&self) -> std::sync::MutexGuard<'_, Option<Vec<Recorded>>> {
+        self.capture.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `Err` when a capture is running: `what` is refused inside one, as by CUDA.
+    fn outside_capture(&self, what: &str) -> Result<()> {
+        if self.recording().is_some() {
+            return Err(AttentionError::Device(format!(
+                "cuda-emu: {what} inside a graph capture (the capture is invalidated)"
+            )));
+        }
+        Ok(())
     }
 
     fn check_range(what: &'static str, buf: &EmuBuffer, offset: usize, len: usize) -> Result<()> {
@@ -106,12 +149,44 @@ impl EmuDevice {
 
 impl Device for EmuDevice {
     type Buffer = EmuBuffer;
+    type Graph = EmuGraph;
+
+    fn begin_capture(&self) -> Result<()> {
+        let mut rec = self.recording();
+        if rec.is_some() {
+            return Err(AttentionError::Device(
+                "cuda-emu: a capture is already running".into(),
+            ));
+        }
+        *rec = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<EmuGraph> {
+        match self.recording().take() {
+            Some(launches) => Ok(EmuGraph { launches }),
+            None => Err(AttentionError::Device(
+                "cuda-emu: end_capture without begin_capture".into(),
+            )),
+        }
+    }
+
+    unsafe fn replay(&self, graph: &EmuGraph) -> Result<()> {
+        self.outside_capture("a graph replay")?;
+        for l in &graph.launches {
+            // The caller guarantees that the buffers behind the recorded pointers are alive
+            // (replay's contract), as a GPU graph's device addresses must be.
+            launch_compiled(Some(&l.spec), &l.kernel, l.cfg, &mut l.values.clone())?;
+        }
+        Ok(())
+    }
 
     fn name(&self) -> &str {
         "cuda-emu"
     }
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<EmuBuffer> {
+        self.outside_capture("an allocation")?;
         let layout = Layout::from_size_align(bytes.max(1), 16)
             .map_err(|_| AttentionError::HostOutOfMemory { bytes })?;
         // SAFETY: the layout has a non-zero size.
@@ -125,6 +200,7 @@ impl Device for EmuDevice {
     }
 
     fn write(&self, dst: &mut EmuBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        self.outside_capture("a host-to-device copy")?;
         Self::check_range("write", dst, offset, src.len())?;
         // SAFETY: the range lies inside the allocation (checked above), `dst` is borrowed
         // mutably, and `src` is a distinct Rust slice.
@@ -135,6 +211,7 @@ impl Device for EmuDevice {
     }
 
     fn read(&self, src: &EmuBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.outside_capture("a device-to-host copy (a synchronisation)")?;
         Self::check_range("read", src, offset, dst.len())?;
         // SAFETY: the range lies inside the allocation (checked above); no launch runs while
         // the caller holds this call, so nothing writes the bytes meanwhile.
@@ -159,6 +236,15 @@ impl Device for EmuDevice {
         cfg: LaunchConfig,
         args: &[KernelArg<'_, EmuBuffer>],
     ) -> Result<()> {
+        if let Some(rec) = self.recording().as_mut() {
+            rec.push(Recorded {
+                spec: spec.clone(),
+                kernel: kernel.to_string(),
+                cfg,
+                values: values(args),
+            });
+            return Ok(());
+        }
         launch_compiled(Some(spec), kernel, cfg, &mut values(args))
     }
 }

@@ -103,6 +103,53 @@ fn emu_attention_conformance_split_extremes() {
     }
 }
 
+/// An MLA block serves `MLA_HEADS_PER_BLOCK` query heads (one read of the latent rows for all
+/// of them); the suite's head counts (16, 4) are multiples of it, so here the small MLA shape
+/// runs with 6 heads (two blocks per token, the second with idle heads), over
+/// every store dtype (each with one page size, in rotation), extend and decode, with no split
+/// and with the most splits.
+#[test]
+fn emu_mla_head_counts_off_the_block_grid() {
+    const HEADS: usize = 6;
+    let hpb = attention_cuda::specs::MLA_HEADS_PER_BLOCK as usize;
+    assert!(HEADS > hpb && HEADS % hpb != 0);
+    let mut outcomes = Vec::new();
+    for target in [1, 1 << 20] {
+        let config = CudaConfig {
+            split_kv_target_blocks: target,
+            ..CudaConfig::default()
+        };
+        let Some(b) = backend("emu_mla_head_counts_off_the_block_grid", config) else {
+            return;
+        };
+        for case in conformance::attention_cases(SuiteSize::Full) {
+            let CaseKind::Mla {
+                kv_lora_rank: 32,
+                rope_dim,
+                ..
+            } = case.kind
+            else {
+                continue;
+            };
+            let dtype_index = KvDtype::ALL.iter().position(|&d| d == case.dtype);
+            if [1, 16, 64][dtype_index.unwrap_or(0) % 3] != case.page_size {
+                continue;
+            }
+            let case = AttentionCase {
+                kind: CaseKind::Mla {
+                    heads: HEADS,
+                    kv_lora_rank: 32,
+                    rope_dim,
+                },
+                ..case.clone()
+            };
+            outcomes.push(conformance::run_attention_case(&b, &case).unwrap());
+        }
+    }
+    assert_eq!(outcomes.len(), 2 * 5 * 2);
+    report(&outcomes);
+}
+
 #[test]
 fn unsupported_stores_are_announced() {
     let Some(b) = backend("unsupported_stores_are_announced", CudaConfig::default()) else {

@@ -39,6 +39,7 @@ impl FakeBlas {
 
 impl Device for FakeBlas {
     type Buffer = EmuBuffer;
+    type Graph = std::convert::Infallible;
 
     fn name(&self) -> &str {
         "cuda-emu+fake-blas"

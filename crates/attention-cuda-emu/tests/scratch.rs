@@ -18,6 +18,7 @@ struct Counting {
 
 impl Device for Counting {
     type Buffer = <EmuDevice as Device>::Buffer;
+    type Graph = std::convert::Infallible;
 
     fn name(&self) -> &str {
         "cuda-emu-counting"

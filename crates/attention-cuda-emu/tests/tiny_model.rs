@@ -6,11 +6,13 @@
 //! bound (relative L2 per row) and the greedy tokens must be equal: a prefill of a batch of
 //! prompts, then batched decode steps, over f32 and bf16 stores.
 
+mod common;
+
 use attention::{Backend, CpuBackend};
 use attention_cuda::{CudaBackend, CudaConfig};
 use attention_cuda_emu::emu_or_skip;
 use kv_pool::{KvDtype, KvLayout, Slot};
-use model::tiny::{random_weights, tiny_config, tiny_mla_config};
+use model::tiny::{random_weights, tiny_mla_config};
 use model::{
     AttentionMode, ForwardInput, ForwardRequest, LogitsMode, MlaConfig, Model, ModelConfig,
     ModelRunner,
@@ -19,17 +21,6 @@ use model::{
 const PAGE: u32 = 16;
 const PAGES_PER_REQUEST: u32 = 4;
 const STEPS: usize = 6;
-
-fn llama_config() -> ModelConfig {
-    ModelConfig {
-        head_dim: 64,
-        vocab_size: 512,
-        tie_word_embeddings: false,
-        bos_token_id: None,
-        eos_token_ids: Vec::new(),
-        ..tiny_config()
-    }
-}
 
 /// The tiny MLA preset with `qk_rope_head_dim` 16 (latent rows of 32 + 16, a compiled shape)
 /// and an untied LM head (tied random embeddings make greedy decoding repeat the last token).
@@ -119,7 +110,7 @@ fn greedy<B: Backend>(
 
 #[test]
 fn tiny_decoder_greedy_matches_cpu() {
-    greedy_matches_cpu("tiny_decoder_greedy_matches_cpu", &llama_config());
+    greedy_matches_cpu("tiny_decoder_greedy_matches_cpu", &common::llama_config());
 }
 
 #[test]

@@ -24,48 +24,29 @@
 #define V_ROW V_HEAD_DIM
 #endif
 
+// Query heads per block: HEADS_PER_BLOCK heads that share one KV head are served by one block,
+// which reads each key and value row once for all of them (MLA, whose one latent head every
+// query head reads; the host passes it as a define). 1 otherwise.
+#ifndef HEADS_PER_BLOCK
+#define HEADS_PER_BLOCK 1
+#endif
+
 #define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / WARP_SIZE)
 
-// Load widths (see paged_attention's comment). A vector of K_WORDS 32-bit words of a key row
-// (4: 16 bytes) is one load when the row's byte length is a multiple of the vector's size, so
-// every vector of every row is aligned (the buffers are at least 16-byte aligned); rows of
-// other lengths take 8- or 4-byte vectors, or one element per load when the row is not a
-// whole number of words. Values likewise, over the value row's stride (V_ROW) and the part
-// read (V_HEAD_DIM).
-#if (HEAD_DIM * KV_BYTES) % 16 == 0
-#define K_WORDS 4
-#elif (HEAD_DIM * KV_BYTES) % 8 == 0
-#define K_WORDS 2
-#elif (HEAD_DIM * KV_BYTES) % 4 == 0
-#define K_WORDS 1
-#else
-#define K_WORDS 0
+// Loads (see paged_attention's comment): keys and values are read as 16-byte vectors of
+// K_EPV / V_EPV elements, which needs every row's byte length (and the value part's) to be a
+// multiple of 16, so every vector of every row is aligned (the buffers are at least 16-byte
+// aligned). Every specialisation meets it (src/kernels.rs checks the list); a shape that does
+// not is a compile error rather than a slower untested path.
+#if (HEAD_DIM * KV_BYTES) % 16 != 0 || (V_ROW * KV_BYTES) % 16 != 0 ||                         \
+    (V_HEAD_DIM * KV_BYTES) % 16 != 0
+#error "key and value rows must be whole 16-byte vectors"
 #endif
-#if (V_ROW * KV_BYTES) % 16 == 0 && (V_HEAD_DIM * KV_BYTES) % 16 == 0
-#define V_WORDS 4
-#elif (V_ROW * KV_BYTES) % 8 == 0 && (V_HEAD_DIM * KV_BYTES) % 8 == 0
-#define V_WORDS 2
-#elif (V_ROW * KV_BYTES) % 4 == 0 && (V_HEAD_DIM * KV_BYTES) % 4 == 0
-#define V_WORDS 1
-#else
-#define V_WORDS 0
-#endif
-// K_EPV / V_EPV elements per load; K_LOAD / V_LOAD(p, out) decode the load at p into out.
-#if K_WORDS
-#define K_EPV (K_WORDS * KV_PER_WORD)
-#define K_LOAD(p, out) kv_load_words<K_WORDS>((p), (out))
-#else
-#define K_EPV 1
-#define K_LOAD(p, out) ((out)[0] = kv_load((p), 0))
-#endif
-#if V_WORDS
-#define V_EPV (V_WORDS * KV_PER_WORD)
-#define V_LOAD(p, out) kv_load_words<V_WORDS>((p), (out))
-#else
-#define V_EPV 1
-#define V_LOAD(p, out) ((out)[0] = kv_load((p), 0))
-#endif
+#define K_EPV KV_PER_VEC
+#define V_EPV KV_PER_VEC
+#define K_LOAD(p, out) kv_load_vec16((p), (out))
+#define V_LOAD(p, out) kv_load_vec16((p), (out))
 // Loads per key row; K_LANES lanes read one row (its loads rounded up to a power of two, at
 // most the warp), so a warp reads WARP_SIZE / K_LANES rows at once, K_VECS_PER_LANE loads
 // each.
@@ -120,10 +101,12 @@ template <int N> __device__ inline float kvs_lane_transpose_sum(float* part) {
     return part[0];
 }
 
-// One block of ATTN_THREADS per (token, query head, split): grid.x = tokens × q_heads,
-// grid.y = num_splits. The block walks its split's keys ATTN_THREADS at a time with an online
-// softmax, and writes the normalised partial output and its log-sum-exp (-inf and zeros for an
-// empty split).
+// One block of ATTN_THREADS per (token, group of HEADS_PER_BLOCK query heads, split): grid.x =
+// tokens × ⌈q_heads / HEADS_PER_BLOCK⌉, grid.y = num_splits. The block walks its split's keys
+// ATTN_THREADS at a time with an online softmax per head (each head's block-wide max and sum
+// in turn), and writes each head's normalised partial output and its log-sum-exp (-inf and
+// zeros for an empty split). Every key and value vector is loaded once per block and used by
+// all its heads: for MLA, one latent read serves HEADS_PER_BLOCK query heads.
 //
 // Memory access (the kernel is bound by reading the cache):
 // - Keys: warp w scores the chunk's keys w·32 … w·32 + 31. A key row is read by K_LANES lanes
@@ -143,15 +126,14 @@ template <int N> __device__ inline float kvs_lane_transpose_sum(float* part) {
 //   the groups' sums are added in group order through shared memory (a fixed order, so the
 //   result does not depend on the batch).
 // - The page table: each thread resolves the slot of its own key once per chunk (s_slot).
-// Rows whose length is no multiple of 16 bytes fall back to narrower loads (K_WORDS above).
 KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t* v_cache,
                                 const unsigned int* plan, float* partial_o, float* partial_lse,
                                 unsigned int q_heads, unsigned int kv_heads,
                                 unsigned int page_size, unsigned int page_shift,
                                 unsigned int split_size, float scale, float k_scale,
                                 float v_scale) {
-    __shared__ float s_q[HEAD_DIM];
-    __shared__ float s_p[ATTN_THREADS];
+    __shared__ float s_q[HEADS_PER_BLOCK][HEAD_DIM];
+    __shared__ float s_p[HEADS_PER_BLOCK][ATTN_THREADS];
     __shared__ unsigned int s_slot[ATTN_THREADS];
     __shared__ float s_red[ATTN_WARPS];
     __shared__ float s_o[V_GROUPS * V_HEAD_DIM];
@@ -159,9 +141,11 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
     const unsigned int t = threadIdx.x;
     const unsigned int lane = t % WARP_SIZE;
     const unsigned int warp = t / WARP_SIZE;
-    const unsigned int tok = blockIdx.x / q_heads;
-    const unsigned int head = blockIdx.x % q_heads;
-    const unsigned int kvh = head / (q_heads / kv_heads);
+    const unsigned int head_groups = (q_heads + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
+    const unsigned int tok = blockIdx.x / head_groups;
+    const unsigned int head0 = (blockIdx.x % head_groups) * HEADS_PER_BLOCK;
+    // The block's heads share one KV head (HEADS_PER_BLOCK is 1 unless kv_heads is 1).
+    const unsigned int kvh = head0 / (q_heads / kv_heads);
     const unsigned int split = blockIdx.y;
     const unsigned int num_splits = gridDim.y;
 
@@ -172,19 +156,30 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
     const unsigned int begin = split * split_size;
     const unsigned int end = begin + split_size < kv_end ? begin + split_size : kv_end;
 
-    for (unsigned int d = t; d < HEAD_DIM; d += ATTN_THREADS) {
-        s_q[d] = q[((size_t)tok * q_heads + head) * HEAD_DIM + d] * scale;
+    // The scaled queries; a head past q_heads (the last group of a head count that is no
+    // multiple of HEADS_PER_BLOCK) gets zeros and writes nothing.
+    for (unsigned int h = 0; h < HEADS_PER_BLOCK; ++h) {
+        for (unsigned int d = t; d < HEAD_DIM; d += ATTN_THREADS) {
+            s_q[h][d] = head0 + h < q_heads
+                ? q[((size_t)tok * q_heads + head0 + h) * HEAD_DIM + d] * scale
+                : 0.0f;
+        }
     }
     __syncthreads();
 
     // This thread's value group and its place in it.
     const unsigned int vgroup = t / V_GROUP;
     const unsigned int vlane = t % V_GROUP;
-    float m = KVS_NEG_INF;
-    float l = 0.0f;
-    float acc[V_VECS_PER_THREAD * V_EPV];
-    for (int i = 0; i < V_VECS_PER_THREAD * V_EPV; ++i) {
-        acc[i] = 0.0f;
+    float m[HEADS_PER_BLOCK];
+    float l[HEADS_PER_BLOCK];
+    float acc[HEADS_PER_BLOCK][V_VECS_PER_THREAD * V_EPV];
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+        m[h] = KVS_NEG_INF;
+        l[h] = 0.0f;
+        for (int i = 0; i < V_VECS_PER_THREAD * V_EPV; ++i) {
+            acc[h][i] = 0.0f;
+        }
     }
     for (unsigned int c = begin; c < end; c += ATTN_THREADS) {
         const unsigned int j = c + t;
@@ -197,20 +192,27 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
         // This lane's key group (keys group·K_LANES …) and its place in the group.
         const unsigned int group = lane / K_LANES;
         const unsigned int glane = lane % K_LANES;
-        float part[K_LANES];
+        float part[HEADS_PER_BLOCK][K_LANES];
 #pragma unroll
-        for (int kk = 0; kk < K_LANES; ++kk) {
-            part[kk] = 0.0f;
+        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+#pragma unroll
+            for (int kk = 0; kk < K_LANES; ++kk) {
+                part[h][kk] = 0.0f;
+            }
         }
-        // Not unrolled (the key loop inside is): the code stays small for wide heads.
+        // Not unrolled (the key loop inside is): the code stays small for wide heads. Each
+        // key vector is loaded once and dotted with every head's query.
 #pragma unroll 1
         for (int i = 0; i < K_VECS_PER_LANE; ++i) {
             const unsigned int v = glane + i * K_LANES;
             if (v < K_VECS) {
-                float qv[K_EPV];
+                float qv[HEADS_PER_BLOCK][K_EPV];
 #pragma unroll
-                for (int e = 0; e < K_EPV; ++e) {
-                    qv[e] = s_q[v * K_EPV + e];
+                for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+#pragma unroll
+                    for (int e = 0; e < K_EPV; ++e) {
+                        qv[h][e] = s_q[h][v * K_EPV + e];
+                    }
                 }
 #pragma unroll
                 for (int kk = 0; kk < K_LANES; ++kk) {
@@ -220,32 +222,42 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
                             ((size_t)s_slot[warp * WARP_SIZE + key] * kv_heads + kvh) * HEAD_DIM;
                         float kx[K_EPV];
                         K_LOAD(kr + v * K_EPV, kx);
-                        float dot = 0.0f;
 #pragma unroll
-                        for (int e = 0; e < K_EPV; ++e) {
-                            dot += qv[e] * kx[e];
+                        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+                            float dot = 0.0f;
+#pragma unroll
+                            for (int e = 0; e < K_EPV; ++e) {
+                                dot += qv[h][e] * kx[e];
+                            }
+                            part[h][kk] += dot;
                         }
-                        part[kk] += dot;
                     }
                 }
             }
         }
-        const float dot = kvs_lane_transpose_sum<K_LANES>(part);
-        const float s = j < end ? dot * k_scale : KVS_NEG_INF;
-        const float chunk_max = kvs_block_max(s, s_red);
-        const float new_m = fmaxf(m, chunk_max);
-        const float p = j < end ? expf(s - new_m) : 0.0f;
-        s_p[t] = p;
-        const float alpha = m == KVS_NEG_INF ? 0.0f : expf(m - new_m);
-        l = l * alpha + kvs_block_sum(p, s_red); // its barrier also publishes s_p
-        m = new_m;
-        const unsigned int count = end - c < ATTN_THREADS ? end - c : ATTN_THREADS;
-        for (int i = 0; i < V_VECS_PER_THREAD * V_EPV; ++i) {
-            acc[i] *= alpha;
+        float alpha[HEADS_PER_BLOCK];
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+            const float dot = kvs_lane_transpose_sum<K_LANES>(part[h]);
+            const float s = j < end ? dot * k_scale : KVS_NEG_INF;
+            const float chunk_max = kvs_block_max(s, s_red);
+            const float new_m = fmaxf(m[h], chunk_max);
+            const float p = j < end ? expf(s - new_m) : 0.0f;
+            s_p[h][t] = p;
+            alpha[h] = m[h] == KVS_NEG_INF ? 0.0f : expf(m[h] - new_m);
+            l[h] = l[h] * alpha[h] + kvs_block_sum(p, s_red); // its barrier publishes s_p
+            m[h] = new_m;
         }
+        const unsigned int count = end - c < ATTN_THREADS ? end - c : ATTN_THREADS;
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+            for (int i = 0; i < V_VECS_PER_THREAD * V_EPV; ++i) {
+                acc[h][i] *= alpha[h];
+            }
+        }
+        // Each value vector is loaded once and accumulated into every head.
         if (vgroup < V_GROUPS) {
             for (unsigned int jj = vgroup; jj < count; jj += V_GROUPS) {
-                const float pj = s_p[jj];
                 const kv_t* vr = v_cache + ((size_t)s_slot[jj] * kv_heads + kvh) * V_ROW;
                 for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
                     const unsigned int v = vlane + i * V_GROUP;
@@ -253,8 +265,12 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
                         float vx[V_EPV];
                         V_LOAD(vr + v * V_EPV, vx);
 #pragma unroll
-                        for (int e = 0; e < V_EPV; ++e) {
-                            acc[i * V_EPV + e] += pj * vx[e];
+                        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+                            const float pj = s_p[h][jj];
+#pragma unroll
+                            for (int e = 0; e < V_EPV; ++e) {
+                                acc[h][i * V_EPV + e] += pj * vx[e];
+                            }
                         }
                     }
                 }
@@ -263,29 +279,35 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
         __syncthreads(); // s_p and s_slot are rewritten by the next chunk
     }
 
-    // The groups' sums, added in group order.
-    if (vgroup < V_GROUPS) {
-        for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
-            const unsigned int v = vlane + i * V_GROUP;
-            if (v < V_VECS) {
+    // Per head: the groups' sums, added in group order through s_o.
 #pragma unroll
-                for (int e = 0; e < V_EPV; ++e) {
-                    s_o[vgroup * V_HEAD_DIM + v * V_EPV + e] = acc[i * V_EPV + e];
+    for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+        if (vgroup < V_GROUPS) {
+            for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
+                const unsigned int v = vlane + i * V_GROUP;
+                if (v < V_VECS) {
+#pragma unroll
+                    for (int e = 0; e < V_EPV; ++e) {
+                        s_o[vgroup * V_HEAD_DIM + v * V_EPV + e] = acc[h][i * V_EPV + e];
+                    }
                 }
             }
         }
-    }
-    __syncthreads();
-    const size_t out = ((size_t)tok * q_heads + head) * num_splits + split;
-    for (unsigned int d = t; d < V_HEAD_DIM; d += ATTN_THREADS) {
-        float o = 0.0f;
-        for (unsigned int g = 0; g < V_GROUPS; ++g) {
-            o += s_o[g * V_HEAD_DIM + d];
+        __syncthreads();
+        if (head0 + h < q_heads) {
+            const size_t out = ((size_t)tok * q_heads + head0 + h) * num_splits + split;
+            for (unsigned int d = t; d < V_HEAD_DIM; d += ATTN_THREADS) {
+                float o = 0.0f;
+                for (unsigned int g = 0; g < V_GROUPS; ++g) {
+                    o += s_o[g * V_HEAD_DIM + d];
+                }
+                partial_o[out * V_HEAD_DIM + d] = l[h] > 0.0f ? o / l[h] * v_scale : 0.0f;
+            }
+            if (t == 0) {
+                partial_lse[out] = l[h] > 0.0f ? m[h] + logf(l[h]) : KVS_NEG_INF;
+            }
         }
-        partial_o[out * V_HEAD_DIM + d] = l > 0.0f ? o / l * v_scale : 0.0f;
-    }
-    if (t == 0) {
-        partial_lse[out] = l > 0.0f ? m + logf(l) : KVS_NEG_INF;
+        __syncthreads(); // s_o is rewritten for the next head
     }
 }
 

@@ -138,25 +138,15 @@ __device__ inline unsigned char kvs_f32_to_fp8(float f, float max, int e4m3) {
 #if defined(KV_DTYPE)
 #if KV_DTYPE == 0
 typedef float kv_t;
-__device__ inline float kv_load(const kv_t* p, unsigned int i) { return p[i]; }
 __device__ inline kv_t kv_from_f32(float f) { return f; }
 #elif KV_DTYPE == 1
 typedef unsigned short kv_t;
-__device__ inline float kv_load(const kv_t* p, unsigned int i) { return kvs_f16_to_f32(p[i]); }
 __device__ inline kv_t kv_from_f32(float f) { return kvs_f32_to_f16(f); }
 #elif KV_DTYPE == 2
 typedef unsigned short kv_t;
-__device__ inline float kv_load(const kv_t* p, unsigned int i) { return kvs_bf16_to_f32(p[i]); }
 __device__ inline kv_t kv_from_f32(float f) { return kvs_f32_to_bf16(f); }
 #elif KV_DTYPE == 3 || KV_DTYPE == 4
 typedef unsigned char kv_t;
-__device__ inline float kv_load(const kv_t* p, unsigned int i) {
-#if KV_DTYPE == 3
-    return kvs_e4m3_to_f32(p[i]);
-#else
-    return kvs_f16_to_f32((unsigned short)((unsigned short)p[i] << 8));
-#endif
-}
 __device__ inline kv_t kv_from_f32(float f) {
 #if KV_DTYPE == 3
     return kvs_f32_to_fp8(f, 448.0f, 1);
@@ -168,7 +158,7 @@ __device__ inline kv_t kv_from_f32(float f) {
 #error "KV_DTYPE must be 0 (f32), 1 (f16), 2 (bf16), 3 (fp8 e4m3) or 4 (fp8 e5m2)"
 #endif
 
-// Bytes per stored element (a preprocessor constant, so kernels can pick load widths with #if)
+// Bytes per stored element (a preprocessor constant, so kernels can check row sizes with #if)
 // and elements per 32-bit word.
 #if KV_DTYPE == 0
 #define KV_BYTES 4
@@ -197,18 +187,21 @@ __device__ inline float kv_word_elem(unsigned int w, int e) {
 #endif
 }
 
-// W consecutive 32-bit words, aligned to their size, so one load instruction reads them all
-// (W = 4: a 16-byte load, `ld.global.v4.u32` on NVIDIA, `global_load_dwordx4` on AMD).
-template <int W> struct alignas(4 * W) kvs_words {
-    unsigned int w[W];
+// Four consecutive 32-bit words, 16-byte aligned, so one load instruction reads them all
+// (`ld.global.v4.u32` on NVIDIA, `global_load_dwordx4` on AMD).
+struct alignas(16) kvs_vec16 {
+    unsigned int w[4];
 };
 
-// Reads the W words at p (which must be 4·W-byte aligned) in one load and decodes their
-// W · KV_PER_WORD elements into out.
-template <int W> __device__ inline void kv_load_words(const kv_t* p, float* out) {
-    const kvs_words<W> x = *reinterpret_cast<const kvs_words<W>*>(p);
+// Elements per 16-byte vector of the store.
+#define KV_PER_VEC (4 * KV_PER_WORD)
+
+// Reads the 16 bytes at p (which must be 16-byte aligned) in one load and decodes their
+// KV_PER_VEC elements into out.
+__device__ inline void kv_load_vec16(const kv_t* p, float* out) {
+    const kvs_vec16 x = *reinterpret_cast<const kvs_vec16*>(p);
 #pragma unroll
-    for (int i = 0; i < W; ++i) {
+    for (int i = 0; i < 4; ++i) {
 #pragma unroll
         for (int e = 0; e < KV_PER_WORD; ++e) {
             out[i * KV_PER_WORD + e] = kv_word_elem(x.w[i], e);

@@ -5,11 +5,16 @@
 // most once (the host keeps the last write of a repeated slot), so blocks never race.
 
 // dst[slot_i] = kv(src[row_i] / scale) for every entry of the write list: one block per entry
-// (the host passes scale 1 except for fp8). A scale of 1 leaves values untouched (a division
-// would quiet signalling NaNs, and f32 stores must keep the bits they are given).
+// (blocks past the count do nothing: a captured graph launches one per token, and padding
+// tokens share the padding slot). The host passes scale 1 except for fp8; a scale of 1 leaves
+// values untouched (a division would quiet signalling NaNs, and f32 stores must keep the bits
+// they are given).
 KVS_KERNEL void store_kv(const float* src, const unsigned int* writes, kv_t* dst,
                          unsigned int row_elems, float scale) {
     unsigned int count = writes[0];
+    if (blockIdx.x >= count) {
+        return;
+    }
     unsigned int slot = writes[1 + blockIdx.x];
     unsigned int row = writes[1 + count + blockIdx.x];
     const float* s = src + (size_t)row * row_elems;
@@ -33,6 +38,9 @@ KVS_KERNEL void gather_rows(const unsigned char* src, const unsigned int* slots,
 KVS_KERNEL void scatter_rows(const unsigned char* src, const unsigned int* writes,
                              unsigned char* dst, unsigned int row_bytes) {
     unsigned int count = writes[0];
+    if (blockIdx.x >= count) {
+        return;
+    }
     unsigned int slot = writes[1 + blockIdx.x];
     unsigned int row = writes[1 + count + blockIdx.x];
     const unsigned char* s = src + (size_t)row * row_bytes;

@@ -15,6 +15,7 @@ use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
 use crate::device::{Device, KernelArg};
 use crate::gemm::{self, GemmChoice, GemmPath};
 use crate::geometry::{self, ATTN_THREADS, ROW_THREADS, THREADS};
+use crate::graph::pool::{GraphPool, Phase};
 use crate::kernels;
 use crate::plan::{page_table, write_list, SplitPlan};
 use crate::store::CudaKvStore;
@@ -42,9 +43,12 @@ impl Default for CudaConfig {
 
 /// The CUDA backend over device `D` (see the [module docs](self)).
 pub struct CudaBackend<D: Device> {
-    device: Arc<D>,
+    pub(crate) device: Arc<D>,
     config: CudaConfig,
     gemm: GemmChoice,
+    /// The static buffers of the batch size being captured or replayed
+    /// ([`crate::graph`]); `None`: eager. Shared by the clones, like the device.
+    pub(crate) graph: Arc<Mutex<Option<GraphPool<D::Buffer>>>>,
 }
 
 /// A clone shares the device (its memory, kernels and stream), so tensors and stores of one
@@ -55,6 +59,7 @@ impl<D: Device> Clone for CudaBackend<D> {
             device: Arc::clone(&self.device),
             config: self.config,
             gemm: self.gemm.clone(),
+            graph: Arc::clone(&self.graph),
         }
     }
 }
@@ -73,8 +78,8 @@ impl<D: Device> fmt::Debug for CudaBackend<D> {
 /// the split-KV scratch its layers share.
 pub struct CudaPlan<D: Device> {
     meta: BatchMetadata,
-    table: D::Buffer,
-    writes: D::Buffer,
+    table: Arc<D::Buffer>,
+    writes: Arc<D::Buffer>,
     kept_writes: usize,
     max_kv_len: usize,
     scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
@@ -86,8 +91,8 @@ pub struct CudaPlan<D: Device> {
 /// device, so a layer's kernels overwrite the scratch only after the previous layer's merge
 /// has read it.
 struct SplitScratch<B> {
-    o: B,
-    lse: B,
+    o: Arc<B>,
+    lse: Arc<B>,
 }
 
 impl<D: Device> fmt::Debug for CudaPlan<D> {
@@ -120,6 +125,7 @@ impl<D: Device> CudaBackend<D> {
             device: Arc::new(device),
             config,
             gemm,
+            graph: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -133,18 +139,28 @@ impl<D: Device> CudaBackend<D> {
         &self.gemm
     }
 
-    fn buffer_from(&self, bytes: &[u8]) -> Result<D::Buffer> {
-        let mut buf = self.device.alloc_zeroed(bytes.len())?;
-        self.device.write(&mut buf, 0, bytes)?;
-        Ok(buf)
-    }
-
+    /// An f32 tensor of `shape`: zeroed when eager, a pool buffer under a graph (which the
+    /// op's kernel overwrites whole).
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor<D>> {
         let n: usize = shape.iter().product();
         Ok(CudaTensor {
-            buf: self.device.alloc_zeroed(n * 4)?,
+            buf: self.alloc(n * 4)?,
             shape: shape.to_vec(),
         })
+    }
+
+    /// Launches on the device, or through the graph pool when one is installed.
+    fn launch(
+        &self,
+        spec: &kernels::Spec,
+        kernel: &str,
+        cfg: crate::device::LaunchConfig,
+        args: &[KernelArg<'_, D::Buffer>],
+    ) -> Result<()> {
+        if let Some(pool) = self.graph_slot().as_mut() {
+            return pool.launch(&*self.device, spec, kernel, cfg, args);
+        }
+        self.device.launch(spec, kernel, cfg, args)
     }
 
     fn dense(
@@ -153,7 +169,7 @@ impl<D: Device> CudaBackend<D> {
         cfg: crate::device::LaunchConfig,
         args: &[KernelArg<'_, D::Buffer>],
     ) -> Result<()> {
-        self.device.launch(&kernels::dense(), kernel, cfg, args)
+        self.launch(&kernels::dense(), kernel, cfg, args)
     }
 
     /// MHA/GQA geometry of a store, or why the kernels cannot attend over it.
@@ -215,14 +231,20 @@ impl<D: Device> CudaBackend<D> {
         src: &CudaTensor<D>,
         scale: f32,
     ) -> Result<()> {
-        if plan.kept_writes == 0 {
+        // Under a graph the grid is one block per token (the write list's count, which padding
+        // rows sharing the padding slot lower, is read by the kernel); eager, one per write.
+        let blocks = match self.graph_phase() {
+            Some(_) => plan.meta.num_tokens(),
+            None => plan.kept_writes,
+        };
+        if blocks == 0 {
             return Ok(());
         }
         let row = store.layout().shape.row_elems(buffer);
-        self.device.launch(
+        self.launch(
             store.spec(),
             "store_kv",
-            geometry::per_row("store_kv", plan.kept_writes, ROW_THREADS)?,
+            geometry::per_row("store_kv", blocks, ROW_THREADS)?,
             &[
                 KernelArg::Buf(&src.buf),
                 KernelArg::Buf(&plan.writes),
@@ -246,9 +268,11 @@ impl<D: Device> CudaBackend<D> {
         if n == 0 {
             return Ok(out);
         }
+        // One block per group of heads_per_block query heads (MLA's share the latent rows).
+        let head_groups = a.q_heads.div_ceil(a.spec.heads_per_block() as usize);
         let split = SplitPlan::new(
             n,
-            a.q_heads,
+            head_groups,
             plan.max_kv_len,
             self.config.split_kv_target_blocks,
             ATTN_THREADS as usize,
@@ -266,16 +290,16 @@ impl<D: Device> CudaBackend<D> {
             smaller => {
                 drop(smaller); // freed before the larger pair is allocated
                 SplitScratch {
-                    o: self.device.alloc_zeroed(o_bytes)?,
-                    lse: self.device.alloc_zeroed(lse_bytes)?,
+                    o: self.alloc(o_bytes)?,
+                    lse: self.alloc(lse_bytes)?,
                 }
             }
         };
-        let (partial_o, partial_lse) = (&scratch.o, &scratch.lse);
-        self.device.launch(
+        let (partial_o, partial_lse) = (&*scratch.o, &*scratch.lse);
+        self.launch(
             &a.spec,
             "paged_attention",
-            geometry::attention(n, a.q_heads, split)?,
+            geometry::attention(n, head_groups, split)?,
             &[
                 KernelArg::Buf(&a.q.buf),
                 KernelArg::Buf(a.k_cache),
@@ -293,7 +317,7 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::F32(a.v_scale),
             ],
         )?;
-        self.device.launch(
+        self.launch(
             &a.spec,
             "merge_states",
             geometry::per_row("merge_states", n * a.q_heads, ATTN_THREADS)?,
@@ -319,6 +343,11 @@ impl<D: Device> Backend for CudaBackend<D> {
     }
 
     fn new_kv_store(&self, layout: KvLayout) -> Result<CudaKvStore<D>> {
+        if self.graph_phase().is_some() {
+            return Err(AttentionError::Device(
+                "CUDA graph: a KV store cannot be created inside a captured forward".into(),
+            ));
+        }
         CudaKvStore::new(Arc::clone(&self.device), layout)
     }
 
@@ -354,6 +383,14 @@ impl<D: Device> Backend for CudaBackend<D> {
     }
 
     fn download(&self, t: &CudaTensor<D>) -> Result<Vec<f32>> {
+        if let Some(phase) = self.graph_phase() {
+            if phase != Phase::Warmup {
+                return Err(AttentionError::Device(format!(
+                    "CUDA graph: a tensor cannot be read back inside a captured forward \
+                     ({phase:?}): its values exist only after the replay"
+                )));
+            }
+        }
         let mut out = vec![0f32; t.numel()];
         self.device
             .read(&t.buf, 0, bytemuck::cast_slice_mut(&mut out))?;
@@ -374,9 +411,14 @@ impl<D: Device> Backend for CudaBackend<D> {
         if m * n == 0 {
             return Ok(out);
         }
-        if let (GemmPath::Blas, Ok(args)) = (self.gemm.path, gemm::sgemm_args(m, k, n)) {
-            self.device
-                .blas_sgemm(&args, &w.buf, &x.buf, &mut out.buf)?;
+        // Under a graph, GEMMs take the tiled kernel: cuBLAS allocates its workspace on first
+        // use, which a capture refuses, and a pooled output is shared with the pool.
+        let blas = match (self.gemm.path, self.graph_phase()) {
+            (GemmPath::Blas, None) => gemm::sgemm_args(m, k, n).ok(),
+            _ => None,
+        };
+        if let (Some(args), Some(out_buf)) = (blas, Arc::get_mut(&mut out.buf)) {
+            self.device.blas_sgemm(&args, &w.buf, &x.buf, out_buf)?;
         } else {
             self.dense(
                 "matmul",
@@ -506,12 +548,31 @@ impl<D: Device> Backend for CudaBackend<D> {
     fn plan(&self, meta: &BatchMetadata) -> Result<CudaPlan<D>> {
         let table = page_table(meta)?;
         let writes = write_list(meta.out_cache_loc());
+        let mut max_kv_len = meta.kv_lens().iter().copied().max().unwrap_or(0);
+        let mut table_bytes = table.len() * 4;
+        if let Some(pool) = self.graph_slot().as_ref() {
+            if max_kv_len > pool.max_kv_len {
+                return Err(AttentionError::InvalidConfig {
+                    field: "kv_len",
+                    reason: format!(
+                        "{max_kv_len} positions exceed the captured graph's {}",
+                        pool.max_kv_len
+                    ),
+                });
+            }
+            (max_kv_len, table_bytes) = (pool.max_kv_len, pool.table_bytes);
+        }
         Ok(CudaPlan {
             meta: meta.clone(),
-            table: self.buffer_from(bytemuck::cast_slice(&table))?,
-            writes: self.buffer_from(bytemuck::cast_slice(&writes))?,
+            table: self.upload_bytes(bytemuck::cast_slice(&table), table_bytes)?,
+            // Room for every token's write: padding rows share one slot, so the dummy batch
+            // a graph is captured with keeps fewer writes than a real one.
+            writes: self.upload_bytes(
+                bytemuck::cast_slice(&writes),
+                (1 + 2 * meta.out_cache_loc().len()) * 4,
+            )?,
             kept_writes: writes[0] as usize,
-            max_kv_len: meta.kv_lens().iter().copied().max().unwrap_or(0),
+            max_kv_len,
             scratch: Mutex::new(None),
         })
     }

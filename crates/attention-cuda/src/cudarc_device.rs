@@ -1,7 +1,10 @@
 //! [`CudarcDevice`]: the [`Device`] on an NVIDIA GPU through cudarc (dynamically loaded
 //! libcuda and libnvrtc). Kernels are compiled by NVRTC for the GPU's compute capability the
 //! first time a specialisation is launched, and their modules cached. All work goes to one
-//! stream, so launches and copies run in order; reads wait for it.
+//! stream (created, not the legacy default stream, which cannot be captured), so launches and
+//! copies run in order; reads wait for it. Graphs ([`crate::graph`]) are that stream's capture
+//! (`cuStreamBeginCapture` in thread-local mode, instantiated at its end) and replay
+//! (`cuGraphLaunch`) — not yet run on a GPU.
 //!
 //! Every cudarc call is preceded by `is_culib_present()` checks in [`CudarcDevice::new`]
 //! (cudarc's loader panics when a library is missing): no driver and no device are typed
@@ -15,7 +18,8 @@ use std::sync::Arc;
 use attention::{AttentionError, Result};
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, PushKernelArg,
+    sys as driver_sys, CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr,
+    DriverError, PushKernelArg,
 };
 
 use crate::device::{check_range, Device, KernelArg, LaunchConfig};
@@ -137,7 +141,11 @@ impl CudarcDevice {
             compute_capability: (major, minor),
             total_bytes: ctx.total_mem().map_err(err)?,
         };
-        let stream = ctx.default_stream();
+        // SAFETY: the device submits all its work to the one stream below, so cudarc's
+        // cross-stream events (recorded on every buffer use otherwise, also inside captures)
+        // order nothing that the stream does not already order.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(err)?;
         Ok(CudarcDevice {
             blas: open_cublas(&stream),
             stream,
@@ -165,8 +173,42 @@ impl CudarcDevice {
     }
 }
 
+/// A captured and instantiated CUDA graph of the device's stream.
+pub struct CudarcGraph(std::sync::Mutex<CudaGraph>);
+
+// SAFETY: a CUgraphExec may be launched from any thread (cudarc binds the context first); the
+// driver requires that one graph is not used by two threads at once, which the mutex ensures.
+unsafe impl Send for CudarcGraph {}
+// SAFETY: as above: every use goes through the mutex.
+unsafe impl Sync for CudarcGraph {}
+
 impl Device for CudarcDevice {
     type Buffer = CudaSlice<u8>;
+    type Graph = CudarcGraph;
+
+    fn begin_capture(&self) -> Result<()> {
+        self.stream
+            .begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver)
+    }
+
+    fn end_capture(&self) -> Result<CudarcGraph> {
+        match self
+            .stream
+            .end_capture(driver_sys::CUgraphInstantiate_flags(0))
+            .map_err(driver)?
+        {
+            Some(graph) => Ok(CudarcGraph(std::sync::Mutex::new(graph))),
+            None => Err(AttentionError::Device(
+                "the capture was invalidated (an operation a capture refuses ran inside it)".into(),
+            )),
+        }
+    }
+
+    unsafe fn replay(&self, graph: &CudarcGraph) -> Result<()> {
+        let graph = graph.0.lock().unwrap_or_else(|e| e.into_inner());
+        graph.launch().map_err(driver)
+    }
 
     fn name(&self) -> &str {
         "cuda"

@@ -1,7 +1,8 @@
 //! [`Device`]: what the backend needs from a GPU (or from the CPU emulation that stands in for
 //! one in tests): zeroed allocations, host ↔ device copies and kernel launches by
 //! specialisation and name with a grid, a block size and positional arguments, as
-//! `cuLaunchKernel` takes them. The backend's host logic is generic over it, so the same
+//! `cuLaunchKernel` takes them, and graph capture and replay (CUDA graphs, [`crate::graph`]).
+//! The backend's host logic is generic over it, so the same
 //! planning, validation and launch code drives the GPU and the emulated kernels.
 
 use attention::{AttentionError, Result};
@@ -64,6 +65,45 @@ pub trait Device: Send + Sync {
         cfg: LaunchConfig,
         args: &[KernelArg<'_, Self::Buffer>],
     ) -> Result<()>;
+
+    /// A captured launch sequence ([`begin_capture`](Device::begin_capture) …
+    /// [`end_capture`](Device::end_capture)), replayed by [`replay`](Device::replay): a CUDA
+    /// graph on a GPU, the recorded launches in the emulation.
+    type Graph: Send + Sync;
+
+    /// Starts capturing: until [`end_capture`](Device::end_capture), launches are recorded
+    /// into a graph instead of run, and an allocation, a host copy or a read (a
+    /// synchronisation) is refused with a typed error, as CUDA's stream capture invalidates
+    /// the capture on them. The default: this device cannot capture.
+    fn begin_capture(&self) -> Result<()> {
+        Err(AttentionError::Device(format!(
+            "{} cannot capture graphs",
+            self.name()
+        )))
+    }
+
+    /// Ends the capture started by [`begin_capture`](Device::begin_capture) and returns what
+    /// was recorded (also after a refused call, so the device leaves capture mode either way;
+    /// the caller discards that graph).
+    fn end_capture(&self) -> Result<Self::Graph> {
+        Err(AttentionError::Device(format!(
+            "{} cannot capture graphs",
+            self.name()
+        )))
+    }
+
+    /// Runs `graph`'s launches again, ordered after every earlier launch and copy.
+    ///
+    /// # Safety
+    /// Every buffer the captured launches were given must still be alive: a graph holds
+    /// device addresses, not borrows.
+    unsafe fn replay(&self, graph: &Self::Graph) -> Result<()> {
+        let _ = graph;
+        Err(AttentionError::Device(format!(
+            "{} cannot capture graphs",
+            self.name()
+        )))
+    }
 
     /// The vendor BLAS this device runs f32 GEMMs through (`"cuBLAS"`), or why there is none
     /// (its library did not load, or the device has none). The default: none.

@@ -55,12 +55,12 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `paged_attention`: x over (token, query head), y over splits.
-pub fn attention(tokens: usize, q_heads: usize, split: SplitPlan) -> Result<LaunchConfig> {
+/// `paged_attention`: x over (token, group of query heads a block serves), y over splits.
+pub fn attention(tokens: usize, head_groups: usize, split: SplitPlan) -> Result<LaunchConfig> {
     Ok(LaunchConfig {
         grid: grid(
             "attention",
-            (tokens * q_heads) as u64,
+            (tokens * head_groups) as u64,
             split.num_splits as u64,
         )?,
         block: ATTN_THREADS,

@@ -272,6 +272,8 @@ const PARAM_END: usize = 3;
 
 impl Device for HipDevice {
     type Buffer = HipBuffer;
+    /// None yet: the device runs on HIP's null stream, which cannot be captured.
+    type Graph = std::convert::Infallible;
 
     fn name(&self) -> &str {
         "rocm"

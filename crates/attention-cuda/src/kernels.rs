@@ -137,6 +137,28 @@ mod tests {
         assert!(attention(KvDtype::F16, 64, 128, 1).is_err());
     }
 
+    /// `attention.cu` reads key and value rows only as whole 16-byte vectors (and refuses to
+    /// compile otherwise): every specialisation's rows must be multiples of 16 bytes.
+    #[test]
+    fn every_attention_row_is_whole_16_byte_vectors() {
+        let mut checked = 0;
+        for spec in all_specs() {
+            let get = |k: &str| spec.defines.iter().find(|d| d.0 == k).map(|d| d.1);
+            let (Some(kv), Some(d), Some(dv)) =
+                (get("KV_DTYPE"), get("HEAD_DIM"), get("V_HEAD_DIM"))
+            else {
+                continue;
+            };
+            let bytes = [4, 2, 2, 1, 1][kv as usize];
+            let v_row = if get("MLA") == Some(1) { d } else { dv };
+            for elems in [d, dv, v_row] {
+                assert_eq!(elems * bytes % 16, 0, "{}: {elems} elements", spec.name());
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, 90);
+    }
+
     #[test]
     fn spec_names_are_unique_c_identifiers() {
         let names: Vec<String> = all_specs().iter().map(Spec::name).collect();

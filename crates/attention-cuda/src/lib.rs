@@ -7,9 +7,10 @@
 //! merged by log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
 //!
 //! - [`kernels`]: the `.cu` sources under `kernels/` (embedded), specialised by `#define`s
-//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family) into the [`Spec`]s
-//!   of [`specs`]; every specialisation is compiled to PTX by NVRTC in CI (feature `cuda`,
-//!   [`nvrtc`]).
+//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family; MLA blocks serve
+//!   [`specs::MLA_HEADS_PER_BLOCK`] query heads, which share each latent read) into the
+//!   [`Spec`]s of [`specs`]; every specialisation is compiled to PTX by NVRTC and for gfx90a by
+//!   hipRTC in CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`).
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
 //!   copies, and launches by specialisation and kernel name. The CPU emulation
 //!   (`attention-cuda-emu`, tests only) implements it by compiling the same `.cu` sources with
@@ -20,6 +21,11 @@
 //!   libcublas loads) by default, the tiled kernel (batch-invariant) when there is none or with
 //!   [`CudaConfig::enable_deterministic_inference`] (SGLang's
 //!   `--enable-deterministic-inference`).
+//! - [`graph`]: CUDA graphs for decode, as SGLang's `CudaGraphRunner`: [`CudaGraphRunner`]
+//!   captures a decode forward per batch size of [`capture_bs`] and replays a batch padded
+//!   to the next captured size; the backend serves the forward's buffers and uploads from the
+//!   size's static pool ([`graph::pool`]) so that nothing is allocated or copied inside the
+//!   capture.
 //! - [`backend`], [`store`], [`tensor`]: the trait implementations.
 //! - Devices: `cudarc_device` (NVIDIA, features `cuda-12`/`cuda-13`) and `hip_device` (AMD,
 //!   feature `rocm`, kernels compiled by `hiprtc`), sharing [`kernel_cache`] (compile and load
@@ -44,6 +50,10 @@
 //!   call (cudarc's loader panics otherwise). `rocm` links libamdhip64 (hip-sys), so it builds
 //!   only where the HIP headers are installed; the device count is asked before any other call.
 //! - A plan's split-KV scratch is allocated once and reused by every layer of the batch.
+//! - A captured graph replays only launches equal to the ones the step's forward makes (kernel,
+//!   geometry, buffers, scalars: checked before every replay), over buffers that outlive it
+//!   (its pool's, or the forward's borrows); inside a capture the device refuses
+//!   allocations, host copies and reads.
 //!
 //! ## Where it sits
 //! Depends on `attention` (the traits it implements) and `kv-pool` (the store trait and its
@@ -56,6 +66,7 @@ pub mod cudarc_device;
 pub mod device;
 pub mod gemm;
 pub mod geometry;
+pub mod graph;
 #[cfg(feature = "rocm")]
 pub mod hip_device;
 #[cfg(feature = "rocm")]
@@ -75,6 +86,7 @@ pub use backend::{CudaBackend, CudaConfig, CudaPlan};
 pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
 pub use device::{packed_args, Device, KernelArg, LaunchConfig};
 pub use gemm::{GemmChoice, GemmPath};
+pub use graph::{capture_bs, CudaGraphConfig, CudaGraphRunner, DecodeForward};
 #[cfg(feature = "rocm")]
 pub use hip_device::{HipDevice, HipError, HipReport};
 pub use specs::{Source, Spec};

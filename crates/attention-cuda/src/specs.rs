@@ -63,6 +63,9 @@ pub const SPEC_PAGE_FAMILIES: [u32; 3] = [0, 1, 2];
 /// (`MLA 1`, `HEAD_DIM` their sum, `V_HEAD_DIM` the rank): DeepSeek-V2/V3's 512 + 64, and
 /// 32 + 16 for the conformance suite and the tiny MLA decoder.
 pub const SPEC_MLA_DIMS: [(u32, u32); 2] = [(512, 64), (32, 16)];
+/// Query heads one MLA attention block serves (`HEADS_PER_BLOCK`): they share the one latent
+/// head, whose rows the block reads once for all of them.
+pub const MLA_HEADS_PER_BLOCK: u32 = 4;
 
 impl Spec {
     /// A unique identifier, usable as a C symbol suffix: the source's stem and the defines'
@@ -79,6 +82,14 @@ impl Spec {
         name
     }
 
+    /// `HEADS_PER_BLOCK`: the query heads one attention block serves (1 when not defined).
+    pub fn heads_per_block(&self) -> u32 {
+        self.defines
+            .iter()
+            .find(|(k, _)| *k == "HEADS_PER_BLOCK")
+            .map_or(1, |&(_, v)| v)
+    }
+
     /// The `#define` lines that specialise the source.
     pub fn prelude(&self) -> String {
         self.defines
@@ -89,7 +100,8 @@ impl Spec {
 }
 
 /// The attention source specialised for a store dtype (`KV_DTYPE`), key and value head dims, a
-/// page-size family and, for absorbed MLA, `MLA 1` (values are the head of the key row).
+/// page-size family and, for absorbed MLA, `MLA 1` (values are the head of the key row) and
+/// `HEADS_PER_BLOCK` [`MLA_HEADS_PER_BLOCK`].
 pub fn attention_spec(
     kv: u32,
     head_dim: u32,
@@ -105,6 +117,7 @@ pub fn attention_spec(
     ];
     if mla {
         defines.push(("MLA", 1));
+        defines.push(("HEADS_PER_BLOCK", MLA_HEADS_PER_BLOCK));
     }
     Spec {
         source: Source::Attention,

@@ -1,14 +1,16 @@
 //! [`CudaTensor`]: an f32 tensor in device memory (a buffer of the backend's [`Device`]).
 
 use std::fmt;
+use std::sync::Arc;
 
 use attention::{DeviceTensor, TensorDtype};
 
 use crate::device::Device;
 
-/// A row-major f32 tensor in a device buffer of `D`.
+/// A row-major f32 tensor in a device buffer of `D` (shared with a CUDA graph's pool when the
+/// graph's ops made it: [`crate::graph`]).
 pub struct CudaTensor<D: Device> {
-    pub(crate) buf: D::Buffer,
+    pub(crate) buf: Arc<D::Buffer>,
     pub(crate) shape: Vec<usize>,
 }
 

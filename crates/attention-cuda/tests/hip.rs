@@ -21,10 +21,12 @@ fn every_specialisation_compiles_with_hiprtc() {
     if !hiprtc_or_skip("every_specialisation_compiles_with_hiprtc") {
         return;
     }
-    // Several threads call `compile` at once on purpose: hipRTC itself corrupts the heap under
-    // concurrent compiles, and `compile` must serialise them (this test crashed about one run
-    // in three before it did).
+    // Child processes (one per core) compile a share each, in parallel: `compile` serialises
+    // the compiles of one process. Within each child several threads call `compile` at once on
+    // purpose: hipRTC itself corrupts the heap under concurrent compiles, and `compile` must
+    // serialise them (this test crashed about one run in three before it did).
     common::compile_every_spec(
+        "every_specialisation_compiles_with_hiprtc",
         &format!("with hipRTC {:?} for {ARCH}", hiprtc::available().unwrap()),
         |spec| hiprtc::compile(spec, ARCH),
         |spec, code| {

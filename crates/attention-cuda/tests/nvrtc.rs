@@ -20,6 +20,7 @@ fn every_specialisation_compiles_to_ptx() {
         return;
     }
     common::compile_every_spec(
+        "every_specialisation_compiles_to_ptx",
         "to PTX",
         |spec| nvrtc::compile(spec, ARCH).map(|ptx| ptx.to_src()),
         |spec, ptx| match spec

@@ -1,6 +1,6 @@
 //! Shared by the library tests (NVRTC, hipRTC): skip with a printed reason when the library is
-//! missing, or fail when CI requires it; compile every specialisation from several threads;
-//! check that a broken source is rejected with the compiler's log.
+//! missing, or fail when CI requires it; compile every specialisation from several processes
+//! and threads; check that a broken source is rejected with the compiler's log.
 
 use attention_cuda::kernels::{self, all_specs};
 use attention_cuda::{Source, Spec};
@@ -20,21 +20,105 @@ pub fn found_or_skip<T>(test: &str, require: &str, found: Result<T, String>) -> 
     }
 }
 
-/// Compiles every specialisation with `compile`, from one thread per core at once (which also
-/// checks that `compile` is safe to call concurrently), checks each result with `check`, and
-/// fails with every failure listed. Prints the count and the time under `what`.
+/// The environment variable that names a child process's share of the specialisations
+/// (`"i/n"`: every n-th, from the i-th), set by [`compile_every_spec`] for the copies of the test
+/// binary it starts.
+pub const SHARE_VAR: &str = "KVSERVE_COMPILE_SHARE";
+
+/// Compiles every specialisation with `compile` and checks each result with `check`, failing
+/// with every failure listed; prints the count and the time under `what`.
+///
+/// The work is split over processes, and within each over threads: the test named `test`
+/// re-runs its own test binary once per core (at least twice), each child compiling every n-th
+/// specialisation (its share, named by [`SHARE_VAR`]) from one thread per core. Processes are
+/// independent, so compilers that serialise their compiles within a process (hipRTC's lock,
+/// `attention_cuda::hiprtc`) still use every core; the threads check that `compile` is safe to
+/// call concurrently. A child that fails (or does not start) fails the test with its output.
 pub fn compile_every_spec<C>(
+    test: &str,
     what: &str,
     compile: impl Fn(&Spec) -> Result<C, String> + Sync,
     check: impl Fn(&Spec, &C) -> Result<(), String> + Sync,
 ) {
     let specs = all_specs();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Ok(share) = std::env::var(SHARE_VAR) {
+        let (first, step) = parse_share(&share);
+        let mine: Vec<&Spec> = specs.iter().skip(first).step_by(step).collect();
+        let start = std::time::Instant::now();
+        compile_on_threads(&mine, cores, &compile, &check);
+        println!(
+            "share {share}: {} specialisations compiled {what} in {:.1?} ({cores} threads)",
+            mine.len(),
+            start.elapsed()
+        );
+        return;
+    }
     let start = std::time::Instant::now();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let children = cores.max(2);
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let running: Vec<_> = (0..children)
+        .map(|i| {
+            let share = format!("{i}/{children}");
+            let child = std::process::Command::new(&exe)
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(SHARE_VAR, &share)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn();
+            (share, child)
+        })
+        .collect();
+    let mut failures = Vec::new();
+    // Every child is started before the first is waited for (their output is a few lines, far
+    // below a pipe's buffer, so none blocks on a full pipe meanwhile).
+    for (share, child) in running {
+        match child.and_then(|c| c.wait_with_output()) {
+            Ok(out) if out.status.success() => {
+                let text = String::from_utf8_lossy(&out.stdout);
+                if !text.contains(&format!("share {share}: ")) {
+                    failures.push(format!("share {share} compiled nothing:\n{text}"));
+                }
+            }
+            Ok(out) => failures.push(format!(
+                "share {share}: {}\n{}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )),
+            Err(e) => failures.push(format!("share {share}: could not start {exe:?}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    println!(
+        "{} specialisations compiled {what} in {:.1?} ({children} processes × {cores} threads)",
+        specs.len(),
+        start.elapsed()
+    );
+}
+
+/// `"i/n"` as `(i, n)`, with `i < n`; anything else is a bug in the parent (a panic).
+fn parse_share(share: &str) -> (usize, usize) {
+    let parsed = share
+        .split_once('/')
+        .and_then(|(i, n)| Some((i.parse().ok()?, n.parse().ok()?)));
+    match parsed {
+        Some((i, n)) if i < n => (i, n),
+        _ => panic!("{SHARE_VAR}={share:?} is not i/n with i < n"),
+    }
+}
+
+/// Compiles and checks `specs` from `threads` threads at once; panics listing the failures.
+fn compile_on_threads<C>(
+    specs: &[&Spec],
+    threads: usize,
+    compile: &(impl Fn(&Spec) -> Result<C, String> + Sync),
+    check: &(impl Fn(&Spec, &C) -> Result<(), String> + Sync),
+) {
     let failures: Vec<String> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|w| {
-                let (specs, compile, check) = (&specs, &compile, &check);
                 s.spawn(move || {
                     specs
                         .iter()
@@ -51,11 +135,6 @@ pub fn compile_every_spec<C>(
             .collect()
     });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    println!(
-        "{} specialisations compiled {what} in {:.1?} ({threads} threads)",
-        specs.len(),
-        start.elapsed()
-    );
 }
 
 /// The attention source without its specialisation defines fails on its `#error`, and the
