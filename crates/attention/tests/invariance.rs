@@ -418,3 +418,52 @@ fn threads_do_not_change_results() {
         assert!(a == b, "{kind:?} {dtype} P={p}");
     }
 }
+
+/// A decode batch of fewer requests than threads is cut by KV head over the pool: its output is
+/// bitwise the one-thread output (where nothing is cut), for one request on 2 and 3 threads and
+/// two requests on 3, over every KV dtype path (in place: f32, f16, bf16; decoded to scratch:
+/// fp8), MLA (one KV head: not cut) and DoubleSparse (sparse decode: not cut).
+#[test]
+fn decode_cut_by_kv_head_equals_one_thread() {
+    let backends: Vec<CpuBackend> = (1..=3)
+        .map(|threads| {
+            CpuBackend::new(CpuConfig {
+                threads,
+                ..CpuConfig::default()
+            })
+            .unwrap()
+        })
+        .collect();
+    let cases = CASES.iter().copied().chain([(Kind::Gqa, KvDtype::F32, 16)]);
+    for (kind, dtype, p) in cases {
+        let reqs: Vec<Req> = (0..2)
+            .map(|i| request(kind, LENS[i], 80 + i as u64))
+            .collect();
+        let sl = slots(p, &LENS[..2], 5);
+        for batch in [1, 2] {
+            // Each backend prefills all but the last token, then decodes the last one.
+            let decode = |b: &CpuBackend| {
+                let mut s = store(kind, dtype, p);
+                let part = |i: usize, start: usize, end: usize| Part {
+                    req: &reqs[i],
+                    slots: &sl[i],
+                    start,
+                    end,
+                };
+                let pre: Vec<Part<'_>> = (0..batch).map(|i| part(i, 0, LENS[i] - 1)).collect();
+                run(b, kind, &mut s, &pre);
+                let dec: Vec<Part<'_>> =
+                    (0..batch).map(|i| part(i, LENS[i] - 1, LENS[i])).collect();
+                run_decode(b, kind, &mut s, &dec)
+            };
+            let want = decode(&backends[0]);
+            for b in &backends[1..] {
+                assert!(
+                    decode(b) == want,
+                    "{kind:?} {dtype} P={p}, {batch} requests: {} threads differ from 1",
+                    b.config().threads
+                );
+            }
+        }
+    }
+}

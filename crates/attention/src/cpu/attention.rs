@@ -203,7 +203,44 @@ pub(crate) fn dense_request_simd(
     out: &mut [f32],
     sc: &mut Scratch,
 ) {
+    let kv_heads = g.q_heads / g.group;
+    dense_heads_simd(g, 0..kv_heads, meta, r, src, q, scale, out, sc);
+}
+
+/// [`dense_request_simd`] over the KV heads `heads` only (all of them from there): for a
+/// decode request (one query token), `q` and `out` are then the rows of those KV heads' query
+/// heads (`heads.len() · group` heads). A query head's result depends only on its own KV
+/// head's rows, visited in the same blocks in the same order, so it is bitwise what the whole
+/// request gives it: this is how a batch of fewer decode requests than threads is cut over
+/// the pool.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dense_heads_simd(
+    full: &Geom,
+    heads: std::ops::Range<usize>,
+    meta: &BatchMetadata,
+    r: usize,
+    src: &Sources<'_>,
+    q: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
     use super::simd::{self, TokenBlock};
+    debug_assert!(heads.len() * full.group == full.q_heads || meta.extend_len(r) == 1);
+    // The heads' geometry: their query heads, and K/V rows cut to their columns (all heads:
+    // the call's own geometry, MLA's included, whose V is in its single K head).
+    let g = &if heads.len() * full.group == full.q_heads {
+        *full
+    } else {
+        Geom {
+            q_heads: heads.len() * full.group,
+            k_row: heads.len() * full.d,
+            v_row: heads.len() * full.dv,
+            ..*full
+        }
+    };
+    let (kcol, vcol) = (heads.start * full.d, heads.start * full.dv);
     #[derive(Clone, Copy)]
     enum Path {
         F32,
@@ -239,11 +276,12 @@ pub(crate) fn dense_request_simd(
     let row_ptrs = |start: usize, end: usize, kp: &mut [*const u8], vp: &mut [*const u8]| {
         for (j, p) in (start..end).enumerate() {
             let s = meta.slot(r, p).index();
-            kp[j] = src.k.bytes[s * kb..][..kb].as_ptr();
+            let keb = src.k.dtype.bytes();
+            kp[j] = src.k.bytes[s * kb + kcol * keb..][..g.k_row * keb].as_ptr();
             vp[j] = match &src.v {
                 Some(v) => {
-                    let vb = v.elems * v.dtype.bytes();
-                    v.bytes[s * vb..][..vb].as_ptr()
+                    let (vb, veb) = (v.elems * v.dtype.bytes(), v.dtype.bytes());
+                    v.bytes[s * vb + vcol * veb..][..g.v_row * veb].as_ptr()
                 }
                 None => kp[j],
             };
@@ -259,9 +297,9 @@ pub(crate) fn dense_request_simd(
         if scratch {
             let slots = (start..end).map(|p| meta.slot(r, p));
             src.k
-                .load(slots.clone(), 0, g.k_row, &mut kbuf[..n * g.k_row]);
+                .load(slots.clone(), kcol, g.k_row, &mut kbuf[..n * g.k_row]);
             if let Some(v) = &src.v {
-                v.load(slots, 0, g.v_row, &mut vbuf[..n * g.v_row]);
+                v.load(slots, vcol, g.v_row, &mut vbuf[..n * g.v_row]);
             }
             for j in 0..n {
                 kp[j] = kbuf[j * g.k_row..][..g.k_row].as_ptr().cast();

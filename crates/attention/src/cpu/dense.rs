@@ -265,7 +265,15 @@ mod tests {
             return;
         }
         let mut rng = SplitMix64::new(4);
-        for (m, k, n) in [(1, 8, 1), (5, 37, 9), (9, 300, 130), (4, 7, 3)] {
+        // One and two rows take the streaming tiles (odd column counts: a last single row).
+        for (m, k, n) in [
+            (1, 8, 1),
+            (1, 576, 13),
+            (2, 100, 11),
+            (5, 37, 9),
+            (9, 300, 130),
+            (4, 7, 3),
+        ] {
             let x = nonzero_vec(&mut rng, m * k);
             let w = nonzero_vec(&mut rng, n * k);
             let mut out = vec![0.0; m * n];

@@ -9,8 +9,8 @@
 //!
 //! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
 //! by blocks of output columns (`columns`; [`Backend::matmul_many`] cuts the union of several
-//! weights' columns, one dispatch for a layer's q, k and v), attention by requests and long prefills by pieces
-//! of query tokens (`split`), RMSNorm, the residual add, the rotary embedding and `silu_mul` by
+//! weights' columns, one dispatch for a layer's q, k and v), attention by requests, long prefills by pieces
+//! of query tokens and a decode batch smaller than the pool by KV head (`split`), RMSNorm, the residual add, the rotary embedding and `silu_mul` by
 //! rows; every output element is computed by one job in a fixed order, so results are bitwise
 //! the same for any thread count. Op outputs reuse the buffers of dropped tensors (`buffers`).
 
@@ -43,6 +43,12 @@ use rope::RopeCache;
 
 /// Work on one request: `(request, its q rows, its output rows, scratch)`.
 type RequestFn<'a> = dyn Fn(usize, &[f32], &mut [f32], &mut Scratch) + Sync + 'a;
+
+/// Work on some KV heads of a decode request: `(request, KV heads, their q rows, their output
+/// rows, scratch)`.
+#[cfg(target_arch = "x86_64")]
+type HeadFn<'a> =
+    dyn Fn(usize, std::ops::Range<usize>, &[f32], &mut [f32], &mut Scratch) + Sync + 'a;
 
 /// A host tensor: row-major f32 data and its shape; or a weight kept in 16 bits
 /// ([`Backend::upload_weight`]), which only the matmul (as `w`), the embedding (as the table)
@@ -223,6 +229,36 @@ impl CpuBackend {
                     &mut sc,
                 );
             }
+        });
+    }
+
+    /// Runs `f(request, kv_heads, q_rows, out_rows, scratch)` for every KV head of every
+    /// request of a decode batch (one token each), one job each: `q_rows` and `out_rows` are
+    /// the rows of that head's query heads (`g.group` of them, consecutive in the token's row).
+    #[cfg(target_arch = "x86_64")]
+    fn for_each_decode_head(
+        &self,
+        meta: &BatchMetadata,
+        g: &Geom,
+        q: &[f32],
+        out: &mut [f32],
+        f: &HeadFn<'_>,
+    ) {
+        let kv_heads = g.q_heads / g.group;
+        let (qh, oh) = (g.group * g.d, g.group * g.dv);
+        let mut jobs = Vec::with_capacity(meta.num_requests() * kv_heads);
+        let mut rest = out;
+        for r in 0..meta.num_requests() {
+            let row = meta.qo_range(r).start;
+            for h in 0..kv_heads {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(oh);
+                rest = tail;
+                let at = (row * kv_heads + h) * qh;
+                jobs.push((r, h, &q[at..at + qh], mine));
+            }
+        }
+        self.pool.for_each(jobs, |(r, h, q, out)| {
+            f(r, h..h + 1, q, out, &mut Scratch::default());
         });
     }
 }
@@ -446,6 +482,16 @@ impl Backend for CpuBackend {
         // The same rows, long requests in pieces (see `split`).
         let meta = plan.pieces.as_ref().unwrap_or(meta);
         let scale = params.scale;
+        #[cfg(target_arch = "x86_64")]
+        if sparse.is_none()
+            && simd::available()
+            && split::decode_by_heads(meta, kv_heads, self.pool.threads())
+        {
+            self.for_each_decode_head(meta, &g, &q.data, &mut out, &|r, heads, q, out, sc| {
+                attention::dense_heads_simd(&g, heads, meta, r, &sources, q, scale, out, sc)
+            });
+            return CpuTensor::new(out, &[n, q_heads, dv]);
+        }
         self.for_each_request(
             meta,
             &q.data,

@@ -1,5 +1,6 @@
 //! How attention work is cut into jobs for the pool: long extend requests into pieces of
-//! consecutive query tokens, and the (pieces of) requests into ranges of about equal work.
+//! consecutive query tokens, the (pieces of) requests into ranges of about equal work, and a
+//! decode batch of fewer requests than threads into one job per request and KV head.
 //!
 //! A piece `a .. b` of request `r`'s new tokens is the request whose prefix is `r`'s first
 //! `prefix_len(r) + a` positions and whose new tokens are `a .. b`: its queries see exactly
@@ -90,6 +91,13 @@ pub(crate) fn request_ranges(meta: &BatchMetadata, jobs: usize) -> Vec<usize> {
     bounds
 }
 
+/// Whether a decode batch of fewer requests than `threads` is cut by KV head instead (one job
+/// per request and KV head of `kv_heads`): at batch size 1 the attention would otherwise run on
+/// one thread while the others wait.
+pub(crate) fn decode_by_heads(meta: &BatchMetadata, kv_heads: usize, threads: usize) -> bool {
+    meta.is_decode() && kv_heads > 1 && meta.num_requests() < threads
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +155,19 @@ mod tests {
         assert!(token_pieces(&d, 4).unwrap().is_none());
         let (short, _) = meta(&[(0, 20), (5, 3)], false);
         assert!(token_pieces(&short, 2).unwrap().is_none());
+    }
+
+    #[test]
+    fn only_small_decode_batches_of_several_kv_heads_go_by_heads() {
+        let (d, _) = meta(&[(100, 1)], true);
+        assert!(decode_by_heads(&d, 3, 2));
+        assert!(!decode_by_heads(&d, 1, 2), "one KV head");
+        assert!(!decode_by_heads(&d, 3, 1), "one thread");
+        let (d2, _) = meta(&[(100, 1), (7, 1)], true);
+        assert!(!decode_by_heads(&d2, 3, 2), "a request per thread");
+        assert!(decode_by_heads(&d2, 3, 3));
+        let (e, _) = meta(&[(100, 5)], false);
+        assert!(!decode_by_heads(&e, 3, 2), "an extend batch");
     }
 
     #[test]

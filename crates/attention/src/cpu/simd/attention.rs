@@ -236,7 +236,7 @@ unsafe fn tile<E: Elem, const H: usize>(
                 if let Some(pf) = pf {
                     pf.rows(j, j + 3);
                 }
-                let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d);
+                let t = dot_tile::<E, H, 3>(&qp, [kp(j), kp(j + 1), kp(j + 2)], d, (kp(j), 0));
                 for (p, t) in t.iter().enumerate() {
                     for h in 0..H {
                         s[h][j + p] = tb.scale * t[h];
@@ -249,7 +249,7 @@ unsafe fn tile<E: Elem, const H: usize>(
                 if let Some(pf) = pf {
                     pf.rows(j, j + 2);
                 }
-                let t = dot_tile::<E, H, 2>(&qp, [kp(j), kp(j + 1)], d);
+                let t = dot_tile::<E, H, 2>(&qp, [kp(j), kp(j + 1)], d, (kp(j), 0));
                 for (p, t) in t.iter().enumerate() {
                     for h in 0..H {
                         s[h][j + p] = tb.scale * t[h];
@@ -262,7 +262,7 @@ unsafe fn tile<E: Elem, const H: usize>(
             if let Some(pf) = pf {
                 pf.rows(j, j + 1);
             }
-            let [t] = dot_tile::<E, H, 1>(&qp, [kp(j)], d);
+            let [t] = dot_tile::<E, H, 1>(&qp, [kp(j)], d, (kp(j), 0));
             for h in 0..H {
                 s[h][j] = tb.scale * t[h];
             }

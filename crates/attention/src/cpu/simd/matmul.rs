@@ -1,4 +1,5 @@
-//! The AVX2 matmul: tiles of 4 `x` rows × 3 weight rows over cache blocks of the weight.
+//! The AVX2 matmul: tiles of 4 `x` rows × 3 weight rows over cache blocks of the weight, and
+//! streaming tiles for a decode batch (one or two rows).
 
 use super::super::columns::ColumnBlock;
 use super::dot::dot_tile;
@@ -6,6 +7,9 @@ use super::elem::{Bf16, Elem, F16, F32};
 
 /// Rows of `x` per matmul tile.
 const MR: usize = 4;
+
+/// Batches of at most this many rows (decode) take the streaming tiles.
+const STREAM_ROWS: usize = 2;
 
 /// `out[i, j] = x_i · w_j` for the rows of `x` (`k` each) and the columns `j` of `out` (rows of
 /// `w`, `k` elements of `E` each, little-endian bytes), each in the module's fixed dot order, so
@@ -19,6 +23,21 @@ const MR: usize = 4;
 unsafe fn matmul<E: Elem>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'_>) {
     let (m, nb) = blocking(x, w, k, E::BYTES, out);
     let cols = out.cols();
+    if m <= STREAM_ROWS {
+        // A decode batch reads its weight once from memory: tiles of 64 bytes of weight per
+        // step (2 f32 rows, 4 16-bit rows) read it nearly as one stream and prefetch the next
+        // tile (see `avx512::stream_tiles`, which measured the same layout).
+        // SAFETY: rows 0 .. m of x and the columns of w exist (asserted by `blocking`).
+        unsafe {
+            match (m, E::BYTES) {
+                (1, 4) => matmul_tile::<E, 1, 2>(x, w, k, 0, cols, out, true),
+                (_, 4) => matmul_tile::<E, 2, 2>(x, w, k, 0, cols, out, true),
+                (1, _) => matmul_tile::<E, 1, 4>(x, w, k, 0, cols, out, true),
+                _ => matmul_tile::<E, 2, 4>(x, w, k, 0, cols, out, true),
+            }
+        }
+        return;
+    }
     // Plain loops, no closure: a closure is compiled without the caller's target features,
     // so the kernels' intrinsics would become calls.
     for j0 in cols.clone().step_by(nb) {
@@ -28,10 +47,10 @@ unsafe fn matmul<E: Elem>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBlock<'
             // lengths); the CPU per contract.
             unsafe {
                 match (m - i0).min(MR) {
-                    1 => matmul_tile::<E, 1>(x, w, k, i0, js.clone(), out),
-                    2 => matmul_tile::<E, 2>(x, w, k, i0, js.clone(), out),
-                    3 => matmul_tile::<E, 3>(x, w, k, i0, js.clone(), out),
-                    _ => matmul_tile::<E, 4>(x, w, k, i0, js.clone(), out),
+                    1 => matmul_tile::<E, 1, 3>(x, w, k, i0, js.clone(), out, false),
+                    2 => matmul_tile::<E, 2, 3>(x, w, k, i0, js.clone(), out, false),
+                    3 => matmul_tile::<E, 3, 3>(x, w, k, i0, js.clone(), out, false),
+                    _ => matmul_tile::<E, 4, 3>(x, w, k, i0, js.clone(), out, false),
                 }
             }
         }
@@ -74,37 +93,47 @@ matmul_for!(matmul_f32, F32, "avx2,fma,f16c");
 matmul_for!(matmul_f16, F16, "avx2,fma,f16c");
 matmul_for!(matmul_bf16, Bf16, "avx2,fma,f16c");
 
-/// Rows `i0 .. i0 + H` of `x` against rows `js` of `w`, into `out`.
+/// Rows `i0 .. i0 + H` of `x` against rows `js` of `w`, into `out`: `P` weight rows at a
+/// time, then single rows. With `stream`, each tile of `P` rows prefetches the next one's
+/// bytes (the rows follow each other), line after line as it goes.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C. (Rows are sliced with bounds checks.)
 #[inline(always)]
-unsafe fn matmul_tile<E: Elem, const H: usize>(
+unsafe fn matmul_tile<E: Elem, const H: usize, const P: usize>(
     x: &[f32],
     w: &[u8],
     k: usize,
     i0: usize,
     js: std::ops::Range<usize>,
     out: &mut ColumnBlock<'_>,
+    stream: bool,
 ) {
     let a: [*const f32; H] = std::array::from_fn(|i| x[(i0 + i) * k..][..k].as_ptr());
     let rb = k * E::BYTES;
     let row = |j: usize| w[j * rb..][..rb].as_ptr();
+    let tile = P * rb;
+    let per = if stream && k >= 8 {
+        tile.div_ceil(64).div_ceil(k / 8)
+    } else {
+        0
+    };
     let mut j = js.start;
-    while j + 3 <= js.end {
-        // SAFETY: the x rows hold k f32 and the three w rows k elements of E each (sliced); CPU
-        // per contract.
-        let t = unsafe { dot_tile::<E, H, 3>(&a, [row(j), row(j + 1), row(j + 2)], k) };
+    while j + P <= js.end {
+        let b: [*const u8; P] = std::array::from_fn(|p| row(j + p));
+        // SAFETY: the x rows hold k f32 and the P w rows k elements of E each (sliced); CPU
+        // per contract; the prefetches are hints.
+        let t = unsafe { dot_tile::<E, H, P>(&a, b, k, (b[0].wrapping_add(tile), per)) };
         for (p, t) in t.iter().enumerate() {
             for (h, &v) in t.iter().enumerate() {
                 out.set(i0 + h, j + p, v);
             }
         }
-        j += 3;
+        j += P;
     }
     while j < js.end {
-        // SAFETY: as above, one w row.
-        let [t] = unsafe { dot_tile::<E, H, 1>(&a, [row(j)], k) };
+        // SAFETY: as above, one w row, no prefetch.
+        let [t] = unsafe { dot_tile::<E, H, 1>(&a, [row(j)], k, (row(j), 0)) };
         for (h, &v) in t.iter().enumerate() {
             out.set(i0 + h, j, v);
         }
