@@ -7,13 +7,16 @@
 //! `worker-<id>`), so the longest cached prefix of a request on a worker is one
 //! `peek_prefix_len` of its chained block ids in that worker's namespace.
 //!
-//! Lifetime of a page: `BlockStored` inserts it under its parent's path and locks the node
-//! that ends at it (`inc_lock_ref`, which also locks its ancestors); `BlockRemoved` and
-//! `AllBlocksCleared` unlock it, and everything no longer locked is evicted at once. So the
-//! tree holds exactly the pages the workers reported and did not remove (a worker evicts
-//! leaves first, so a page's ancestors outlive it). Slots are meaningless here: they come
-//! from a pool of [`INDEX_SLOTS`] and go back when the tree evicts; a full pool is
-//! [`KvIndexError::Full`].
+//! Lifetime of a page: `BlockStored` inserts it under its parent's path. Only a worker's held
+//! leaves (pages with no held child) lock the node that ends at them (`inc_lock_ref`, which
+//! also locks its ancestors, so every held page is protected by a leaf below it): a stored
+//! chain locks its last page and unlocks its parent if that was a leaf; `BlockRemoved` unlocks
+//! a removed leaf and locks its parent when that becomes a leaf; `AllBlocksCleared` unlocks
+//! them all; everything no longer locked is evicted at once. So the tree holds exactly the
+//! pages the workers reported and did not remove (a worker evicts leaves first, so a page's
+//! ancestors outlive it), and an event costs one walk of its chain, not one per page (a
+//! Mooncake prompt is hundreds of pages). Slots are meaningless here: they come from a pool
+//! of [`INDEX_SLOTS`] and go back when the tree evicts; a full pool is [`KvIndexError::Full`].
 //!
 //! A `BlockStored` whose parent the index does not know (the router subscribed late, or
 //! missed a batch) cannot be placed; its pages are counted in [`KvIndex::unplaced`] and left
@@ -51,11 +54,13 @@ pub enum KvIndexError {
     Tree(#[from] radix_cache::RadixCacheError),
 }
 
-/// A page a worker holds: its parent page and the tree node that ends at it.
+/// A page a worker holds: its parent page, how many of its children the worker holds, and,
+/// while it has none, the tree node ending at it that it locks.
 #[derive(Debug, Clone, Copy)]
 struct Held {
     parent: Option<i64>,
-    node: NodeId,
+    children: u32,
+    lock: Option<NodeId>,
 }
 
 /// Which worker holds which pages.
@@ -168,11 +173,8 @@ impl KvIndex {
                     self.store(worker, block_hashes, *parent_block_hash)?;
                 }
                 KvEvent::BlockRemoved { block_hashes } => {
-                    for h in block_hashes {
-                        if let Some(held) = self.held.get_mut(&worker).and_then(|m| m.remove(h)) {
-                            self.tree.dec_lock_ref(held.node)?;
-                            removed = true;
-                        }
+                    for &h in block_hashes {
+                        removed |= self.remove(worker, h)?;
                     }
                 }
                 KvEvent::AllBlocksCleared => removed |= self.release(worker)?,
@@ -196,10 +198,44 @@ impl KvIndex {
     /// Unlocks every page of `worker`; whether there was any.
     fn release(&mut self, worker: WorkerId) -> Result<bool, KvIndexError> {
         let pages = std::mem::take(self.held.entry(worker).or_default());
-        for held in pages.values() {
-            self.tree.dec_lock_ref(held.node)?;
+        for node in pages.values().filter_map(|h| h.lock) {
+            self.tree.dec_lock_ref(node)?;
         }
         Ok(!pages.is_empty())
+    }
+
+    /// Forgets page `h` of `worker`: unlocks it if it is a leaf, and locks its parent when that
+    /// becomes one; whether the worker held it.
+    fn remove(&mut self, worker: WorkerId, h: i64) -> Result<bool, KvIndexError> {
+        let Some(held) = self.held.get_mut(&worker).and_then(|m| m.remove(&h)) else {
+            return Ok(false);
+        };
+        if let Some(node) = held.lock {
+            self.tree.dec_lock_ref(node)?;
+        }
+        let Some(p) = held.parent else {
+            return Ok(true);
+        };
+        let became_leaf = match self.held.get_mut(&worker).and_then(|m| m.get_mut(&p)) {
+            Some(parent) => {
+                parent.children = parent.children.saturating_sub(1);
+                parent.children == 0 && parent.lock.is_none()
+            }
+            None => false,
+        };
+        if became_leaf {
+            if let Some(path) = self.path(worker, p) {
+                let mut scratch = Vec::new();
+                let m = self
+                    .tree
+                    .match_prefix(&key(&path), Some(&namespace(worker)), &mut scratch);
+                self.tree.inc_lock_ref(m.last_node)?;
+                if let Some(parent) = self.held.get_mut(&worker).and_then(|m| m.get_mut(&p)) {
+                    parent.lock = Some(m.last_node);
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// Evicts every page no worker holds.
@@ -252,25 +288,46 @@ impl KvIndex {
             .collect();
         pool.free(&spare)
             .map_err(radix_cache::RadixCacheError::from)?;
-        let mut scratch = Vec::new();
+        let held = self.held.entry(worker).or_default();
+        let mut leaf = None;
         for i in first..path.len() {
             let h = path[i];
-            if self.held.get(&worker).is_some_and(|m| m.contains_key(&h)) {
+            if held.contains_key(&h) {
                 continue;
             }
-            scratch.clear();
-            let m = self
-                .tree
-                .match_prefix(&key[..2 * (i + 1)], Some(&ns), &mut scratch);
-            self.tree.inc_lock_ref(m.last_node)?;
             let parent = i.checked_sub(1).map(|j| path[j]);
-            self.held.entry(worker).or_default().insert(
+            held.insert(
                 h,
                 Held {
                     parent,
-                    node: m.last_node,
+                    children: 0,
+                    lock: None,
                 },
             );
+            if let Some(p) = parent.and_then(|p| held.get_mut(&p)) {
+                p.children += 1;
+                if let Some(node) = p.lock.take() {
+                    // The new page's lock (below) protects it from now on.
+                    self.tree.dec_lock_ref(node)?;
+                }
+            }
+            leaf = Some(i);
+        }
+        // The chain's last new page is its only new leaf: it locks the node ending at it (for
+        // the key's last page, the node `insert` returned).
+        if let Some(i) = leaf {
+            let node = if i + 1 == path.len() {
+                r.last_node
+            } else {
+                let mut scratch = Vec::new();
+                self.tree
+                    .match_prefix(&key[..2 * (i + 1)], Some(&ns), &mut scratch)
+                    .last_node
+            };
+            if let Some(page) = held.get_mut(&path[i]).filter(|p| p.children == 0) {
+                self.tree.inc_lock_ref(node)?;
+                page.lock = Some(node);
+            }
         }
         Ok(())
     }
@@ -293,5 +350,73 @@ impl KvIndex {
             return Err(format!("the tree holds {tokens} symbols for {pages} pages"));
         }
         self.tree.check_invariants()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{block_ids, stored_pages};
+    use super::*;
+
+    const P: usize = 4;
+
+    fn removed(ids: &[i64]) -> KvEvent {
+        KvEvent::BlockRemoved {
+            block_hashes: ids.to_vec(),
+        }
+    }
+
+    /// Leaves lock, inner pages do not: stores, branch points, leaf-first removals (each
+    /// making the parent a leaf) and a clear leave the tree holding exactly the held pages.
+    #[test]
+    fn only_held_leaves_lock_and_the_tree_follows_stores_and_removals() {
+        let (w0, w1) = (WorkerId(0), WorkerId(1));
+        let a: Vec<u32> = (0..32).collect();
+        let mut b = a[..20].to_vec();
+        b.extend(100..112);
+        let (ia, ib) = (block_ids(&a, P), block_ids(&b, P));
+        let mut ix = KvIndex::default();
+        // A long chain in two events: the second extends the first's leaf.
+        ix.apply(w0, &[stored_pages(&a, 0, 5, P), stored_pages(&a, 5, 8, P)])
+            .unwrap();
+        ix.check().unwrap();
+        assert_eq!(ix.matched_pages(w0, &ia), 8);
+        let locks = |ix: &KvIndex, w| ix.held[&w].values().filter(|h| h.lock.is_some()).count();
+        assert_eq!(locks(&ix, w0), 1, "one leaf, one lock");
+        // A branch after page 5 of A: two leaves.
+        ix.apply(w0, &[stored_pages(&b, 5, 8, P)]).unwrap();
+        ix.check().unwrap();
+        assert_eq!((ix.matched_pages(w0, &ib), locks(&ix, w0)), (8, 2));
+        // Another worker's copy of A's first pages is its own.
+        ix.apply(w1, &[stored_pages(&a, 0, 3, P)]).unwrap();
+        ix.check().unwrap();
+        assert_eq!(ix.matched_pages(w1, &ia), 3);
+        // Leaf-first removals: B's tail, then A's last three pages, page by page.
+        ix.apply(w0, &[removed(&ib[5..8])]).unwrap();
+        ix.check().unwrap();
+        assert_eq!(
+            (ix.matched_pages(w0, &ib), ix.matched_pages(w0, &ia)),
+            (5, 8)
+        );
+        for i in (5..8).rev() {
+            ix.apply(w0, &[removed(&ia[i..i + 1])]).unwrap();
+            ix.check().unwrap();
+            assert_eq!(ix.matched_pages(w0, &ia), i);
+            assert_eq!(locks(&ix, w0), 1, "the parent became the leaf");
+        }
+        // A removal of a page the worker does not hold changes nothing.
+        ix.apply(w0, &[removed(&ib[6..7])]).unwrap();
+        ix.check().unwrap();
+        // Store again on the shortened chain, then clear the worker.
+        ix.apply(w0, &[stored_pages(&b, 5, 8, P)]).unwrap();
+        ix.check().unwrap();
+        assert_eq!(ix.matched_pages(w0, &ib), 8);
+        ix.apply(w0, &[KvEvent::AllBlocksCleared]).unwrap();
+        ix.check().unwrap();
+        assert_eq!((ix.held_pages(w0), ix.matched_pages(w0, &ia)), (0, 0));
+        assert_eq!(ix.matched_pages(w1, &ia), 3);
+        ix.remove_worker(w1).unwrap();
+        ix.check().unwrap();
+        assert_eq!(ix.tree.total_size(), 0);
     }
 }
