@@ -437,6 +437,34 @@ mod tests {
         insta::assert_snapshot!(table);
     }
 
+    proptest::proptest! {
+        /// A replayed batch pads to the smallest captured size that holds it; only a batch
+        /// larger than every captured size, or a request past the context, runs eagerly.
+        #[test]
+        fn a_batch_pads_to_the_smallest_captured_size_that_holds_it(
+            max_bs in proptest::option::of(1usize..300),
+            max_running in 1usize..300,
+            bs in 0usize..320,
+            longest in 0usize..100,
+        ) {
+            let captured = capture_bs(max_bs.map(|m| m.min(max_running)), max_running);
+            let largest = *captured.last().unwrap();
+            match route(&captured, 64, bs, longest) {
+                GraphRoute::Replay { padded } => {
+                    proptest::prop_assert!(captured.contains(&padded) && padded >= bs);
+                    proptest::prop_assert!(longest <= 64);
+                    proptest::prop_assert!(!captured.iter().any(|&c| c >= bs.max(1) && c < padded));
+                }
+                GraphRoute::TooLarge { largest: l } => {
+                    proptest::prop_assert_eq!(l, largest);
+                    proptest::prop_assert!(bs > largest && longest <= 64);
+                }
+                GraphRoute::TooLong { .. } => proptest::prop_assert!(longest > 64),
+                GraphRoute::NotCaptured => proptest::prop_assert!(false, "{:?}", captured),
+            }
+        }
+    }
+
     #[test]
     fn bad_configs_are_typed_errors() {
         let good = CudaGraphConfig {
