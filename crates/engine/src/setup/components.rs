@@ -312,7 +312,7 @@ fn cuda_probe(
 /// `--disable-cuda-graph`. A forward that cannot be captured (the MLA decoder's reads back to
 /// the host) leaves decode eager, said on stderr.
 #[cfg(any(feature = "cuda", feature = "cuda-13"))]
-fn enable_cuda_graphs<D: attention_cuda::Device>(
+fn enable_cuda_graphs<D: attention_cuda::Device + 'static>(
     runner: &mut ModelRunner<attention_cuda::CudaBackend<D>>,
     setup: &EngineSetup,
 ) -> Result<()> {
