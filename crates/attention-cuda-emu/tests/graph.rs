@@ -7,9 +7,10 @@
 
 mod common;
 
-use attention::{AttentionError, Backend, BatchMetadata, RequestKv};
+use attention::{AttentionError, Backend, BatchMetadata, DecodeGraphs, RequestKv};
 use attention_cuda::{
     CudaBackend, CudaConfig, CudaGraphConfig, CudaGraphRunner, CudaKvStore, DecodeForward, Device,
+    GraphRoute,
 };
 use attention_cuda_emu::{emu_or_skip, EmuDevice};
 use kv_pool::{KvDtype, KvLayout, Slot};
@@ -119,9 +120,16 @@ fn replayed_decode_is_bitwise_the_eager_decode() {
         eager.push((lists, ids, b.download(&out).unwrap()));
     }
     let (model_ref, store_ref) = (&model, &mut store);
-    let fwd: Box<DecodeForward<'_, EmuDevice>> =
-        Box::new(move |b, meta, ids| forward(b, model_ref, store_ref, meta, ids));
-    let mut runner = CudaGraphRunner::new(&b, graph_config(), fwd).unwrap();
+    let mut fwd = move |b: &Emu, meta: &BatchMetadata, ids: &[u32]| {
+        forward(b, model_ref, store_ref, meta, ids)
+    };
+    let fwd: &mut DecodeForward<'_, EmuDevice> = &mut fwd;
+    let mut runner = CudaGraphRunner::new(&b, graph_config()).unwrap();
+    assert!(
+        runner.replay(&[], &[], fwd).unwrap().is_none(),
+        "nothing captured"
+    );
+    runner.capture(fwd).unwrap();
     assert_eq!(runner.captured_bs(), vec![1, 2, 4]);
     assert_eq!(runner.padded_bs(3), Some(4));
     assert_eq!(runner.padded_bs(5), None);
@@ -135,7 +143,10 @@ fn replayed_decode_is_bitwise_the_eager_decode() {
     for _ in 0..2 {
         for (lists, ids, want) in &eager {
             let kvs = decode_kvs(lists);
-            let got = runner.replay(&kvs, ids).unwrap().expect("a captured size");
+            let got = runner
+                .replay(&kvs, ids, fwd)
+                .unwrap()
+                .expect("a captured size");
             assert_eq!(got.len(), want.len(), "bs {}", kvs.len());
             let same = got
                 .iter()
@@ -147,15 +158,16 @@ fn replayed_decode_is_bitwise_the_eager_decode() {
     // Larger than every captured size: the caller runs it eagerly.
     let lists: Vec<Vec<Slot>> = (0..5).map(|r| slots(r, 2)).collect();
     let kvs = decode_kvs(&lists);
-    assert!(runner.replay(&kvs, &[1; 5]).unwrap().is_none());
-    // Longer than the graph's context: a typed error, not a wrong page table.
+    assert_eq!(runner.route(&kvs), GraphRoute::TooLarge { largest: 4 });
+    assert!(runner.replay(&kvs, &[1; 5], fwd).unwrap().is_none());
+    // Longer than the graph's context: eager too, not a wrong page table.
     let long = slots(0, 65);
     let kvs = [RequestKv {
         slots: &long,
         extend_len: 1,
     }];
-    let e = runner.replay(&kvs, &[1]).unwrap_err();
-    assert!(matches!(e, AttentionError::InvalidConfig { .. }), "{e:?}");
+    assert!(matches!(runner.route(&kvs), GraphRoute::TooLong { .. }));
+    assert!(runner.replay(&kvs, &[1], fwd).unwrap().is_none());
 }
 
 #[test]
@@ -188,15 +200,17 @@ fn a_forward_that_reads_back_cannot_be_captured() {
     };
     let (b, model, mut store) = setup(device, &[3]);
     let (model_ref, store_ref) = (&model, &mut store);
-    let fwd: Box<DecodeForward<'_, EmuDevice>> = Box::new(move |b, meta, ids| {
+    let mut fwd = move |b: &Emu, meta: &BatchMetadata, ids: &[u32]| {
         let out = forward(b, model_ref, store_ref, meta, ids)?;
         let host = b.download(&out)?; // not capture-safe: a synchronisation
         b.upload(
             &host,
             &[meta.num_requests(), host.len() / meta.num_requests()],
         )
-    });
-    let e = CudaGraphRunner::new(&b, graph_config(), fwd).unwrap_err();
+    };
+    let mut runner = CudaGraphRunner::new(&b, graph_config()).unwrap();
+    let e = runner.capture(&mut fwd).unwrap_err();
+    assert!(runner.captured_bs().is_empty(), "nothing stays captured");
     assert!(
         matches!(&e, AttentionError::Device(m) if m.contains("cannot be read back")),
         "{e:?}"
@@ -212,21 +226,22 @@ fn a_replay_whose_launches_would_differ_is_refused() {
     let w = b.upload(&[1.0; 8], &[8]).unwrap();
     // RMSNorm with an eps that changes every call: a launch scalar the graph has baked in.
     let mut eps = 1e-6f32;
-    let fwd: Box<DecodeForward<'_, EmuDevice>> = Box::new(move |b, meta, _| {
+    let mut fwd = move |b: &Emu, meta: &BatchMetadata, _: &[u32]| {
         eps *= 2.0;
         let x = b.upload(
             &vec![0.5; meta.num_requests() * 8],
             &[meta.num_requests(), 8],
         )?;
         b.rms_norm(&x, &w, eps)
-    });
-    let mut runner = CudaGraphRunner::new(&b, graph_config(), fwd).unwrap();
+    };
+    let mut runner = CudaGraphRunner::new(&b, graph_config()).unwrap();
+    runner.capture(&mut fwd).unwrap();
     let s = slots(0, 1);
     let kvs = [RequestKv {
         slots: &s,
         extend_len: 1,
     }];
-    let e = runner.replay(&kvs, &[0]).unwrap_err();
+    let e = runner.replay(&kvs, &[0], &mut fwd).unwrap_err();
     assert!(
         matches!(&e, AttentionError::Device(m) if m.contains("differs from the captured one")),
         "{e:?}"

@@ -12,34 +12,14 @@ use attention::{Backend, CpuBackend};
 use attention_cuda::{CudaBackend, CudaConfig};
 use attention_cuda_emu::emu_or_skip;
 use kv_pool::{KvDtype, KvLayout, Slot};
-use model::tiny::{random_weights, tiny_mla_config};
+use model::tiny::random_weights;
 use model::{
-    AttentionMode, ForwardInput, ForwardRequest, LogitsMode, MlaConfig, Model, ModelConfig,
-    ModelRunner,
+    AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Model, ModelConfig, ModelRunner,
 };
 
 const PAGE: u32 = 16;
 const PAGES_PER_REQUEST: u32 = 4;
 const STEPS: usize = 6;
-
-/// The tiny MLA preset with `qk_rope_head_dim` 16 (latent rows of 32 + 16, a compiled shape)
-/// and an untied LM head (tied random embeddings make greedy decoding repeat the last token).
-fn mla_config() -> ModelConfig {
-    let base = tiny_mla_config();
-    let mla = base.mla.clone().expect("the MLA preset");
-    ModelConfig {
-        head_dim: mla.qk_nope_head_dim + 16,
-        mla: Some(MlaConfig {
-            qk_rope_head_dim: 16,
-            ..mla
-        }),
-        vocab_size: 512,
-        tie_word_embeddings: false,
-        bos_token_id: None,
-        eos_token_ids: Vec::new(),
-        ..base
-    }
-}
 
 fn prompts() -> Vec<Vec<u32>> {
     vec![
@@ -115,7 +95,7 @@ fn tiny_decoder_greedy_matches_cpu() {
 
 #[test]
 fn tiny_mla_decoder_greedy_matches_cpu() {
-    greedy_matches_cpu("tiny_mla_decoder_greedy_matches_cpu", &mla_config());
+    greedy_matches_cpu("tiny_mla_decoder_greedy_matches_cpu", &common::mla_config());
 }
 
 fn greedy_matches_cpu(test: &str, config: &ModelConfig) {

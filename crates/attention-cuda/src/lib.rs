@@ -25,7 +25,8 @@
 //!   captures a decode forward per batch size of [`capture_bs`] and replays a batch padded
 //!   to the next captured size; the backend serves the forward's buffers and uploads from the
 //!   size's static pool ([`graph::pool`]) so that nothing is allocated or copied inside the
-//!   capture.
+//!   capture. It implements [`attention::DecodeGraphs`], the seam the model runner replays
+//!   decode batches through ([`route`]: pad, or eager for larger batches and longer requests).
 //! - [`backend`], [`store`], [`tensor`]: the trait implementations.
 //! - Devices: `cudarc_device` (NVIDIA, features `cuda-12`/`cuda-13`) and `hip_device` (AMD,
 //!   feature `rocm`, kernels compiled by `hiprtc`), sharing [`kernel_cache`] (compile and load
@@ -86,7 +87,7 @@ pub use backend::{CudaBackend, CudaConfig, CudaPlan};
 pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
 pub use device::{packed_args, Device, KernelArg, LaunchConfig};
 pub use gemm::{GemmChoice, GemmPath};
-pub use graph::{capture_bs, CudaGraphConfig, CudaGraphRunner, DecodeForward};
+pub use graph::{capture_bs, route, CudaGraphConfig, CudaGraphRunner, DecodeForward, GraphRoute};
 #[cfg(feature = "rocm")]
 pub use hip_device::{HipDevice, HipError, HipReport};
 pub use specs::{Source, Spec};

@@ -3,8 +3,9 @@
 //! The backend traits every device implements ([`Backend`]: device tensors, the dense ops of a
 //! decoder layer, paged attention over a [`kv_pool::KvStore`]), the backend-neutral batch
 //! metadata ([`BatchMetadata`]: FlashInfer-style page tables), the CPU backend
-//! ([`CpuBackend`]), an f64 reference ([`reference`]) and the conformance suite every backend
-//! runs ([`conformance`]).
+//! ([`CpuBackend`]), an f64 reference ([`reference`]), the conformance suite every backend
+//! runs ([`conformance`]) and the seam for backends that replay captured decode batches
+//! ([`DecodeGraphs`]: CUDA graphs; the others implement nothing).
 //!
 //! ## Invariants
 //! - Backends never allocate or free slots: they read the page tables they are given and write
@@ -34,6 +35,7 @@ pub mod check;
 pub mod conformance;
 pub mod cpu;
 pub mod error;
+pub mod graphs;
 pub mod metadata;
 pub mod params;
 pub mod reference;
@@ -42,6 +44,7 @@ pub mod rope;
 pub use backend::{Backend, DeviceTensor, TensorDtype};
 pub use cpu::{CpuBackend, CpuConfig, CpuPlan, CpuTensor};
 pub use error::{AttentionError, Result};
+pub use graphs::{DecodeForward, DecodeGraphs};
 pub use metadata::{BatchMetadata, RequestKv};
 pub use params::{AttentionParams, DoubleSparseConfig};
 pub use rope::{RopeConfig, RopeScaling, RopeStyle};

@@ -573,6 +573,44 @@ fn info_lists_this_build() {
     }
 }
 
+/// `--cuda-graph-max-bs` 0 or above `--max-running-requests` is refused on every backend;
+/// `kvserve info` says which decode batch sizes the cuda backend captures, or why none.
+#[test]
+fn cuda_graph_flags_are_checked_and_reported() {
+    assert_fails(
+        &["bench", "--cuda-graph-max-bs", "0", "--quiet"],
+        &["--cuda-graph-max-bs", "at least 1"],
+    );
+    assert_fails(
+        &[
+            "bench",
+            "--cuda-graph-max-bs",
+            "9",
+            "--max-running-requests",
+            "8",
+        ],
+        &["--cuda-graph-max-bs", "exceeds --max-running-requests (8)"],
+    );
+    assert_fails(
+        &["info", "--cuda-graph-max-bs", "300"],
+        &["--cuda-graph-max-bs", "(256)"],
+    );
+    let o = kvserve(&["info", "--disable-cuda-graph"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("cuda graphs:        off (--disable-cuda-graph)"),
+        "{}",
+        stdout(&o)
+    );
+    let o = kvserve(&["info", "--cuda-graph-max-bs", "8"]);
+    let want = if cfg!(any(feature = "cuda", feature = "cuda-13")) {
+        "cuda graphs:        decode batches padded to bs [1, 2, 4, 8]"
+    } else {
+        "cuda graphs:        off: the cuda backend is not compiled"
+    };
+    assert!(stdout(&o).contains(want), "{want:?} in {}", stdout(&o));
+}
+
 /// A config file's keys are flags: they are validated like flags, and the command line wins.
 #[test]
 fn config_file_gives_flags_and_the_command_line_wins() {

@@ -255,7 +255,7 @@ fn config_file_settings_show_in_server_info() {
     let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve-info.toml");
     std::fs::write(
         &path,
-        "page-size = 8\nschedule-policy = \"lpm\"\nmax-total-tokens = 8192\nradix-eviction-policy = \"slru\"\nmax-running-requests = 7\n",
+        "page-size = 8\nschedule-policy = \"lpm\"\nmax-total-tokens = 8192\nradix-eviction-policy = \"slru\"\nmax-running-requests = 7\ncuda-graph-max-bs = 4\n",
     )
     .unwrap();
     let srv = start(&[
@@ -276,6 +276,10 @@ fn config_file_settings_show_in_server_info() {
     assert_eq!(info["backend"], "cpu", "{info}");
     assert_eq!(info["disable_radix_cache"], false, "{info}");
     assert_eq!(info["engine"]["total_tokens"], 8192, "{info}");
+    // Accepted and ignored on the cpu backend, which has no graphs.
+    assert_eq!(info["cuda_graph_max_bs"], 4, "{info}");
+    assert_eq!(info["disable_cuda_graph"], false, "{info}");
+    assert_eq!(info["cuda_graph_bs"], json!([]), "{info}");
 }
 
 /// SGLang's `extra_key`: a prompt cached under one key is not found under another, nor without

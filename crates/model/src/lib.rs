@@ -12,7 +12,10 @@
 //!   attention over the MLA store, dense and MoE MLPs): decoders on any [`attention::Backend`],
 //!   unified by [`Model`]; and [`ModelRunner`], which owns a backend, a model and the paged
 //!   KV store and runs one forward per batch
-//!   ([`ForwardInput`]: per request its new token ids and the slots of all its positions).
+//!   ([`ForwardInput`]: per request its new token ids and the slots of all its positions),
+//!   decode batches through the backend's captured graphs when it has them
+//!   ([`ModelRunner::enable_decode_graphs`] with an [`attention::DecodeGraphs`]: CUDA graphs),
+//!   bitwise the eager forward's logits on the emulated CUDA device.
 //! - [`Tokenizer`] (HF `tokenizer.json` or built-in tiktoken), [`IncrementalDecoder`]
 //!   (streaming text that never splits a UTF-8 character), [`ChatTemplate`] (Jinja templates
 //!   from `tokenizer_config.json`).

@@ -1,10 +1,11 @@
 //! The [`ModelRunner`]: a backend, a model and the paged KV store, running one forward pass
-//! per scheduler batch.
+//! per scheduler batch: eagerly, or, for decode batches on a backend that captured the
+//! decode forward ([`ModelRunner::enable_decode_graphs`]: CUDA graphs), by replaying it.
 
 use std::fmt;
 use std::ops::Range;
 
-use attention::{Backend, BatchMetadata, RequestKv};
+use attention::{AttentionError, Backend, BatchMetadata, DecodeForward, DecodeGraphs, RequestKv};
 use kv_pool::{KvLayout, KvStore, LayerWait, Slot};
 
 use crate::decoder::Model;
@@ -99,11 +100,14 @@ impl LogitsOutput {
     }
 }
 
-/// Owns a backend, a model ([`Model`]: Llama family or MLA) on it and the paged KV store it attends over.
+/// Owns a backend, a model ([`Model`]: Llama family or MLA) on it and the paged KV store it
+/// attends over; and, on a backend with graphs, the captured decode forward
+/// ([`DecodeGraphs`], SGLang's `CudaGraphRunner` in its `ModelRunner`).
 pub struct ModelRunner<B: Backend> {
     backend: B,
     model: Model<B>,
     store: B::KvStore,
+    graphs: Option<Box<dyn DecodeGraphs<B>>>,
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -130,7 +134,30 @@ impl<B: Backend> ModelRunner<B> {
             backend,
             model,
             store,
+            graphs: None,
         })
+    }
+
+    /// Captures the model's decode forward with `graphs` (every batch size it serves, now,
+    /// as SGLang does at start-up); from then on [`forward`](Self::forward) replays the decode
+    /// batches `graphs` can run and runs the rest eagerly. A forward that cannot be captured
+    /// (one that reads back to the host: the MLA decoder's host concatenation and MoE
+    /// routing) is the backend's typed error, and the runner stays eager.
+    pub fn enable_decode_graphs(&mut self, mut graphs: Box<dyn DecodeGraphs<B>>) -> Result<()> {
+        let pass = Pass {
+            model: &self.model,
+            store: &mut self.store,
+            layer_wait: None,
+        };
+        pass.lend(|forward| graphs.capture(forward))?;
+        self.graphs = Some(graphs);
+        Ok(())
+    }
+
+    /// The captured decode forward, if [`enable_decode_graphs`](Self::enable_decode_graphs)
+    /// succeeded.
+    pub fn decode_graphs(&self) -> Option<&dyn DecodeGraphs<B>> {
+        self.graphs.as_deref()
     }
 
     /// Refuses a layout whose kind or layer count is not the model's.
@@ -212,20 +239,21 @@ impl<B: Backend> ModelRunner<B> {
             }
             e => e.into(),
         })?;
-        let positions = meta.positions();
-        let plan = self.backend.plan(&meta)?;
-        let b = &self.backend;
-        let mut x = self.model.embed(b, &ids)?;
-        for layer in 0..self.model.num_layers() {
-            if let Some(gate) = input.layer_wait {
-                gate.wait_layer(layer)
-                    .map_err(|reason| ModelError::LayerWait { layer, reason })?;
-            }
-            self.model
-                .layer_forward(b, layer, &plan, &mut self.store, &mut x, &positions)?;
-        }
         let nreq = meta.num_requests();
+        if input.mode == AttentionMode::Decode && input.logits != LogitsMode::None {
+            if let Some(logits) = self.replay_decode(&kvs, &ids, input.layer_wait)? {
+                return Ok(LogitsOutput {
+                    vocab_size: vocab,
+                    logits,
+                    rows: (0..nreq).map(|r| r..r + 1).collect(),
+                });
+            }
+        }
         let (rows, sel): (Vec<Range<usize>>, Option<Vec<u32>>) = match input.logits {
+            // One new token per request (a decode batch): its rows are the requests.
+            LogitsMode::LastToken if meta.num_tokens() == nreq => {
+                ((0..nreq).map(|r| r..r + 1).collect(), None)
+            }
             LogitsMode::LastToken => (
                 (0..nreq).map(|r| r..r + 1).collect(),
                 Some(
@@ -236,13 +264,26 @@ impl<B: Backend> ModelRunner<B> {
             ),
             LogitsMode::AllTokens => ((0..nreq).map(|r| meta.qo_range(r)).collect(), None),
             LogitsMode::None => {
+                Pass {
+                    model: &self.model,
+                    store: &mut self.store,
+                    layer_wait: input.layer_wait,
+                }
+                .layers(&self.backend, &meta, &ids)?;
                 return Ok(LogitsOutput {
                     vocab_size: vocab,
                     logits: Vec::new(),
                     rows: vec![0..0; nreq],
-                })
+                });
             }
         };
+        let b = &self.backend;
+        let x = Pass {
+            model: &self.model,
+            store: &mut self.store,
+            layer_wait: input.layer_wait,
+        }
+        .layers(b, &meta, &ids)?;
         let logits = self.model.logits(b, &x, sel.as_deref())?;
         Ok(LogitsOutput {
             vocab_size: vocab,
@@ -250,4 +291,89 @@ impl<B: Backend> ModelRunner<B> {
             rows,
         })
     }
+
+    /// The decode batch `kvs` through the captured graphs: its logits rows, or `None` when
+    /// there are none or they leave this batch to the eager forward.
+    fn replay_decode(
+        &mut self,
+        kvs: &[RequestKv<'_>],
+        ids: &[u32],
+        layer_wait: Option<&dyn LayerWait>,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(graphs) = self.graphs.as_mut() else {
+            return Ok(None);
+        };
+        let pass = Pass {
+            model: &self.model,
+            store: &mut self.store,
+            layer_wait,
+        };
+        pass.lend(|forward| graphs.replay(kvs, ids, forward))
+    }
+}
+
+/// What one forward pass runs over: the model, the KV store it writes, and what it waits on
+/// before each layer.
+struct Pass<'a, B: Backend> {
+    model: &'a Model<B>,
+    store: &'a mut B::KvStore,
+    layer_wait: Option<&'a dyn LayerWait>,
+}
+
+impl<B: Backend> Pass<'_, B> {
+    /// Embedding and every layer of `meta`'s batch (waiting on `layer_wait` before each
+    /// layer): the final hidden state, one row per token.
+    fn layers(&mut self, b: &B, meta: &BatchMetadata, ids: &[u32]) -> Result<B::Tensor> {
+        let positions = meta.positions();
+        let plan = b.plan(meta)?;
+        let mut x = self.model.embed(b, ids)?;
+        for layer in 0..self.model.num_layers() {
+            if let Some(gate) = self.layer_wait {
+                gate.wait_layer(layer)
+                    .map_err(|reason| ModelError::LayerWait { layer, reason })?;
+            }
+            self.model
+                .layer_forward(b, layer, &plan, self.store, &mut x, &positions)?;
+        }
+        Ok(x)
+    }
+
+    /// The decode forward [`DecodeGraphs`] captures: [`layers`](Self::layers) and the logits
+    /// of every row (one per request), as the eager decode pass computes them.
+    fn decode(&mut self, b: &B, meta: &BatchMetadata, ids: &[u32]) -> Result<B::Tensor> {
+        let x = self.layers(b, meta, ids)?;
+        self.model.logits(b, &x, None)
+    }
+
+    /// Lends the decode forward to `call` (a [`DecodeGraphs`] method); a model error inside it
+    /// comes back as itself, not as the attention error it stood in as.
+    fn lend<T>(
+        mut self,
+        call: impl FnOnce(&mut DecodeForward<'_, B>) -> attention::Result<T>,
+    ) -> Result<T> {
+        let mut failed = None;
+        let result = call(&mut |b: &B, meta: &BatchMetadata, ids: &[u32]| {
+            self.decode(b, meta, ids).map_err(|e| keep(&mut failed, e))
+        });
+        restore(result, failed)
+    }
+}
+
+/// A model error inside a forward lent to [`DecodeGraphs`] (which speaks
+/// [`AttentionError`]): an attention error passes through; any other is kept in `failed` for
+/// [`restore`] and stands in as a device error.
+fn keep(failed: &mut Option<ModelError>, e: ModelError) -> AttentionError {
+    match e {
+        ModelError::Attention(e) => e,
+        e => {
+            let stand_in = AttentionError::Device(e.to_string());
+            *failed = Some(e);
+            stand_in
+        }
+    }
+}
+
+/// The result of a [`DecodeGraphs`] call, its error the model error [`keep`] kept if any.
+fn restore<T>(r: attention::Result<T>, failed: Option<ModelError>) -> Result<T> {
+    r.map_err(|e| failed.unwrap_or(e.into()))
 }

@@ -1,8 +1,9 @@
 //! Shared by the tests that run whole decoders on the emulated kernels (`tiny_model`,
-//! `graph`): the tiny Llama-shaped config whose attention has compiled kernels.
+//! `graph`, `decode_graphs`): the tiny Llama- and MLA-shaped configs whose attention has
+//! compiled kernels.
 
-use model::tiny::tiny_config;
-use model::ModelConfig;
+use model::tiny::{tiny_config, tiny_mla_config};
+use model::{MlaConfig, ModelConfig};
 
 /// The tiny preset with head dim 64 (a compiled attention shape), a 512-token vocabulary and
 /// an untied LM head.
@@ -14,5 +15,26 @@ pub fn llama_config() -> ModelConfig {
         bos_token_id: None,
         eos_token_ids: Vec::new(),
         ..tiny_config()
+    }
+}
+
+/// The tiny MLA preset with `qk_rope_head_dim` 16 (latent rows of 32 + 16, a compiled shape)
+/// and an untied LM head (tied random embeddings make greedy decoding repeat the last token).
+// Not every test binary uses both configs.
+#[allow(dead_code)]
+pub fn mla_config() -> ModelConfig {
+    let base = tiny_mla_config();
+    let mla = base.mla.clone().expect("the MLA preset");
+    ModelConfig {
+        head_dim: mla.qk_nope_head_dim + 16,
+        mla: Some(MlaConfig {
+            qk_rope_head_dim: 16,
+            ..mla
+        }),
+        vocab_size: 512,
+        tie_word_embeddings: false,
+        bos_token_id: None,
+        eos_token_ids: Vec::new(),
+        ..base
     }
 }

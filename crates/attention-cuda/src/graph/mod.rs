@@ -4,7 +4,10 @@
 //! issued as one graph instead of one by one.
 //!
 //! The forward is any closure over the backend (the model's decode pass: embedding, layers,
-//! logits). Capture-safety is enforced, not assumed: inside the capture the device refuses
+//! logits), lent to each capture and replay through [`attention::DecodeGraphs`], the seam the
+//! model runner calls: it replays decode batches that fit a captured size and a batch
+//! whose requests fit [`CudaGraphConfig::max_context_len`] ([`route`]), and leaves the rest
+//! (larger batches, longer requests; extend batches never reach it) to the eager forward. Capture-safety is enforced, not assumed: inside the capture the device refuses
 //! allocations, host copies and reads ([`Device::begin_capture`]); the backend serves its
 //! buffers from the batch size's [`pool::GraphPool`] (allocated by a warmup forward), its
 //! uploads (page table, write list, rotary table, ids) become static inputs refilled before
@@ -13,15 +16,17 @@
 //! slot 0, never allocated), and their token id is 0.
 //!
 //! Differences from eager, by design: the split-KV plan is made for
-//! [`CudaGraphConfig::max_context_len`] (the grid is fixed), GEMMs take the tiled kernel, and a
-//! batch's longest request may not exceed `max_context_len`.
+//! [`CudaGraphConfig::max_context_len`] (the grid is fixed) and GEMMs take the tiled kernel.
+//!
+//! On the `rocm` backend (HipDevice) nothing is captured: it launches on the null stream,
+//! where HIP graphs cannot capture, so its `begin_capture` refuses and the engine runs eager.
 
 pub mod pool;
 mod routing;
 
 use std::collections::BTreeMap;
 
-use attention::{AttentionError, Backend, BatchMetadata, RequestKv, Result};
+use attention::{AttentionError, Backend, BatchMetadata, DecodeGraphs, RequestKv, Result};
 use kv_pool::Slot;
 
 use crate::backend::CudaBackend;
@@ -72,10 +77,8 @@ pub fn capture_bs(cuda_graph_max_bs: Option<usize>, max_running_requests: usize)
     bs
 }
 
-/// The decode forward a runner captures: `(backend, batch, input_ids) → output`, whose first
-/// dimension is the batch's requests.
-pub type DecodeForward<'a, D> =
-    dyn FnMut(&CudaBackend<D>, &BatchMetadata, &[u32]) -> Result<CudaTensor<D>> + Send + 'a;
+/// The decode forward a runner captures (see [`attention::DecodeForward`]).
+pub type DecodeForward<'a, D> = attention::DecodeForward<'a, CudaBackend<D>>;
 
 /// A pass's pool and the forward's result (see `CudaGraphRunner::pass`).
 type PassResult<D> = (GraphPool<<D as Device>::Buffer>, Result<CudaTensor<D>>);
@@ -86,17 +89,114 @@ struct Captured<D: Device> {
     pool: GraphPool<D::Buffer>,
 }
 
+/// How a decode batch runs (SGLang's `CudaGraphRunner.can_run` and its bisect over the
+/// captured sizes), decided on the host from the batch's size and its longest request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GraphRoute {
+    /// Replay the graph captured for `padded` requests (the batch padded up to it).
+    Replay {
+        /// The captured size the batch is padded to.
+        padded: usize,
+    },
+    /// Eagerly: more requests than the largest captured size.
+    TooLarge {
+        /// The largest captured size.
+        largest: usize,
+    },
+    /// Eagerly: a request holds more positions than the graphs' page table and split plan
+    /// cover ([`CudaGraphConfig::max_context_len`]).
+    TooLong {
+        /// The longest request's positions.
+        longest: usize,
+        /// The graphs' context.
+        max_context_len: usize,
+    },
+    /// Eagerly: nothing is captured (yet).
+    NotCaptured,
+}
+
+impl std::fmt::Display for GraphRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GraphRoute::Replay { padded } => write!(f, "replay the graph of bs {padded}"),
+            GraphRoute::TooLarge { largest } => {
+                write!(f, "eager: larger than the largest captured bs {largest}")
+            }
+            GraphRoute::TooLong {
+                longest,
+                max_context_len,
+            } => write!(
+                f,
+                "eager: a request of {longest} positions exceeds the graphs' {max_context_len}"
+            ),
+            GraphRoute::NotCaptured => write!(f, "eager: no graph captured"),
+        }
+    }
+}
+
+/// The route of a decode batch of `bs` requests whose longest holds `longest` positions, over
+/// the `captured` sizes (ascending) of graphs made for `max_context_len` positions.
+pub fn route(captured: &[usize], max_context_len: usize, bs: usize, longest: usize) -> GraphRoute {
+    let Some(&largest) = captured.last() else {
+        return GraphRoute::NotCaptured;
+    };
+    if longest > max_context_len {
+        return GraphRoute::TooLong {
+            longest,
+            max_context_len,
+        };
+    }
+    match captured.iter().find(|&&b| b >= bs.max(1)) {
+        Some(&padded) => GraphRoute::Replay { padded },
+        None => GraphRoute::TooLarge { largest },
+    }
+}
+
+impl CudaGraphConfig {
+    /// Refuses values no graph can be captured with: a `cuda_graph_max_bs` of 0 or above
+    /// `max_running_requests` (no batch is that large), and zero requests, context or page
+    /// size.
+    pub fn check(&self) -> Result<()> {
+        let bad = |field: &'static str, reason: String| {
+            Err(AttentionError::InvalidConfig { field, reason })
+        };
+        if self.max_running_requests == 0 {
+            return bad("max_running_requests", "0: must be at least 1".into());
+        }
+        match self.cuda_graph_max_bs {
+            Some(0) => return bad("cuda_graph_max_bs", "0: must be at least 1".into()),
+            Some(n) if n > self.max_running_requests => {
+                return bad(
+                    "cuda_graph_max_bs",
+                    format!(
+                        "{n} exceeds max_running_requests ({}): no batch is that large",
+                        self.max_running_requests
+                    ),
+                )
+            }
+            _ => {}
+        }
+        if self.max_context_len == 0 {
+            return bad("max_context_len", "0: must be at least 1".into());
+        }
+        if self.page_size == 0 {
+            return bad("page_size", "0: must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 /// Captured decode graphs and their replay (see the [module docs](self)). The forward is
-/// borrowed for `'a`: whatever it reads (weights, the KV store) outlives the graphs, which
-/// hold those buffers' addresses.
-pub struct CudaGraphRunner<'a, D: Device> {
+/// lent to each call ([`attention::DecodeGraphs`]): the graphs hold the addresses of the
+/// buffers it reads (weights, the KV store), and each replay's feed pass checks that the
+/// forward still names exactly those.
+pub struct CudaGraphRunner<D: Device> {
     backend: CudaBackend<D>,
-    forward: Box<DecodeForward<'a, D>>,
     config: CudaGraphConfig,
     graphs: BTreeMap<usize, Captured<D>>,
 }
 
-impl<D: Device> std::fmt::Debug for CudaGraphRunner<'_, D> {
+impl<D: Device> std::fmt::Debug for CudaGraphRunner<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaGraphRunner")
             .field("config", &self.config)
@@ -105,32 +205,21 @@ impl<D: Device> std::fmt::Debug for CudaGraphRunner<'_, D> {
     }
 }
 
-impl<'a, D: Device> CudaGraphRunner<'a, D> {
-    /// Captures `forward` for every size of [`capture_bs`], largest first (SGLang's order),
-    /// each after a warmup forward of a padding batch (which writes only the padding slot).
-    /// A forward that is not capture-safe fails here with the device's or the pool's error.
-    pub fn new(
-        backend: &CudaBackend<D>,
-        config: CudaGraphConfig,
-        forward: Box<DecodeForward<'a, D>>,
-    ) -> Result<Self> {
-        let mut runner = CudaGraphRunner {
+impl<D: Device> CudaGraphRunner<D> {
+    /// A runner for `config` (checked: [`CudaGraphConfig::check`]) on `backend`, with nothing
+    /// captured yet ([`attention::DecodeGraphs::capture`] captures).
+    pub fn new(backend: &CudaBackend<D>, config: CudaGraphConfig) -> Result<Self> {
+        config.check()?;
+        Ok(CudaGraphRunner {
             backend: backend.clone(),
-            forward,
             config,
             graphs: BTreeMap::new(),
-        };
-        for bs in capture_bs(
-            runner.config.cuda_graph_max_bs,
-            runner.config.max_running_requests,
-        )
-        .into_iter()
-        .rev()
-        {
-            let captured = runner.capture(bs)?;
-            runner.graphs.insert(bs, captured);
-        }
-        Ok(runner)
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CudaGraphConfig {
+        &self.config
     }
 
     /// The captured batch sizes, ascending.
@@ -142,6 +231,17 @@ impl<'a, D: Device> CudaGraphRunner<'a, D> {
     /// when it is larger than every captured size (it then runs eagerly).
     pub fn padded_bs(&self, bs: usize) -> Option<usize> {
         self.graphs.range(bs.max(1)..).next().map(|(&b, _)| b)
+    }
+
+    /// How a batch of `requests` runs ([`route`] over the captured sizes).
+    pub fn route(&self, requests: &[RequestKv<'_>]) -> GraphRoute {
+        let longest = requests.iter().map(|r| r.slots.len()).max().unwrap_or(0);
+        route(
+            &self.captured_bs(),
+            self.config.max_context_len,
+            requests.len(),
+            longest,
+        )
     }
 
     /// `(launches, static buffers)` of the graph captured for `bs`.
@@ -163,15 +263,16 @@ impl<'a, D: Device> CudaGraphRunner<'a, D> {
     /// installed or taken back (lost with its graph); otherwise the pool and the forward's
     /// result.
     fn pass(
-        &mut self,
+        &self,
         mut pool: GraphPool<D::Buffer>,
         phase: Phase,
         meta: &BatchMetadata,
         ids: &[u32],
+        forward: &mut DecodeForward<'_, D>,
     ) -> Result<PassResult<D>> {
         pool.start(phase);
         self.backend.install_graph_pool(pool)?;
-        let out = (self.forward)(&self.backend, meta, ids);
+        let out = forward(&self.backend, meta, ids);
         let pool = self.backend.take_graph_pool().ok_or_else(|| {
             AttentionError::Device("CUDA graph: the pool was taken during the forward".into())
         })?;
@@ -179,7 +280,7 @@ impl<'a, D: Device> CudaGraphRunner<'a, D> {
         Ok((pool, out))
     }
 
-    fn capture(&mut self, bs: usize) -> Result<Captured<D>> {
+    fn capture_one(&self, bs: usize, forward: &mut DecodeForward<'_, D>) -> Result<Captured<D>> {
         let slots = [Slot::PADDING];
         let kvs = vec![
             RequestKv {
@@ -191,10 +292,10 @@ impl<'a, D: Device> CudaGraphRunner<'a, D> {
         let meta = BatchMetadata::new_decode(self.config.page_size, &kvs)?;
         let ids = vec![0u32; bs];
         let pool = GraphPool::new(self.pool_bytes(bs), self.config.max_context_len);
-        let (pool, warm) = self.pass(pool, Phase::Warmup, &meta, &ids)?;
+        let (pool, warm) = self.pass(pool, Phase::Warmup, &meta, &ids, forward)?;
         drop(warm?);
         self.backend.device().begin_capture()?;
-        let pass = self.pass(pool, Phase::Capture, &meta, &ids);
+        let pass = self.pass(pool, Phase::Capture, &meta, &ids, forward);
         let graph = self.backend.device().end_capture();
         let (pool, out) = pass?;
         drop(out?);
@@ -203,18 +304,42 @@ impl<'a, D: Device> CudaGraphRunner<'a, D> {
             pool,
         })
     }
+}
 
-    /// The decode forward of `requests` (one new token each, `input_ids[r]`) by replaying the
-    /// graph of the next captured size, the batch padded with padding requests; returns the
-    /// output's rows of the real requests, as f32. `Ok(None)`: no captured size fits (run the
-    /// forward eagerly).
-    pub fn replay(
+impl<D: Device> DecodeGraphs<CudaBackend<D>> for CudaGraphRunner<D> {
+    /// Captures `forward` for every size of [`capture_bs`], largest first (SGLang's order),
+    /// each after a warmup forward of a padding batch (which writes only the padding slot).
+    /// On an error nothing stays captured.
+    fn capture(&mut self, forward: &mut DecodeForward<'_, D>) -> Result<()> {
+        self.graphs.clear();
+        let sizes = capture_bs(
+            self.config.cuda_graph_max_bs,
+            self.config.max_running_requests,
+        );
+        for bs in sizes.into_iter().rev() {
+            match self.capture_one(bs, forward) {
+                Ok(captured) => {
+                    self.graphs.insert(bs, captured);
+                }
+                Err(e) => {
+                    self.graphs.clear();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Replays the graph of the batch's [`route`], the batch padded with padding requests
+    /// (one position at [`Slot::PADDING`], token 0); `Ok(None)` for a batch that runs eagerly.
+    fn replay(
         &mut self,
         requests: &[RequestKv<'_>],
         input_ids: &[u32],
+        forward: &mut DecodeForward<'_, D>,
     ) -> Result<Option<Vec<f32>>> {
         let bs = requests.len();
-        let Some(padded) = self.padded_bs(bs) else {
+        let GraphRoute::Replay { padded } = self.route(requests) else {
             return Ok(None);
         };
         if input_ids.len() != bs {
@@ -239,15 +364,17 @@ impl<'a, D: Device> CudaGraphRunner<'a, D> {
         let Some(captured) = self.graphs.remove(&padded) else {
             return Ok(None);
         };
-        let (pool, out) = self.pass(captured.pool, Phase::Feed, &meta, &ids)?;
+        let (pool, out) = self.pass(captured.pool, Phase::Feed, &meta, &ids, forward)?;
         let graph = captured.graph;
         let result = out.and_then(|out| {
-            // SAFETY: the graph's launches were checked by the feed pass to be the captured
-            // ones; their buffers are the pool's (owned by `pool`, alive until it is put back
-            // below) or buffers the forward borrows for 'a (weights, the KV store), which
-            // outlive `self`. Inside the forward's passes the backend refuses to create a KV
-            // store and the device refuses allocations while capturing, so no buffer a launch
-            // names was made and dropped by the forward itself.
+            // SAFETY: the feed pass just checked that the forward's launches, buffers by
+            // address, are the captured ones. Those buffers are the pool's (owned by `pool`,
+            // alive until it is put back below) or ones the forward reads (weights, the KV
+            // store), which `forward`, borrowed for this call, keeps alive until it returns.
+            // Inside the forward's passes the backend refuses to create a KV store and the
+            // device refuses allocations while capturing, so no buffer a launch names was made
+            // and dropped by the forward itself. So the replay runs exactly the launches an
+            // eager feed pass would have run, over live buffers.
             unsafe { self.backend.device().replay(&graph) }?;
             let rows = out.shape.first().copied().unwrap_or(0);
             let all = self.backend.download(&out)?;
@@ -256,6 +383,10 @@ impl<'a, D: Device> CudaGraphRunner<'a, D> {
         });
         self.graphs.insert(padded, Captured { graph, pool });
         result.map(Some)
+    }
+
+    fn captured_bs(&self) -> Vec<usize> {
+        CudaGraphRunner::captured_bs(self)
     }
 }
 
@@ -278,5 +409,83 @@ mod tests {
         // A small request table caps the list and is itself captured.
         assert_eq!(capture_bs(None, 6), vec![1, 2, 4, 5, 6]);
         assert_eq!(capture_bs(Some(3), 2), vec![1, 2]);
+    }
+
+    /// The route of every batch size around the captured ones, and of requests at and past
+    /// the graphs' context.
+    #[test]
+    fn batches_pad_to_the_next_captured_size_or_run_eagerly() {
+        let captured = capture_bs(Some(24), 256);
+        let mut table = format!("captured {captured:?}, context 4096\n");
+        for (bs, longest) in [
+            (1, 1),
+            (2, 4096),
+            (3, 100),
+            (5, 100),
+            (9, 100),
+            (16, 100),
+            (17, 100),
+            (24, 100),
+            (25, 100),
+            (3, 4097),
+            (0, 0),
+        ] {
+            let r = route(&captured, 4096, bs, longest);
+            table += &format!("bs {bs:>2}, longest {longest:>4}: {r}\n");
+        }
+        table += &format!("nothing captured: {}\n", route(&[], 4096, 1, 1));
+        insta::assert_snapshot!(table);
+    }
+
+    proptest::proptest! {
+        /// A replayed batch pads to the smallest captured size that holds it; only a batch
+        /// larger than every captured size, or a request past the context, runs eagerly.
+        #[test]
+        fn a_batch_pads_to_the_smallest_captured_size_that_holds_it(
+            max_bs in proptest::option::of(1usize..300),
+            max_running in 1usize..300,
+            bs in 0usize..320,
+            longest in 0usize..100,
+        ) {
+            let captured = capture_bs(max_bs.map(|m| m.min(max_running)), max_running);
+            let largest = *captured.last().unwrap();
+            match route(&captured, 64, bs, longest) {
+                GraphRoute::Replay { padded } => {
+                    proptest::prop_assert!(captured.contains(&padded) && padded >= bs);
+                    proptest::prop_assert!(longest <= 64);
+                    proptest::prop_assert!(!captured.iter().any(|&c| c >= bs.max(1) && c < padded));
+                }
+                GraphRoute::TooLarge { largest: l } => {
+                    proptest::prop_assert_eq!(l, largest);
+                    proptest::prop_assert!(bs > largest && longest <= 64);
+                }
+                GraphRoute::TooLong { .. } => proptest::prop_assert!(longest > 64),
+                GraphRoute::NotCaptured => proptest::prop_assert!(false, "{:?}", captured),
+            }
+        }
+    }
+
+    #[test]
+    fn bad_configs_are_typed_errors() {
+        let good = CudaGraphConfig {
+            cuda_graph_max_bs: Some(8),
+            max_running_requests: 8,
+            max_context_len: 64,
+            page_size: 16,
+        };
+        assert_eq!(good.check(), Ok(()));
+        let with = |f: fn(&mut CudaGraphConfig)| {
+            let mut c = good.clone();
+            f(&mut c);
+            c.check().unwrap_err().to_string()
+        };
+        let errors = [
+            with(|c| c.cuda_graph_max_bs = Some(0)),
+            with(|c| c.cuda_graph_max_bs = Some(9)),
+            with(|c| c.max_running_requests = 0),
+            with(|c| c.max_context_len = 0),
+            with(|c| c.page_size = 0),
+        ];
+        insta::assert_snapshot!(errors.join("\n"));
     }
 }

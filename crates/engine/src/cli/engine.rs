@@ -7,7 +7,8 @@ use clap::Args;
 
 use crate::error::{EngineError, Result};
 use crate::setup::{
-    default_setup, parse_policy, BackendKind, EngineSetup, HiCacheSetup, ModelSource,
+    default_setup, parse_policy, BackendKind, CudaGraphSetup, EngineSetup, HiCacheSetup,
+    ModelSource,
 };
 
 /// Engine flags shared by `bench` and `serve`, named after SGLang's server arguments.
@@ -81,6 +82,15 @@ pub struct EngineArgs {
     /// output is bitwise the same in any batch.
     #[arg(long, help_heading = "Engine")]
     pub enable_deterministic_inference: bool,
+    /// Run decode batches eagerly instead of replaying CUDA graphs (cuda backend; ignored by
+    /// the others, which have no graphs).
+    #[arg(long, help_heading = "Engine")]
+    pub disable_cuda_graph: bool,
+    /// The largest decode batch captured as a CUDA graph (default: SGLang's sizes 1, 2, 4, 8,
+    /// 16 … 160 by 8, capped by --max-running-requests); larger batches run eagerly. Cuda
+    /// backend; ignored by the others.
+    #[arg(long, value_name = "N", help_heading = "Engine")]
+    pub cuda_graph_max_bs: Option<usize>,
     #[command(flatten)]
     pub hicache: HiCacheArgs,
 }
@@ -217,6 +227,11 @@ impl EngineArgs {
         setup.eviction_policy = self.radix_eviction_policy.clone();
         setup.scheduler.page_size = self.page_size;
         setup.scheduler.max_running_requests = self.max_running_requests;
+        setup.cuda_graph = CudaGraphSetup::new(
+            self.disable_cuda_graph,
+            self.cuda_graph_max_bs,
+            self.max_running_requests,
+        )?;
         setup.scheduler.chunked_prefill_size =
             (self.chunked_prefill_size > 0).then_some(self.chunked_prefill_size as usize);
         setup.scheduler.max_prefill_tokens = self.max_prefill_tokens;

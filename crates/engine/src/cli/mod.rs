@@ -78,6 +78,15 @@ pub struct InfoArgs {
     /// Report the GEMM path the cuda/rocm backends take with this `serve`/`bench` flag.
     #[arg(long)]
     pub enable_deterministic_inference: bool,
+    /// Report the CUDA graphs a `serve`/`bench` with this flag captures (none).
+    #[arg(long)]
+    pub disable_cuda_graph: bool,
+    /// Report the CUDA graphs a `serve`/`bench` with this flag captures.
+    #[arg(long, value_name = "N")]
+    pub cuda_graph_max_bs: Option<usize>,
+    /// The `serve`/`bench` `--max-running-requests` the reported CUDA graphs are for.
+    #[arg(long, default_value_t = 256)]
+    pub max_running_requests: usize,
 }
 
 mod engine;

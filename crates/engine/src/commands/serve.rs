@@ -12,6 +12,7 @@ use crate::kv_events::{KvEventsConfig, KvEventsError, PublisherKind, ZmqEventPub
 use crate::runtime::{async_runtime, bind};
 use crate::server::chat::ChatPrompt;
 use crate::server::AppState;
+use crate::setup::components::ModelForward;
 use crate::setup::{BackendKind, ModelSource};
 
 /// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
@@ -98,6 +99,9 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         "schedule_conservativeness": cfg.schedule_conservativeness,
         "enable_mixed_chunk": cfg.enable_mixed_chunk,
         "enable_deterministic_inference": setup.enable_deterministic_inference,
+        "disable_cuda_graph": setup.cuda_graph.disable_cuda_graph,
+        "cuda_graph_max_bs": setup.cuda_graph.cuda_graph_max_bs,
+        "cuda_graph_bs": exec.runner().cuda_graph_bs(),
         "disable_radix_cache": !radix,
         "radix_eviction_policy": setup.eviction_policy,
         "max_queued_requests": cfg.max_queued_requests,

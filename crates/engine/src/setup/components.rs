@@ -21,6 +21,7 @@ use scheduler::{Scheduler, SchedulerConfig};
 use serde::Serialize;
 
 use super::backend::BackendKind;
+use super::cuda_graph::CudaGraphSetup;
 use super::engine_setup::EngineSetup;
 use super::source::ModelSource;
 use crate::error::{EngineError, Result};
@@ -41,6 +42,10 @@ pub trait ModelForward: Send {
     /// Bytes of one page of the KV store in the canonical packed format (all layers).
     fn kv_page_bytes(&self) -> usize {
         0
+    }
+    /// The decode batch sizes captured as graphs, ascending (empty: every pass is eager).
+    fn cuda_graph_bs(&self) -> Vec<usize> {
+        Vec::new()
     }
 }
 
@@ -67,6 +72,12 @@ where
 
     fn kv_page_bytes(&self) -> usize {
         self.kv_store().layout().page_bytes()
+    }
+
+    fn cuda_graph_bs(&self) -> Vec<usize> {
+        self.decode_graphs()
+            .map(|g| g.captured_bs())
+            .unwrap_or_default()
     }
 }
 
@@ -296,6 +307,37 @@ fn cuda_probe(
     format!("{report}; GEMMs: {gemm}")
 }
 
+/// Captures the decode forward of `runner` as CUDA graphs (`--cuda-graph-max-bs`, up to
+/// `--max-running-requests`, for requests up to `--context-length`), unless
+/// `--disable-cuda-graph`. A forward that cannot be captured (the MLA decoder's reads back to
+/// the host) leaves decode eager, said on stderr.
+#[cfg(any(feature = "cuda", feature = "cuda-13"))]
+fn enable_cuda_graphs<D: attention_cuda::Device + 'static>(
+    runner: &mut ModelRunner<attention_cuda::CudaBackend<D>>,
+    setup: &EngineSetup,
+) -> Result<()> {
+    if let Err(off) = setup.cuda_graph.graphs_on(setup.backend) {
+        eprintln!("kvserve: CUDA graphs {off}");
+        return Ok(());
+    }
+    let config = attention_cuda::CudaGraphConfig {
+        cuda_graph_max_bs: setup.cuda_graph.cuda_graph_max_bs,
+        max_running_requests: setup.scheduler.max_running_requests,
+        max_context_len: setup.scheduler.context_len,
+        page_size: setup.scheduler.page_size,
+    };
+    let graphs = attention_cuda::CudaGraphRunner::new(runner.backend(), config)
+        .map_err(|e| EngineError::arg("--cuda-graph-max-bs", e.to_string()))?;
+    match runner.enable_decode_graphs(Box::new(graphs)) {
+        Ok(()) => eprintln!(
+            "kvserve: CUDA graphs captured for decode bs {:?}",
+            runner.cuda_graph_bs()
+        ),
+        Err(e) => eprintln!("kvserve: CUDA graphs off: the decode forward cannot be captured ({e}); decode runs eagerly"),
+    }
+    Ok(())
+}
+
 /// The model on the CUDA backend (device 0).
 #[cfg(any(feature = "cuda", feature = "cuda-13"))]
 pub type CudaRunner = ModelRunner<attention_cuda::CudaBackend<attention_cuda::CudarcDevice>>;
@@ -306,7 +348,9 @@ impl BuildRunner for CudaRunner {
         let device = attention_cuda::CudarcDevice::new(0)
             .map_err(|e| EngineError::arg("--backend", format!("cuda: {e}")))?;
         let backend = attention_cuda::CudaBackend::new(device, cuda_config(setup));
-        runner_on(backend, setup, capacity)
+        let mut runner = runner_on(backend, setup, capacity)?;
+        enable_cuda_graphs(&mut runner, setup)?;
+        Ok(runner)
     }
 
     fn probe(deterministic: bool) -> Option<String> {
@@ -373,6 +417,9 @@ pub struct Inventory {
     pub hicache_storage_backends: Vec<String>,
     /// The device each compiled device backend opens (filled by [`Inventory::probe`]).
     pub devices: Vec<(BackendKind, String)>,
+    /// The cuda backend's decode graphs (the sizes it captures, or why none), with the flags
+    /// [`Inventory::with_cuda_graphs`] was given.
+    pub cuda_graphs: String,
 }
 
 /// One backend in an [`Inventory`].
@@ -437,7 +484,15 @@ impl Inventory {
                 },
             ],
             devices: Vec::new(),
+            cuda_graphs: CudaGraphSetup::default().describe(256),
         }
+    }
+
+    /// Reports the cuda backend's decode graphs under `setup` and `--max-running-requests`
+    /// `max_running_requests`.
+    pub fn with_cuda_graphs(mut self, setup: &CudaGraphSetup, max_running_requests: usize) -> Self {
+        self.cuda_graphs = setup.describe(max_running_requests);
+        self
     }
 
     /// Opens each compiled device backend's device and records what it found.
@@ -512,6 +567,7 @@ impl fmt::Display for Inventory {
             "hicache storage:    {}",
             self.hicache_storage_backends.join(", ")
         )?;
+        write!(f, "\ncuda graphs:        {}", self.cuda_graphs)?;
         for (kind, device) in &self.devices {
             write!(f, "\n{:<20}{device}", format!("{kind} device:"))?;
         }

@@ -9,6 +9,7 @@ use radix_cache::tiers::{HiCacheConfig, PrefetchPolicy, WritePolicy};
 use scheduler::{SchedulePolicy, SchedulerConfig};
 
 use super::backend::BackendKind;
+use super::cuda_graph::CudaGraphSetup;
 use super::source::ModelSource;
 use crate::error::{EngineError, Result};
 
@@ -39,6 +40,8 @@ pub struct EngineSetup {
     pub kv_events: bool,
     /// `--enable-deterministic-inference`: batch-invariant GEMMs on the cuda/rocm backends.
     pub enable_deterministic_inference: bool,
+    /// `--disable-cuda-graph` and `--cuda-graph-max-bs` (the cuda backend's decode graphs).
+    pub cuda_graph: CudaGraphSetup,
 }
 
 /// Parses `--schedule-policy` for the bench (one policy).
@@ -71,6 +74,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         hicache: None,
         kv_events: false,
         enable_deterministic_inference: false,
+        cuda_graph: CudaGraphSetup::default(),
     }
 }
 

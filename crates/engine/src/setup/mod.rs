@@ -6,6 +6,8 @@
 //! - `engine_setup`: [`EngineSetup`], the decisions of `bench` and `serve`;
 //! - `source`: [`ModelSource`], the tiny preset or a Hugging Face directory;
 //! - `backend`: [`BackendKind`] (`--backend`) and whether this build has it;
+//! - `cuda_graph`: [`CudaGraphSetup`] (`--disable-cuda-graph`, `--cuda-graph-max-bs`) and
+//!   which backends capture decode graphs;
 //! - `pool`: pool sizing, always through [`kv_pool::MemoryPlan`] (host memory for the CPU
 //!   backend; the simulated device for `kvserve sim`);
 //! - `components`: the component kinds as enums over the compiled implementations
@@ -14,6 +16,7 @@
 
 pub mod backend;
 pub mod components;
+pub mod cuda_graph;
 pub mod engine_setup;
 pub mod hicache;
 pub mod model_exec;
@@ -24,6 +27,7 @@ use scheduler::Scheduler;
 
 pub use backend::BackendKind;
 pub use components::{build_scheduler, AnyRunner, Inventory};
+pub use cuda_graph::{CudaGraphSetup, GraphsOff};
 pub use engine_setup::{default_setup, parse_policy, EngineSetup, HiCacheSetup};
 pub use model_exec::ModelExecutor;
 pub use source::ModelSource;

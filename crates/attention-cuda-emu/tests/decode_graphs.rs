@@ -1,0 +1,216 @@
+//! The model runner's decode batches through CUDA graphs on the emulated device
+//! (`ModelRunner::enable_decode_graphs` with attention-cuda's `CudaGraphRunner`): greedy
+//! generation over a schedule of decode batches of varying sizes (captured sizes, sizes that
+//! pad, a size beyond the largest captured one, a request past the graphs' context) gives
+//! bitwise the logits and tokens of the same runner without graphs (what
+//! `--disable-cuda-graph` builds), and each batch takes the route the host logic decides.
+//! The MLA decoder, whose forward reads back to the host, cannot be captured: a typed error,
+//! and the runner stays eager.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use attention::{AttentionError, DecodeForward, DecodeGraphs, RequestKv};
+use attention_cuda::{CudaBackend, CudaConfig, CudaGraphConfig, CudaGraphRunner, GraphRoute};
+use attention_cuda_emu::{emu_or_skip, EmuDevice};
+use kv_pool::{KvDtype, KvLayout, Slot};
+use model::tiny::random_weights;
+use model::{
+    argmax, AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Model, ModelConfig,
+    ModelError, ModelRunner,
+};
+
+type Emu = CudaBackend<EmuDevice>;
+
+const PAGE: u32 = 16;
+const PAGES_PER_REQUEST: u32 = 4;
+/// The graphs' context: request 0 passes it in the schedule's last batch.
+const MAX_CONTEXT: usize = 48;
+
+fn prompts() -> Vec<Vec<u32>> {
+    [40, 9, 30, 17, 5, 12]
+        .iter()
+        .enumerate()
+        .map(|(r, &n)| {
+            (0..n)
+                .map(|i| ((i * 31 + r * 7 + 3) % 512) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Decode batches: requests `0..bs` each decode one token.
+const SCHEDULE: [usize; 9] = [1, 3, 5, 2, 4, 6, 3, 1, 1];
+
+/// The graph runner, logging each decode batch's route and whether it replayed.
+struct Logged {
+    inner: CudaGraphRunner<EmuDevice>,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl DecodeGraphs<Emu> for Logged {
+    fn capture(&mut self, forward: &mut DecodeForward<'_, Emu>) -> attention::Result<()> {
+        self.inner.capture(forward)
+    }
+
+    fn replay(
+        &mut self,
+        requests: &[RequestKv<'_>],
+        input_ids: &[u32],
+        forward: &mut DecodeForward<'_, Emu>,
+    ) -> attention::Result<Option<Vec<f32>>> {
+        let route = self.inner.route(requests);
+        let out = self.inner.replay(requests, input_ids, forward)?;
+        let ran = if out.is_some() { "replayed" } else { "eager" };
+        assert_eq!(out.is_some(), matches!(route, GraphRoute::Replay { .. }));
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("bs {}: {route} → {ran}", requests.len()));
+        Ok(out)
+    }
+
+    fn captured_bs(&self) -> Vec<usize> {
+        self.inner.captured_bs()
+    }
+}
+
+fn graph_config() -> CudaGraphConfig {
+    CudaGraphConfig {
+        cuda_graph_max_bs: Some(4),
+        max_running_requests: 8,
+        max_context_len: MAX_CONTEXT,
+        page_size: PAGE,
+    }
+}
+
+/// A runner of `config`'s random model on `device` with a bf16 store for every prompt.
+fn runner(device: EmuDevice, config: &ModelConfig) -> ModelRunner<Emu> {
+    let b = CudaBackend::new(device, CudaConfig::default());
+    let model = Model::load(&b, config.clone(), &random_weights(config, 0x9a4b)).unwrap();
+    let shape = config.kv_shape(KvDtype::Bf16).unwrap();
+    let slots = (1 + prompts().len() as u32 * PAGES_PER_REQUEST) * PAGE;
+    let layout = KvLayout::new(shape, PAGE, slots as usize).unwrap();
+    ModelRunner::new(b, model, layout).unwrap()
+}
+
+/// Request `r`'s slots for `len` positions (its own pages, after the padding page).
+fn slots(r: usize, len: usize) -> Vec<Slot> {
+    let first = 1 + r as u32 * PAGES_PER_REQUEST;
+    (0..len as u32)
+        .map(|p| Slot((first + p / PAGE) * PAGE + p % PAGE))
+        .collect()
+}
+
+/// One pass of `mode` over `seqs[..n]`, each request's last `new[r]` tokens new.
+fn pass(
+    runner: &mut ModelRunner<Emu>,
+    mode: AttentionMode,
+    seqs: &[Vec<u32>],
+    new: impl Fn(usize) -> usize,
+) -> model::LogitsOutput {
+    let lists: Vec<Vec<Slot>> = seqs
+        .iter()
+        .enumerate()
+        .map(|(r, s)| slots(r, s.len()))
+        .collect();
+    let requests = seqs
+        .iter()
+        .zip(&lists)
+        .enumerate()
+        .map(|(r, (s, slots))| ForwardRequest {
+            input_ids: &s[s.len() - new(r)..],
+            slots,
+        })
+        .collect();
+    runner
+        .forward(&ForwardInput {
+            mode,
+            requests,
+            logits: LogitsMode::LastToken,
+            layer_wait: None,
+        })
+        .unwrap()
+}
+
+/// Greedy generation: a prefill of every prompt, then [`SCHEDULE`]'s decode batches. Returns
+/// the sequences and every decode batch's logits.
+fn generate(runner: &mut ModelRunner<Emu>) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let mut seqs = prompts();
+    let lens: Vec<usize> = seqs.iter().map(Vec::len).collect();
+    let out = pass(runner, AttentionMode::Extend, &seqs, |r| lens[r]);
+    let mut next: Vec<u32> = (0..seqs.len())
+        .map(|r| argmax(out.last(r).unwrap()))
+        .collect();
+    let mut logits = Vec::new();
+    for bs in SCHEDULE {
+        for r in 0..bs {
+            seqs[r].push(next[r]);
+        }
+        let out = pass(runner, AttentionMode::Decode, &seqs[..bs], |_| 1);
+        for (r, t) in next.iter_mut().enumerate().take(bs) {
+            *t = argmax(out.last(r).unwrap());
+        }
+        logits.push(out.logits);
+    }
+    (seqs, logits)
+}
+
+#[test]
+fn decode_batches_through_graphs_are_bitwise_the_eager_ones() {
+    let test = "decode_batches_through_graphs_are_bitwise_the_eager_ones";
+    let (Some(d1), Some(d2)) = (emu_or_skip(test), emu_or_skip(test)) else {
+        return;
+    };
+    let config = common::llama_config();
+    let mut eager = runner(d1, &config);
+    let mut graphed = runner(d2, &config);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let inner = CudaGraphRunner::new(graphed.backend(), graph_config()).unwrap();
+    graphed
+        .enable_decode_graphs(Box::new(Logged {
+            inner,
+            log: Arc::clone(&log),
+        }))
+        .unwrap();
+    assert!(eager.decode_graphs().is_none());
+    let captured = graphed.decode_graphs().map(|g| g.captured_bs());
+    assert_eq!(captured, Some(vec![1, 2, 4]));
+
+    let (want_seqs, want_logits) = generate(&mut eager);
+    let (got_seqs, got_logits) = generate(&mut graphed);
+    assert_eq!(got_seqs, want_seqs, "greedy tokens");
+    for (step, (got, want)) in got_logits.iter().zip(&want_logits).enumerate() {
+        let same = got.len() == want.len()
+            && got
+                .iter()
+                .zip(want)
+                .all(|(g, w)| g.to_bits() == w.to_bits());
+        assert!(
+            same,
+            "decode batch {step} (bs {}): logits differ",
+            SCHEDULE[step]
+        );
+    }
+    let log = log.lock().unwrap().join("\n");
+    insta::assert_snapshot!(log);
+}
+
+#[test]
+fn the_mla_decoder_cannot_be_captured_and_stays_eager() {
+    let Some(device) = emu_or_skip("the_mla_decoder_cannot_be_captured_and_stays_eager") else {
+        return;
+    };
+    let config = common::mla_config();
+    let mut runner = runner(device, &config);
+    let graphs = CudaGraphRunner::new(runner.backend(), graph_config()).unwrap();
+    let e = runner.enable_decode_graphs(Box::new(graphs)).unwrap_err();
+    assert!(
+        matches!(&e, ModelError::Attention(AttentionError::Device(m)) if m.contains("cannot be read back")),
+        "{e:?}"
+    );
+    assert!(runner.decode_graphs().is_none());
+    let (seqs, _) = generate(&mut runner);
+    assert_eq!(seqs[0].len(), 40 + SCHEDULE.len());
+}
