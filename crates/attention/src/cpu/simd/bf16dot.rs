@@ -198,18 +198,33 @@ unsafe fn matmul<L: Lanes, const STREAM: bool>(
     assert!(k > 0 && x.len() % padded(k) == 0 && w.len() >= cols.end * k);
     let (m, nb) = (x.len() / padded(k), (65536 * 2 / k).max(12));
     let o = Operands { x, w, k };
-    // SAFETY (both calls): rows 0 .. m of x and the columns of w exist (asserted above); the
-    // CPU per contract.
     if STREAM && m <= L::STREAM_ROWS {
+        // SAFETY: rows 0 .. m of x and the columns of w exist (asserted above); the CPU per
+        // contract.
         unsafe { L::stream(o, m, cols, out) };
         return;
     }
     for j0 in cols.clone().step_by(nb) {
         let js = j0..(j0 + nb).min(cols.end);
         for i0 in (0..m).step_by(L::MR) {
+            // SAFETY: as above, rows i0 .. i0 + MR at most.
             unsafe { L::general(o, (m - i0).min(L::MR), i0, js.clone(), out) };
         }
     }
+}
+
+/// `match $rows { h => tile::<Self, h, p>(args) }` over a table of tile shapes `h => p`, the
+/// last one for every other row count; in a [`Lanes`] impl.
+macro_rules! tiles {
+    ($rows:expr, $args:tt; $($h:literal => $p:literal),*; $hl:literal => $pl:literal) => {
+        match $rows {
+            $($h => tiles!(@call $h, $p, $args),)*
+            _ => tiles!(@call $hl, $pl, $args),
+        }
+    };
+    (@call $h:literal, $p:literal, ($o:expr, $i0:expr, $js:expr, $out:expr, $s:expr)) => {
+        tile::<Self, $h, $p>($o, $i0, $js, $out, $s)
+    };
 }
 
 /// `vdpbf16ps` on 512-bit registers: the 16 lanes in one register, the tail by a masked load.
@@ -265,16 +280,8 @@ impl Lanes for Avx512Bf16 {
         // SAFETY: forwarded contract. Four weight rows a tile (256 bytes a step), three past
         // six rows (the accumulators must fit the 32 registers).
         unsafe {
-            match m {
-                1 => tile::<Self, 1, 4>(o, 0, js, out, true),
-                2 => tile::<Self, 2, 4>(o, 0, js, out, true),
-                3 => tile::<Self, 3, 4>(o, 0, js, out, true),
-                4 => tile::<Self, 4, 4>(o, 0, js, out, true),
-                5 => tile::<Self, 5, 4>(o, 0, js, out, true),
-                6 => tile::<Self, 6, 4>(o, 0, js, out, true),
-                7 => tile::<Self, 7, 3>(o, 0, js, out, true),
-                _ => tile::<Self, 8, 3>(o, 0, js, out, true),
-            }
+            tiles!(m, (o, 0, js, out, true);
+                1 => 4, 2 => 4, 3 => 4, 4 => 4, 5 => 4, 6 => 4, 7 => 3; 8 => 3)
         }
     }
     #[inline(always)]
@@ -288,16 +295,8 @@ impl Lanes for Avx512Bf16 {
         // SAFETY: forwarded contract. The fewer the rows, the more weight rows per tile (as
         // many accumulators as fit in the 32 registers beside the loads).
         unsafe {
-            match rows {
-                1 => tile::<Self, 1, 12>(o, i0, js, out, false),
-                2 => tile::<Self, 2, 8>(o, i0, js, out, false),
-                3 => tile::<Self, 3, 6>(o, i0, js, out, false),
-                4 => tile::<Self, 4, 5>(o, i0, js, out, false),
-                5 => tile::<Self, 5, 4>(o, i0, js, out, false),
-                6 => tile::<Self, 6, 4>(o, i0, js, out, false),
-                7 => tile::<Self, 7, 3>(o, i0, js, out, false),
-                _ => tile::<Self, 8, 3>(o, i0, js, out, false),
-            }
+            tiles!(rows, (o, i0, js, out, false);
+                1 => 12, 2 => 8, 3 => 6, 4 => 5, 5 => 4, 6 => 4, 7 => 3; 8 => 3)
         }
     }
 }
@@ -376,12 +375,7 @@ impl Lanes for Avx2 {
     #[inline(always)]
     unsafe fn stream(o: Operands<'_>, m: usize, js: Cols, out: &mut ColumnBlock<'_>) {
         // SAFETY: forwarded contract.
-        unsafe {
-            match m {
-                1 => tile::<Self, 1, 4>(o, 0, js, out, true),
-                _ => tile::<Self, 2, 2>(o, 0, js, out, true),
-            }
-        }
+        unsafe { tiles!(m, (o, 0, js, out, true); 1 => 4; 2 => 2) }
     }
     #[inline(always)]
     unsafe fn general(
@@ -392,12 +386,7 @@ impl Lanes for Avx2 {
         out: &mut ColumnBlock<'_>,
     ) {
         // SAFETY: forwarded contract (16 registers: 2 × H × P accumulators and the loads).
-        unsafe {
-            match rows {
-                1 => tile::<Self, 1, 3>(o, i0, js, out, false),
-                _ => tile::<Self, 2, 2>(o, i0, js, out, false),
-            }
-        }
+        unsafe { tiles!(rows, (o, i0, js, out, false); 1 => 3; 2 => 2) }
     }
 }
 
