@@ -78,8 +78,11 @@ pub trait Backend {
     /// (a checkpoint's bf16 or f16 matrices: `data` holds their exact f32 values, so nothing is
     /// rounded). Such a tensor is only taken as [`matmul`](Backend::matmul)'s `w`,
     /// [`logits`](Backend::logits)' `lm_head`, [`embedding`](Backend::embedding)'s table and by
-    /// [`download`](Backend::download), and gives the results its f32 values give. The default
-    /// keeps f32 ([`upload`](Backend::upload)).
+    /// [`download`](Backend::download), and gives the results its f32 values give, but for one
+    /// liberty: a backend may compute a bf16 weight's matmul on activations rounded to bf16
+    /// (the CPU backend does, as llama.cpp and SGLang's CPU kernels: `vdpbf16ps` arithmetic),
+    /// off by at most 2⁻⁹ relative per input element. The default keeps f32
+    /// ([`upload`](Backend::upload)).
     fn upload_weight(
         &self,
         data: &[f32],

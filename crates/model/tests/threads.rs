@@ -1,14 +1,15 @@
 //! Thread invariance of a whole forward pass on the CPU backend: prefill, decode and mixed
-//! (extend + decode) batches give bitwise the same logits on 1, 2 and 3 worker threads. The
-//! model is wide enough (LM head 4,096 × 96, MLP 256) that its matmuls are split over the
-//! workers even at one decode row.
+//! (extend + decode) batches give bitwise the same logits on 1, 2 and 3 worker threads, with
+//! f32 weights and with bf16 weights (whose matmuls round the activations to bf16). The model
+//! is wide enough (LM head 4,096 × 96, MLP 256) that its matmuls are split over the workers
+//! even at one decode row.
 
 use attention::{CpuBackend, CpuConfig};
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::tiny::{random_weights, tiny_config};
 use model::{
-    AttentionMode, ForwardInput, ForwardRequest, LlamaModel, LogitsMode, LogitsOutput, ModelConfig,
-    ModelRunner,
+    AttentionMode, ForwardInput, ForwardRequest, HostTensor, LlamaModel, LogitsMode, LogitsOutput,
+    ModelConfig, ModelRunner, TensorMap, TensorSource,
 };
 
 fn config() -> ModelConfig {
@@ -21,7 +22,34 @@ fn config() -> ModelConfig {
     }
 }
 
-fn runner(threads: usize) -> ModelRunner<CpuBackend> {
+/// The random weights with every matrix stored as bf16 (as a bf16 checkpoint reads).
+struct Bf16Matrices(TensorMap);
+
+impl TensorSource for Bf16Matrices {
+    fn names(&self) -> Vec<String> {
+        self.0.names()
+    }
+    fn info(&self, name: &str) -> Option<(Vec<usize>, String)> {
+        let (shape, dtype) = self.0.info(name)?;
+        let dtype = if shape.len() == 2 {
+            "BF16".into()
+        } else {
+            dtype
+        };
+        Some((shape, dtype))
+    }
+    fn load(&self, name: &str) -> model::Result<HostTensor> {
+        let mut t = self.0.load(name)?;
+        if t.shape.len() == 2 {
+            t.data
+                .iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
+        Ok(t)
+    }
+}
+
+fn runner(threads: usize, bf16: bool) -> ModelRunner<CpuBackend> {
     let cfg = config();
     let backend = CpuBackend::new(CpuConfig {
         threads,
@@ -29,7 +57,11 @@ fn runner(threads: usize) -> ModelRunner<CpuBackend> {
     })
     .unwrap();
     let weights = random_weights(&cfg, 21);
-    let model = LlamaModel::load(&backend, cfg.clone(), &weights).unwrap();
+    let model = if bf16 {
+        LlamaModel::load(&backend, cfg.clone(), &Bf16Matrices(weights)).unwrap()
+    } else {
+        LlamaModel::load(&backend, cfg.clone(), &weights).unwrap()
+    };
     let layout = KvLayout::new(cfg.kv_shape(KvDtype::F16).unwrap(), 16, 1024).unwrap();
     ModelRunner::new(backend, model, layout).unwrap()
 }
@@ -67,8 +99,8 @@ fn last<'a>(seq: &'a [u32], slots: &'a [Slot]) -> (&'a [u32], &'a [Slot]) {
 
 /// Prefills A and B together, decodes both three steps, then runs a mixed batch (C's prompt
 /// beside one more token of A and B); returns every logit of every pass, as bits.
-fn session(threads: usize) -> Vec<u32> {
-    let mut r = runner(threads);
+fn session(threads: usize, bf16: bool) -> Vec<u32> {
+    let mut r = runner(threads, bf16);
     let slots =
         |i: u32, len: usize| -> Vec<Slot> { (0..len as u32).map(|p| Slot(i * 256 + p)).collect() };
     let (sa, sb, sc) = (slots(0, 80), slots(1, 80), slots(2, 50));
@@ -102,15 +134,17 @@ fn session(threads: usize) -> Vec<u32> {
 
 #[test]
 fn forward_passes_do_not_depend_on_threads() {
-    let one = session(1);
-    assert_eq!(one.len(), (70 + 33 + 2 * 3 + 52) * 4096);
-    for threads in [2, 3] {
-        let many = session(threads);
-        let first = one.iter().zip(&many).position(|(a, b)| a != b);
-        assert!(
-            first.is_none(),
-            "{threads} threads: logit {} differs from one thread",
-            first.unwrap()
-        );
+    for bf16 in [false, true] {
+        let one = session(1, bf16);
+        assert_eq!(one.len(), (70 + 33 + 2 * 3 + 52) * 4096);
+        for threads in [2, 3] {
+            let many = session(threads, bf16);
+            let first = one.iter().zip(&many).position(|(a, b)| a != b);
+            assert!(
+                first.is_none(),
+                "bf16 {bf16}, {threads} threads: logit {} differs from one thread",
+                first.unwrap()
+            );
+        }
     }
 }

@@ -1,6 +1,8 @@
 //! Dense ops of the CPU backend, on contiguous f32 slices. Every op computes each output row
 //! from its own input row in a fixed order, so results do not depend on the batch.
 
+use super::bf16dot;
+use super::buffers;
 use super::columns::ColumnBlock;
 use super::pool::Pool;
 use super::primitives::dot;
@@ -16,8 +18,9 @@ const JOBS_PER_THREAD: usize = 4;
 /// Elements below which an element-wise op runs on the calling thread.
 const MIN_ELEMWISE: usize = 1 << 15;
 
-/// The rows of a matmul's weight `w[n, k]`: f32, or 16-bit bit patterns (kept in the
-/// checkpoint's type and widened exactly as they are read).
+/// The rows of a matmul's weight `w[n, k]`: f32, or 16-bit bit patterns kept in the
+/// checkpoint's type (f16 widened exactly as it is read; bf16 multiplied with bf16-rounded
+/// activations, `bf16dot`).
 #[derive(Clone, Copy)]
 pub(crate) enum Weights<'a> {
     F32(&'a [f32]),
@@ -53,8 +56,10 @@ impl Weights<'_> {
 /// path sums in another order than its tiled path), so the kernel is our own: AVX2 + FMA tiles
 /// of 4 `x` rows × 3 `w` rows over cache blocks of `w` where the CPU has them, else the
 /// portable 8-lane [`dot`]. The pool's jobs own contiguous blocks of output columns (rows of
-/// `w`), a few per thread ([`column_bounds`]); each runs that kernel on its block. A 16-bit `w`
-/// gives bitwise what its f32 expansion gives.
+/// `w`), a few per thread ([`column_bounds`]); each runs that kernel on its block. An f16 `w`
+/// gives bitwise what its f32 expansion gives. A bf16 `w` takes `x` rounded to bf16, once per
+/// call before the jobs start, and the dot product of `bf16dot` (`vdpbf16ps` arithmetic),
+/// whose kernels all give the same bits, so the invariances hold for it too.
 pub(crate) fn matmul(
     pool: &Pool,
     x: &[f32],
@@ -108,7 +113,24 @@ pub(crate) fn matmul_many(
                 .map(|b| (w, b)),
         );
     }
-    pool.for_each(jobs, |(w, mut out)| matmul_block(x, w, k, &mut out));
+    // Bf16 weights take the activations rounded to bf16, once for every job (`bf16dot`), in
+    // a recycled buffer (`buffers`; two bf16 per f32 element).
+    let rounded = jobs
+        .iter()
+        .any(|(w, _)| matches!(w, Weights::Bf16(_)))
+        .then(|| {
+            let len = m * bf16dot::padded(k);
+            let mut buf = buffers::take(len.div_ceil(2));
+            round_activations(x, k, &mut bytemuck::cast_slice_mut(&mut buf)[..len]);
+            (buf, len)
+        });
+    let xb: &[u16] = rounded
+        .as_ref()
+        .map_or(&[], |(buf, len)| &bytemuck::cast_slice(buf)[..*len]);
+    pool.for_each(jobs, |(w, mut out)| matmul_block(x, xb, w, k, &mut out));
+    if let Some((buf, _)) = rounded {
+        buffers::give(buf);
+    }
 }
 
 /// Column bounds `0 = b_0 < … = n` of a matmul's jobs for `row_work = m · k` multiply-adds per
@@ -128,18 +150,23 @@ pub(crate) fn column_bounds(threads: usize, row_work: usize, n: usize) -> Vec<us
     bounds
 }
 
-/// One job of [`matmul`]: the columns of `out` (all rows of `x`).
-fn matmul_block(x: &[f32], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) {
+/// One job of [`matmul`]: the columns of `out` (all rows of `x`; for a bf16 weight, of `xb`,
+/// `x` rounded by `bf16dot::round_rows`).
+fn matmul_block(x: &[f32], xb: &[u16], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) {
+    let (bytes, f16): (&[u8], bool) = match w {
+        Weights::Bf16(w) => return bf16_block(xb, w, k, out),
+        Weights::F32(w) => (bytemuck::cast_slice(w), false),
+        Weights::F16(w) => (bytemuck::cast_slice(w), true),
+    };
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512::available() {
         use super::simd::avx512;
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked); lengths are asserted
         // inside.
         unsafe {
-            match w {
-                Weights::F32(w) => avx512::matmul_f32(x, bytemuck::cast_slice(w), k, out),
-                Weights::F16(w) => avx512::matmul_f16(x, bytemuck::cast_slice(w), k, out),
-                Weights::Bf16(w) => avx512::matmul_bf16(x, bytemuck::cast_slice(w), k, out),
+            match f16 {
+                false => avx512::matmul_f32(x, bytes, k, out),
+                true => avx512::matmul_f16(x, bytes, k, out),
             }
         }
         return;
@@ -149,15 +176,48 @@ fn matmul_block(x: &[f32], w: Weights<'_>, k: usize, out: &mut ColumnBlock<'_>) 
         use super::simd;
         // SAFETY: the CPU has AVX2, FMA and F16C (checked); lengths are asserted inside.
         unsafe {
-            match w {
-                Weights::F32(w) => simd::matmul_f32(x, bytemuck::cast_slice(w), k, out),
-                Weights::F16(w) => simd::matmul_f16(x, bytemuck::cast_slice(w), k, out),
-                Weights::Bf16(w) => simd::matmul_bf16(x, bytemuck::cast_slice(w), k, out),
+            match f16 {
+                false => simd::matmul_f32(x, bytes, k, out),
+                true => simd::matmul_f16(x, bytes, k, out),
             }
         }
         return;
     }
+    let _ = (bytes, f16);
     matmul_portable(x, w, k, out);
+}
+
+/// The rows of `x` rounded to bf16 for a bf16 weight (`bf16dot::round_rows`), on AVX2 where
+/// the CPU has it (the same bits).
+fn round_activations(x: &[f32], k: usize, dst: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        // SAFETY: the CPU has AVX2 (checked); lengths are asserted inside.
+        unsafe { super::simd::bf16dot::round_rows(x, k, dst) };
+        return;
+    }
+    bf16dot::round_rows(x, k, dst);
+}
+
+/// One job of a bf16-weight matmul: the columns of `out` (all rows of `x`, rounded rows of
+/// `bf16dot::padded(k)`), on the best kernel the CPU has: every kernel gives the same bits.
+fn bf16_block(x: &[u16], w: &[u16], k: usize, out: &mut ColumnBlock<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::simd::bf16dot;
+        if bf16dot::hardware() {
+            // SAFETY: the CPU has AVX-512 BF16, BW, F and VL, AVX2 and FMA (checked); lengths
+            // are asserted inside.
+            unsafe { bf16dot::matmul_avx512bf16(x, w, k, out) };
+            return;
+        }
+        if super::simd::available() {
+            // SAFETY: the CPU has AVX2 and FMA (checked); lengths are asserted inside.
+            unsafe { bf16dot::matmul_avx2(x, w, k, out) };
+            return;
+        }
+    }
+    bf16dot::matmul_portable(x, w, k, out);
 }
 
 /// The portable matmul: one [`dot`] per output element of `out`'s columns (16-bit rows are
@@ -354,7 +414,7 @@ mod tests {
             let whole = |bounds: &[usize]| {
                 let mut out = vec![0.0; m * n];
                 for mut b in ColumnBlock::split(&mut out, n, bounds) {
-                    matmul_block(&x, Weights::F32(&w), k, &mut b);
+                    matmul_block(&x, &[], Weights::F32(&w), k, &mut b);
                 }
                 out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
             };
@@ -366,49 +426,121 @@ mod tests {
         }
     }
 
-    /// A bf16 or f16 weight gives bitwise what its f32 expansion gives, on every path (AVX2 and
+    /// An f16 weight gives bitwise what its f32 expansion gives, on every path (AVX2 and
     /// portable) and thread count.
     #[test]
-    fn half_weights_equal_their_f32_expansion() {
+    fn f16_weights_equal_their_f32_expansion() {
         let mut rng = SplitMix64::new(9);
         for (m, k, n) in [(1, 37, 8), (5, 576, 31), (16, 300, 200)] {
             let x = nonzero_vec(&mut rng, m * k);
             let w = nonzero_vec(&mut rng, n * k);
-            let bf: Vec<u16> = w
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect();
             let hf: Vec<u16> = w
                 .iter()
                 .map(|&v| half::f16::from_f32(v).to_bits())
                 .collect();
-            let cases: [(Weights<'_>, Vec<f32>); 2] = [
-                (
-                    Weights::Bf16(&bf),
-                    bf.iter()
-                        .map(|&b| half::bf16::from_bits(b).to_f32())
-                        .collect(),
-                ),
-                (
+            let wide: Vec<f32> = hf
+                .iter()
+                .map(|&b| half::f16::from_bits(b).to_f32())
+                .collect();
+            let mut want = vec![0.0; m * n];
+            matmul(
+                &Pool::default(),
+                &x,
+                Weights::F32(&wide),
+                m,
+                k,
+                n,
+                &mut want,
+            );
+            for t in 1..=3 {
+                let mut got = vec![0.0; m * n];
+                matmul(
+                    &Pool::new(t).unwrap(),
+                    &x,
                     Weights::F16(&hf),
-                    hf.iter()
-                        .map(|&b| half::f16::from_bits(b).to_f32())
-                        .collect(),
-                ),
-            ];
-            for (packed, wide) in &cases {
-                let mut want = vec![0.0; m * n];
-                matmul(&Pool::default(), &x, Weights::F32(wide), m, k, n, &mut want);
-                for t in 1..=3 {
-                    let mut got = vec![0.0; m * n];
-                    matmul(&Pool::new(t).unwrap(), &x, *packed, m, k, n, &mut got);
-                    assert!(got == want, "{m}x{k}x{n}, {t} threads");
-                }
-                let p = portable(&x, *packed, k, n, &[0, n]);
-                assert!(
-                    p == portable(&x, Weights::F32(wide), k, n, &[0, n]),
-                    "{m}x{k}x{n}"
+                    m,
+                    k,
+                    n,
+                    &mut got,
                 );
+                assert!(got == want, "{m}x{k}x{n}, {t} threads");
+            }
+            let p = portable(&x, Weights::F16(&hf), k, n, &[0, n]);
+            assert!(
+                p == portable(&x, Weights::F32(&wide), k, n, &[0, n]),
+                "{m}x{k}x{n}"
+            );
+        }
+    }
+
+    /// A bf16 weight gives bitwise the bf16-activation reference (`x` rounded to bf16, the
+    /// scalar `bf16dot::dot`), on 1, 2 and 3 threads, on every row of every batch size; and
+    /// that reference is the f64 dot product of the rounded values within its rounding bound.
+    #[test]
+    fn bf16_weights_equal_the_bf16_activation_reference() {
+        let mut rng = SplitMix64::new(9);
+        for (m, k, n) in [(1, 37, 8), (5, 576, 31), (16, 300, 200), (3, 1536, 7)] {
+            let x = nonzero_vec(&mut rng, m * k);
+            let w: Vec<u16> = nonzero_vec(&mut rng, n * k)
+                .iter()
+                .map(|&v| bf16dot::round(v))
+                .collect();
+            let kp = bf16dot::padded(k);
+            let mut want = vec![0.0f32; m * n];
+            for i in 0..m {
+                let xb: Vec<u16> = (0..kp)
+                    .map(|e| {
+                        if e < k {
+                            bf16dot::round(x[i * k + e])
+                        } else {
+                            0
+                        }
+                    })
+                    .collect();
+                for j in 0..n {
+                    let wr = &w[j * k..][..k];
+                    want[i * n + j] = bf16dot::dot(&xb, wr);
+                    let (mut exact, mut abs) = (0.0f64, 0.0f64);
+                    for (&a, &b) in xb.iter().zip(wr) {
+                        let p = f64::from(bf16dot::widen(a)) * f64::from(bf16dot::widen(b));
+                        exact += p;
+                        abs += p.abs();
+                    }
+                    let bound = abs * (k + 16) as f64 * f64::from(f32::EPSILON) / 2.0;
+                    let err = (f64::from(want[i * n + j]) - exact).abs();
+                    assert!(err <= bound, "{m}x{k}x{n} ({i}, {j}): {err} > {bound}");
+                }
+            }
+            for t in 1..=3 {
+                let mut got = vec![f32::NAN; m * n];
+                matmul(
+                    &Pool::new(t).unwrap(),
+                    &x,
+                    Weights::Bf16(&w),
+                    m,
+                    k,
+                    n,
+                    &mut got,
+                );
+                assert!(got == want, "{m}x{k}x{n}, {t} threads");
+                // Every row alone gives its bits in the batch.
+                for i in 0..m {
+                    let mut one = vec![f32::NAN; n];
+                    let xr = &x[i * k..][..k];
+                    matmul(
+                        &Pool::new(t).unwrap(),
+                        xr,
+                        Weights::Bf16(&w),
+                        1,
+                        k,
+                        n,
+                        &mut one,
+                    );
+                    assert!(
+                        one[..] == want[i * n..][..n],
+                        "{m}x{k}x{n} row {i}, {t} threads"
+                    );
+                }
             }
         }
     }

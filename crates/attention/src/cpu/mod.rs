@@ -4,7 +4,9 @@
 //! has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention kernel run
 //! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows);
 //! where it also has AVX-512F and VL the matmul runs 512-bit tiles (`simd::avx512`) with the
-//! same results bit for bit. The rotary embedding keeps its cos/sin table across the calls of
+//! same results bit for bit. A bf16 weight's matmul rounds the activations to bf16 once and runs
+//! `vdpbf16ps` arithmetic (`bf16dot`): on AVX-512 BF16 where the CPU has it, emulated exactly on
+//! AVX2 and in portable code elsewhere, again with the same bits on every kernel. The rotary embedding keeps its cos/sin table across the calls of
 //! a forward pass (`rope`).
 //!
 //! The backend owns one pool of `threads` threads (`pool`) for its lifetime. A matmul is split
@@ -15,6 +17,7 @@
 //! the same for any thread count. Op outputs reuse the buffers of dropped tensors (`buffers`).
 
 mod attention;
+mod bf16dot;
 mod buffers;
 mod columns;
 mod dense;
@@ -280,8 +283,9 @@ impl Backend for CpuBackend {
         CpuTensor::new(data.to_vec(), shape)
     }
 
-    /// Keeps f16 and bf16 weights in 16 bits (half the memory and bandwidth); the matmul
-    /// widens them exactly in registers, so results are bitwise those of the f32 expansion.
+    /// Keeps f16 and bf16 weights in 16 bits (half the memory and bandwidth). The matmul widens
+    /// an f16 weight exactly in registers (results bitwise those of the f32 expansion) and
+    /// computes a bf16 weight's products on activations rounded to bf16 (`bf16dot`).
     fn upload_weight(
         &self,
         data: &[f32],

@@ -36,8 +36,8 @@ pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 }
 
 /// Dot product in a fixed order: lane `i` of eight accumulates elements `i, i + 8, …`, the
-/// lanes are summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` (the order of the
-/// AVX2 kernels' horizontal sum), then the tail is added element by element.
+/// lanes are summed by [`sum8`] (the order of the AVX2 kernels' horizontal sum), then the tail
+/// is added element by element.
 #[inline(always)]
 pub(crate) fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 8];
@@ -49,12 +49,18 @@ pub(crate) fn dot_with<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
             lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
         }
     }
-    let mut s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-        + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    let mut s = sum8(&lanes);
     for (x, y) in ar.iter().zip(br) {
         s = madd::<FMA>(*x, *y, s);
     }
     s
+}
+
+/// Eight lanes summed in the fixed order of the kernels' horizontal sums:
+/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+#[inline(always)]
+pub(crate) fn sum8(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 
 /// [`dot_with`] without fusion.

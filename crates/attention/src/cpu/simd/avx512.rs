@@ -6,8 +6,8 @@
 //! both halves. Each lane therefore accumulates exactly the elements it accumulates in the
 //! AVX2 kernel (`i, i + 8, …` of one dot product), with the same fused multiply-adds in the
 //! same order; the halves are then reduced with the same lane-sum tree ([`hsum8`]) and the
-//! tail is added one element at a time. 16-bit weights are widened exactly in registers
-//! (bf16: shift; f16: `vcvtph2ps`).
+//! tail is added one element at a time. f16 weights are widened exactly in registers
+//! (`vcvtph2ps`); bf16 weights take the bf16 dot product instead ([`super::bf16dot`]).
 //!
 //! What it gains over AVX2 is register room: 32 registers hold a tile of up to 8 `x` rows ×
 //! 6 weight rows (24 accumulators), so each weight load feeds 8 rows instead of 4 and each `x`
@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 
 use super::super::columns::ColumnBlock;
 use super::dot::dot_tile;
-use super::elem::{hsum, hsum8, Bf16, Elem, F16, F32};
+use super::elem::{hsum, hsum8, Elem, F16, F32};
 use super::matmul::{blocking, matmul_for};
 
 /// Whether the CPU runs these kernels (AVX-512F and AVX-512VL, which lets the 256-bit
@@ -83,19 +83,6 @@ impl Elem512 for F16 {
         // SAFETY: the caller guarantees 16 readable bytes at each pointer and AVX-512F (which
         // has the 16-lane half conversion); the conversion is exact.
         unsafe { _mm512_cvtph_ps(load16x2(lo, hi)) }
-    }
-}
-
-impl Elem512 for Bf16 {
-    #[inline(always)]
-    unsafe fn load8x2(lo: *const u8, hi: *const u8) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable bytes at each pointer and AVX-512F. A bf16
-        // is the top half of the f32 with the same bits: widening and shifting is exact.
-        unsafe {
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(load16x2(
-                lo, hi,
-            ))))
-        }
     }
 }
 
@@ -274,12 +261,11 @@ unsafe fn stream_tiles<E: Elem512>(
 
 matmul_for!(matmul_f32, F32, "avx512f,avx512vl,avx2,fma,f16c");
 matmul_for!(matmul_f16, F16, "avx512f,avx512vl,avx2,fma,f16c");
-matmul_for!(matmul_bf16, Bf16, "avx512f,avx512vl,avx2,fma,f16c");
 
 /// The matmul with the general tiles only, for the tests to compare with [`stream_tiles`].
 #[cfg(test)]
 mod general {
-    use super::super::elem::{Bf16, F16, F32};
+    use super::super::elem::{F16, F32};
     use super::super::matmul::matmul_for;
     use super::{ColumnBlock, Elem512};
 
@@ -295,7 +281,6 @@ mod general {
 
     matmul_for!(matmul_f32, F32, "avx512f,avx512vl,avx2,fma,f16c");
     matmul_for!(matmul_f16, F16, "avx512f,avx512vl,avx2,fma,f16c");
-    matmul_for!(matmul_bf16, Bf16, "avx512f,avx512vl,avx2,fma,f16c");
 }
 
 /// What [`matmul_for`] compiles: the matmul with its streaming tiles for small batches.
@@ -408,7 +393,7 @@ mod tests {
     }
 
     /// The AVX-512 matmul equals the AVX2 matmul and the portable fused dot product bitwise,
-    /// for f32, f16 and bf16 weights, over odd shapes (rows past every tile height, columns
+    /// for f32 and f16 weights, over odd shapes (rows past every tile height, columns
     /// past every pair and tile width, `k` with and without a tail) and any column split.
     #[test]
     fn avx512_matmul_equals_avx2_and_portable() {
@@ -431,8 +416,8 @@ mod tests {
         for (m, k, n) in shapes {
             let x = nonzero_vec(&mut rng, m * k);
             let wf = nonzero_vec(&mut rng, n * k);
-            let (bf, hf) = halves(&wf);
-            for (name, wide, narrow, w, expanded) in cases(&wf, &bf, &hf) {
+            let hf = half(&wf);
+            for (name, wide, narrow, w, expanded) in cases(&wf, &hf) {
                 let what = format!("{name} {m}x{k}x{n}");
                 let want = portable(&x, &expanded, k, n);
                 assert!(run(narrow, &x, w, k, n, &[0, n]) == want, "AVX2 {what}");
@@ -448,21 +433,16 @@ mod tests {
         }
     }
 
-    /// The weight's bf16 and f16 roundings, as bit patterns.
-    fn halves(wf: &[f32]) -> (Vec<u16>, Vec<u16>) {
-        let bf = wf
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let hf = wf
-            .iter()
+    /// The weight's f16 rounding, as bit patterns.
+    fn half(wf: &[f32]) -> Vec<u16> {
+        wf.iter()
             .map(|&v| half::f16::from_f32(v).to_bits())
-            .collect();
-        (bf, hf)
+            .collect()
     }
 
-    /// The f32, bf16 and f16 cases of one weight: AVX-512 and AVX2 kernels, bytes, expansion.
-    fn cases<'a>(wf: &'a [f32], bf: &'a [u16], hf: &'a [u16]) -> [Case<'a>; 3] {
+    /// The f32 and f16 cases of one weight: AVX-512 and AVX2 kernels, bytes, expansion (bf16
+    /// weights take their own kernels, `bf16dot`).
+    fn cases<'a>(wf: &'a [f32], hf: &'a [u16]) -> [Case<'a>; 2] {
         [
             (
                 "f32",
@@ -470,15 +450,6 @@ mod tests {
                 super::super::matmul_f32,
                 bytemuck::cast_slice(wf),
                 wf.to_vec(),
-            ),
-            (
-                "bf16",
-                super::matmul_bf16,
-                super::super::matmul_bf16,
-                bytemuck::cast_slice(bf),
-                bf.iter()
-                    .map(|&b| half::bf16::from_bits(b).to_f32())
-                    .collect(),
             ),
             (
                 "f16",
@@ -505,7 +476,7 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// The streaming tiles of small batches (decode) equal the general tiles, the AVX2
-        /// matmul and the portable dot product bitwise, for f32, bf16 and f16 weights, on
+        /// matmul and the portable dot product bitwise, for f32 and f16 weights, on
         /// random shapes (batches of 1 to 10 rows: inside and past the streaming limits) and a
         /// random column split.
         #[test]
@@ -522,15 +493,11 @@ mod tests {
             let mut rng = SplitMix64::new(seed);
             let x = nonzero_vec(&mut rng, m * k);
             let wf = nonzero_vec(&mut rng, n * k);
-            let (bf, hf) = halves(&wf);
-            let general: [Kernel; 3] = [
-                super::general::matmul_f32,
-                super::general::matmul_bf16,
-                super::general::matmul_f16,
-            ];
+            let hf = half(&wf);
+            let general: [Kernel; 2] = [super::general::matmul_f32, super::general::matmul_f16];
             let bounds = if (1..n).contains(&cut) { vec![0, cut, n] } else { vec![0, n] };
             for ((name, stream, avx2, w, expanded), general) in
-                cases(&wf, &bf, &hf).into_iter().zip(general)
+                cases(&wf, &hf).into_iter().zip(general)
             {
                 let want = portable(&x, &expanded, k, n);
                 let what = format!("{name} {m}x{k}x{n} split {bounds:?}");

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::elem::{hsum, hsum8, Elem};
+use super::elem::{hsum_tile, Elem};
 
 /// Dot products of `H` f32 rows `a[h]` with `P` rows `b[p]` of `E`, `d` elements each, in the
 /// module's fixed order: `out[p][h] = a[h]·b[p]` (an `H × P` register tile sharing every load).
@@ -38,19 +38,7 @@ pub(super) unsafe fn dot_tile<E: Elem, const H: usize, const P: usize>(
                 }
             }
         }
-        let mut s = [[0.0f32; H]; P];
-        // Eight accumulators at a time through one transposed reduction, the rest one by one.
-        let mut k = 0;
-        while k + 8 <= H * P {
-            let r = hsum8(std::array::from_fn(|i| c[(k + i) / H][(k + i) % H]));
-            for (i, r) in r.into_iter().enumerate() {
-                s[(k + i) / H][(k + i) % H] = r;
-            }
-            k += 8;
-        }
-        for k in k..H * P {
-            s[k / H][k % H] = hsum(c[k / H][k % H]);
-        }
+        let mut s = hsum_tile(&c);
         for p in 0..P {
             for h in 0..H {
                 for e in chunks * 8..d {

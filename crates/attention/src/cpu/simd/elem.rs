@@ -121,3 +121,34 @@ pub(super) unsafe fn hsum8(v: [__m256; 8]) -> [f32; 8] {
         [o[0], o[4], o[1], o[5], o[2], o[6], o[3], o[7]]
     }
 }
+
+/// The [`hsum`] of every accumulator of an `H × P` tile, eight at a time through [`hsum8`]
+/// (the same sums), the rest one by one.
+///
+/// # Safety
+/// The CPU must have AVX.
+#[inline(always)]
+pub(super) unsafe fn hsum_tile<const H: usize, const P: usize>(
+    c: &[[__m256; H]; P],
+) -> [[f32; H]; P] {
+    // SAFETY: register-only AVX operations, which the caller guarantees. (Plain loops, no
+    // closures: those are compiled without the caller's target features.)
+    unsafe {
+        let mut s = [[0.0f32; H]; P];
+        let mut k = 0;
+        while k + 8 <= H * P {
+            let mut v = [_mm256_setzero_ps(); 8];
+            for (i, v) in v.iter_mut().enumerate() {
+                *v = c[(k + i) / H][(k + i) % H];
+            }
+            for (i, r) in hsum8(v).into_iter().enumerate() {
+                s[(k + i) / H][(k + i) % H] = r;
+            }
+            k += 8;
+        }
+        for k in k..H * P {
+            s[k / H][k % H] = hsum(c[k / H][k % H]);
+        }
+        s
+    }
+}

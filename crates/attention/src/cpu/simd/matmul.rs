@@ -3,7 +3,7 @@
 
 use super::super::columns::ColumnBlock;
 use super::dot::dot_tile;
-use super::elem::{Bf16, Elem, F16, F32};
+use super::elem::{Elem, F16, F32};
 
 /// Rows of `x` per matmul tile.
 const MR: usize = 4;
@@ -13,9 +13,9 @@ const STREAM_ROWS: usize = 2;
 
 /// `out[i, j] = x_i · w_j` for the rows of `x` (`k` each) and the columns `j` of `out` (rows of
 /// `w`, `k` elements of `E` each, little-endian bytes), each in the module's fixed dot order, so
-/// an element's result never depends on the number of rows or on the block; 16-bit rows are
-/// widened exactly in registers, so a bf16 or f16 weight gives bitwise what its f32 expansion
-/// gives. Blocks `w` so a block stays in cache over all rows.
+/// an element's result never depends on the number of rows or on the block; f16 rows are
+/// widened exactly in registers, so an f16 weight gives bitwise what its f32 expansion gives
+/// (bf16 weights take [`super::bf16dot`]). Blocks `w` so a block stays in cache over all rows.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C ([`super::available`]). Lengths are asserted.
@@ -91,7 +91,6 @@ pub(super) use matmul_for;
 
 matmul_for!(matmul_f32, F32, "avx2,fma,f16c");
 matmul_for!(matmul_f16, F16, "avx2,fma,f16c");
-matmul_for!(matmul_bf16, Bf16, "avx2,fma,f16c");
 
 /// Rows `i0 .. i0 + H` of `x` against rows `js` of `w`, into `out`: `P` weight rows at a
 /// time, then single rows. With `stream`, each tile of `P` rows prefetches the next one's

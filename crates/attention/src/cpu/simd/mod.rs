@@ -17,12 +17,16 @@
 //! operations as the scalar `exp_nonpos`, and eight dot products are reduced at once with the
 //! same additions as `hsum`.
 //!
+//! Bf16 weights take their own kernels (`bf16dot`): activations rounded to bf16 and the dot
+//! product of `vdpbf16ps`, run by that instruction on AVX-512 BF16 and emulated exactly here.
+//!
 //! Where the CPU also has AVX-512 (`avx512`), the matmul runs 16-lane tiles that hold two
 //! independent 8-lane accumulators per register, so every lane still sums exactly the same
 //! elements in the same order: the results are bitwise those of the AVX2 and portable kernels.
 
 mod attention;
 pub(crate) mod avx512;
+pub(crate) mod bf16dot;
 mod dot;
 mod elem;
 mod matmul;
@@ -30,7 +34,7 @@ mod matmul;
 use std::sync::OnceLock;
 
 pub(crate) use attention::{token_block_bf16, token_block_f16, token_block_f32, TokenBlock};
-pub(crate) use matmul::{matmul_bf16, matmul_f16, matmul_f32};
+pub(crate) use matmul::{matmul_f16, matmul_f32};
 
 /// Whether the CPU runs these kernels (AVX2, FMA and F16C), detected once.
 pub(crate) fn available() -> bool {
