@@ -5,7 +5,7 @@ use super::bf16dot;
 use super::buffers;
 use super::columns::ColumnBlock;
 use super::pool::Pool;
-use super::primitives::dot;
+use super::primitives::{dot, silu};
 
 /// Multiply-adds below which a matmul job is not worth a worker: smaller matmuls run on the
 /// calling thread, and larger ones get at most one job per this much work.
@@ -300,12 +300,20 @@ pub(crate) fn silu_mul_rows(pool: &Pool, x: &[f32], d: usize, dst: &mut [f32]) {
     pool.for_each(items, |(x, dst)| silu_mul(x, d, dst));
 }
 
-/// `silu(gate) · up` for rows `[gate(d), up(d)]`.
+/// `silu(gate) · up` for rows `[gate(d), up(d)]`, each element through [`silu`]: eight lanes
+/// at a time where the CPU has AVX2 and FMA (bitwise `silu::<true>`), else the scalar
+/// `silu::<false>`.
 pub(crate) fn silu_mul(x: &[f32], d: usize, dst: &mut [f32]) {
     for (row, out) in x.chunks_exact(2 * d).zip(dst.chunks_exact_mut(d)) {
         let (gate, up) = row.split_at(d);
+        #[cfg(target_arch = "x86_64")]
+        if super::simd::available() {
+            // SAFETY: the CPU has AVX2 and FMA (checked); the rows have `d` elements each.
+            unsafe { super::simd::silu_mul_row(gate, up, out) };
+            continue;
+        }
         for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
+            *o = silu::<false>(g) * u;
         }
     }
 }
@@ -542,6 +550,46 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The AVX2 `silu_mul` is bitwise the scalar `silu::<true>` on every element: odd row
+    /// lengths (the scalar tail), ±0, values around 0, large magnitudes and below −87.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_silu_mul_equals_scalar() {
+        if !super::super::simd::available() {
+            eprintln!("skipped: this CPU has no AVX2/FMA");
+            return;
+        }
+        let mut rng = SplitMix64::new(9);
+        let special = [
+            0.0, -0.0, 1e-30, -1e-30, 3.5, -3.5, 20.0, -20.0, 86.9, -86.9, -87.5, 100.0,
+        ];
+        for d in [1, 7, 8, 13, 64, 1536] {
+            let m = 3;
+            let mut x = nonzero_vec(&mut rng, m * 2 * d);
+            for (i, v) in x.iter_mut().enumerate() {
+                // Gate elements spread over [-24, 24], some replaced by special values.
+                *v *= 8.0;
+                if i % 5 == 0 {
+                    *v = special[i / 5 % special.len()];
+                }
+            }
+            let mut got = vec![0.0; m * d];
+            silu_mul(&x, d, &mut got);
+            let want: Vec<f32> = x
+                .chunks_exact(2 * d)
+                .flat_map(|r| {
+                    let (g, u) = r.split_at(d);
+                    g.iter()
+                        .zip(u)
+                        .map(|(&g, &u)| silu::<true>(g) * u)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "d = {d}");
         }
     }
 

@@ -6,6 +6,7 @@ use std::arch::x86_64::*;
 use super::super::primitives::{exp_nonpos, Geom, BLOCK};
 use super::dot::dot_tile;
 use super::elem::{Bf16, Elem, F16, F32};
+use super::exp::exp8;
 
 /// `acc[h][e] = p[h][j] · v_j[e] + acc[h][e]` (fused) for `j = 0..n` in order, `e < dv`, after
 /// `acc[h][e] *= corr[h]` (the softmax rescale; a factor 1 leaves the row bitwise unchanged).
@@ -96,46 +97,6 @@ unsafe fn weighted_chunk<E: Elem, const H: usize, const W: usize>(
                 _mm256_storeu_ps(acc[h].add(e + 8 * w), a[h][w]);
             }
         }
-    }
-}
-
-/// [`exp_nonpos`]`::<true>` on eight lanes: the same operations in the same order, so each
-/// lane is bitwise the scalar result.
-///
-/// # Safety
-/// The CPU must have AVX2 and FMA.
-#[inline(always)]
-unsafe fn exp8(x: __m256) -> __m256 {
-    // The constants of `exp_nonpos`.
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const ROUND: f32 = 12_582_912.0;
-    // SAFETY: register-only AVX2/FMA operations, which the caller guarantees.
-    unsafe {
-        let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
-        let x = _mm256_blendv_ps(x, _mm256_set1_ps(-87.0), small);
-        let round = _mm256_set1_ps(ROUND);
-        let n = _mm256_sub_ps(
-            _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round),
-            round,
-        );
-        let neg_n = _mm256_xor_ps(n, _mm256_set1_ps(-0.0));
-        let r = _mm256_fmadd_ps(
-            neg_n,
-            _mm256_set1_ps(LN2_LO),
-            _mm256_fmadd_ps(neg_n, _mm256_set1_ps(LN2_HI), x),
-        );
-        let mut p = _mm256_set1_ps(1.0 / 720.0);
-        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvttps_epi32(n),
-            _mm256_set1_epi32(127),
-        ));
-        let y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-        _mm256_andnot_ps(small, y)
     }
 }
 

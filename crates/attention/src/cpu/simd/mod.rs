@@ -29,11 +29,13 @@ pub(crate) mod avx512;
 pub(crate) mod bf16dot;
 mod dot;
 mod elem;
+mod exp;
 mod matmul;
 
 use std::sync::OnceLock;
 
 pub(crate) use attention::{token_block_bf16, token_block_f16, token_block_f32, TokenBlock};
+pub(crate) use exp::silu_mul_row;
 pub(crate) use matmul::{matmul_f16, matmul_f32};
 
 /// Whether the CPU runs these kernels (AVX2, FMA and F16C), detected once.
