@@ -77,6 +77,11 @@ pub struct KvIndex {
     pool: Option<PagedAllocator>,
     block_size: Option<u32>,
     held: HashMap<WorkerId, HashMap<i64, Held>>,
+    /// Per worker, the path (root first) of the last chain it stored, cut where a page of it
+    /// was removed: every page in it is held, so a page's path is a prefix of it whenever the
+    /// page is in it (the common case: a request's pages extend the chain its prompt stored),
+    /// found by a scan instead of a walk of the held map.
+    tails: HashMap<WorkerId, Vec<i64>>,
     unplaced: u64,
 }
 
@@ -87,6 +92,7 @@ impl Default for KvIndex {
             pool: None,
             block_size: None,
             held: HashMap::new(),
+            tails: HashMap::new(),
             unplaced: 0,
         }
     }
@@ -140,6 +146,13 @@ impl KvIndex {
     /// The chain of block ids from the root to `page` on `worker` (`None`: not held, or a
     /// chain that loops, which only colliding hashes could make).
     fn path(&self, worker: WorkerId, page: i64) -> Option<Vec<i64>> {
+        if let Some(i) = self
+            .tails
+            .get(&worker)
+            .and_then(|t| t.iter().rposition(|&h| h == page))
+        {
+            return Some(self.tails[&worker][..=i].to_vec());
+        }
         let held = self.held.get(&worker)?;
         let mut out = vec![page];
         let mut at = held.get(&page)?;
@@ -201,6 +214,7 @@ impl KvIndex {
 
     /// Unlocks every page of `worker`; whether there was any.
     fn release(&mut self, worker: WorkerId) -> Result<bool, KvIndexError> {
+        self.tails.remove(&worker);
         let pages = std::mem::take(self.held.entry(worker).or_default());
         for node in pages.values().filter_map(|h| h.lock) {
             self.tree.dec_lock_ref(node)?;
@@ -233,6 +247,14 @@ impl KvIndex {
                 }
             }
         }
+        if any {
+            if let Some(tail) = self.tails.get_mut(&worker) {
+                let gone: std::collections::HashSet<i64> = hashes.iter().copied().collect();
+                if let Some(i) = tail.iter().position(|h| gone.contains(h)) {
+                    tail.truncate(i);
+                }
+            }
+        }
         for p in bare.into_iter().flatten() {
             self.lock_leaf(worker, p)?;
         }
@@ -259,6 +281,8 @@ impl KvIndex {
             if let Some(page) = self.held.get_mut(&worker).and_then(|m| m.get_mut(&p)) {
                 page.lock = Some(m.last_node);
             }
+            // A leaf-first eviction goes on with `p` and its parent: their paths are prefixes.
+            self.tails.insert(worker, path);
         }
         Ok(())
     }
@@ -364,6 +388,7 @@ impl KvIndex {
                 page.lock = Some(node);
             }
         }
+        self.tails.insert(worker, path);
         Ok(())
     }
 
