@@ -3,7 +3,7 @@
 //! demand at the edge, proptest against the suite's ownership model, and `free` against a
 //! naive reference.
 
-use kv_pool::allocator::{Fifo, Lifo, SlotAllocator};
+use kv_pool::allocator::{BestFit, Fifo, Lifo, ReuseOrder, SlotAllocator};
 use kv_pool::testing::{self, dec, ext, FreePiece, Op};
 use kv_pool::{
     Allocator, AnyAllocator, BestFitAllocator, DecodeRequest, ExtendRequest, KvPoolError, Page,
@@ -80,6 +80,50 @@ fn snapshot_seed_page_size_4_example() {
     assert_eq!(got, (4..12).map(Slot).collect::<Vec<_>>());
     s.free(&got);
     insta::assert_snapshot!(s.log);
+}
+
+#[test]
+fn snapshot_grow() {
+    // A full pool grows: the new pages join the free list; the old allocation is untouched;
+    // shrinking and a size off the page grid are refused and change nothing.
+    let mut s = Script::new(PagedAllocator::new(8, 2).unwrap());
+    let held = s.alloc(8);
+    s.alloc(2);
+    let r = s.alloc.grow(12);
+    s.note("grow(12)", r);
+    let more = s.alloc(4);
+    let r = s.alloc.grow(6);
+    s.note("grow(6)", r);
+    let r = s.alloc.grow(13);
+    s.note("grow(13)", r);
+    s.free(&held);
+    s.free(&more);
+    assert_eq!(s.alloc.available_size(), 12);
+    insta::assert_snapshot!(s.log);
+}
+
+/// Random operations keep the ownership model before and after a pool grows, for every
+/// reuse order and page size 1 and 4.
+#[test]
+fn grown_pools_keep_the_ownership_model() {
+    fn check<O: ReuseOrder>(rng: &mut kv_pool::rng::SplitMix64) {
+        for p in [1u32, 4] {
+            let size = 64 * p as usize;
+            for _ in 0..20 {
+                let mut a = SlotAllocator::<O>::with_page_size(size, p).unwrap();
+                let ops = testing::random_ops(rng, 40);
+                testing::run_ops(&mut a, &ops).unwrap_or_else(|e| panic!("{}: {e}", O::NAME));
+                a.grow(3 * size).unwrap();
+                assert_eq!(a.available_size(), 3 * size, "{}, page size {p}", O::NAME);
+                let ops = testing::random_ops(rng, 120);
+                testing::run_ops(&mut a, &ops).unwrap_or_else(|e| panic!("{}: {e}", O::NAME));
+            }
+        }
+    }
+    let mut rng = kv_pool::rng::SplitMix64::new(11);
+    check::<Fifo>(&mut rng);
+    check::<Lifo>(&mut rng);
+    check::<BestFit>(&mut rng);
 }
 
 #[test]

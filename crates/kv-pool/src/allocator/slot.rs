@@ -83,6 +83,33 @@ impl<O: ReuseOrder> SlotAllocator<O> {
         })
     }
 
+    /// Grows the pool to `size` slots (a positive multiple of the page size, at least the
+    /// current size): the new pages `old + 1 ..= size / P` join the free list as a freed run
+    /// would. Allocated slots and the free list's order of the old pages are untouched. For
+    /// pools whose slots name no memory (the router's KV index); a pool backed by a KV store
+    /// must not outgrow it. `Err` changes nothing.
+    pub fn grow(&mut self, size: usize) -> Result<()> {
+        let num_pages = crate::layout::checked_pool_pages(size, self.page_size)?;
+        if num_pages < self.num_pages {
+            return Err(KvPoolError::InvalidConfig {
+                field: "size",
+                reason: format!(
+                    "a pool of {} slots cannot grow to {size}",
+                    self.num_pages as usize * self.page_size as usize
+                ),
+            });
+        }
+        if num_pages == self.num_pages {
+            return Ok(());
+        }
+        let words = (num_pages as usize + 1).div_ceil(64);
+        self.state.allocated.resize(words, 0);
+        self.marks.resize(words, 0);
+        O::give_run(&mut self.state.free, self.num_pages + 1, num_pages);
+        self.num_pages = num_pages;
+        Ok(())
+    }
+
     /// The page holding slot id `slot`.
     #[inline]
     pub(super) fn page_of(&self, slot: u32) -> u32 {

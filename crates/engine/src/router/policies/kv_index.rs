@@ -11,12 +11,15 @@
 //! leaves (pages with no held child) lock the node that ends at them (`inc_lock_ref`, which
 //! also locks its ancestors, so every held page is protected by a leaf below it): a stored
 //! chain locks its last page and unlocks its parent if that was a leaf; `BlockRemoved` unlocks
-//! a removed leaf and locks its parent when that becomes a leaf; `AllBlocksCleared` unlocks
+//! its removed leaves and then locks each parent left a leaf, once per event; `AllBlocksCleared` unlocks
 //! them all; everything no longer locked is evicted at once. So the tree holds exactly the
 //! pages the workers reported and did not remove (a worker evicts leaves first, so a page's
 //! ancestors outlive it), and an event costs one walk of its chain, not one per page (a
 //! Mooncake prompt is hundreds of pages). Slots are meaningless here: they come from a pool
-//! of [`INDEX_SLOTS`] and go back when the tree evicts; a full pool is [`KvIndexError::Full`].
+//! that starts at [`INDEX_SLOTS_START`] and doubles as the workers hold more pages (slots name
+//! no memory, so growing costs only the pool's free list: 4 bytes a page), up to
+//! [`INDEX_SLOTS_MAX`] (a billion pages); beyond it is [`KvIndexError::Full`]. They go back when
+//! the tree evicts.
 //!
 //! A `BlockStored` whose parent the index does not know (the router subscribed late, or
 //! missed a batch) cannot be placed; its pages are counted in [`KvIndex::unplaced`] and left
@@ -30,13 +33,16 @@ use radix_cache::{BuiltinPolicy, InsertOptions, KvEvent, NodeId, PrefixCache, Ra
 
 use super::WorkerId;
 
-/// Slots of the index's pool: two per indexed page (1 M pages, whatever the workers).
-pub const INDEX_SLOTS: usize = 1 << 21;
+/// Slots of the index's pool when it is made: two per indexed page (32 Ki pages).
+pub const INDEX_SLOTS_START: usize = 1 << 16;
+
+/// The most slots the index's pool grows to (slot ids are `u32`): 2^30 pages.
+pub const INDEX_SLOTS_MAX: usize = 1 << 31;
 
 /// What can go wrong while indexing events.
 #[derive(Debug, thiserror::Error)]
 pub enum KvIndexError {
-    /// The index holds [`INDEX_SLOTS`] / 2 pages already.
+    /// The index would hold more than [`INDEX_SLOTS_MAX`] / 2 pages.
     #[error("the KV index is full ({0} pages)")]
     Full(usize),
     /// A worker reports pages of another size than the first one did.
@@ -71,6 +77,11 @@ pub struct KvIndex {
     pool: Option<PagedAllocator>,
     block_size: Option<u32>,
     held: HashMap<WorkerId, HashMap<i64, Held>>,
+    /// Per worker, the path (root first) of the last chain it stored, cut where a page of it
+    /// was removed: every page in it is held, so a page's path is a prefix of it whenever the
+    /// page is in it (the common case: a request's pages extend the chain its prompt stored),
+    /// found by a scan instead of a walk of the held map.
+    tails: HashMap<WorkerId, Vec<i64>>,
     unplaced: u64,
 }
 
@@ -81,6 +92,7 @@ impl Default for KvIndex {
             pool: None,
             block_size: None,
             held: HashMap::new(),
+            tails: HashMap::new(),
             unplaced: 0,
         }
     }
@@ -134,6 +146,13 @@ impl KvIndex {
     /// The chain of block ids from the root to `page` on `worker` (`None`: not held, or a
     /// chain that loops, which only colliding hashes could make).
     fn path(&self, worker: WorkerId, page: i64) -> Option<Vec<i64>> {
+        if let Some(i) = self
+            .tails
+            .get(&worker)
+            .and_then(|t| t.iter().rposition(|&h| h == page))
+        {
+            return Some(self.tails[&worker][..=i].to_vec());
+        }
         let held = self.held.get(&worker)?;
         let mut out = vec![page];
         let mut at = held.get(&page)?;
@@ -173,9 +192,7 @@ impl KvIndex {
                     self.store(worker, block_hashes, *parent_block_hash)?;
                 }
                 KvEvent::BlockRemoved { block_hashes } => {
-                    for &h in block_hashes {
-                        removed |= self.remove(worker, h)?;
-                    }
+                    removed |= self.remove(worker, block_hashes)?;
                 }
                 KvEvent::AllBlocksCleared => removed |= self.release(worker)?,
             }
@@ -197,6 +214,7 @@ impl KvIndex {
 
     /// Unlocks every page of `worker`; whether there was any.
     fn release(&mut self, worker: WorkerId) -> Result<bool, KvIndexError> {
+        self.tails.remove(&worker);
         let pages = std::mem::take(self.held.entry(worker).or_default());
         for node in pages.values().filter_map(|h| h.lock) {
             self.tree.dec_lock_ref(node)?;
@@ -204,38 +222,69 @@ impl KvIndex {
         Ok(!pages.is_empty())
     }
 
-    /// Forgets page `h` of `worker`: unlocks it if it is a leaf, and locks its parent when that
-    /// becomes one; whether the worker held it.
-    fn remove(&mut self, worker: WorkerId, h: i64) -> Result<bool, KvIndexError> {
-        let Some(held) = self.held.get_mut(&worker).and_then(|m| m.remove(&h)) else {
+    /// Forgets the pages `hashes` of `worker` (one `BlockRemoved`): unlocks each removed leaf,
+    /// then locks each parent left a leaf, once, after the whole event (a worker evicts a chain
+    /// leaf first, so locking each parent page by page would walk the chain once per page);
+    /// whether the worker held any of them.
+    fn remove(&mut self, worker: WorkerId, hashes: &[i64]) -> Result<bool, KvIndexError> {
+        let Some(held) = self.held.get_mut(&worker) else {
             return Ok(false);
         };
-        if let Some(node) = held.lock {
-            self.tree.dec_lock_ref(node)?;
-        }
-        let Some(p) = held.parent else {
-            return Ok(true);
-        };
-        let became_leaf = match self.held.get_mut(&worker).and_then(|m| m.get_mut(&p)) {
-            Some(parent) => {
-                parent.children = parent.children.saturating_sub(1);
-                parent.children == 0 && parent.lock.is_none()
+        let mut any = false;
+        let mut bare = Vec::new();
+        for h in hashes {
+            let Some(page) = held.remove(h) else {
+                continue;
+            };
+            any = true;
+            if let Some(node) = page.lock {
+                self.tree.dec_lock_ref(node)?;
             }
-            None => false,
-        };
-        if became_leaf {
-            if let Some(path) = self.path(worker, p) {
-                let mut scratch = Vec::new();
-                let m = self
-                    .tree
-                    .match_prefix(&key(&path), Some(&namespace(worker)), &mut scratch);
-                self.tree.inc_lock_ref(m.last_node)?;
-                if let Some(parent) = self.held.get_mut(&worker).and_then(|m| m.get_mut(&p)) {
-                    parent.lock = Some(m.last_node);
+            if let Some(parent) = page.parent.and_then(|p| held.get_mut(&p)) {
+                parent.children = parent.children.saturating_sub(1);
+                if parent.children == 0 {
+                    bare.push(page.parent);
                 }
             }
         }
-        Ok(true)
+        if any {
+            if let Some(tail) = self.tails.get_mut(&worker) {
+                let gone: std::collections::HashSet<i64> = hashes.iter().copied().collect();
+                if let Some(i) = tail.iter().position(|h| gone.contains(h)) {
+                    tail.truncate(i);
+                }
+            }
+        }
+        for p in bare.into_iter().flatten() {
+            self.lock_leaf(worker, p)?;
+        }
+        Ok(any)
+    }
+
+    /// Locks the tree node ending at `worker`'s page `p` if `p` is held, has no held child and
+    /// is not locked yet (a leaf of the worker's pages).
+    fn lock_leaf(&mut self, worker: WorkerId, p: i64) -> Result<(), KvIndexError> {
+        let leaf = self
+            .held
+            .get(&worker)
+            .and_then(|m| m.get(&p))
+            .is_some_and(|h| h.children == 0 && h.lock.is_none());
+        if !leaf {
+            return Ok(());
+        }
+        if let Some(path) = self.path(worker, p) {
+            let mut scratch = Vec::new();
+            let m = self
+                .tree
+                .match_prefix(&key(&path), Some(&namespace(worker)), &mut scratch);
+            self.tree.inc_lock_ref(m.last_node)?;
+            if let Some(page) = self.held.get_mut(&worker).and_then(|m| m.get_mut(&p)) {
+                page.lock = Some(m.last_node);
+            }
+            // A leaf-first eviction goes on with `p` and its parent: their paths are prefixes.
+            self.tails.insert(worker, path);
+        }
+        Ok(())
     }
 
     /// Evicts every page no worker holds.
@@ -271,12 +320,22 @@ impl KvIndex {
         let pool = match &mut self.pool {
             Some(p) => p,
             None => self.pool.insert(
-                PagedAllocator::new(INDEX_SLOTS, 2).map_err(radix_cache::RadixCacheError::from)?,
+                PagedAllocator::new(INDEX_SLOTS_START, 2)
+                    .map_err(radix_cache::RadixCacheError::from)?,
             ),
         };
+        if pool.available_size() < key.len() {
+            let want = pool.size() - pool.available_size() + key.len();
+            let size = want.next_power_of_two().max(2 * pool.size());
+            if want > INDEX_SLOTS_MAX {
+                return Err(KvIndexError::Full(INDEX_SLOTS_MAX / 2));
+            }
+            pool.grow(size.min(INDEX_SLOTS_MAX))
+                .map_err(radix_cache::RadixCacheError::from)?;
+        }
         let mut slots: Vec<Slot> = Vec::new();
         pool.alloc(key.len(), &mut slots)
-            .map_err(|_| KvIndexError::Full(INDEX_SLOTS / 2))?;
+            .map_err(|_| KvIndexError::Full(INDEX_SLOTS_MAX / 2))?;
         let r = self
             .tree
             .insert(&key, Some(&ns), &slots, InsertOptions::default())?;
@@ -329,6 +388,7 @@ impl KvIndex {
                 page.lock = Some(node);
             }
         }
+        self.tails.insert(worker, path);
         Ok(())
     }
 
@@ -418,5 +478,31 @@ mod tests {
         ix.remove_worker(w1).unwrap();
         ix.check().unwrap();
         assert_eq!(ix.tree.total_size(), 0);
+    }
+
+    /// The pool grows past its first size (32 Ki pages) as a worker holds more pages — 40
+    /// chains of 1,000 pages — and every chain stays matched in full.
+    #[test]
+    fn the_pool_grows_with_the_pages_held() {
+        let w = WorkerId(3);
+        let mut ix = KvIndex::default();
+        let chains: Vec<Vec<u32>> = (0..40u32)
+            .map(|c| (0..4000).map(|t| c * 1_000_000 + t).collect())
+            .collect();
+        for toks in &chains {
+            for from in (0..1000).step_by(250) {
+                ix.apply(w, &[stored_pages(toks, from, from + 250, P)])
+                    .unwrap();
+            }
+        }
+        assert_eq!(ix.held_pages(w), 40_000);
+        assert_eq!(ix.tree.total_size(), 80_000);
+        for toks in &chains {
+            assert_eq!(ix.matched_pages(w, &block_ids(toks, P)), 1000);
+        }
+        assert!(ix.pool.as_ref().unwrap().size() >= 80_000);
+        ix.apply(w, &[KvEvent::AllBlocksCleared]).unwrap();
+        assert_eq!(ix.tree.total_size(), 0);
+        ix.tree.check_invariants().unwrap();
     }
 }
