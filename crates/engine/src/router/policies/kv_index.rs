@@ -480,6 +480,29 @@ mod tests {
         assert_eq!(ix.tree.total_size(), 0);
     }
 
+    /// A removal that is not leaf-first (an inner page of the last stored chain, its
+    /// descendants still held) cuts the remembered chain there: the descendants' paths are
+    /// unknown from then on, so a store under them is unplaced rather than put under a path
+    /// the worker no longer holds; a store on the remaining prefix is placed.
+    #[test]
+    fn an_inner_removal_cuts_the_remembered_chain() {
+        let w = WorkerId(0);
+        let a: Vec<u32> = (0..40).collect();
+        let ia = block_ids(&a, P);
+        let mut ix = KvIndex::default();
+        ix.apply(w, &[stored_pages(&a, 0, 6, P)]).unwrap();
+        ix.apply(w, &[removed(&ia[2..3])]).unwrap();
+        assert_eq!(ix.held_pages(w), 5);
+        // Page 6 would hang under page 5, whose chain passes through the removed page 2.
+        ix.apply(w, &[stored_pages(&a, 6, 7, P)]).unwrap();
+        assert_eq!((ix.unplaced(), ix.held_pages(w)), (1, 5));
+        // Page 2 again, under page 1 (still held): placed, and the chain is whole again.
+        ix.apply(w, &[stored_pages(&a, 2, 3, P)]).unwrap();
+        assert_eq!((ix.unplaced(), ix.held_pages(w)), (1, 6));
+        ix.check().unwrap();
+        assert_eq!(ix.matched_pages(w, &ia), 6);
+    }
+
     /// The pool grows past its first size (32 Ki pages) as a worker holds more pages — 40
     /// chains of 1,000 pages — and every chain stays matched in full.
     #[test]
