@@ -158,15 +158,18 @@ fn matmul_block(x: &[f32], xb: &[u16], w: Weights<'_>, k: usize, out: &mut Colum
         Weights::F32(w) => (bytemuck::cast_slice(w), false),
         Weights::F16(w) => (bytemuck::cast_slice(w), true),
     };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, f16);
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512::available() {
         use super::simd::avx512;
         // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (checked); lengths are asserted
         // inside.
         unsafe {
-            match f16 {
-                false => avx512::matmul_f32(x, bytes, k, out),
-                true => avx512::matmul_f16(x, bytes, k, out),
+            if f16 {
+                avx512::matmul_f16(x, bytes, k, out)
+            } else {
+                avx512::matmul_f32(x, bytes, k, out)
             }
         }
         return;
@@ -176,14 +179,14 @@ fn matmul_block(x: &[f32], xb: &[u16], w: Weights<'_>, k: usize, out: &mut Colum
         use super::simd;
         // SAFETY: the CPU has AVX2, FMA and F16C (checked); lengths are asserted inside.
         unsafe {
-            match f16 {
-                false => simd::matmul_f32(x, bytes, k, out),
-                true => simd::matmul_f16(x, bytes, k, out),
+            if f16 {
+                simd::matmul_f16(x, bytes, k, out)
+            } else {
+                simd::matmul_f32(x, bytes, k, out)
             }
         }
         return;
     }
-    let _ = (bytes, f16);
     matmul_portable(x, w, k, out);
 }
 
