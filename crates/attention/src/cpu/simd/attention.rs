@@ -158,6 +158,101 @@ fn span(p: *const u8, bytes: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1).cast()) };
 }
 
+/// The largest lane of `x` (which holds no NaN).
+///
+/// # Safety
+/// The CPU must have AVX.
+#[inline(always)]
+unsafe fn hmax(x: __m256) -> f32 {
+    // SAFETY: register-only AVX/SSE operations, which the caller guarantees.
+    unsafe {
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m1 = _mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1));
+        _mm_cvtss_f32(m1)
+    }
+}
+
+/// The online-softmax step of `H` query rows `rows[i]` over one block: `s[i][..n]` holds row
+/// `i`'s scaled scores of the block's first `n` positions and is overwritten with its weights
+/// `e^(s − m_new)` (lanes past `n` hold unused values); the rows' maxima `m` and sums `l` are
+/// updated, and the factor each accumulator row must be rescaled by is returned (1 where the
+/// maximum did not change). Every row keeps the scalar kernel's order: the maximum and the sum
+/// fold the positions in order (the maximum needs no order), the weights are `exp_nonpos`
+/// eight lanes at a time.
+///
+/// # Safety
+/// `rows[i]` must index `m` and `l`, `n ≤ BLOCK`; the CPU must have AVX2 and FMA.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // the rows' folds run side by side, indexed [row][position]
+pub(super) unsafe fn softmax_block<const H: usize>(
+    s: &mut [[f32; BLOCK]; H],
+    rows: [usize; H],
+    n: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+) -> [f32; H] {
+    // The block maxima, eight lanes at a time: NaN scores (which the scalar fold's `f32::max`
+    // skips) and lanes past `n` count as −∞, and the maximum of the rest does not depend on the
+    // order (only the sign of a zero maximum could, and −0 and +0 give the same weights, and
+    // the same rescale factors, in every use below).
+    let mut m_b = [f32::NEG_INFINITY; H];
+    // SAFETY: `s` rows hold BLOCK = 32 elements, a multiple of 8, and n ≤ BLOCK; the CPU has
+    // AVX2 (function contract).
+    unsafe {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+        for (m_b, s) in m_b.iter_mut().zip(s.iter()) {
+            let mut mx = neg_inf;
+            for c in 0..n.div_ceil(8) {
+                let x = _mm256_loadu_ps(s[c * 8..].as_ptr());
+                let inside = _mm256_cmpgt_epi32(_mm256_set1_epi32((n - c * 8) as i32), lane);
+                let keep = _mm256_and_ps(
+                    _mm256_castsi256_ps(inside),
+                    _mm256_cmp_ps::<_CMP_ORD_Q>(x, x),
+                );
+                mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg_inf, x, keep));
+            }
+            *m_b = hmax(mx);
+        }
+    }
+    // The rescale of the accumulator rows is applied as `weighted_sum` loads them.
+    let mut corr = [1.0f32; H];
+    for (h, s) in s.iter_mut().enumerate() {
+        let i = rows[h];
+        let m_new = m[i].max(m_b[h]);
+        if m[i] != m_new {
+            corr[h] = if m[i] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp_nonpos::<true>(m[i] - m_new)
+            };
+            l[i] *= corr[h];
+            m[i] = m_new;
+        }
+        // Eight weights at a time (past `n` the lanes compute unused values).
+        // SAFETY: `s` holds BLOCK = 32 elements, a multiple of 8, and n ≤ BLOCK; the CPU has
+        // AVX2 and FMA (function contract).
+        unsafe {
+            let mv = _mm256_set1_ps(m_new);
+            for c in 0..n.div_ceil(8) {
+                let x = _mm256_loadu_ps(s[c * 8..].as_ptr());
+                _mm256_storeu_ps(s[c * 8..].as_mut_ptr(), exp8(_mm256_sub_ps(x, mv)));
+            }
+        }
+    }
+    let mut sum = [0.0f32; H];
+    for j in 0..n {
+        for h in 0..H {
+            sum[h] += s[h][j];
+        }
+    }
+    for h in 0..H {
+        l[rows[h]] += sum[h];
+    }
+    corr
+}
+
 /// Folds one tile of `H` query rows `rows[i]` (token-major indices `t · q_heads + h` into the
 /// request's `q`, `m`, `l`, `acc`; every head `h` of KV head `gk`) into their states. The rows
 /// share every K and V load; each keeps its own fixed-order arithmetic, so the tile's shape
@@ -230,48 +325,9 @@ unsafe fn tile<E: Elem, const H: usize>(
             j += 1;
         }
     }
-    // The block maxima and (below) the weight sums run the rows' sequential folds side by side,
-    // each row still in position order: the rows are independent chains.
-    let mut m_b = [f32::NEG_INFINITY; H];
-    for j in 0..n {
-        for h in 0..H {
-            m_b[h] = m_b[h].max(s[h][j]);
-        }
-    }
-    // The rescale of the accumulator rows is applied as `weighted_sum` loads them.
-    let mut corr = [1.0f32; H];
-    for (h, s) in s.iter_mut().enumerate() {
-        let i = rows[h];
-        let m_new = m[i].max(m_b[h]);
-        if m[i] != m_new {
-            corr[h] = if m[i] == f32::NEG_INFINITY {
-                0.0
-            } else {
-                exp_nonpos::<true>(m[i] - m_new)
-            };
-            l[i] *= corr[h];
-            m[i] = m_new;
-        }
-        // Eight weights at a time (past `n` the lanes compute unused values).
-        // SAFETY: `s` holds BLOCK = 32 elements, a multiple of 8, and n ≤ BLOCK; the CPU has
-        // AVX2 and FMA (function contract).
-        unsafe {
-            let mv = _mm256_set1_ps(m_new);
-            for c in 0..n.div_ceil(8) {
-                let x = _mm256_loadu_ps(s[c * 8..].as_ptr());
-                _mm256_storeu_ps(s[c * 8..].as_mut_ptr(), exp8(_mm256_sub_ps(x, mv)));
-            }
-        }
-    }
-    let mut sum = [0.0f32; H];
-    for j in 0..n {
-        for h in 0..H {
-            sum[h] += s[h][j];
-        }
-    }
-    for h in 0..H {
-        l[rows[h]] += sum[h];
-    }
+    // SAFETY: `s` holds the rows' scores for the block's first n ≤ BLOCK positions; the CPU
+    // per the function's contract.
+    let corr = unsafe { softmax_block(&mut s, rows, n, m, l) };
     let accp: [*mut f32; H] = std::array::from_fn(|i| acc[rows[i] * dv..][..dv].as_mut_ptr());
     let mut vp = [std::ptr::null::<u8>(); BLOCK];
     for (p, &v) in vp.iter_mut().zip(&tb.v[..n]) {

@@ -45,6 +45,49 @@ pub(super) unsafe fn exp8(x: __m256) -> __m256 {
     }
 }
 
+/// [`exp_nonpos`]`::<true>` on sixteen lanes: [`exp8`]'s operations with AVX-512 masks for its
+/// blends, so each lane is bitwise the scalar result.
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[inline(always)]
+pub(super) unsafe fn exp16(x: __m512) -> __m512 {
+    // The constants of `exp_nonpos`.
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0;
+    // SAFETY: register-only AVX-512F operations, which the caller guarantees.
+    unsafe {
+        let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.0));
+        let x = _mm512_mask_blend_ps(small, x, _mm512_set1_ps(-87.0));
+        let round = _mm512_set1_ps(ROUND);
+        let n = _mm512_sub_ps(
+            _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), round),
+            round,
+        );
+        let neg_n = _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(n),
+            _mm512_set1_epi32(i32::MIN),
+        ));
+        let r = _mm512_fmadd_ps(
+            neg_n,
+            _mm512_set1_ps(LN2_LO),
+            _mm512_fmadd_ps(neg_n, _mm512_set1_ps(LN2_HI), x),
+        );
+        let mut p = _mm512_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvttps_epi32(n),
+            _mm512_set1_epi32(127),
+        ));
+        let y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+        _mm512_maskz_mov_ps(!small, y)
+    }
+}
+
 /// [`silu`]`::<true>` on eight lanes (`silu(g)·u`), bitwise the scalar result per lane.
 ///
 /// # Safety
