@@ -33,7 +33,7 @@
 //! and no smaller size adds a byte. Computed from the pool's recorded allocations on a device
 //! that only counts bytes (no GPU; the figures are exact for this host logic, not a
 //! measurement of a GPU's allocator):
-//! `cargo test -p attention-cuda-emu --test graph_memory -- --ignored --nocapture`.
+//! `cargo test -p attention-cuda-emu --test graph_memory 7b -- --nocapture`.
 //!
 //! On the `rocm` backend (HipDevice) nothing is captured: it launches on the null stream,
 //! where HIP graphs cannot capture, so its `begin_capture` refuses and the engine runs eager.
