@@ -74,6 +74,10 @@ impl DecodeGraphs<Emu> for Logged {
     fn captured_bs(&self) -> Vec<usize> {
         self.inner.captured_bs()
     }
+
+    fn memory_bytes(&self) -> usize {
+        self.inner.memory_bytes()
+    }
 }
 
 fn graph_config() -> CudaGraphConfig {

@@ -15,7 +15,7 @@ use attention_cuda::{
 use attention_cuda_emu::{emu_or_skip, EmuDevice};
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::tiny::random_weights;
-use model::{Model, ModelError};
+use model::Model;
 
 type Emu = CudaBackend<EmuDevice>;
 
@@ -29,32 +29,6 @@ fn graph_config() -> CudaGraphConfig {
         max_context_len: (PAGES_PER_REQUEST * PAGE) as usize,
         page_size: PAGE,
     }
-}
-
-fn model_err(e: ModelError) -> AttentionError {
-    match e {
-        ModelError::Attention(e) => e,
-        e => AttentionError::Device(e.to_string()),
-    }
-}
-
-/// The decode forward as the model runner makes it: plan, embedding, layers, logits.
-fn forward(
-    b: &Emu,
-    model: &Model<Emu>,
-    store: &mut CudaKvStore<EmuDevice>,
-    meta: &BatchMetadata,
-    ids: &[u32],
-) -> attention::Result<attention_cuda::CudaTensor<EmuDevice>> {
-    let positions = meta.positions();
-    let plan = b.plan(meta)?;
-    let mut x = model.embed(b, ids).map_err(model_err)?;
-    for layer in 0..model.num_layers() {
-        model
-            .layer_forward(b, layer, &plan, store, &mut x, &positions)
-            .map_err(model_err)?;
-    }
-    model.logits(b, &x, None).map_err(model_err)
 }
 
 /// Request `r`'s slots for `len` positions (its own pages, after the padding page).
@@ -97,8 +71,52 @@ fn setup(device: EmuDevice, lens: &[usize]) -> (Emu, Model<Emu>, CudaKvStore<Emu
     let ids: Vec<u32> = (0..meta.num_tokens() as u32)
         .map(|i| i * 37 % 512)
         .collect();
-    forward(&b, &model, &mut store, &meta, &ids).unwrap();
+    common::decode_forward(&b, &model, &mut store, &meta, &ids).unwrap();
     (b, model, store)
+}
+
+/// A decode step: requests `0..bs` each appending its last position, their token ids, and
+/// the eager forward's logits.
+type Decode = (Vec<Vec<Slot>>, Vec<u32>, Vec<f32>);
+
+/// The eager decode of requests `0..bs` of `lens` positions (tokens `100 + r`), for every
+/// `bs` in `1..=lens.len()`.
+fn eager_decodes(
+    b: &Emu,
+    model: &Model<Emu>,
+    store: &mut CudaKvStore<EmuDevice>,
+    lens: &[usize],
+) -> Vec<Decode> {
+    (1..=lens.len())
+        .map(|bs| {
+            let lists: Vec<Vec<Slot>> = (0..bs).map(|r| slots(r, lens[r])).collect();
+            let kvs = decode_kvs(&lists);
+            let meta = BatchMetadata::new_decode(PAGE, &kvs).unwrap();
+            let ids: Vec<u32> = (0..bs as u32).map(|r| 100 + r).collect();
+            let out = common::decode_forward(b, model, store, &meta, &ids).unwrap();
+            let logits = b.download(&out).unwrap();
+            (lists, ids, logits)
+        })
+        .collect()
+}
+
+/// Replays `decode` through `runner`: its logits must be bitwise the eager ones.
+fn assert_replay_is_eager(
+    runner: &mut CudaGraphRunner<EmuDevice>,
+    fwd: &mut DecodeForward<'_, EmuDevice>,
+    (lists, ids, want): &Decode,
+) {
+    let kvs = decode_kvs(lists);
+    let got = runner
+        .replay(&kvs, ids, fwd)
+        .unwrap()
+        .expect("a captured size");
+    let same = got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(g, w)| g.to_bits() == w.to_bits());
+    assert!(same, "bs {}: replayed logits differ from eager", kvs.len());
 }
 
 #[test]
@@ -110,18 +128,10 @@ fn replayed_decode_is_bitwise_the_eager_decode() {
     // to the captured 4.
     let lens = [9, 30, 17];
     let (b, model, mut store) = setup(device, &lens);
-    let mut eager = Vec::new();
-    for bs in 1..=3 {
-        let lists: Vec<Vec<Slot>> = (0..bs).map(|r| slots(r, lens[r])).collect();
-        let kvs = decode_kvs(&lists);
-        let meta = BatchMetadata::new_decode(PAGE, &kvs).unwrap();
-        let ids: Vec<u32> = (0..bs as u32).map(|r| 100 + r).collect();
-        let out = forward(&b, &model, &mut store, &meta, &ids).unwrap();
-        eager.push((lists, ids, b.download(&out).unwrap()));
-    }
+    let eager = eager_decodes(&b, &model, &mut store, &lens);
     let (model_ref, store_ref) = (&model, &mut store);
     let mut fwd = move |b: &Emu, meta: &BatchMetadata, ids: &[u32]| {
-        forward(b, model_ref, store_ref, meta, ids)
+        common::decode_forward(b, model_ref, store_ref, meta, ids)
     };
     let fwd: &mut DecodeForward<'_, EmuDevice> = &mut fwd;
     let mut runner = CudaGraphRunner::new(&b, graph_config()).unwrap();
@@ -141,18 +151,8 @@ fn replayed_decode_is_bitwise_the_eager_decode() {
     );
     // Twice each: a second replay refills the static inputs of the first.
     for _ in 0..2 {
-        for (lists, ids, want) in &eager {
-            let kvs = decode_kvs(lists);
-            let got = runner
-                .replay(&kvs, ids, fwd)
-                .unwrap()
-                .expect("a captured size");
-            assert_eq!(got.len(), want.len(), "bs {}", kvs.len());
-            let same = got
-                .iter()
-                .zip(want)
-                .all(|(g, w)| g.to_bits() == w.to_bits());
-            assert!(same, "bs {}: replayed logits differ from eager", kvs.len());
+        for decode in &eager {
+            assert_replay_is_eager(&mut runner, fwd, decode);
         }
     }
     // Larger than every captured size: the caller runs it eagerly.
@@ -201,7 +201,7 @@ fn a_forward_that_reads_back_cannot_be_captured() {
     let (b, model, mut store) = setup(device, &[3]);
     let (model_ref, store_ref) = (&model, &mut store);
     let mut fwd = move |b: &Emu, meta: &BatchMetadata, ids: &[u32]| {
-        let out = forward(b, model_ref, store_ref, meta, ids)?;
+        let out = common::decode_forward(b, model_ref, store_ref, meta, ids)?;
         let host = b.download(&out)?; // not capture-safe: a synchronisation
         b.upload(
             &host,
@@ -246,4 +246,56 @@ fn a_replay_whose_launches_would_differ_is_refused() {
         matches!(&e, AttentionError::Device(m) if m.contains("differs from the captured one")),
         "{e:?}"
     );
+}
+
+/// Every size shares one pool: graphs captured for 1, 2, 4, 7 and 8 replayed in an interleaved
+/// order (each size after others have overwritten the buffers it shares with them) give
+/// bitwise the eager logits each time, for fixed sequences and random ones; the pool is the
+/// largest size's.
+#[test]
+fn interleaved_sizes_through_the_shared_pool_are_bitwise_the_eager_decode() {
+    let test = "interleaved_sizes_through_the_shared_pool_are_bitwise_the_eager_decode";
+    let Some(device) = emu_or_skip(test) else {
+        return;
+    };
+    let lens = [9, 30, 17, 5, 40, 12, 64, 1];
+    // Request 7 decodes its first position: nothing to prefill.
+    let (b, model, mut store) = setup(device, &lens[..7]);
+    let eager = eager_decodes(&b, &model, &mut store, &lens);
+    let (model_ref, store_ref) = (&model, &mut store);
+    let mut fwd = move |b: &Emu, meta: &BatchMetadata, ids: &[u32]| {
+        common::decode_forward(b, model_ref, store_ref, meta, ids)
+    };
+    let fwd: &mut DecodeForward<'_, EmuDevice> = &mut fwd;
+    let mut runner = CudaGraphRunner::new(
+        &b,
+        CudaGraphConfig {
+            cuda_graph_max_bs: Some(8),
+            ..graph_config()
+        },
+    )
+    .unwrap();
+    runner.capture(fwd).unwrap();
+    // SGLang's list below the request table's 8 adds 7.
+    assert_eq!(runner.captured_bs(), vec![1, 2, 4, 7, 8]);
+    let memory = runner.memory();
+    assert_eq!(memory.pool_bytes, memory.sizes[0].added_bytes, "{memory}");
+    assert!(
+        memory.sizes[1..].iter().all(|s| s.added_bytes == 0),
+        "{memory}"
+    );
+
+    let mut replay = |bs: usize| assert_replay_is_eager(&mut runner, fwd, &eager[bs - 1]);
+    // Exact sizes, then sizes padded to 4 and 7.
+    for bs in [8, 1, 4, 8, 2, 1, 3, 7, 5, 1, 6, 2] {
+        replay(bs);
+    }
+    // Pseudo-random orders (a fixed seed, so a failure reproduces).
+    let mut state = 0x5eed_u64;
+    for _ in 0..24 {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        replay(1 + (state >> 33) as usize % lens.len());
+    }
 }

@@ -550,17 +550,17 @@ impl<D: Device> Backend for CudaBackend<D> {
         let writes = write_list(meta.out_cache_loc());
         let mut max_kv_len = meta.kv_lens().iter().copied().max().unwrap_or(0);
         let mut table_bytes = table.len() * 4;
-        if let Some(pool) = self.graph_slot().as_ref() {
-            if max_kv_len > pool.max_kv_len {
+        if let Some(tape) = self.graph_slot().as_ref().map(|p| p.tape()) {
+            if max_kv_len > tape.max_kv_len {
                 return Err(AttentionError::InvalidConfig {
                     field: "kv_len",
                     reason: format!(
                         "{max_kv_len} positions exceed the captured graph's {}",
-                        pool.max_kv_len
+                        tape.max_kv_len
                     ),
                 });
             }
-            (max_kv_len, table_bytes) = (pool.max_kv_len, pool.table_bytes);
+            (max_kv_len, table_bytes) = (tape.max_kv_len, tape.table_bytes);
         }
         Ok(CudaPlan {
             meta: meta.clone(),

@@ -23,9 +23,9 @@
 //!   `--enable-deterministic-inference`).
 //! - [`graph`]: CUDA graphs for decode, as SGLang's `CudaGraphRunner`: [`CudaGraphRunner`]
 //!   captures a decode forward per batch size of [`capture_bs`] and replays a batch padded
-//!   to the next captured size; the backend serves the forward's buffers and uploads from the
-//!   size's static pool ([`graph::pool`]) so that nothing is allocated or copied inside the
-//!   capture. It implements [`attention::DecodeGraphs`], the seam the model runner replays
+//!   to the next captured size; the backend serves the forward's buffers and uploads from one
+//!   static pool every captured size shares ([`graph::pool`]; [`GraphMemory`] reports it) so
+//!   that nothing is allocated or copied inside the capture. It implements [`attention::DecodeGraphs`], the seam the model runner replays
 //!   decode batches through ([`route`]: pad, or eager for larger batches and longer requests).
 //! - [`backend`], [`store`], [`tensor`]: the trait implementations.
 //! - Devices: `cudarc_device` (NVIDIA, features `cuda-12`/`cuda-13`) and `hip_device` (AMD,
@@ -53,8 +53,10 @@
 //! - A plan's split-KV scratch is allocated once and reused by every layer of the batch.
 //! - A captured graph replays only launches equal to the ones the step's forward makes (kernel,
 //!   geometry, buffers, scalars: checked before every replay), over buffers that outlive it
-//!   (its pool's, or the forward's borrows); inside a capture the device refuses
-//!   allocations, host copies and reads.
+//!   (the pool every captured size shares, or the forward's borrows); inside a capture the
+//!   device refuses allocations, host copies and reads. Within one forward no two live
+//!   tensors, and no static input and any other tensor, share a pool buffer; replays of
+//!   different sizes, which share buffers, never overlap.
 //!
 //! ## Where it sits
 //! Depends on `attention` (the traits it implements) and `kv-pool` (the store trait and its
@@ -87,7 +89,10 @@ pub use backend::{CudaBackend, CudaConfig, CudaPlan};
 pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
 pub use device::{packed_args, Device, KernelArg, LaunchConfig};
 pub use gemm::{GemmChoice, GemmPath};
-pub use graph::{capture_bs, route, CudaGraphConfig, CudaGraphRunner, DecodeForward, GraphRoute};
+pub use graph::{
+    capture_bs, route, CudaGraphConfig, CudaGraphRunner, DecodeForward, GraphMemory, GraphRoute,
+    SizeMemory,
+};
 #[cfg(feature = "rocm")]
 pub use hip_device::{HipDevice, HipError, HipReport};
 pub use specs::{Source, Spec};

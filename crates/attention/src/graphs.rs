@@ -36,4 +36,7 @@ pub trait DecodeGraphs<B: Backend>: Send {
 
     /// The captured batch sizes, ascending (for `kvserve info` and the server's report).
     fn captured_bs(&self) -> Vec<usize>;
+
+    /// Bytes of device memory the captured graphs hold (for the start-up log).
+    fn memory_bytes(&self) -> usize;
 }

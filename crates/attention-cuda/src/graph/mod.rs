@@ -9,18 +9,36 @@
 //! whose requests fit [`CudaGraphConfig::max_context_len`] ([`route`]), and leaves the rest
 //! (larger batches, longer requests; extend batches never reach it) to the eager forward. Capture-safety is enforced, not assumed: inside the capture the device refuses
 //! allocations, host copies and reads ([`Device::begin_capture`]); the backend serves its
-//! buffers from the batch size's [`pool::GraphPool`] (allocated by a warmup forward), its
-//! uploads (page table, write list, rotary table, ids) become static inputs refilled before
-//! each replay, and before each replay the forward's launches are checked to equal the
-//! captured ones. Padded requests hold one position at [`Slot::PADDING`] (SGLang's padding
-//! slot 0, never allocated), and their token id is 0.
+//! buffers from one [`pool::GraphPool`] that every captured size shares (PyTorch's graph memory
+//! pool, into which SGLang captures every size, largest first; each size's warmup forward
+//! takes its buffers, allocating only what the pool lacks), its uploads (page table, write
+//! list, rotary table, ids) become static inputs refilled before each replay, and before each
+//! replay the forward's launches are checked to equal the captured ones. Padded requests hold
+//! one position at [`Slot::PADDING`] (SGLang's padding slot 0, never allocated), and their
+//! token id is 0.
 //!
 //! Differences from eager, by design: the split-KV plan is made for
 //! [`CudaGraphConfig::max_context_len`] (the grid is fixed) and GEMMs take the tiled kernel.
 //!
+//! ## Graph memory
+//! Sharing is sound because replays never overlap (one stream, one replay at a time, its
+//! logits read back before the next; see [`pool`] for the rules a buffer is taken by).
+//! [`CudaGraphRunner::memory`] reports the pool and each size's part, and the engine logs the
+//! total at start-up. Before the pool was shared, every size kept one buffer per allocation
+//! of its forward. For a 7B-shaped Llama (Llama-2-7B: hidden 4096, 32 layers, 32 heads of
+//! 128, intermediate 11008, vocabulary 32000; f32 activations, context 4096, page 16) at the
+//! default 23 sizes (1 … 160) that was 13.56 GiB; one pool shared by every size holds
+//! 59.87 MiB in 77 buffers: the largest size's forward asks for 1.29 GiB over 392
+//! allocations, which the pool serves with buffers freed by the forward's dropped tensors,
+//! and no smaller size adds a byte. Computed from the pool's recorded allocations on a device
+//! that only counts bytes (no GPU; the figures are exact for this host logic, not a
+//! measurement of a GPU's allocator):
+//! `cargo test -p attention-cuda-emu --test graph_memory 7b -- --nocapture`.
+//!
 //! On the `rocm` backend (HipDevice) nothing is captured: it launches on the null stream,
 //! where HIP graphs cannot capture, so its `begin_capture` refuses and the engine runs eager.
 
+mod memory;
 pub mod pool;
 mod routing;
 
@@ -33,7 +51,8 @@ use crate::backend::CudaBackend;
 use crate::device::Device;
 use crate::plan::PLAN_HEADER;
 use crate::tensor::CudaTensor;
-use pool::{GraphPool, Phase};
+pub use memory::{human_bytes, GraphMemory, SizeMemory};
+use pool::{GraphPool, GraphTape, Phase};
 
 /// SGLang's flags for CUDA graphs, and what the pools are sized for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,13 +99,10 @@ pub fn capture_bs(cuda_graph_max_bs: Option<usize>, max_running_requests: usize)
 /// The decode forward a runner captures (see [`attention::DecodeForward`]).
 pub type DecodeForward<'a, D> = attention::DecodeForward<'a, CudaBackend<D>>;
 
-/// A pass's pool and the forward's result (see `CudaGraphRunner::pass`).
-type PassResult<D> = (GraphPool<<D as Device>::Buffer>, Result<CudaTensor<D>>);
-
-/// One captured batch size.
+/// One captured batch size: its graph, and its tape over the shared pool.
 struct Captured<D: Device> {
     graph: D::Graph,
-    pool: GraphPool<D::Buffer>,
+    tape: GraphTape,
 }
 
 /// How a decode batch runs (SGLang's `CudaGraphRunner.can_run` and its bisect over the
@@ -194,6 +210,8 @@ pub struct CudaGraphRunner<D: Device> {
     backend: CudaBackend<D>,
     config: CudaGraphConfig,
     graphs: BTreeMap<usize, Captured<D>>,
+    /// The memory every graph's buffers lie in; replaced only with every graph dropped.
+    pool: GraphPool<D::Buffer>,
 }
 
 impl<D: Device> std::fmt::Debug for CudaGraphRunner<D> {
@@ -214,6 +232,7 @@ impl<D: Device> CudaGraphRunner<D> {
             backend: backend.clone(),
             config,
             graphs: BTreeMap::new(),
+            pool: GraphPool::new(),
         })
     }
 
@@ -244,11 +263,33 @@ impl<D: Device> CudaGraphRunner<D> {
         )
     }
 
-    /// `(launches, static buffers)` of the graph captured for `bs`.
+    /// `(launches, allocations)` of the graph captured for `bs` (each allocation and upload
+    /// of its forward is served by one buffer of the shared pool).
     pub fn graph_size(&self, bs: usize) -> Option<(usize, usize)> {
         self.graphs
             .get(&bs)
-            .map(|c| (c.pool.launches(), c.pool.buffers()))
+            .map(|c| (c.tape.launches(), c.tape.allocations()))
+    }
+
+    /// The device memory the graphs hold: the shared pool, and each size's part of it.
+    pub fn memory(&self) -> GraphMemory {
+        let device = self.backend.device();
+        GraphMemory {
+            pool_bytes: self.pool.bytes(device),
+            pool_buffers: self.pool.buffers(),
+            sizes: self
+                .graphs
+                .iter()
+                .rev()
+                .map(|(&bs, c)| SizeMemory {
+                    bs,
+                    launches: c.tape.launches(),
+                    allocations: c.tape.allocations(),
+                    requested_bytes: c.tape.requested_bytes(),
+                    added_bytes: c.tape.added_bytes(),
+                })
+                .collect(),
+        }
     }
 
     fn pool_bytes(&self, bs: usize) -> usize {
@@ -259,28 +300,36 @@ impl<D: Device> CudaGraphRunner<D> {
         (PLAN_HEADER + 2 * bs + (bs + 1) + bs * pages) * 4
     }
 
-    /// Runs the forward with `pool` installed in phase `phase`. `Err`: the pool could not be
-    /// installed or taken back (lost with its graph); otherwise the pool and the forward's
-    /// result.
+    /// Runs the forward with the pool installed over `tape` in phase `phase`. `Err`: the pool
+    /// could not be installed (the tape is lost with its graph) or taken back (every graph is
+    /// dropped, as their buffers are gone); otherwise the tape and the forward's result.
     fn pass(
-        &self,
-        mut pool: GraphPool<D::Buffer>,
+        &mut self,
+        tape: GraphTape,
         phase: Phase,
         meta: &BatchMetadata,
         ids: &[u32],
         forward: &mut DecodeForward<'_, D>,
-    ) -> Result<PassResult<D>> {
-        pool.start(phase);
-        self.backend.install_graph_pool(pool)?;
+    ) -> Result<(GraphTape, Result<CudaTensor<D>>)> {
+        self.pool.start(phase, tape);
+        self.backend.install_graph_pool(&mut self.pool)?;
         let out = forward(&self.backend, meta, ids);
-        let pool = self.backend.take_graph_pool().ok_or_else(|| {
-            AttentionError::Device("CUDA graph: the pool was taken during the forward".into())
-        })?;
-        let out = out.and_then(|t| pool.finish().map(|()| t));
-        Ok((pool, out))
+        let Some(pool) = self.backend.take_graph_pool() else {
+            self.graphs.clear();
+            return Err(AttentionError::Device(
+                "CUDA graph: the pool was taken during the forward".into(),
+            ));
+        };
+        self.pool = pool;
+        let (tape, done) = self.pool.end();
+        Ok((tape, out.and_then(|t| done.map(|()| t))))
     }
 
-    fn capture_one(&self, bs: usize, forward: &mut DecodeForward<'_, D>) -> Result<Captured<D>> {
+    fn capture_one(
+        &mut self,
+        bs: usize,
+        forward: &mut DecodeForward<'_, D>,
+    ) -> Result<Captured<D>> {
         let slots = [Slot::PADDING];
         let kvs = vec![
             RequestKv {
@@ -291,27 +340,29 @@ impl<D: Device> CudaGraphRunner<D> {
         ];
         let meta = BatchMetadata::new_decode(self.config.page_size, &kvs)?;
         let ids = vec![0u32; bs];
-        let pool = GraphPool::new(self.pool_bytes(bs), self.config.max_context_len);
-        let (pool, warm) = self.pass(pool, Phase::Warmup, &meta, &ids, forward)?;
+        let tape = GraphTape::new(self.pool_bytes(bs), self.config.max_context_len);
+        let (tape, warm) = self.pass(tape, Phase::Warmup, &meta, &ids, forward)?;
         drop(warm?);
         self.backend.device().begin_capture()?;
-        let pass = self.pass(pool, Phase::Capture, &meta, &ids, forward);
+        let pass = self.pass(tape, Phase::Capture, &meta, &ids, forward);
         let graph = self.backend.device().end_capture();
-        let (pool, out) = pass?;
+        let (tape, out) = pass?;
         drop(out?);
         Ok(Captured {
             graph: graph?,
-            pool,
+            tape,
         })
     }
 }
 
 impl<D: Device> DecodeGraphs<CudaBackend<D>> for CudaGraphRunner<D> {
-    /// Captures `forward` for every size of [`capture_bs`], largest first (SGLang's order),
-    /// each after a warmup forward of a padding batch (which writes only the padding slot).
-    /// On an error nothing stays captured.
+    /// Captures `forward` for every size of [`capture_bs`] into one fresh pool, largest
+    /// first (SGLang's order, so the smaller sizes find the buffers they need), each after a
+    /// warmup forward of a padding batch (which writes only the padding slot). On an error
+    /// nothing stays captured.
     fn capture(&mut self, forward: &mut DecodeForward<'_, D>) -> Result<()> {
         self.graphs.clear();
+        self.pool = GraphPool::new();
         let sizes = capture_bs(
             self.config.cuda_graph_max_bs,
             self.config.max_running_requests,
@@ -323,6 +374,7 @@ impl<D: Device> DecodeGraphs<CudaBackend<D>> for CudaGraphRunner<D> {
                 }
                 Err(e) => {
                     self.graphs.clear();
+                    self.pool = GraphPool::new();
                     return Err(e);
                 }
             }
@@ -364,13 +416,16 @@ impl<D: Device> DecodeGraphs<CudaBackend<D>> for CudaGraphRunner<D> {
         let Some(captured) = self.graphs.remove(&padded) else {
             return Ok(None);
         };
-        let (pool, out) = self.pass(captured.pool, Phase::Feed, &meta, &ids, forward)?;
+        let (tape, out) = self.pass(captured.tape, Phase::Feed, &meta, &ids, forward)?;
         let graph = captured.graph;
         let result = out.and_then(|out| {
             // SAFETY: the feed pass just checked that the forward's launches, buffers by
-            // address, are the captured ones. Those buffers are the pool's (owned by `pool`,
-            // alive until it is put back below) or ones the forward reads (weights, the KV
-            // store), which `forward`, borrowed for this call, keeps alive until it returns.
+            // address, are the captured ones. Those buffers are the shared pool's (owned by
+            // `self.pool`, which is replaced only after every graph is dropped) or ones the
+            // forward reads (weights, the KV store), which `forward`, borrowed for this call,
+            // keeps alive until it returns. No other graph's replay runs meanwhile (`&mut
+            // self`, one stream), and the logits are read back below before this returns, so
+            // the buffers this graph shares with the other sizes hold this replay's data.
             // Inside the forward's passes the backend refuses to create a KV store and the
             // device refuses allocations while capturing, so no buffer a launch names was made
             // and dropped by the forward itself. So the replay runs exactly the launches an
@@ -381,12 +436,16 @@ impl<D: Device> DecodeGraphs<CudaBackend<D>> for CudaGraphRunner<D> {
             let per_row = all.len().checked_div(rows).unwrap_or(0);
             Ok(all[..bs.min(rows) * per_row].to_vec())
         });
-        self.graphs.insert(padded, Captured { graph, pool });
+        self.graphs.insert(padded, Captured { graph, tape });
         result.map(Some)
     }
 
     fn captured_bs(&self) -> Vec<usize> {
         CudaGraphRunner::captured_bs(self)
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.memory().pool_bytes
     }
 }
 

@@ -12,16 +12,17 @@ use crate::backend::CudaBackend;
 use crate::device::Device;
 
 impl<D: Device> CudaBackend<D> {
-    /// Installs the pool the backend's ops go through; refused while another is installed
-    /// (a second runner on a clone of this backend mid-pass).
-    pub(crate) fn install_graph_pool(&self, pool: GraphPool<D::Buffer>) -> Result<()> {
+    /// Moves `pool` into the backend, where its ops go through it; refused, `pool` left as
+    /// it was, while another is installed (a second runner on a clone of this backend
+    /// mid-pass).
+    pub(crate) fn install_graph_pool(&self, pool: &mut GraphPool<D::Buffer>) -> Result<()> {
         let mut slot = self.graph_slot();
         if slot.is_some() {
             return Err(AttentionError::Device(
                 "CUDA graph: another capture or replay is using this backend".into(),
             ));
         }
-        *slot = Some(pool);
+        *slot = Some(std::mem::take(pool));
         Ok(())
     }
 

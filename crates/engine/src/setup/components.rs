@@ -330,8 +330,12 @@ fn enable_cuda_graphs<D: attention_cuda::Device + 'static>(
         .map_err(|e| EngineError::arg("--cuda-graph-max-bs", e.to_string()))?;
     match runner.enable_decode_graphs(Box::new(graphs)) {
         Ok(()) => eprintln!(
-            "kvserve: CUDA graphs captured for decode bs {:?}",
-            runner.cuda_graph_bs()
+            "kvserve: CUDA graphs captured for decode bs {:?} ({} of graph memory, one pool \
+             shared by every size)",
+            runner.cuda_graph_bs(),
+            attention_cuda::graph::human_bytes(
+                runner.decode_graphs().map_or(0, |g| g.memory_bytes())
+            )
         ),
         Err(e) => eprintln!("kvserve: CUDA graphs off: the decode forward cannot be captured ({e}); decode runs eagerly"),
     }
