@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use attention::conformance::nonzero_vec;
-use attention::{Backend, CpuBackend};
+use attention::{Backend, CpuBackend, TensorDtype};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kv_pool::rng::SplitMix64;
 
@@ -42,17 +42,20 @@ fn gemm_ref(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32])
 fn matmul(c: &mut Criterion) {
     let backend = CpuBackend::default();
     let mut rng = SplitMix64::new(7);
-    for (m, k, n) in [
-        (1usize, 4096usize, 4096usize),
-        (16, 4096, 4096),
-        (256, 4096, 1024),
+    for (m, k, n, dtype) in [
+        (1usize, 4096usize, 4096usize, TensorDtype::F32),
+        (16, 4096, 4096, TensorDtype::F32),
+        (256, 4096, 1024, TensorDtype::F32),
+        // A SmolLM2-135M prompt of 512 tokens through its MLP's up projection.
+        (512, 576, 1536, TensorDtype::F32),
+        (512, 576, 1536, TensorDtype::F16),
     ] {
         let x = nonzero_vec(&mut rng, m * k);
         let w = nonzero_vec(&mut rng, n * k);
         let xt = backend.upload(&x, &[m, k]).unwrap();
-        let wt = backend.upload(&w, &[n, k]).unwrap();
+        let wt = backend.upload_weight(&w, &[n, k], dtype).unwrap();
         let mut dst = vec![0.0; m * n];
-        let mut g = c.benchmark_group(format!("matmul/{m}x{k}x{n}"));
+        let mut g = c.benchmark_group(format!("matmul/{m}x{k}x{n}/{dtype:?}"));
         g.throughput(Throughput::Elements((m * k * n) as u64));
         g.sample_size(10);
         g.bench_function("cpu_backend", |b| {

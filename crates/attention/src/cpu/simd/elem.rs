@@ -73,6 +73,26 @@ impl Elem for Bf16 {
     }
 }
 
+/// Widens `n` elements of `E` at `src` to f32 into `out`, exactly.
+///
+/// # Safety
+/// `src` must be valid for `n` elements of `E`, `out` for `n` f32 writes; the CPU must have
+/// AVX2, FMA and F16C.
+#[inline(always)]
+pub(super) unsafe fn widen<E: Elem>(src: *const u8, n: usize, out: *mut f32) {
+    // SAFETY: every access is below `n` elements (function contract).
+    unsafe {
+        let mut e = 0;
+        while e + 8 <= n {
+            _mm256_storeu_ps(out.add(e), E::load8(src.add(e * E::BYTES)));
+            e += 8;
+        }
+        for e in e..n {
+            *out.add(e) = E::load1(src.add(e * E::BYTES));
+        }
+    }
+}
+
 /// The lanes of `a` summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
 ///
 /// # Safety

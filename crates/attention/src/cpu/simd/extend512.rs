@@ -24,7 +24,7 @@
 use std::arch::x86_64::*;
 
 use super::super::primitives::{Geom, BLOCK};
-use super::elem::{Bf16, Elem, F16, F32};
+use super::elem::{widen, Bf16, Elem, F16, F32};
 use super::exp::exp16;
 
 /// Query tokens that must see a block for it to be staged (fewer: the in-place kernel).
@@ -102,26 +102,6 @@ pub(crate) struct Staged<'a> {
     pub tiles: usize,
 }
 
-/// Converts `n` elements of `E` at `src` to f32 into `out`.
-///
-/// # Safety
-/// `src` must be valid for `n` elements of `E`, `out` for `n` f32 writes; the CPU must have
-/// AVX2, FMA and F16C.
-#[inline(always)]
-unsafe fn convert<E: Elem>(src: *const u8, n: usize, out: *mut f32) {
-    // SAFETY: every access is below `n` elements (function contract).
-    unsafe {
-        let mut e = 0;
-        while e + 8 <= n {
-            _mm256_storeu_ps(out.add(e), E::load8(src.add(e * E::BYTES)));
-            e += 8;
-        }
-        for e in e..n {
-            *out.add(e) = E::load1(src.add(e * E::BYTES));
-        }
-    }
-}
-
 /// Stages the block's rows `k[j]`, `v[j]` (`j < k.len() ≤ BLOCK`) into `ks` and `vs` as
 /// [`Staged`] lays them out (lengths at least [`block_len`]).
 ///
@@ -151,8 +131,8 @@ unsafe fn stage<E: Elem>(
             // elements at `voff` into the V row (function contract); `ko` and `vo` hold `d` and
             // `dv` f32 (sliced above).
             unsafe {
-                convert::<E>(k[j].add(gk * d * E::BYTES), d, ko.as_mut_ptr());
-                convert::<E>(v[j].add(voff), dv, vo.as_mut_ptr());
+                widen::<E>(k[j].add(gk * d * E::BYTES), d, ko.as_mut_ptr());
+                widen::<E>(v[j].add(voff), dv, vo.as_mut_ptr());
             }
         }
     }

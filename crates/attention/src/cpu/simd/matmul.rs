@@ -69,7 +69,12 @@ pub(super) fn blocking(
     out: &ColumnBlock<'_>,
 ) -> (usize, usize) {
     assert!(k > 0 && x.len() % k == 0 && w.len() >= out.cols().end * k * bytes);
-    (x.len() / k, (65536 * 4 / (k * bytes)).max(12))
+    (x.len() / k, block_rows(k, bytes))
+}
+
+/// Weight rows per cache block: 256 KiB of rows of `k` elements of `bytes` each (at least 12).
+pub(super) fn block_rows(k: usize, bytes: usize) -> usize {
+    (65536 * 4 / (k * bytes)).max(12)
 }
 
 /// Defines `$name`, the matmul of this module (`matmul::<$elem>` where it is invoked) compiled
