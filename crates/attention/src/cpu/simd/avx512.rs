@@ -16,12 +16,15 @@
 //! two (f32) or four weight rows at a time, which read the weight almost as one sequential
 //! stream, each prefetching the next tile's bytes line after line (`stream_tiles`).
 //!
-//! A batch of many rows (a prefill) with f16 weights widens each cache block of weight rows to
-//! f32 once (exact), so the tiles load f32 pairs instead of converting the same 16-bit pairs
-//! again for every 8 rows: 4 % on a SmolLM2 MLP projection of 512 rows, as fast as f32 weights
-//! (`matmul/512x576x1536` in the `matmul` bench).
+//! A batch of many rows (a prefill: at least 32) stages each cache block of weight rows once,
+//! as f32 (f16 widened exactly) with the two rows of each pair interleaved 8 elements at a time,
+//! so a tile loads a pair's chunk with one 512-bit load instead of two loads, an insert and (for
+//! f16) a conversion, again for every 8 rows: the same products in the same order. On a SmolLM2
+//! MLP projection of 512 rows (`matmul/512x576x1536` in the `matmul` bench) that took f16
+//! weights from 5.55 to 4.47 ms and f32 from 5.09 to 4.51.
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
 use std::sync::OnceLock;
 
 use super::super::columns::ColumnBlock;
@@ -51,13 +54,9 @@ pub(crate) trait Elem512: Elem {
     /// `lo` and `hi` must each be valid for reading `8 × BYTES` bytes (any alignment), and the
     /// CPU must have AVX-512F ([`available`]).
     unsafe fn load8x2(lo: *const u8, hi: *const u8) -> __m512;
-    /// Whether a batch of many rows runs on weight blocks widened to f32 first
-    /// ([`matmul_tiles`]): the widening is exact, so the results are the same.
-    const WIDEN: bool;
 }
 
 impl Elem512 for F32 {
-    const WIDEN: bool = false;
     #[inline(always)]
     unsafe fn load8x2(lo: *const u8, hi: *const u8) -> __m512 {
         // SAFETY: the caller guarantees 32 readable bytes at each pointer and AVX-512F.
@@ -87,12 +86,64 @@ unsafe fn load16x2(lo: *const u8, hi: *const u8) -> __m256i {
 }
 
 impl Elem512 for F16 {
-    const WIDEN: bool = true;
     #[inline(always)]
     unsafe fn load8x2(lo: *const u8, hi: *const u8) -> __m512 {
         // SAFETY: the caller guarantees 16 readable bytes at each pointer and AVX-512F (which
         // has the 16-lane half conversion); the conversion is exact.
         unsafe { _mm512_cvtph_ps(load16x2(lo, hi)) }
+    }
+}
+
+/// Where a tile's `P` pairs of weight rows are read from: chunk `ch` of pair `p` (elements
+/// `8ch .. 8ch + 8` of its low row in lanes 0–7, of its high row in lanes 8–15, as f32) and
+/// its tail elements one by one.
+trait PairSource<const P: usize> {
+    /// # Safety
+    /// `p < P`, the chunk within the rows; the CPU must have AVX-512F ([`available`]).
+    unsafe fn chunk(&self, p: usize, ch: usize) -> __m512;
+    /// Element `e` of row `s` (0 low, 1 high) of pair `p`, as f32.
+    ///
+    /// # Safety
+    /// `p < P`, `s < 2`, `e` within the rows.
+    unsafe fn tail(&self, p: usize, s: usize, e: usize) -> f32;
+}
+
+/// Pairs of rows of `E` where the weight lies: `[low, high]` row starts.
+struct RowPairs<E, const P: usize>([[*const u8; 2]; P], std::marker::PhantomData<E>);
+
+impl<E: Elem512, const P: usize> PairSource<P> for RowPairs<E, P> {
+    #[inline(always)]
+    unsafe fn chunk(&self, p: usize, ch: usize) -> __m512 {
+        let off = ch * 8 * E::BYTES;
+        // SAFETY: forwarded contract (the chunk lies within both rows).
+        unsafe { E::load8x2(self.0[p][0].add(off), self.0[p][1].add(off)) }
+    }
+    #[inline(always)]
+    unsafe fn tail(&self, p: usize, s: usize, e: usize) -> f32 {
+        // SAFETY: forwarded contract.
+        unsafe { E::load1(self.0[p][s].add(e * E::BYTES)) }
+    }
+}
+
+/// Pairs of f32 rows staged interleaved ([`interleave`]): pair `p` starts at `at[p]`, its
+/// chunk `ch` is the 16 f32 at `16·ch` (one load), its tails follow the chunks, the low row's
+/// `tail` elements then the high row's.
+struct Interleaved<const P: usize> {
+    at: [*const f32; P],
+    chunks: usize,
+    tail: usize,
+}
+
+impl<const P: usize> PairSource<P> for Interleaved<P> {
+    #[inline(always)]
+    unsafe fn chunk(&self, p: usize, ch: usize) -> __m512 {
+        // SAFETY: forwarded contract (16 f32 of the staged pair).
+        unsafe { _mm512_loadu_ps(self.at[p].add(16 * ch)) }
+    }
+    #[inline(always)]
+    unsafe fn tail(&self, p: usize, s: usize, e: usize) -> f32 {
+        // SAFETY: forwarded contract (`e` is a tail element: `8·chunks ≤ e < 8·chunks + tail`).
+        unsafe { *self.at[p].add(16 * self.chunks + s * self.tail + e - 8 * self.chunks) }
     }
 }
 
@@ -102,13 +153,13 @@ impl Elem512 for F16 {
 /// line after line (hints: no effect on the result, and they never fault).
 ///
 /// # Safety
-/// Every `a[h]` must be valid for `d` f32 reads, every `b[p][s]` for `d` elements of `E`, and
-/// the CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C.
+/// Every `a[h]` must be valid for `d` f32 reads, `b` must hold its `P` pairs of `d` elements,
+/// and the CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
-unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
+unsafe fn dot_tile2<S: PairSource<P>, const H: usize, const P: usize>(
     a: &[*const f32; H],
-    b: &[[*const u8; 2]; P],
+    b: &S,
     d: usize,
     (next, per): (*const u8, usize),
 ) -> [[[f32; H]; 2]; P] {
@@ -119,14 +170,13 @@ unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
         let mut c = [[_mm512_setzero_ps(); H]; P];
         let chunks = d / 8;
         for ch in 0..chunks {
-            let off = ch * 8 * E::BYTES;
             for q in 0..per {
                 let at = next.wrapping_add((ch * per + q) * 64);
                 _mm_prefetch::<_MM_HINT_T0>(at.cast());
             }
             let mut w = [_mm512_setzero_ps(); P];
             for p in 0..P {
-                w[p] = E::load8x2(b[p][0].add(off), b[p][1].add(off));
+                w[p] = b.chunk(p, ch);
             }
             for h in 0..H {
                 let x = _mm256_castps_pd(_mm256_loadu_ps(a[h].add(ch * 8)));
@@ -172,7 +222,7 @@ unsafe fn dot_tile2<E: Elem512, const H: usize, const P: usize>(
                 for h in 0..H {
                     let o = &mut out[p][s][h];
                     for e in chunks * 8..d {
-                        *o = (*a[h].add(e)).mul_add(E::load1(b[p][s].add(e * E::BYTES)), *o);
+                        *o = (*a[h].add(e)).mul_add(b.tail(p, s, e), *o);
                     }
                 }
             }
@@ -206,71 +256,212 @@ unsafe fn matmul_tiles<E: Elem512, const STREAM: bool>(
         unsafe { stream_tiles::<E>(x, w, k, m, cols, out) };
         return;
     }
-    if E::WIDEN && m >= WIDEN_MIN_ROWS {
-        // Each block of weight rows widened to f32 once, for all the rows of x: the tiles
-        // then load f32 pairs (one load and an insert) instead of converting 16-bit pairs
-        // again for every 8 rows. Blocks of f32's size, so a widened block stays in cache.
+    if m >= STAGE_MIN_ROWS {
+        // Each block of weight rows staged once as interleaved f32 pairs, for all the rows of
+        // x: the tiles then load a pair's chunk with one load, instead of two loads and an
+        // insert (and, for 16-bit weights, a conversion) again for every 8 rows. Blocks of
+        // f32's size, so a staged block stays in cache.
         let nb = block_rows(k, 4);
-        let mut wide = WIDENED.take();
-        wide.resize(nb * k, 0.0);
+        let mut staged = STAGED.take();
+        staged.resize(nb.next_multiple_of(2) * k, 0.0);
         for j0 in cols.clone().step_by(nb) {
             let js = j0..(j0 + nb).min(cols.end);
             let src = &w[j0 * k * E::BYTES..js.end * k * E::BYTES];
-            let dst = &mut wide[..js.len() * k];
-            assert!(src.len() == dst.len() * E::BYTES);
-            // SAFETY: `src` holds `dst.len()` elements of E (asserted); the CPU per contract.
-            unsafe { widen::<E>(src.as_ptr(), dst.len(), dst.as_mut_ptr()) };
-            let wb: &[u8] = bytemuck::cast_slice(dst);
-            // SAFETY: `wb` holds the rows `js` of w as f32 from row j0 on; the rest as below.
-            unsafe { row_tiles::<F32>(x, wb, k, m, js, j0, out) };
+            let dst = &mut staged[..js.len().next_multiple_of(2) * k];
+            // SAFETY: the CPU per contract; lengths are asserted.
+            unsafe { interleave::<E>(src, k, dst) };
+            // SAFETY: `dst` holds the rows `js` staged as pairs; the rest as below.
+            unsafe { row_tiles(&StagedPairs { block: dst, js }, x, k, m, out) };
         }
-        WIDENED.set(wide);
+        STAGED.set(staged);
         return;
     }
     for j0 in cols.clone().step_by(nb) {
         let js = j0..(j0 + nb).min(cols.end);
+        let t = InPlace::<E> {
+            w,
+            js,
+            elem: PhantomData,
+        };
         // SAFETY: forwarded contract; `blocking` asserted the lengths.
-        unsafe { row_tiles::<E>(x, w, k, m, js, 0, out) };
+        unsafe { row_tiles(&t, x, k, m, out) };
     }
 }
 
-/// Rows of `x` at least this many take widened weight blocks (16-bit weights; fewer rows
-/// convert in registers: a widened block would serve too few tiles).
-const WIDEN_MIN_ROWS: usize = 4 * MR;
+/// Rows of `x` at least this many take staged weight blocks (fewer rows read the weight in
+/// place: a staged block would serve too few tiles).
+const STAGE_MIN_ROWS: usize = 4 * MR;
 
 thread_local! {
-    /// Per thread: the block of 16-bit weight rows widened to f32 (see [`matmul_tiles`]).
-    static WIDENED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// Per thread: the block of weight rows staged as interleaved f32 pairs (see
+    /// [`matmul_tiles`]).
+    static STAGED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// All `m` rows of `x` against the weight rows `js`, tile by tile (`w` holds them from row
-/// `j_base` on).
+/// Stages the rows of `src` (`k` elements of `E` each) into `dst` as interleaved f32 pairs
+/// ([`Interleaved`]): pair `q` (rows `2q`, `2q + 1`; a missing last high row is zeros) takes
+/// `2k` f32 from `2k·q`, chunk by chunk of 8 elements of each row, then the low row's tail, then
+/// the high row's. Widening is exact, so the tiles compute the same products.
 ///
 /// # Safety
-/// As [`matmul_tile`].
+/// The CPU must have AVX2, FMA and F16C. (Lengths are asserted.)
 #[inline(always)]
-unsafe fn row_tiles<E: Elem512>(
+unsafe fn interleave<E: Elem>(src: &[u8], k: usize, dst: &mut [f32]) {
+    let rows = src.len() / (k * E::BYTES);
+    assert!(src.len() == rows * k * E::BYTES && dst.len() == rows.next_multiple_of(2) * k);
+    let (chunks, tail) = (k / 8, k % 8);
+    let mut row = vec![0.0f32; k];
+    for (q, pair) in dst.chunks_exact_mut(2 * k).enumerate() {
+        for s in 0..2 {
+            let r = 2 * q + s;
+            if r < rows {
+                let bytes = &src[r * k * E::BYTES..][..k * E::BYTES];
+                // SAFETY: `bytes` holds `k` elements of E and `row` k f32; the CPU per contract.
+                unsafe { widen::<E>(bytes.as_ptr(), k, row.as_mut_ptr()) };
+            } else {
+                row.fill(0.0);
+            }
+            for ch in 0..chunks {
+                pair[16 * ch + 8 * s..][..8].copy_from_slice(&row[8 * ch..][..8]);
+            }
+            pair[16 * chunks + s * tail..][..tail].copy_from_slice(&row[8 * chunks..]);
+        }
+    }
+}
+
+/// Rows `i0 .. i0 + H` of `x` against the weight rows `js` staged in `block` as interleaved
+/// pairs: `P` pairs at a time, then single pairs (the high row of a last odd pair is zeros and
+/// its column is not written).
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C. (Rows are sliced with bounds
+/// checks.)
+#[inline(always)]
+unsafe fn pair_tile<const H: usize, const P: usize>(
     x: &[f32],
-    w: &[u8],
+    block: &[f32],
     k: usize,
-    m: usize,
+    i0: usize,
     js: std::ops::Range<usize>,
-    j_base: usize,
     out: &mut ColumnBlock<'_>,
 ) {
+    let a: [*const f32; H] = std::array::from_fn(|i| x[(i0 + i) * k..][..k].as_ptr());
+    let pairs = js.len().div_ceil(2);
+    assert!(block.len() >= pairs * 2 * k);
+    let pair = |q: usize| block[q * 2 * k..][..2 * k].as_ptr();
+    let (chunks, tail) = (k / 8, k % 8);
+    let mut put = |q: usize, t: &[[[f32; H]; 2]]| {
+        for (p, two) in t.iter().enumerate() {
+            for (s, col) in two.iter().enumerate() {
+                let j = js.start + 2 * (q + p) + s;
+                if j < js.end {
+                    for (h, &v) in col.iter().enumerate() {
+                        out.set(i0 + h, j, v);
+                    }
+                }
+            }
+        }
+    };
+    let mut q = 0;
+    while q + P <= pairs {
+        let src = Interleaved::<P> {
+            at: std::array::from_fn(|p| pair(q + p)),
+            chunks,
+            tail,
+        };
+        // SAFETY: the x rows hold k f32 and each staged pair 2k (sliced); CPU per contract.
+        let t = unsafe { dot_tile2::<_, H, P>(&a, &src, k, (std::ptr::null(), 0)) };
+        put(q, &t);
+        q += P;
+    }
+    while q < pairs {
+        let src = Interleaved::<1> {
+            at: [pair(q)],
+            chunks,
+            tail,
+        };
+        // SAFETY: as above, one pair.
+        let t = unsafe { dot_tile2::<_, H, 1>(&a, &src, k, (std::ptr::null(), 0)) };
+        put(q, &t);
+        q += 1;
+    }
+}
+
+/// Where a matmul's tiles read a set of weight rows: in place ([`InPlace`]) or staged as
+/// interleaved pairs ([`StagedPairs`]).
+trait Tiles {
+    /// Rows `i0 .. i0 + H` of `x` (`k` each) against all the weight rows, `P` pairs at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C.
+    unsafe fn tile<const H: usize, const P: usize>(
+        &self,
+        x: &[f32],
+        k: usize,
+        i0: usize,
+        out: &mut ColumnBlock<'_>,
+    );
+}
+
+/// The rows `js` of a weight `w` of `E`, read in place ([`matmul_tile`]).
+struct InPlace<'a, E> {
+    w: &'a [u8],
+    js: std::ops::Range<usize>,
+    elem: PhantomData<E>,
+}
+
+impl<E: Elem512> Tiles for InPlace<'_, E> {
+    #[inline(always)]
+    unsafe fn tile<const H: usize, const P: usize>(
+        &self,
+        x: &[f32],
+        k: usize,
+        i0: usize,
+        out: &mut ColumnBlock<'_>,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { matmul_tile::<E, H, P>(x, self.w, k, i0, self.js.clone(), out, false) }
+    }
+}
+
+/// The rows `js` of a weight staged in `block` as interleaved f32 pairs ([`pair_tile`]).
+struct StagedPairs<'a> {
+    block: &'a [f32],
+    js: std::ops::Range<usize>,
+}
+
+impl Tiles for StagedPairs<'_> {
+    #[inline(always)]
+    unsafe fn tile<const H: usize, const P: usize>(
+        &self,
+        x: &[f32],
+        k: usize,
+        i0: usize,
+        out: &mut ColumnBlock<'_>,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { pair_tile::<H, P>(x, self.block, k, i0, self.js.clone(), out) }
+    }
+}
+
+/// All `m` rows of `x` against the weight rows of `t`, tile by tile.
+///
+/// # Safety
+/// As [`Tiles::tile`]; `x` must hold `m` rows (they are sliced with bounds checks).
+#[inline(always)]
+unsafe fn row_tiles<T: Tiles>(t: &T, x: &[f32], k: usize, m: usize, out: &mut ColumnBlock<'_>) {
     // Plain loops, no closure (see `dot_tile2`).
     for i0 in (0..m).step_by(MR) {
         macro_rules! tile_rows {
             ($($h:literal => $p:literal),*) => {
                 match (m - i0).min(MR) {
-                    $($h => matmul_tile::<E, $h, $p>(x, w, k, i0, js.clone(), j_base, out, false),)*
-                    _ => matmul_tile::<E, 8, 3>(x, w, k, i0, js.clone(), j_base, out, false),
+                    $($h => t.tile::<$h, $p>(x, k, i0, out),)*
+                    _ => t.tile::<8, 3>(x, k, i0, out),
                 }
             };
         }
-        // SAFETY: rows i0 .. i0 + rows of x and js of w exist (`blocking` asserts the
-        // lengths); the CPU per contract. The fewer the rows, the more weight pairs per
-        // tile (as many accumulators as fit in the 32 registers, and enough chains).
+        // SAFETY: forwarded contract. The fewer the rows, the more weight pairs per tile (as
+        // many accumulators as fit in the 32 registers, and enough chains).
         unsafe { tile_rows!(1 => 6, 2 => 6, 3 => 4, 4 => 4, 5 => 3, 6 => 3, 7 => 3) }
     }
 }
@@ -303,7 +494,7 @@ unsafe fn stream_tiles<E: Elem512>(
     macro_rules! rows {
         ($p:literal; $($h:literal),*) => {
             match m {
-                $($h => matmul_tile::<E, $h, $p>(x, w, k, 0, js, 0, out, true),)*
+                $($h => matmul_tile::<E, $h, $p>(x, w, k, 0, js, out, true),)*
                 _ => unreachable!("m ≤ stream_max_rows"),
             }
         };
@@ -352,28 +543,25 @@ unsafe fn matmul<E: Elem512>(x: &[f32], w: &[u8], k: usize, out: &mut ColumnBloc
     unsafe { matmul_tiles::<E, true>(x, w, k, out) }
 }
 
-/// Rows `i0 .. i0 + H` of `x` against rows `js` of `w` (which holds them from row `j_base`
-/// on), into `out`: `P` pairs of weight rows
+/// Rows `i0 .. i0 + H` of `x` against rows `js` of `w`, into `out`: `P` pairs of weight rows
 /// at a time, then single pairs, then a last odd row through the AVX2 tile (the same
 /// arithmetic). With `stream`, each tile of `P` pairs prefetches the next one's bytes.
 ///
 /// # Safety
 /// The CPU must have AVX-512F, AVX-512VL, AVX2, FMA and F16C. (Rows are sliced with bounds checks.)
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn matmul_tile<E: Elem512, const H: usize, const P: usize>(
     x: &[f32],
     w: &[u8],
     k: usize,
     i0: usize,
     js: std::ops::Range<usize>,
-    j_base: usize,
     out: &mut ColumnBlock<'_>,
     stream: bool,
 ) {
     let a: [*const f32; H] = std::array::from_fn(|i| x[(i0 + i) * k..][..k].as_ptr());
     let rb = k * E::BYTES;
-    let row = |j: usize| w[(j - j_base) * rb..][..rb].as_ptr();
+    let row = |j: usize| w[j * rb..][..rb].as_ptr();
     let mut put = |j: usize, t: &[[[f32; H]; 2]]| {
         for (p, pair) in t.iter().enumerate() {
             for (s, col) in pair.iter().enumerate() {
@@ -398,13 +586,15 @@ unsafe fn matmul_tile<E: Elem512, const H: usize, const P: usize>(
         let next = b[0][0].wrapping_add(tile);
         // SAFETY: the x rows hold k f32 and the 2P w rows k elements of E each (sliced); CPU
         // per contract; the prefetches are hints.
-        let t = unsafe { dot_tile2::<E, H, P>(&a, &b, k, (next, per)) };
+        let t =
+            unsafe { dot_tile2::<_, H, P>(&a, &RowPairs::<E, P>(b, PhantomData), k, (next, per)) };
         put(j, &t);
         j += 2 * P;
     }
     while j + 2 <= js.end {
+        let pair = RowPairs::<E, 1>([[row(j), row(j + 1)]], PhantomData);
         // SAFETY: as above, one pair of w rows, no prefetch.
-        let t = unsafe { dot_tile2::<E, H, 1>(&a, &[[row(j), row(j + 1)]], k, (row(j), 0)) };
+        let t = unsafe { dot_tile2::<_, H, 1>(&a, &pair, k, (row(j), 0)) };
         put(j, &t);
         j += 2;
     }
@@ -474,9 +664,11 @@ mod tests {
             (9, 576, 19),
             (16, 1536, 7),
             (17, 100, 50),
-            // Enough rows for widened 16-bit weight blocks: several blocks, k with a tail.
+            // Enough rows for staged weight blocks: several blocks of an odd number of rows,
+            // k with and without a tail, an odd number of columns.
             (33, 576, 300),
             (40, 13, 30),
+            (36, 20, 7),
         ];
         for (m, k, n) in shapes {
             let x = nonzero_vec(&mut rng, m * k);
