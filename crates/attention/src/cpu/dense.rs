@@ -58,7 +58,7 @@ impl Weights<'_> {
 /// portable 8-lane [`dot`]. The pool's jobs own contiguous blocks of output columns (rows of
 /// `w`), a few per thread ([`column_bounds`]); each runs that kernel on its block. An f16 `w`
 /// gives bitwise what its f32 expansion gives. A bf16 `w` takes `x` rounded to bf16, once per
-/// call before the jobs start, and the dot product of `bf16dot` (`vdpbf16ps` arithmetic),
+/// call before the jobs start (by rows over the pool), and the dot product of `bf16dot` (`vdpbf16ps` arithmetic),
 /// whose kernels all give the same bits, so the invariances hold for it too.
 pub(crate) fn matmul(
     pool: &Pool,
@@ -114,14 +114,21 @@ pub(crate) fn matmul_many(
         );
     }
     // Bf16 weights take the activations rounded to bf16, once for every job (`bf16dot`), in
-    // a recycled buffer (`buffers`; two bf16 per f32 element).
+    // a recycled buffer (`buffers`; two bf16 per f32 element), split by rows over the pool.
     let rounded = jobs
         .iter()
         .any(|(w, _)| matches!(w, Weights::Bf16(_)))
         .then(|| {
             let len = m * bf16dot::padded(k);
             let mut buf = buffers::take(len.div_ceil(2));
-            round_activations(x, k, &mut bytemuck::cast_slice_mut(&mut buf)[..len]);
+            let dst = &mut bytemuck::cast_slice_mut(&mut buf)[..len];
+            // By rows over the pool (each row is rounded alone: the split changes nothing).
+            let per = rows_per_job(pool, x.len(), k);
+            let items: Vec<(&[f32], &mut [u16])> = x
+                .chunks(per * k)
+                .zip(dst.chunks_mut(per * bf16dot::padded(k)))
+                .collect();
+            pool.for_each(items, |(x, dst)| round_activations(x, k, dst));
             (buf, len)
         });
     let xb: &[u16] = rounded
