@@ -51,19 +51,17 @@ impl LoadBalancingPolicy for KvEvents {
             return (0..candidates.len()).min_by_key(|&i| candidates[i].load);
         }
         let index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        let ids = match prompt {
-            Prompt::Tokens(t) => index.block_ids(t),
-            _ => Vec::new(),
+        let matched = match prompt {
+            Prompt::Tokens(t) => {
+                let ids: Vec<WorkerId> = candidates.iter().map(|c| c.id).collect();
+                index.matched_pages_of(&ids, t)
+            }
+            _ => vec![0; candidates.len()],
         };
         (0..candidates.len()).min_by_key(|&i| {
             let c = candidates[i];
-            let matched = if ids.is_empty() {
-                0
-            } else {
-                index.matched_pages(c.id, &ids)
-            };
             (
-                std::cmp::Reverse(matched),
+                std::cmp::Reverse(matched[i]),
                 c.load,
                 index.held_pages(c.id),
                 i,
@@ -73,9 +71,7 @@ impl LoadBalancingPolicy for KvEvents {
 
     fn remove_worker(&self, worker: WorkerId) {
         let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = index.remove_worker(worker) {
-            eprintln!("kvserve: router: forgetting {worker:?}'s pages: {e}");
-        }
+        index.remove_worker(worker);
     }
 }
 
@@ -136,7 +132,7 @@ mod tests {
         // A cleared worker holds nothing; a removed one is forgotten.
         let mut ix = p.index().lock().unwrap();
         ix.apply(WorkerId(2), &[KvEvent::AllBlocksCleared]).unwrap();
-        ix.remove_worker(WorkerId(1)).unwrap();
+        ix.remove_worker(WorkerId(1));
         ix.check().unwrap();
         assert_eq!(ix.held_pages(WorkerId(2)) + ix.held_pages(WorkerId(1)), 0);
         assert_eq!(ix.matched_pages(WorkerId(0), &ids(&a)), 2);

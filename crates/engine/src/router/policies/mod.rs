@@ -10,7 +10,7 @@
 //! - `cache_aware`: [`CacheAware`], sgl-router's approximate tree ([`tree`]) of routed
 //!   prompts per worker, load-balanced when workers are imbalanced;
 //! - `kv_events`: [`KvEvents`], the longest prefix a worker really holds, from the index of
-//!   its KV events ([`kv_index`], a `radix_cache` use), weighed against load.
+//!   its KV events ([`kv_index`]: per worker, a map of block ids), weighed against load.
 
 pub mod cache_aware;
 pub mod kv_events;
