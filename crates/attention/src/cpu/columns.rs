@@ -60,6 +60,24 @@ impl<'a> ColumnBlock<'a> {
         // element while the borrow `'a` lasts.
         unsafe { self.ptr.add(at).write(v) }
     }
+
+    /// Row `i`'s columns `cols` (which must be some of the block's), as a slice: one check for a
+    /// run of stores instead of one per element.
+    #[inline(always)]
+    pub(crate) fn row(&mut self, i: usize, cols: Range<usize>) -> &mut [f32] {
+        let at = i * self.n + cols.start;
+        assert!(
+            self.cols.start <= cols.start
+                && cols.start <= cols.end
+                && cols.end <= self.cols.end
+                && at + cols.len() <= self.len,
+            "row {i}, columns {cols:?} outside the block"
+        );
+        // SAFETY: the elements are inside the borrowed slice (asserted), and their columns
+        // belong to this block alone (`split` hands out disjoint ranges), so nothing else reads
+        // or writes them while the returned borrow (of `self`, within `'a`) lasts.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), cols.len()) }
+    }
 }
 
 #[cfg(test)]
@@ -100,6 +118,37 @@ mod tests {
         let mut dst = vec![0.0f32; 8];
         let mut blocks = ColumnBlock::split(&mut dst, 4, &[0, 4]);
         blocks[0].set(2, 0, 1.0);
+    }
+
+    /// A row's run of columns is the same elements as `set` writes.
+    #[test]
+    fn a_rows_columns_are_its_elements() {
+        let (m, n) = (3, 7);
+        let mut dst = vec![-1.0f32; m * n];
+        let mut blocks = ColumnBlock::split(&mut dst, n, &[0, 2, 7]);
+        for i in 0..m {
+            for (c, v) in blocks[1].row(i, 3..6).iter_mut().enumerate() {
+                *v = (i * n + 3 + c) as f32;
+            }
+        }
+        drop(blocks);
+        for (e, &v) in dst.iter().enumerate() {
+            let (i, j) = (e / n, e % n);
+            let want = if (3..6).contains(&j) {
+                (i * n + j) as f32
+            } else {
+                -1.0
+            };
+            assert_eq!(v, want, "({i}, {j})");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "outside the block")]
+    fn a_row_run_into_another_block_panics() {
+        let mut dst = vec![0.0f32; 8];
+        let mut blocks = ColumnBlock::split(&mut dst, 4, &[0, 2, 4]);
+        blocks[0].row(1, 1..3);
     }
 
     #[test]

@@ -329,6 +329,25 @@ unsafe fn interleave<E: Elem>(src: &[u8], k: usize, dst: &mut [f32]) {
     }
 }
 
+/// Stores a tile's results `t[p][s][h]` (row `i0 + h`, column `j + 2p + s`) in `out`, the
+/// columns below `end` only (a last odd pair's high row has none), one row's run at a time.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // t is indexed [pair][row of pair][h]
+fn put_tile<const H: usize>(
+    out: &mut ColumnBlock<'_>,
+    i0: usize,
+    j: usize,
+    end: usize,
+    t: &[[[f32; H]; 2]],
+) {
+    let cols = j..(j + 2 * t.len()).min(end);
+    for h in 0..H {
+        for (c, v) in out.row(i0 + h, cols.clone()).iter_mut().enumerate() {
+            *v = t[c / 2][c % 2][h];
+        }
+    }
+}
+
 /// Rows `i0 .. i0 + H` of `x` against the weight rows `js` staged in `block` as interleaved
 /// pairs: `P` pairs at a time, then single pairs (the high row of a last odd pair is zeros and
 /// its column is not written).
@@ -350,18 +369,7 @@ unsafe fn pair_tile<const H: usize, const P: usize>(
     assert!(block.len() >= pairs * 2 * k);
     let pair = |q: usize| block[q * 2 * k..][..2 * k].as_ptr();
     let (chunks, tail) = (k / 8, k % 8);
-    let mut put = |q: usize, t: &[[[f32; H]; 2]]| {
-        for (p, two) in t.iter().enumerate() {
-            for (s, col) in two.iter().enumerate() {
-                let j = js.start + 2 * (q + p) + s;
-                if j < js.end {
-                    for (h, &v) in col.iter().enumerate() {
-                        out.set(i0 + h, j, v);
-                    }
-                }
-            }
-        }
-    };
+    let mut put = |q: usize, t: &[[[f32; H]; 2]]| put_tile(out, i0, js.start + 2 * q, js.end, t);
     let mut q = 0;
     while q + P <= pairs {
         let src = Interleaved::<P> {
@@ -562,15 +570,7 @@ unsafe fn matmul_tile<E: Elem512, const H: usize, const P: usize>(
     let a: [*const f32; H] = std::array::from_fn(|i| x[(i0 + i) * k..][..k].as_ptr());
     let rb = k * E::BYTES;
     let row = |j: usize| w[j * rb..][..rb].as_ptr();
-    let mut put = |j: usize, t: &[[[f32; H]; 2]]| {
-        for (p, pair) in t.iter().enumerate() {
-            for (s, col) in pair.iter().enumerate() {
-                for (h, &v) in col.iter().enumerate() {
-                    out.set(i0 + h, j + 2 * p + s, v);
-                }
-            }
-        }
-    };
+    let mut put = |j: usize, t: &[[[f32; H]; 2]]| put_tile(out, i0, j, js.end, t);
     // The next tile's 2P rows are the 2P·rb bytes after this tile's first row: prefetched
     // over this tile's steps of 8 elements, `per` lines a step (one tile ahead measured best;
     // two were no better).
