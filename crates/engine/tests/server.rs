@@ -280,6 +280,7 @@ fn config_file_settings_show_in_server_info() {
     assert_eq!(info["cuda_graph_max_bs"], 4, "{info}");
     assert_eq!(info["disable_cuda_graph"], false, "{info}");
     assert_eq!(info["cuda_graph_bs"], json!([]), "{info}");
+    assert_eq!(info["cuda_graph_memory_bytes"], json!(0), "{info}");
 }
 
 /// SGLang's `extra_key`: a prompt cached under one key is not found under another, nor without

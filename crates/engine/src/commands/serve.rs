@@ -102,6 +102,7 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
         "disable_cuda_graph": setup.cuda_graph.disable_cuda_graph,
         "cuda_graph_max_bs": setup.cuda_graph.cuda_graph_max_bs,
         "cuda_graph_bs": exec.runner().cuda_graph_bs(),
+        "cuda_graph_memory_bytes": exec.runner().cuda_graph_memory_bytes(),
         "disable_radix_cache": !radix,
         "radix_eviction_policy": setup.eviction_policy,
         "max_queued_requests": cfg.max_queued_requests,

@@ -47,6 +47,11 @@ pub trait ModelForward: Send {
     fn cuda_graph_bs(&self) -> Vec<usize> {
         Vec::new()
     }
+    /// Device memory the captured graphs hold (their shared pool and per-size state; 0 when
+    /// none are captured).
+    fn cuda_graph_memory_bytes(&self) -> usize {
+        0
+    }
 }
 
 impl<B: Backend + Send> ModelForward for ModelRunner<B>
@@ -78,6 +83,10 @@ where
         self.decode_graphs()
             .map(|g| g.captured_bs())
             .unwrap_or_default()
+    }
+
+    fn cuda_graph_memory_bytes(&self) -> usize {
+        self.decode_graphs().map_or(0, |g| g.memory_bytes())
     }
 }
 
@@ -333,9 +342,7 @@ fn enable_cuda_graphs<D: attention_cuda::Device + 'static>(
             "kvserve: CUDA graphs captured for decode bs {:?} ({} of graph memory, one pool \
              shared by every size)",
             runner.cuda_graph_bs(),
-            attention_cuda::graph::human_bytes(
-                runner.decode_graphs().map_or(0, |g| g.memory_bytes())
-            )
+            attention_cuda::graph::human_bytes(runner.cuda_graph_memory_bytes())
         ),
         Err(e) => eprintln!("kvserve: CUDA graphs off: the decode forward cannot be captured ({e}); decode runs eagerly"),
     }
