@@ -300,7 +300,7 @@ pub(crate) fn dense_heads_simd(
     }
     // The staged extend kernel, for blocks that several query tokens see: the queries are
     // staged once for the request, each such block once for all of them.
-    let width = simd::extend::Width::chosen();
+    let width = Some(simd::extend::Width::chosen());
     #[cfg(test)]
     let width = sc.staged_width.unwrap_or(width);
     let staging = width.filter(|_| ext >= simd::extend::WIDE_MIN_TOKENS);
@@ -376,7 +376,7 @@ pub(crate) fn dense_heads_simd(
                 end,
             };
             let (m, l) = (&mut sc.m[..nq], &mut sc.l[..nq]);
-            // SAFETY: the CPU runs `width` (AVX-512 where `chosen`, else AVX2, checked by the
+            // SAFETY: the CPU runs `width` (`chosen`, or AVX2 in tests; AVX2 was checked by the
             // caller); the block and the request's queries are staged for geometry `g` and
             // `width`; m, l and out hold the request's `ext` tokens.
             unsafe { simd::extend::block_staged(&st, g, span, scale, m, l, out) };

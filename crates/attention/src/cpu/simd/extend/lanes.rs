@@ -23,6 +23,8 @@ pub(super) trait QueryLanes {
     const LANES: usize;
     /// Most positions a score step keeps in registers (8 partial sums each).
     const POSITIONS: usize;
+    /// Whether a score step runs the eight partial sums two at a time ([`super::scores`]).
+    const PAIRED: bool;
     /// Most rows of a weighted sum with 4 (then 2) accumulator registers per row.
     const ROWS_BY_4: usize;
     const ROWS_BY_2: usize;
@@ -59,9 +61,9 @@ pub(super) trait QueryLanes {
     unsafe fn store_tail(t: Self::Tail, p: *mut f32, x: Self::V);
 }
 
-/// Eight rows per `__m256` (AVX2 + FMA); 16 registers: a score step of 1 position (8 partial
-/// sums; 2 positions spill and measured no faster), weighted sums of 2 rows × 4 or 6 rows × 2
-/// registers.
+/// Eight rows per `__m256` (AVX2 + FMA); 16 registers: a score step of 2 tiles × 2 positions
+/// with the partial sums two at a time (8 accumulators, 4 broadcasts), weighted sums of 2 rows
+/// × 4 or 6 rows × 2 registers.
 pub(super) struct Avx2;
 
 /// Sixteen rows per `__m512` (AVX-512F); 32 registers: a score step of 3 positions (24 partial
@@ -73,7 +75,8 @@ impl QueryLanes for Avx2 {
     type M = __m256;
     type Tail = __m256i;
     const LANES: usize = 8;
-    const POSITIONS: usize = 1;
+    const POSITIONS: usize = 2;
+    const PAIRED: bool = true;
     const ROWS_BY_4: usize = 2;
     const ROWS_BY_2: usize = 6;
 
@@ -185,6 +188,7 @@ impl QueryLanes for Avx512 {
     type Tail = __mmask16;
     const LANES: usize = 16;
     const POSITIONS: usize = 3;
+    const PAIRED: bool = false;
     const ROWS_BY_4: usize = 5;
     const ROWS_BY_2: usize = 6;
 

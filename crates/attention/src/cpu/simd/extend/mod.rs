@@ -23,15 +23,15 @@
 //! several query tokens see the block ([`WIDE_MIN_TOKENS`]); a decode step keeps the AVX2
 //! kernel, which reads the store in place.
 //!
-//! Only AVX-512 takes it ([`Width::chosen`]): there it runs a SmolLM2-shape prompt 1.6× as fast
-//! as the in-place kernel. On AVX2 the score step is bound by loads: without AVX-512's
-//! broadcast operands and with 16 registers (8 partial sums per position, one position per
-//! step), every fused multiply-add needs a broadcast of a key element and a load of the query
-//! register, two loads per FMA against about one in the in-place kernel, which shares each
-//! key load across its tile of query rows; measured here with `KVSERVE_CPU_NO_AVX512=1` it
-//! took 4.25 ms against 3.66 ms (SmolLM2 prompt) and 137 ms against 118 ms (Llama-3-8B
-//! chunks), `extend/*` in the `decode_attention` bench. The eight-lane instantiation stays,
-//! compared bit for bit with the others by the tests, for CPUs where loads are cheaper.
+//! The two differ in tile shape only. AVX-512 (32 registers, broadcast operands) scores one
+//! tile against three positions per step with all eight partial sums live. AVX2 has 16
+//! registers and needs a load for each broadcast, so a step scores two tiles against two
+//! positions with the partial sums run two at a time (`i` and `i + 4`): one load per fused
+//! multiply-add instead of two (one tile, one position, all eight partial sums live: two
+//! loads per FMA, 1.15× slower than the in-place kernel). On a SmolLM2-shape prompt the
+//! AVX-512 kernel is 1.6× the in-place one; on AVX2 (`KVSERVE_CPU_NO_AVX512=1` on this
+//! machine, loaded) the eight-lane kernel is as fast as it on a SmolLM2 prompt (within the
+//! noise) and 1.07× on Llama-3-8B chunks (`extend/*` in the `decode_attention` bench).
 
 mod lanes;
 
@@ -53,21 +53,22 @@ const ROWS: usize = 6;
 /// The register the kernel holds query rows in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Width {
-    /// Eight rows per `__m256`: AVX2, FMA and F16C. Bitwise the others (the tests compare
-    /// them), but not taken: on AVX2 it measured slower than the in-place kernel (see the
-    /// module docs).
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// Eight rows per `__m256`: AVX2, FMA and F16C.
     Avx2,
     /// Sixteen rows per `__m512`: AVX-512F and VL beside them.
     Avx512,
 }
 
 impl Width {
-    /// The registers the staged kernel runs on, if it pays on this CPU: AVX-512 where the
-    /// AVX-512 matmul runs (including its `KVSERVE_CPU_NO_AVX512` switch); `None` elsewhere,
-    /// where extend attention keeps the in-place AVX2 kernel.
-    pub(crate) fn chosen() -> Option<Width> {
-        super::avx512::available().then_some(Width::Avx512)
+    /// The widest registers the CPU runs the kernel on, given that it runs the AVX2 kernels
+    /// ([`super::available`]): AVX-512 where the AVX-512 matmul runs (including its
+    /// `KVSERVE_CPU_NO_AVX512` switch), else AVX2.
+    pub(crate) fn chosen() -> Width {
+        if super::avx512::available() {
+            Width::Avx512
+        } else {
+            Width::Avx2
+        }
     }
 
     /// Query rows per register.
@@ -176,43 +177,96 @@ unsafe fn stage<E: Elem>(
     }
 }
 
-/// The scaled scores of a tile's `LANES` query rows (`qt`: `d` registers) against the `J`
-/// positions `k[p]` (`d` f32 each), one register per position.
+/// The scaled scores of `T` tiles of `LANES` query rows (`qt[t]`: `d` registers each) against
+/// the `J` positions `k[p]` (`d` f32 each): `out[t][p]`. With `W::PAIRED` the eight partial
+/// sums of each score are run two at a time (`i` and `i + 4`, then added), so that more tiles
+/// and positions fit the registers; either way each partial sum is the same chain of fused
+/// multiply-adds and the same tree adds them.
 ///
 /// # Safety
-/// `qt` must be valid for `LANES · d` f32 reads, every `k[p]` for `d`; the CPU must have `W`'s
-/// instruction set.
+/// Every `qt[t]` must be valid for `LANES · d` f32 reads, every `k[p]` for `d`; the CPU must
+/// have `W`'s instruction set.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
-unsafe fn scores<W: QueryLanes, const J: usize>(
-    qt: *const f32,
+unsafe fn scores<W: QueryLanes, const T: usize, const J: usize>(
+    qt: [*const f32; T],
     k: [*const f32; J],
     d: usize,
     scale: f32,
-) -> [W::V; J] {
-    // SAFETY: every access is below `LANES · d` f32 of `qt` and `d` of each `k[p]` (contract).
+) -> [[W::V; J]; T] {
+    let chunks = d / 8;
+    // SAFETY: every access is below `LANES · d` f32 of a `qt[t]` and `d` of each `k[p]`
+    // (contract). No closures: those are compiled without the caller's target features.
     unsafe {
-        let mut a = [[W::zero(); J]; 8];
-        let chunks = d / 8;
-        for ch in 0..chunks {
-            for i in 0..8 {
-                let e = ch * 8 + i;
-                let q = W::load(qt.add(e * W::LANES));
+        let mut out = [[W::zero(); J]; T];
+        if W::PAIRED {
+            // `pairs[i][t][p]`: partial sums `i` and `i + 4` added.
+            let mut pairs = [[[W::zero(); J]; T]; 4];
+            for i in 0..4 {
+                let mut a = [[[W::zero(); J]; T]; 2];
+                for ch in 0..chunks {
+                    for (h, e) in [ch * 8 + i, ch * 8 + i + 4].into_iter().enumerate() {
+                        let mut b = [W::zero(); J];
+                        for p in 0..J {
+                            b[p] = W::set1(*k[p].add(e));
+                        }
+                        for t in 0..T {
+                            let q = W::load(qt[t].add(e * W::LANES));
+                            for p in 0..J {
+                                a[h][t][p] = W::fmadd(q, b[p], a[h][t][p]);
+                            }
+                        }
+                    }
+                }
+                for t in 0..T {
+                    for p in 0..J {
+                        pairs[i][t][p] = W::add(a[0][t][p], a[1][t][p]);
+                    }
+                }
+            }
+            for t in 0..T {
                 for p in 0..J {
-                    a[i][p] = W::fmadd(q, W::set1(*k[p].add(e)), a[i][p]);
+                    let lo = W::add(pairs[0][t][p], pairs[2][t][p]);
+                    let hi = W::add(pairs[1][t][p], pairs[3][t][p]);
+                    out[t][p] = W::add(lo, hi);
+                }
+            }
+        } else {
+            let mut a = [[[W::zero(); J]; T]; 8];
+            for ch in 0..chunks {
+                for i in 0..8 {
+                    let e = ch * 8 + i;
+                    for t in 0..T {
+                        let q = W::load(qt[t].add(e * W::LANES));
+                        for p in 0..J {
+                            a[i][t][p] = W::fmadd(q, W::set1(*k[p].add(e)), a[i][t][p]);
+                        }
+                    }
+                }
+            }
+            for t in 0..T {
+                for p in 0..J {
+                    let lo = W::add(
+                        W::add(a[0][t][p], a[4][t][p]),
+                        W::add(a[2][t][p], a[6][t][p]),
+                    );
+                    let hi = W::add(
+                        W::add(a[1][t][p], a[5][t][p]),
+                        W::add(a[3][t][p], a[7][t][p]),
+                    );
+                    out[t][p] = W::add(lo, hi);
                 }
             }
         }
-        let mut out = [W::zero(); J];
-        for p in 0..J {
-            let lo = W::add(W::add(a[0][p], a[4][p]), W::add(a[2][p], a[6][p]));
-            let hi = W::add(W::add(a[1][p], a[5][p]), W::add(a[3][p], a[7][p]));
-            let mut s = W::add(lo, hi);
-            for e in chunks * 8..d {
-                let q = W::load(qt.add(e * W::LANES));
-                s = W::fmadd(q, W::set1(*k[p].add(e)), s);
+        for t in 0..T {
+            for p in 0..J {
+                let mut s = out[t][p];
+                for e in chunks * 8..d {
+                    let q = W::load(qt[t].add(e * W::LANES));
+                    s = W::fmadd(q, W::set1(*k[p].add(e)), s);
+                }
+                out[t][p] = W::mul(W::set1(scale), s);
             }
-            out[p] = W::mul(W::set1(scale), s);
         }
         out
     }
@@ -445,7 +499,8 @@ impl BlockSpan {
 }
 
 /// Folds the staged block into the softmax states of every query row that sees it: for each KV
-/// head, the tiles of `LANES` rows that hold a token from `span.t0` on.
+/// head, the tiles of `LANES` rows that hold a token from `span.t0` on, `T` tiles at a time
+/// (then one by one).
 ///
 /// # Safety
 /// `st` must hold the block (`span.end − span.start ≤ BLOCK` positions) and the request's
@@ -453,7 +508,7 @@ impl BlockSpan {
 /// q_heads` rows; the CPU must have `W`'s instruction set.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn block<W: QueryLanes>(
+unsafe fn block<W: QueryLanes, const T: usize>(
     st: &Staged<'_>,
     g: &Geom,
     span: BlockSpan,
@@ -462,66 +517,121 @@ unsafe fn block<W: QueryLanes>(
     l: &mut [f32],
     acc: &mut [f32],
 ) {
-    let (d, dv, n) = (g.d, g.dv, span.end - span.start);
-    let lanes = W::LANES;
-    let rows = span.ext * g.group;
+    let n = span.end - span.start;
     assert!(n <= BLOCK && m.len() >= span.ext * g.q_heads && l.len() >= m.len());
-    assert!(acc.len() >= m.len() * dv && lanes <= MAX_LANES);
+    assert!(acc.len() >= m.len() * g.dv && W::LANES <= MAX_LANES);
+    let at = At { st, g, span, scale };
     for gk in 0..g.q_heads / g.group {
-        let kr = &st.k[gk * BLOCK * d..][..n * d];
-        let vr = &st.v[gk * BLOCK * dv..][..n * dv];
-        for t in span.t0 * g.group / lanes..st.tiles {
-            let qt = st.qt[(gk * st.tiles + t) * d * lanes..][..d * lanes].as_ptr();
-            let mut seen = [0usize; MAX_LANES];
-            let mut ri = [0usize; MAX_LANES];
-            for lane in 0..lanes {
-                let k = t * lanes + lane;
-                if k < rows {
-                    seen[lane] = span.seen(k / g.group);
-                    ri[lane] = row(g, gk, k);
-                }
+        let mut t = span.t0 * g.group / W::LANES;
+        // SAFETY: tiles below `st.tiles` (forwarded contract).
+        unsafe {
+            while t + T <= st.tiles {
+                tile_group::<W, T>(&at, gk, t, m, l, acc);
+                t += T;
             }
-            let most = seen.iter().copied().max().unwrap_or(0);
-            if most == 0 {
-                continue;
+            while t < st.tiles {
+                tile_group::<W, 1>(&at, gk, t, m, l, acc);
+                t += 1;
             }
-            // Scores, up to `W::POSITIONS` positions per step.
-            // SAFETY: a register operation; the CPU per contract.
-            let mut s = [unsafe { W::zero() }; BLOCK];
-            let kp = |j: usize| kr[j * d..][..d].as_ptr();
-            let mut j = 0;
-            // SAFETY: `qt` holds the tile's `LANES · d` staged query elements and every `kp(j)`
-            // a staged key row of `d` (sliced above); the CPU per contract.
-            unsafe {
-                while W::POSITIONS >= 3 && j + 3 <= most {
-                    let [a, b, c] = scores::<W, 3>(qt, [kp(j), kp(j + 1), kp(j + 2)], d, scale);
-                    (s[j], s[j + 1], s[j + 2]) = (a, b, c);
-                    j += 3;
-                }
-                while W::POSITIONS >= 2 && j + 2 <= most {
-                    let [a, b] = scores::<W, 2>(qt, [kp(j), kp(j + 1)], d, scale);
-                    (s[j], s[j + 1]) = (a, b);
-                    j += 2;
-                }
-                while j < most {
-                    [s[j]] = scores::<W, 1>(qt, [kp(j)], d, scale);
-                    j += 1;
-                }
-            }
-            // SAFETY: register operations and loads/stores of the local arrays; the CPU per
-            // contract.
-            let (corr, p) = unsafe { softmax::<W>(&s, &seen, most, &ri, m, l) };
-            let mut accp = [std::ptr::null_mut::<f32>(); MAX_LANES];
-            for lane in 0..lanes {
-                if seen[lane] > 0 {
-                    accp[lane] = acc[ri[lane] * dv..][..dv].as_mut_ptr();
-                }
-            }
-            // SAFETY: the rows with `seen > 0` are distinct rows of the request, their
-            // accumulators disjoint `dv`-element rows of `acc` (sliced above); `vr` holds `n`
-            // staged value rows; lanes from `LANES` on have `seen = 0`; the CPU per contract.
-            unsafe { weighted_tile::<W>(&accp, &corr, &p, &seen, vr.as_ptr(), n, dv) };
         }
+    }
+}
+
+/// What [`block`] folds in: the staged block and queries, where the block lies, the scale.
+struct At<'a, 'b> {
+    st: &'a Staged<'b>,
+    g: &'a Geom,
+    span: BlockSpan,
+    scale: f32,
+}
+
+/// [`block`] for KV head `gk`'s tiles `t0 .. t0 + T` (all below `at.st.tiles`).
+///
+/// # Safety
+/// As [`block`].
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // register tiles read clearer indexed
+unsafe fn tile_group<W: QueryLanes, const T: usize>(
+    at: &At<'_, '_>,
+    gk: usize,
+    t0: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+) {
+    let (st, g, span) = (at.st, at.g, at.span);
+    let (d, dv, n, lanes) = (g.d, g.dv, span.end - span.start, W::LANES);
+    let rows = span.ext * g.group;
+    let kr = &st.k[gk * BLOCK * d..][..n * d];
+    let vr = &st.v[gk * BLOCK * dv..][..n * dv];
+    let mut qt = [std::ptr::null::<f32>(); T];
+    let mut seen = [[0usize; MAX_LANES]; T];
+    let mut ri = [[0usize; MAX_LANES]; T];
+    let mut most = 0;
+    for i in 0..T {
+        let t = t0 + i;
+        qt[i] = st.qt[(gk * st.tiles + t) * d * lanes..][..d * lanes].as_ptr();
+        for lane in 0..lanes {
+            let k = t * lanes + lane;
+            if k < rows {
+                seen[i][lane] = span.seen(k / g.group);
+                ri[i][lane] = row(g, gk, k);
+                most = most.max(seen[i][lane]);
+            }
+        }
+    }
+    if most == 0 {
+        return;
+    }
+    // Scores, up to `W::POSITIONS` positions per step (a tile's lanes past their `seen` are
+    // computed and not used).
+    // SAFETY: a register operation; the CPU per contract.
+    let mut s = [[unsafe { W::zero() }; BLOCK]; T];
+    let kp = |j: usize| kr[j * d..][..d].as_ptr();
+    let mut j = 0;
+    // SAFETY: every `qt[i]` holds a tile's `LANES · d` staged query elements and every `kp(j)`
+    // a staged key row of `d` (sliced above); the CPU per contract.
+    unsafe {
+        while W::POSITIONS >= 3 && j + 3 <= most {
+            let o = scores::<W, T, 3>(qt, [kp(j), kp(j + 1), kp(j + 2)], d, at.scale);
+            for i in 0..T {
+                s[i][j..j + 3].copy_from_slice(&o[i]);
+            }
+            j += 3;
+        }
+        while W::POSITIONS >= 2 && j + 2 <= most {
+            let o = scores::<W, T, 2>(qt, [kp(j), kp(j + 1)], d, at.scale);
+            for i in 0..T {
+                s[i][j..j + 2].copy_from_slice(&o[i]);
+            }
+            j += 2;
+        }
+        while j < most {
+            let o = scores::<W, T, 1>(qt, [kp(j)], d, at.scale);
+            for i in 0..T {
+                s[i][j] = o[i][0];
+            }
+            j += 1;
+        }
+    }
+    for i in 0..T {
+        let most = seen[i].iter().copied().max().unwrap_or(0);
+        if most == 0 {
+            continue;
+        }
+        // SAFETY: register operations and loads/stores of the local arrays; the CPU per
+        // contract.
+        let (corr, p) = unsafe { softmax::<W>(&s[i], &seen[i], most, &ri[i], m, l) };
+        let mut accp = [std::ptr::null_mut::<f32>(); MAX_LANES];
+        for lane in 0..lanes {
+            if seen[i][lane] > 0 {
+                accp[lane] = acc[ri[i][lane] * dv..][..dv].as_mut_ptr();
+            }
+        }
+        // SAFETY: the rows with `seen > 0` are distinct rows of the request, their
+        // accumulators disjoint `dv`-element rows of `acc` (sliced above); `vr` holds `n`
+        // staged value rows; lanes from `LANES` on have `seen = 0`; the CPU per contract.
+        unsafe { weighted_tile::<W>(&accp, &corr, &p, &seen[i], vr.as_ptr(), n, dv) };
     }
 }
 
@@ -626,7 +736,7 @@ stage_for!(stage_f16, F16);
 stage_for!(stage_bf16, Bf16);
 
 macro_rules! block_for {
-    ($name:ident, $lanes:ty, $features:literal, $doc:literal) => {
+    ($name:ident, $lanes:ty, $tiles:literal, $features:literal, $doc:literal) => {
         #[doc = concat!("[`block`] on ", $doc, ", compiled for ", $features, ".")]
         ///
         /// # Safety
@@ -642,15 +752,22 @@ macro_rules! block_for {
             acc: &mut [f32],
         ) {
             // SAFETY: forwarded contract.
-            unsafe { block::<$lanes>(st, g, span, scale, m, l, acc) }
+            unsafe { block::<$lanes, $tiles>(st, g, span, scale, m, l, acc) }
         }
     };
 }
 
-block_for!(block_avx2, Avx2, "avx2,fma,f16c", "eight-lane registers");
+block_for!(
+    block_avx2,
+    Avx2,
+    2,
+    "avx2,fma,f16c",
+    "eight-lane registers, two tiles at a time"
+);
 block_for!(
     block_avx512,
     Avx512,
+    1,
     "avx512f,avx512vl,avx2,fma,f16c",
     "sixteen-lane registers"
 );
@@ -702,7 +819,7 @@ mod tests {
     /// range, at the −87 cut-off and on the special values.
     #[test]
     fn exp16_is_the_scalar_exp_bitwise() {
-        if Width::chosen() != Some(Width::Avx512) {
+        if Width::chosen() != Width::Avx512 {
             eprintln!("no AVX-512F: nothing to compare");
             return;
         }
