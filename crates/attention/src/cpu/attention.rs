@@ -100,13 +100,14 @@ pub(crate) struct Scratch {
     labels: Vec<f32>,
     order: Vec<u32>,
     slots: Vec<Slot>,
-    /// The AVX-512 extend kernel's staged block (K and V rows as f32) and queries.
+    /// The staged extend kernel's block (K and V rows as f32) and queries.
     staged_k: Vec<f32>,
     staged_v: Vec<f32>,
     staged_q: Vec<f32>,
-    /// Tests: keep the in-place AVX2 kernel for every block (to compare it with the staged one).
-    #[cfg(test)]
-    in_place_only: bool,
+    /// Tests: the staged kernel on these registers instead of the chosen (`Some`), or the in-place
+    /// AVX2 kernel for every block (`Some(None)`), to compare each with the portable one.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    staged_width: Option<Option<super::simd::extend::Width>>,
 }
 
 fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -297,15 +298,16 @@ pub(crate) fn dense_heads_simd(
     if !scratch {
         row_ptrs(0, kv_len.min(BLOCK), &mut nkp, &mut nvp);
     }
-    // The AVX-512 extend kernel, for blocks that several query tokens see: the queries are
+    // The staged extend kernel, for blocks that several query tokens see: the queries are
     // staged once for the request, each such block once for all of them.
-    let staging = simd::extend512::available() && ext >= simd::extend512::WIDE_MIN_TOKENS;
+    let width = Some(simd::extend::Width::chosen());
     #[cfg(test)]
-    let staging = staging && !sc.in_place_only;
-    let ((ks_len, vs_len), qt_len) = if staging {
+    let width = sc.staged_width.unwrap_or(width);
+    let staging = width.filter(|_| ext >= simd::extend::WIDE_MIN_TOKENS);
+    let ((ks_len, vs_len), qt_len) = if let Some(w) = staging {
         (
-            simd::extend512::block_len(g),
-            simd::extend512::queries_len(g, ext),
+            simd::extend::block_len(g),
+            simd::extend::queries_len(g, ext, w),
         )
     } else {
         ((0, 0), 0)
@@ -313,8 +315,8 @@ pub(crate) fn dense_heads_simd(
     let staged_k = grow(&mut sc.staged_k, ks_len);
     let staged_v = grow(&mut sc.staged_v, vs_len);
     let staged_q = grow(&mut sc.staged_q, qt_len);
-    if staging {
-        simd::extend512::stage_queries(g, q, ext, staged_q);
+    if let Some(w) = staging {
+        simd::extend::stage_queries(g, q, ext, w, staged_q);
     }
     for start in (0..kv_len).step_by(BLOCK) {
         let end = (start + BLOCK).min(kv_len);
@@ -345,27 +347,28 @@ pub(crate) fn dense_heads_simd(
         // `full` on all see the whole block and go through it together, `TOKEN_CHUNK` at a time.
         let t0 = start.saturating_sub(pos0).min(ext);
         let full = (end - 1).saturating_sub(pos0).clamp(t0, ext);
-        if staging && ext - t0 >= simd::extend512::WIDE_MIN_TOKENS {
+        if let Some(width) = staging.filter(|_| ext - t0 >= simd::extend::WIDE_MIN_TOKENS) {
             let (k, v) = (&kp[..n], &vp[..n]);
-            // SAFETY: AVX-512 (and so AVX2, FMA, F16C) was checked above; every K pointer
+            // SAFETY: AVX2, FMA, F16C were checked by the caller; every K pointer
             // starts a whole K row of the path's type, every V pointer a whole V row (or the
             // K row for MLA), as below; the staging buffers have `block_len` elements.
             unsafe {
                 match path {
-                    Path::F16 => simd::extend512::stage_f16(g, k, v, staged_k, staged_v),
-                    Path::Bf16 => simd::extend512::stage_bf16(g, k, v, staged_k, staged_v),
+                    Path::F16 => simd::extend::stage_f16(g, k, v, staged_k, staged_v),
+                    Path::Bf16 => simd::extend::stage_bf16(g, k, v, staged_k, staged_v),
                     Path::F32 | Path::Scratch => {
-                        simd::extend512::stage_f32(g, k, v, staged_k, staged_v)
+                        simd::extend::stage_f32(g, k, v, staged_k, staged_v)
                     }
                 }
             }
-            let st = simd::extend512::Staged {
+            let st = simd::extend::Staged {
                 k: staged_k,
                 v: staged_v,
                 qt: staged_q,
-                tiles: simd::extend512::tiles(g, ext),
+                tiles: simd::extend::tiles(g, ext, width),
+                width,
             };
-            let span = simd::extend512::BlockSpan {
+            let span = simd::extend::BlockSpan {
                 pos0,
                 ext,
                 t0,
@@ -373,9 +376,10 @@ pub(crate) fn dense_heads_simd(
                 end,
             };
             let (m, l) = (&mut sc.m[..nq], &mut sc.l[..nq]);
-            // SAFETY: AVX-512 was checked above; the block and the request's queries are
-            // staged for geometry `g`; m, l and out hold the request's `ext` tokens.
-            unsafe { simd::extend512::block_staged(&st, g, span, scale, m, l, out) };
+            // SAFETY: the CPU runs `width` (`chosen`, or AVX2 in tests; AVX2 was checked by the
+            // caller); the block and the request's queries are staged for geometry `g` and
+            // `width`; m, l and out hold the request's `ext` tokens.
+            unsafe { simd::extend::block_staged(&st, g, span, scale, m, l, out) };
             continue;
         }
         let mut t = t0;
@@ -553,10 +557,11 @@ pub(crate) fn sparse_decode_request(
 mod tests {
     use super::*;
 
-    /// The AVX2 kernel, and the staged AVX-512 extend kernel where the CPU has it, equal the
-    /// portable kernel with fused multiply-adds bitwise, for every dtype path (in place: f32, f16, bf16; through scratch: fp8), GQA groups that tile as 4,
-    /// 3, 2 and 1 heads, head dims with and without 8- and 16-element tails, MLA, and a causal
-    /// extend over a cached prefix on scattered pages.
+    /// The in-place AVX2 kernel, and the staged extend kernel on AVX2's registers and on
+    /// AVX-512's where the CPU has it, equal the portable kernel with fused multiply-adds
+    /// bitwise, for every dtype path (in place: f32, f16, bf16; through scratch: fp8), GQA
+    /// groups that tile as 4, 3, 2 and 1 heads, head dims with and without 8- and 16-element
+    /// tails, MLA, and a causal extend over a cached prefix on scattered pages.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_kernel_equals_portable_fma_kernel() {
@@ -644,16 +649,17 @@ mod tests {
                     let mut b = vec![1.0; ext * qh * dv];
                     let mut sc = Scratch::default();
                     dense_request_impl::<true>(&g, &meta, r, &sources, &q, 0.3, &mut b, &mut sc);
-                    // The staged AVX-512 extend kernel where the CPU has it, then the in-place
-                    // AVX2 kernel for every block.
-                    for in_place_only in [false, true] {
-                        sc.in_place_only = in_place_only;
+                    // The kernels the CPU takes, then the staged extend kernel on AVX2's
+                    // registers, then the in-place AVX2 kernel for every block.
+                    let avx2 = Some(super::super::simd::extend::Width::Avx2);
+                    for staged in [None, Some(avx2), Some(None)] {
+                        sc.staged_width = staged;
                         a.fill(1.0);
                         dense_request_simd(&g, &meta, r, &sources, &q, 0.3, &mut a, &mut sc);
                         assert!(
                             a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                             "{dtype} {qh}/{kvh} d {d} dv {dv} mla {mla} request {r} \
-                             in place only {in_place_only}"
+                             staged {staged:?}"
                         );
                     }
                 }

@@ -2,10 +2,10 @@
 //! [`Backend::upload_weight`]), a batch-invariant matmul, and paged attention over a
 //! [`HostKvStore`] of any dtype (f32, f16, bf16, fp8), converted to f32 on read. Where the CPU
 //! has AVX2, FMA and F16C (detected at run time) the matmul and the dense attention kernel run
-//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows);
-//! where it also has AVX-512F and VL the matmul runs 512-bit tiles (`simd::avx512`) and extend
-//! attention sixteen query rows per instruction (`simd::extend512`), with the same results bit
-//! for bit. A bf16 weight's matmul rounds the activations to bf16 once and runs
+//! hand-vectorised (`simd`), reading f32, f16 and bf16 rows in place (weights, store rows),
+//! extend attention eight query rows per instruction (`simd::extend`); where it also has
+//! AVX-512F and VL the matmul runs 512-bit tiles (`simd::avx512`) and extend attention sixteen
+//! query rows per instruction, with the same results bit for bit. A bf16 weight's matmul rounds the activations to bf16 once and runs
 //! `vdpbf16ps` arithmetic (`bf16dot`): on AVX-512 BF16 where the CPU has it, emulated exactly on
 //! AVX2 and in portable code elsewhere, again with the same bits on every kernel. The rotary embedding keeps its cos/sin table across the calls of
 //! a forward pass (`rope`).

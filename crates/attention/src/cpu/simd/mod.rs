@@ -20,9 +20,10 @@
 //! Bf16 weights take their own kernels (`bf16dot`): activations rounded to bf16 and the dot
 //! product of `vdpbf16ps`, run by that instruction on AVX-512 BF16 and emulated exactly here.
 //!
-//! Where the CPU also has AVX-512, extend attention (`extend512`) stages each block that several
-//! query tokens see, and the request's query rows transposed, so that the online softmax runs
-//! on sixteen query rows per instruction (same operations per row, bitwise the AVX2 kernel).
+//! Extend attention (`extend`) stages each block that several query tokens see, and the
+//! request's query rows transposed, so that the online softmax runs on eight query rows per
+//! instruction (sixteen where the CPU also has AVX-512): same operations per row, bitwise the
+//! in-place kernel, which a decode step keeps.
 //!
 //! Where the CPU also has AVX-512 (`avx512`), the matmul runs 16-lane tiles that hold two
 //! independent 8-lane accumulators per register, so every lane still sums exactly the same
@@ -34,7 +35,7 @@ pub(crate) mod bf16dot;
 mod dot;
 mod elem;
 mod exp;
-pub(crate) mod extend512;
+pub(crate) mod extend;
 mod matmul;
 
 use std::sync::OnceLock;
