@@ -78,6 +78,23 @@ impl<'a> ColumnBlock<'a> {
         // or writes them while the returned borrow (of `self`, within `'a`) lasts.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), cols.len()) }
     }
+
+    /// Stores a tile of results `t[p][h]` at row `i0 + h`, column `j + p`, one row's run at a
+    /// time ([`row`](Self::row)).
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // the results are indexed [column][row]
+    pub(crate) fn put_tile<const H: usize, const P: usize>(
+        &mut self,
+        i0: usize,
+        j: usize,
+        t: &[[f32; H]; P],
+    ) {
+        for h in 0..H {
+            for (p, v) in self.row(i0 + h, j..j + P).iter_mut().enumerate() {
+                *v = t[p][h];
+            }
+        }
+    }
 }
 
 #[cfg(test)]

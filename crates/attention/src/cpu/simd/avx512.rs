@@ -600,10 +600,8 @@ unsafe fn matmul_tile<E: Elem512, const H: usize, const P: usize>(
     }
     if j < js.end {
         // SAFETY: as above, one w row; the AVX2 tile needs a subset of the CPU's features.
-        let [t] = unsafe { dot_tile::<E, H, 1>(&a, [row(j)], k, (row(j), 0)) };
-        for (h, &v) in t.iter().enumerate() {
-            out.set(i0 + h, j, v);
-        }
+        let t = unsafe { dot_tile::<E, H, 1>(&a, [row(j)], k, (row(j), 0)) };
+        out.put_tile(i0, j, &t);
     }
 }
 

@@ -141,7 +141,6 @@ unsafe fn dot_tile<L: Lanes, const H: usize, const P: usize>(
 /// # Safety
 /// The CPU has `L`'s set. (Rows are sliced with bounds checks.)
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // the results are indexed [weight row][x row]
 unsafe fn tile<L: Lanes, const H: usize, const P: usize>(
     o: Operands<'_>,
     i0: usize,
@@ -164,20 +163,13 @@ unsafe fn tile<L: Lanes, const H: usize, const P: usize>(
         let next = b[0].cast::<u8>().wrapping_add(bytes);
         // SAFETY: the x rows hold kp elements and the w rows k (sliced); the CPU per contract.
         let t = unsafe { dot_tile::<L, H, P>(&a, &b, k, (next, per)) };
-        // One row's run of columns at a time (one bounds check each).
-        for h in 0..H {
-            for (p, v) in out.row(i0 + h, j..j + P).iter_mut().enumerate() {
-                *v = t[p][h];
-            }
-        }
+        out.put_tile(i0, j, &t);
         j += P;
     }
     while j < js.end {
         // SAFETY: as above, one w row, no prefetch.
-        let [t] = unsafe { dot_tile::<L, H, 1>(&a, &[row(j)], k, (row(j).cast(), 0)) };
-        for (h, &v) in t.iter().enumerate() {
-            out.set(i0 + h, j, v);
-        }
+        let t = unsafe { dot_tile::<L, H, 1>(&a, &[row(j)], k, (row(j).cast(), 0)) };
+        out.put_tile(i0, j, &t);
         j += 1;
     }
 }

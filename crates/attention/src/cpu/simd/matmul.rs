@@ -128,19 +128,13 @@ unsafe fn matmul_tile<E: Elem, const H: usize, const P: usize>(
         // SAFETY: the x rows hold k f32 and the P w rows k elements of E each (sliced); CPU
         // per contract; the prefetches are hints.
         let t = unsafe { dot_tile::<E, H, P>(&a, b, k, (b[0].wrapping_add(tile), per)) };
-        for (p, t) in t.iter().enumerate() {
-            for (h, &v) in t.iter().enumerate() {
-                out.set(i0 + h, j + p, v);
-            }
-        }
+        out.put_tile(i0, j, &t);
         j += P;
     }
     while j < js.end {
         // SAFETY: as above, one w row, no prefetch.
-        let [t] = unsafe { dot_tile::<E, H, 1>(&a, [row(j)], k, (row(j), 0)) };
-        for (h, &v) in t.iter().enumerate() {
-            out.set(i0 + h, j, v);
-        }
+        let t = unsafe { dot_tile::<E, H, 1>(&a, [row(j)], k, (row(j), 0)) };
+        out.put_tile(i0, j, &t);
         j += 1;
     }
 }
