@@ -49,6 +49,9 @@ fn matmul(c: &mut Criterion) {
         // A SmolLM2-135M prompt of 512 tokens through its MLP's up projection.
         (512, 576, 1536, TensorDtype::F32),
         (512, 576, 1536, TensorDtype::F16),
+        (512, 576, 1536, TensorDtype::Bf16),
+        // One decode row through the same projection, bf16 weights (the streaming tiles).
+        (1, 576, 1536, TensorDtype::Bf16),
     ] {
         let x = nonzero_vec(&mut rng, m * k);
         let w = nonzero_vec(&mut rng, n * k);

@@ -35,7 +35,7 @@ pub(crate) fn hardware() -> bool {
 /// How an instruction set holds the 16 f32 lanes of a bf16 dot product, and the tile shapes
 /// that fit its registers.
 pub(super) trait Lanes: Sized {
-    /// A step of 32 bf16 elements of a row, as loaded.
+    /// One of the [`Self::PARTS`] parts of a step of 32 bf16 elements of a row, as loaded.
     type Pairs: Copy;
     /// The 16 f32 lanes.
     type Acc: Copy;
@@ -43,23 +43,28 @@ pub(super) trait Lanes: Sized {
     const MR: usize;
     /// Batches of at most this many rows take the streaming tiles.
     const STREAM_ROWS: usize;
+    /// Parts a step is loaded and multiplied in: part `q` holds elements `32 / PARTS` × `q`
+    /// onwards and updates only their lanes, so the parts of a step may go one after the other
+    /// (fewer live registers) without changing any lane's order.
+    const PARTS: usize;
 
     /// Lanes of zeros.
     unsafe fn zero() -> Self::Acc;
     /// Pairs of zeros.
     unsafe fn zero_pairs() -> Self::Pairs;
-    /// The 32 elements at `p`.
+    /// Part `q` of the 32 elements at `p`.
     ///
     /// # Safety
-    /// `p` valid for 32 reads; the CPU has the instruction set.
-    unsafe fn load(p: *const u16) -> Self::Pairs;
-    /// The `n < 32` elements at `p`, zeros after them.
+    /// `p` valid for 32 reads; `q < PARTS`; the CPU has the instruction set.
+    unsafe fn load(p: *const u16, q: usize) -> Self::Pairs;
+    /// Part `q` of the `n < 32` elements at `p`, zeros after them.
     ///
     /// # Safety
-    /// `p` valid for `n` reads; the CPU has the instruction set.
-    unsafe fn load_part(p: *const u16, n: usize) -> Self::Pairs;
-    /// Lane `l`: `acc += x[2l + 1] · w[2l + 1]`, then `acc += x[2l] · w[2l]`.
-    unsafe fn madd(acc: Self::Acc, x: Self::Pairs, w: Self::Pairs) -> Self::Acc;
+    /// `p` valid for `n` reads; `q < PARTS`; the CPU has the instruction set.
+    unsafe fn load_part(p: *const u16, n: usize, q: usize) -> Self::Pairs;
+    /// For each lane `l` of part `q`: `acc += x[2l + 1] · w[2l + 1]`, then `acc += x[2l] ·
+    /// w[2l]`.
+    unsafe fn madd(acc: Self::Acc, q: usize, x: Self::Pairs, w: Self::Pairs) -> Self::Acc;
     /// Lanes `0..8` plus lanes `8..16`: the first level of the lane-sum tree.
     unsafe fn fold(acc: Self::Acc) -> __m256;
     /// The streaming tile for `m ≤ STREAM_ROWS` rows over the columns `js`.
@@ -110,17 +115,19 @@ unsafe fn dot_tile<L: Lanes, const H: usize, const P: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add((s * per + q) * 64).cast());
             }
             let off = s * STEP;
-            for p in 0..P {
-                w[p] = if off + STEP <= k {
-                    L::load(b[p].add(off))
-                } else {
-                    L::load_part(b[p].add(off), k - off)
-                };
-            }
-            for h in 0..H {
-                let x = L::load(a[h].add(off));
+            for part in 0..L::PARTS {
                 for p in 0..P {
-                    c[p][h] = L::madd(c[p][h], x, w[p]);
+                    w[p] = if off + STEP <= k {
+                        L::load(b[p].add(off), part)
+                    } else {
+                        L::load_part(b[p].add(off), k - off, part)
+                    };
+                }
+                for h in 0..H {
+                    let x = L::load(a[h].add(off), part);
+                    for p in 0..P {
+                        c[p][h] = L::madd(c[p][h], part, x, w[p]);
+                    }
                 }
             }
         }
@@ -229,6 +236,7 @@ impl Lanes for Avx512Bf16 {
     type Acc = __m512;
     const MR: usize = 8;
     const STREAM_ROWS: usize = 8;
+    const PARTS: usize = 1;
 
     #[inline(always)]
     unsafe fn zero() -> __m512 {
@@ -241,17 +249,17 @@ impl Lanes for Avx512Bf16 {
         unsafe { _mm512_setzero_si512() }
     }
     #[inline(always)]
-    unsafe fn load(p: *const u16) -> __m512i {
+    unsafe fn load(p: *const u16, _: usize) -> __m512i {
         // SAFETY: 64 readable bytes per contract; loadu takes any alignment.
         unsafe { _mm512_loadu_si512(p.cast()) }
     }
     #[inline(always)]
-    unsafe fn load_part(p: *const u16, n: usize) -> __m512i {
+    unsafe fn load_part(p: *const u16, n: usize, _: usize) -> __m512i {
         // SAFETY: the masked load reads (and may fault on) only the n < 32 masked elements.
         unsafe { _mm512_maskz_loadu_epi16((1u32 << n) - 1, p.cast()) }
     }
     #[inline(always)]
-    unsafe fn madd(acc: __m512, x: __m512i, w: __m512i) -> __m512 {
+    unsafe fn madd(acc: __m512, _: usize, x: __m512i, w: __m512i) -> __m512 {
         // SAFETY: AVX-512 BF16 per contract; `__m512bh` is the same 512 bits, read as 32 bf16.
         unsafe {
             let (x, w) = (
@@ -298,7 +306,10 @@ impl Lanes for Avx512Bf16 {
 /// The exact emulation on AVX2 + FMA: the 16 lanes in two 256-bit registers; a 32-bit lane
 /// holding a bf16 pair gives the odd element as `v & 0xFFFF0000` and the even one as `v << 16`
 /// (exact), then two fused multiply-adds, odd first (the product is exact, so fusing changes
-/// nothing); the tail through a zeroed copy.
+/// nothing); the tail through a zeroed copy. A step goes in two parts of 16 elements (lanes
+/// 0..8, then 8..16), each split into its odd and even f32 elements once, as it is loaded, so a
+/// tile splits each `x` row and weight row once per part instead of once per product, and a
+/// part's operands stay in the 16 registers beside the accumulators.
 pub(super) struct Avx2;
 
 impl Avx2 {
@@ -315,10 +326,12 @@ impl Avx2 {
 }
 
 impl Lanes for Avx2 {
-    type Pairs = [__m256i; 2];
+    /// A part's odd and even elements, as f32.
+    type Pairs = [__m256; 2];
     type Acc = [__m256; 2];
     const MR: usize = 2;
     const STREAM_ROWS: usize = 2;
+    const PARTS: usize = 2;
 
     #[inline(always)]
     unsafe fn zero() -> [__m256; 2] {
@@ -326,38 +339,34 @@ impl Lanes for Avx2 {
         unsafe { [_mm256_setzero_ps(); 2] }
     }
     #[inline(always)]
-    unsafe fn zero_pairs() -> [__m256i; 2] {
+    unsafe fn zero_pairs() -> [__m256; 2] {
         // SAFETY: AVX per contract.
-        unsafe { [_mm256_setzero_si256(); 2] }
+        unsafe { [_mm256_setzero_ps(); 2] }
     }
     #[inline(always)]
-    unsafe fn load(p: *const u16) -> [__m256i; 2] {
-        // SAFETY: 64 readable bytes per contract; loadu takes any alignment.
+    unsafe fn load(p: *const u16, q: usize) -> [__m256; 2] {
+        // SAFETY: 64 readable bytes per contract, of which part q < 2 reads 32; loadu takes
+        // any alignment.
         unsafe {
-            [
-                _mm256_loadu_si256(p.cast()),
-                _mm256_loadu_si256(p.add(16).cast()),
-            ]
+            let (odd, even) = Self::split(_mm256_loadu_si256(p.add(16 * q).cast()));
+            [odd, even]
         }
     }
     #[inline(always)]
-    unsafe fn load_part(p: *const u16, n: usize) -> [__m256i; 2] {
+    unsafe fn load_part(p: *const u16, n: usize, q: usize) -> [__m256; 2] {
         let mut step = [0u16; STEP];
         // SAFETY: n < 32 readable elements at p per contract, into the zeroed step.
         unsafe {
             std::ptr::copy_nonoverlapping(p, step.as_mut_ptr(), n);
-            Self::load(step.as_ptr())
+            Self::load(step.as_ptr(), q)
         }
     }
     #[inline(always)]
-    unsafe fn madd(acc: [__m256; 2], x: [__m256i; 2], w: [__m256i; 2]) -> [__m256; 2] {
-        // SAFETY: AVX2 and FMA per contract.
+    unsafe fn madd(acc: [__m256; 2], q: usize, x: [__m256; 2], w: [__m256; 2]) -> [__m256; 2] {
+        // SAFETY: FMA per contract.
         unsafe {
             let mut acc = acc;
-            for i in 0..2 {
-                let ((xo, xe), (wo, we)) = (Self::split(x[i]), Self::split(w[i]));
-                acc[i] = _mm256_fmadd_ps(xe, we, _mm256_fmadd_ps(xo, wo, acc[i]));
-            }
+            acc[q] = _mm256_fmadd_ps(x[1], w[1], _mm256_fmadd_ps(x[0], w[0], acc[q]));
             acc
         }
     }
