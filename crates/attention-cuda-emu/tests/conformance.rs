@@ -170,3 +170,26 @@ fn unsupported_stores_are_announced() {
     let odd = kv_pool::KvShape::mha(2, 72, 72, 1, KvDtype::F16).unwrap();
     assert!(b.kv_support(&odd).unwrap_err().contains("head dims"));
 }
+
+/// `attention::bandwidth::measure_decode`, what `examples/decode_bandwidth.rs` times on a GPU,
+/// runs the emulated split-KV decode kernels at every page family (1, a power of two, other).
+#[test]
+fn emu_decode_bandwidth_measures_every_page_family() {
+    use attention::bandwidth::{measure_decode, DecodeCase};
+    let Some(b) = backend("emu_decode_bandwidth", CudaConfig::default()) else {
+        return;
+    };
+    for page_size in [1, 16, 24] {
+        let case = DecodeCase {
+            requests: 2,
+            kv_len: 40,
+            page_size,
+            kv_heads: 1,
+            q_heads: 2,
+            head_dim: 64,
+            dtype: KvDtype::F16,
+        };
+        let t = measure_decode(&b, &case, 1).unwrap();
+        assert!(t.seconds > 0.0 && t.gbps() > 0.0, "{t:?}");
+    }
+}

@@ -44,3 +44,29 @@ fn gpu_attention_conformance_quick() {
     }
     conformance::assert_all_passed(&outcomes);
 }
+
+/// The tiny Llama and MLA decoders' greedy schedule on the GPU against the CPU backend
+/// (`model::greedy_check`, the schedule the emulated device runs in `attention-cuda-emu`):
+/// logits within the store dtype's bound, greedy tokens equal.
+#[test]
+fn gpu_tiny_decoders_greedy_match_cpu() {
+    let Some(b) = gpu_or_skip("gpu_tiny_decoders_greedy_match_cpu") else {
+        return;
+    };
+    for config in [
+        model::greedy_check::llama_config(),
+        model::greedy_check::mla_config(),
+    ] {
+        for (dtype, bound) in [
+            (kv_pool::KvDtype::F32, 1e-4),
+            (kv_pool::KvDtype::Bf16, 1e-3),
+        ] {
+            let check =
+                model::greedy_check::check_against_cpu(b.clone(), &config, dtype, bound).unwrap();
+            match check {
+                Ok(tokens) => println!("{:?} {tokens}", config.architecture),
+                Err(mismatch) => panic!("{:?} {mismatch}", config.architecture),
+            }
+        }
+    }
+}

@@ -4,7 +4,8 @@
 //! decoder layer, paged attention over a [`kv_pool::KvStore`]), the backend-neutral batch
 //! metadata ([`BatchMetadata`]: FlashInfer-style page tables), the CPU backend
 //! ([`CpuBackend`]), an f64 reference ([`reference`]), the conformance suite every backend
-//! runs ([`conformance`]) and the seam for backends that replay captured decode batches
+//! runs ([`conformance`]), decode attention's KV bandwidth on any backend ([`bandwidth`]: what
+//! the GPU benches report against the device's peak) and the seam for backends that replay captured decode batches
 //! ([`DecodeGraphs`]: CUDA graphs; the others implement nothing).
 //!
 //! ## Invariants
@@ -31,6 +32,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod bandwidth;
 pub mod check;
 pub mod conformance;
 pub mod cpu;

@@ -22,7 +22,8 @@
 //! - [`Sampler`] / [`SamplingParams`]: greedy, temperature, top-k, top-p, min-p, repetition /
 //!   frequency / presence penalties, per-request seeds, stop ids and strings.
 //! - The built-in `tiny` preset ([`tiny`]): seeded random weights and the `r50k_base`
-//!   vocabulary, so the engine runs with nothing downloaded.
+//!   vocabulary, so the engine runs with nothing downloaded; [`greedy_check`], the tiny
+//!   models' greedy schedule a GPU backend's tests compare with the CPU backend's.
 //!
 //! ## Invariants
 //! - Bad input (malformed config, missing or mis-shaped tensor, truncated file, unsupported
@@ -43,6 +44,7 @@
 pub mod config;
 pub mod decoder;
 pub mod error;
+pub mod greedy_check;
 mod layers;
 pub mod llama;
 pub mod mla;

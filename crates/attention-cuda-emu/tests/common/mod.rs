@@ -4,42 +4,13 @@
 
 use attention::{AttentionError, Backend, BatchMetadata};
 use attention_cuda::{CudaBackend, CudaKvStore, CudaTensor, Device};
-use model::tiny::{tiny_config, tiny_mla_config};
-use model::{MlaConfig, Model, ModelConfig, ModelError};
+use model::{Model, ModelError};
 
-/// The tiny preset with head dim 64 (a compiled attention shape), a 512-token vocabulary and
-/// an untied LM head.
-pub fn llama_config() -> ModelConfig {
-    ModelConfig {
-        head_dim: 64,
-        vocab_size: 512,
-        tie_word_embeddings: false,
-        bos_token_id: None,
-        eos_token_ids: Vec::new(),
-        ..tiny_config()
-    }
-}
-
-/// The tiny MLA preset with `qk_rope_head_dim` 16 (latent rows of 32 + 16, a compiled shape)
-/// and an untied LM head (tied random embeddings make greedy decoding repeat the last token).
+/// The tiny presets with head dim 64 (a compiled attention shape) and, for MLA, latent rows of
+/// 32 + 16 (a compiled MLA shape), a 512-token vocabulary and an untied LM head.
 // Not every test binary uses both configs.
-#[allow(dead_code)]
-pub fn mla_config() -> ModelConfig {
-    let base = tiny_mla_config();
-    let mla = base.mla.clone().expect("the MLA preset");
-    ModelConfig {
-        head_dim: mla.qk_nope_head_dim + 16,
-        mla: Some(MlaConfig {
-            qk_rope_head_dim: 16,
-            ..mla
-        }),
-        vocab_size: 512,
-        tie_word_embeddings: false,
-        bos_token_id: None,
-        eos_token_ids: Vec::new(),
-        ..base
-    }
-}
+#[allow(unused_imports)]
+pub use model::greedy_check::{llama_config, mla_config};
 
 fn model_err(e: ModelError) -> AttentionError {
     match e {

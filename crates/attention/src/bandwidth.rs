@@ -1,0 +1,175 @@
+//! Decode attention's KV bandwidth on any [`Backend`]: one batched decode attention call over a
+//! paged store, timed, and the KV bytes it must read (every K and V row of every request once)
+//! divided by its time. FlashInfer's and issue #14's figure of merit: a decode kernel that
+//! reads the KV at the device's memory bandwidth cannot be made faster.
+//!
+//! [`DecodeCase`] is one shape (requests, context length, page size, heads, KV dtype);
+//! [`measure_decode`] builds its store (zeroed, as [`Backend::new_kv_store`] gives it: the
+//! values do not change the work), its page table (each request's positions on consecutive
+//! pages after the reserved page 0) and its plan, runs one untimed call (which compiles
+//! kernels where a backend compiles at first use), then times `iters` calls, each ending
+//! with a download of its output (so an asynchronous backend has finished), and reports the
+//! median. The GPU benches run it per page size and context length; the tests run it on the
+//! CPU and emulated backends with small shapes.
+
+use std::time::Instant;
+
+use kv_pool::{KvDtype, KvLayout, KvShape, Slot};
+
+use crate::{AttentionParams, Backend, BatchMetadata, RequestKv, Result};
+
+/// One decode attention shape: `requests` requests of `kv_len` cached positions each (the
+/// last one written by the call itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeCase {
+    /// Requests in the batch (one query token each).
+    pub requests: usize,
+    /// Cached positions per request, the new token's included.
+    pub kv_len: usize,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// KV heads of the store.
+    pub kv_heads: usize,
+    /// Query heads (a multiple of `kv_heads`).
+    pub q_heads: usize,
+    /// K and V head dim.
+    pub head_dim: usize,
+    /// The store's KV dtype.
+    pub dtype: KvDtype,
+}
+
+impl DecodeCase {
+    /// A Llama-3-8B-shaped case (8 KV heads, 32 query heads, head dim 128) with as many
+    /// requests as it takes for the call to read at least `min_bytes` of KV (at least one).
+    pub fn llama3_8b(page_size: u32, kv_len: usize, dtype: KvDtype, min_bytes: u64) -> Self {
+        let one = DecodeCase {
+            requests: 1,
+            kv_len,
+            page_size,
+            kv_heads: 8,
+            q_heads: 32,
+            head_dim: 128,
+            dtype,
+        };
+        DecodeCase {
+            requests: min_bytes.div_ceil(one.kv_bytes().max(1)).max(1) as usize,
+            ..one
+        }
+    }
+
+    /// The KV bytes one call reads: every K and V row of every request once.
+    pub fn kv_bytes(&self) -> u64 {
+        (self.requests * self.kv_len * 2 * self.kv_heads * self.head_dim) as u64
+            * self.dtype.bytes() as u64
+    }
+
+    /// Pages of the store: each request's pages plus the reserved page 0.
+    fn pages(&self) -> usize {
+        self.requests * self.kv_len.div_ceil(self.page_size as usize) + 1
+    }
+}
+
+/// What [`measure_decode`] measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeTiming {
+    /// The case measured.
+    pub case: DecodeCase,
+    /// The median time of one call, in seconds.
+    pub seconds: f64,
+}
+
+impl DecodeTiming {
+    /// KV bytes read per second, in GB/s (10⁹ bytes).
+    pub fn gbps(&self) -> f64 {
+        self.case.kv_bytes() as f64 / self.seconds / 1e9
+    }
+}
+
+/// Times decode attention of `case` on `b` (see the module documentation): the median of
+/// `iters` calls (at least one) after one untimed call.
+pub fn measure_decode<B: Backend>(b: &B, case: &DecodeCase, iters: usize) -> Result<DecodeTiming> {
+    let c = case;
+    let shape = KvShape::mha(
+        c.kv_heads as u32,
+        c.head_dim as u32,
+        c.head_dim as u32,
+        1,
+        c.dtype,
+    )?;
+    let layout = KvLayout::new(shape, c.page_size, c.pages() * c.page_size as usize)?;
+    let mut store = b.new_kv_store(layout)?;
+    let page = c.page_size as usize;
+    let per_request = c.kv_len.div_ceil(page);
+    let slots: Vec<Vec<Slot>> = (0..c.requests)
+        .map(|r| {
+            (0..c.kv_len)
+                .map(|p| Slot(((1 + r * per_request + p / page) * page + p % page) as u32))
+                .collect()
+        })
+        .collect();
+    let requests: Vec<RequestKv<'_>> = slots
+        .iter()
+        .map(|s| RequestKv {
+            slots: s,
+            extend_len: 1,
+        })
+        .collect();
+    let meta = BatchMetadata::new_decode(c.page_size, &requests)?;
+    let plan = b.plan(&meta)?;
+    let row = |heads: usize| -> Vec<f32> {
+        (0..c.requests * heads * c.head_dim)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 1000.0)
+            .collect()
+    };
+    let q = b.upload(&row(c.q_heads), &[c.requests, c.q_heads, c.head_dim])?;
+    let kv = b.upload(&row(c.kv_heads), &[c.requests, c.kv_heads, c.head_dim])?;
+    let params = AttentionParams::dense(1.0 / (c.head_dim as f32).sqrt());
+    let mut call = || -> Result<f64> {
+        let t = Instant::now();
+        let out = b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
+        b.download(&out)?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    call()?;
+    let mut times = (0..iters.max(1))
+        .map(|_| call())
+        .collect::<Result<Vec<f64>>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(DecodeTiming {
+        case: *case,
+        seconds: times[times.len() / 2],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_8b_cases_read_at_least_what_was_asked() {
+        let c = DecodeCase::llama3_8b(16, 1024, KvDtype::F16, 1 << 30);
+        // 1024 positions x K and V x 8 heads x 128 dims x 2 bytes = 4 MiB per request.
+        assert_eq!(c.kv_bytes() / c.requests as u64, 4 << 20);
+        assert_eq!(c.requests, 256);
+        assert_eq!(DecodeCase::llama3_8b(1, 32768, KvDtype::F16, 1).requests, 1);
+    }
+
+    #[test]
+    fn the_cpu_backend_is_measured_over_every_page_size() {
+        let b = crate::CpuBackend::default();
+        for page_size in [1, 16, 64] {
+            let case = DecodeCase {
+                requests: 3,
+                kv_len: 100,
+                page_size,
+                kv_heads: 2,
+                q_heads: 4,
+                head_dim: 64,
+                dtype: KvDtype::F16,
+            };
+            let t = measure_decode(&b, &case, 3).unwrap();
+            assert!(t.seconds > 0.0 && t.gbps().is_finite(), "{t:?}");
+            assert_eq!(t.case.kv_bytes(), 3 * 100 * 2 * 2 * 64 * 2);
+        }
+    }
+}

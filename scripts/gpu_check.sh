@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Issue #14's checks on a real NVIDIA GPU, as one prepared run for the `device` machine (whose
+# image has the CUDA driver, NVRTC and cuBLAS but no Rust toolchain), in two halves:
+#
+#   bash scripts/gpu_check.sh prepare   # here: build the binaries into .gpu/ (ignored by git)
+#   bash scripts/gpu_check.sh run       # there, with .gpu carried: every check, logs to $OUT
+#
+# `run` does, each step under its own time limit and going on after a failure:
+#   1. nvidia-smi, and where libcuda, NVRTC and cuBLAS are found;
+#   2. attention-cuda's tests/gpu.rs with KVSERVE_REQUIRE_CUDA=1: the dense and attention
+#      conformance suites against the f64 reference, and the tiny Llama and MLA decoders' greedy
+#      schedule against the CPU backend (model::greedy_check);
+#   3. examples/decode_bandwidth.rs: decode attention's KV GB/s per KV dtype, page size and
+#      context length, against the GPU's peak (H100 3350 GB/s, H200 4800 GB/s, by its name);
+#   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
+#      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
+#      cuda` (batch 1 and 16), and once more with --disable-cuda-graph.
+# Everything goes to $OUT/check.log, the benches' JSON beside it, a line per step to
+# $OUT/summary.txt (five files: the device returns at most eight); `run` exits non-zero when
+# any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+GPU_DIR=.gpu
+
+prepare() {
+    set -e
+    cargo build --release --locked -p attention-cuda --features cuda-13 --example decode_bandwidth
+    cargo build --release --locked -p engine --features cuda-13 --bin kvserve
+    cargo build --release --locked -p model --example random_checkpoint
+    local test_bin
+    test_bin=$(cargo test --release --locked -p attention-cuda --features cuda-13 --test gpu \
+        --no-run --message-format=json \
+        | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        print(m["executable"])')
+    rm -rf "$GPU_DIR" && mkdir -p "$GPU_DIR"
+    cp "$test_bin" "$GPU_DIR/gpu-tests"
+    cp target/release/examples/decode_bandwidth target/release/examples/random_checkpoint \
+        target/release/kvserve "$GPU_DIR/"
+    strip "$GPU_DIR"/* 2>/dev/null || true
+    du -sh "$GPU_DIR"/*
+    echo "prepared $GPU_DIR: carry it (the device tool's carry: [\"$GPU_DIR\"]) and run" \
+        "'bash scripts/gpu_check.sh run'"
+}
+
+run() {
+    local out="${OUT:-/tmp/gpu-check}"
+    mkdir -p "$out"
+    [ -x "$GPU_DIR/gpu-tests" ] || { echo "no $GPU_DIR/gpu-tests: run 'prepare' here first"; exit 2; }
+    # cudarc opens libcuda, libnvrtc and libcublas by name: add every directory holding them.
+    local dirs
+    dirs=$( (python3 -c '
+import glob, os, sys
+for p in sys.path:
+    for d in glob.glob(os.path.join(p, "nvidia", "*", "lib")) + glob.glob(os.path.join(p, "nvidia", "*", "*", "lib")):
+        print(d)' 2>/dev/null; ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib 2>/dev/null) \
+        | while read -r d; do ls "$d"/libnvrtc.so* "$d"/libcublas.so* >/dev/null 2>&1 && echo "$d"; done \
+        | sort -u | paste -sd: -)
+    export LD_LIBRARY_PATH="${dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    local failed=0 summary=""
+    step() { # step NAME SECONDS COMMAND...
+        local name=$1 limit=$2 t0=$SECONDS rc
+        shift 2
+        echo "== $name" | tee -a "$out/check.log"
+        timeout "$limit" "$@" 2>&1 | tee -a "$out/check.log"
+        rc=${PIPESTATUS[0]}
+        [ "$rc" = 0 ] || failed=1
+        summary+="$name: rc $rc in $((SECONDS - t0)) s"$'\n'
+    }
+    step env 30 bash -c 'nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH";
+        for l in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libnvrtc.so.12 libcublas.so.12; do
+            python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
+                2>/dev/null || echo "$l does not load"; done'
+    step gpu-tests 240 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
+    local name peak=3350
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+    case "$name" in *H200*) peak=4800 ;; *H100*PCIe*) peak=2000 ;; esac
+    step bandwidth 180 "$GPU_DIR/decode_bandwidth" "$peak" 2
+    local ck=/tmp/smollm2-shape-bf16
+    step checkpoint 60 "$GPU_DIR/random_checkpoint" "$ck" bf16
+    local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
+        --random-input-len 512 --random-output-len 128 --random-range-ratio 1
+        --request-rate inf --quiet --plot /tmp/bench.png)
+    step bench-b1 120 "${bench[@]}" --num-prompts 1 --json "$out/bench-b1.json"
+    step bench-b16 120 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
+    step bench-b16-eager 120 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
+        --json "$out/bench-b16-eager.json"
+    printf '%s' "$summary" | tee "$out/summary.txt"
+    return "$failed"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) run ;;
+    *) echo "usage: bash scripts/gpu_check.sh prepare|run" >&2; exit 2 ;;
+esac
