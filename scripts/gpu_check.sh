@@ -57,7 +57,10 @@ import glob, os, sys
 for p in sys.path:
     for d in glob.glob(os.path.join(p, "nvidia", "*", "lib")) + glob.glob(os.path.join(p, "nvidia", "*", "*", "lib")):
         print(d)' 2>/dev/null; ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/*/lib 2>/dev/null) \
-        | while read -r d; do ls "$d"/libnvrtc.so* "$d"/libcublas.so* >/dev/null 2>&1 && echo "$d"; done \
+        | while read -r d; do
+            compgen -G "$d/libnvrtc.so*" >/dev/null || compgen -G "$d/libcublas.so*" >/dev/null \
+                && echo "$d"
+        done \
         | sort -u | paste -sd: -)
     export LD_LIBRARY_PATH="${dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     local failed=0 summary=""
