@@ -1,7 +1,8 @@
 //! wgpu backend benches on whatever adapter is found (its name is printed first):
 //!
-//! - `decode_attention`: one batched decode attention call over a paged store; throughput is
-//!   the KV bytes read (every K and V row of every request once), reported as bytes/s. Set
+//! - `decode_attention`: one batched decode attention call over a paged store
+//!   (`attention::bandwidth::measure_decode`, the median of 5 calls); throughput is the KV
+//!   bytes read (every K and V row of every request once), reported as bytes/s. Set
 //!   `KVSERVE_GPU_PEAK_GBPS` to the device's memory bandwidth to also print the fraction
 //!   reached.
 //! - `decoder_layer`: one Llama-shaped decoder layer (norms, projections, rotary, attention,
@@ -12,18 +13,19 @@
 
 use std::time::{Duration, Instant};
 
-use attention::{AttentionParams, Backend, BatchMetadata, RequestKv};
+use attention::bandwidth::{measure_decode, DecodeCase};
+use attention::{Backend, BatchMetadata, RequestKv};
 use attention_wgpu::test_support::backend_or_skip;
 use attention_wgpu::WgpuBackend;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kv_pool::{KvDtype, KvLayout, KvShape, KvStore, Slot};
+use kv_pool::{KvDtype, KvLayout, KvShape, Slot};
 use model::tiny::random_weights;
 use model::{Architecture, LlamaModel, ModelConfig};
 
 const PAGE: u32 = 16;
 
 /// A decode batch of `reqs` requests of `kv_len` positions on consecutive pages.
-fn decode_meta(reqs: usize, kv_len: usize) -> (BatchMetadata, Vec<Vec<Slot>>) {
+fn decode_meta(reqs: usize, kv_len: usize) -> BatchMetadata {
     let pages_per = kv_len.div_ceil(PAGE as usize) as u32;
     let slots: Vec<Vec<Slot>> = (0..reqs as u32)
         .map(|r| {
@@ -39,10 +41,7 @@ fn decode_meta(reqs: usize, kv_len: usize) -> (BatchMetadata, Vec<Vec<Slot>>) {
             extend_len: 1,
         })
         .collect();
-    (
-        BatchMetadata::new_decode(PAGE, &reqs).unwrap(),
-        slots.clone(),
-    )
+    BatchMetadata::new_decode(PAGE, &reqs).unwrap()
 }
 
 fn values(n: usize) -> Vec<f32> {
@@ -65,56 +64,32 @@ fn report_rate(name: &str, what: &str, per_call: f64, dt: Duration, unit: &str) 
     println!("{line}");
 }
 
-fn decode_attention(c: &mut Criterion, b: &WgpuBackend) {
-    let (kv_heads, q_heads, d) = (8usize, 32usize, 128usize);
-    let (reqs, kv_len) = (8usize, 512usize);
+/// One batched decode attention call, timed by `attention::bandwidth::measure_decode` (the
+/// CUDA backend's `decode_bandwidth` example times the same call on a GPU).
+fn decode_attention(b: &WgpuBackend) {
     for dtype in [KvDtype::F32, KvDtype::F16] {
-        let shape = KvShape::mha(kv_heads as u32, d as u32, d as u32, 1, dtype).unwrap();
+        let case = DecodeCase {
+            requests: 8,
+            kv_len: 512,
+            page_size: PAGE,
+            kv_heads: 8,
+            q_heads: 32,
+            head_dim: 128,
+            dtype,
+        };
+        let shape = KvShape::mha(8, 128, 128, 1, dtype).unwrap();
         if let Err(reason) = b.kv_support(&shape) {
             println!("decode_attention {dtype}: skipped ({reason})");
             continue;
         }
-        let pages = reqs * kv_len.div_ceil(PAGE as usize) + 1;
-        let layout = KvLayout::new(shape, PAGE, pages * PAGE as usize).unwrap();
-        let mut store = b.new_kv_store(layout).unwrap();
-        let (meta, slots) = decode_meta(reqs, kv_len);
-        for s in &slots {
-            let kv = values(s.len() * kv_heads * d);
-            store.write_kv(0, s, &kv, &kv).unwrap();
-        }
-        let plan = b.plan(&meta).unwrap();
-        let q = b
-            .upload(&values(reqs * q_heads * d), &[reqs, q_heads, d])
-            .unwrap();
-        let k = b
-            .upload(&values(reqs * kv_heads * d), &[reqs, kv_heads, d])
-            .unwrap();
-        let params = AttentionParams::dense(1.0 / (d as f32).sqrt());
-        let bytes = (reqs * kv_len * 2 * kv_heads * d * dtype.bytes()) as u64;
-        let mut call = || {
-            b.attention(0, &plan, &mut store, &q, &k, &k, &params)
-                .unwrap();
-            b.synchronize().unwrap();
-        };
-        call();
-        let t = Instant::now();
-        let n = 5;
-        for _ in 0..n {
-            call();
-        }
+        let t = measure_decode(b, &case, 5).unwrap();
         report_rate(
             &format!("decode_attention {dtype}"),
-            &format!("{reqs} requests x {kv_len} positions, {q_heads}/{kv_heads} heads x {d}, KV bytes read"),
-            bytes as f64,
-            t.elapsed() / n,
+            "8 requests x 512 positions, 32/8 heads x 128, KV bytes read",
+            case.kv_bytes() as f64,
+            Duration::from_secs_f64(t.seconds),
             "GB",
         );
-        let mut g = c.benchmark_group("wgpu_decode_attention");
-        g.throughput(Throughput::Bytes(bytes));
-        g.sample_size(10);
-        g.measurement_time(Duration::from_secs(2));
-        g.bench_function(dtype.name(), |bench| bench.iter(&mut call));
-        g.finish();
     }
 }
 
@@ -147,7 +122,7 @@ fn decoder_layer(c: &mut Criterion, b: &WgpuBackend) {
     let shape = config.kv_shape(KvDtype::F32).unwrap();
     let layout = KvLayout::new(shape, PAGE, pages * PAGE as usize).unwrap();
     let mut store = b.new_kv_store(layout).unwrap();
-    let (meta, _) = decode_meta(reqs, kv_len);
+    let meta = decode_meta(reqs, kv_len);
     let plan = b.plan(&meta).unwrap();
     let positions = meta.positions();
     let x0 = values(reqs * config.hidden_size);
@@ -186,7 +161,7 @@ fn benches(c: &mut Criterion) {
         return;
     };
     println!("adapter: {}", b.report());
-    decode_attention(c, &b);
+    decode_attention(&b);
     decoder_layer(c, &b);
 }
 
