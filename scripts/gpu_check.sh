@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_check.sh prepare   # here: build the binaries into .gpu/ (ignored by git)
 #   bash scripts/gpu_check.sh run       # there, with .gpu carried: every check, logs to $OUT
+#   bash scripts/gpu_check.sh profile   # there: the bandwidth table per set of tuning defines,
+#                                       # then Nsight Compute on decode attention
 #
 # `run` does, each step under its own time limit and going on after a failure:
 #   1. nvidia-smi, and where libcuda, NVRTC and cuBLAS are found;
@@ -14,10 +16,13 @@
 #      context length, against the GPU's peak (H100 3350 GB/s, H200 4800 GB/s, by its name);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
-#      cuda` (batch 1 and 16), and once more with --disable-cuda-graph.
+#      cuda` (batch 1 and 16), and once more with --disable-cuda-graph;
+#   5. the attention conformance suite under compute-sanitizer's memcheck (out-of-bounds and
+#      misaligned accesses) and racecheck (shared-memory hazards: what emulation, which runs
+#      a block's threads in lockstep between barriers, cannot see), where the image has it.
 # Everything goes to $OUT/check.log, the benches' JSON beside it, a line per step to
-# $OUT/summary.txt (five files: the device returns at most eight); `run` exits non-zero when
-# any step failed.
+# $OUT/summary.txt as each step ends (five files: the device returns at most eight); `run`
+# exits non-zero when any step failed. The steps' limits add up to under 500 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GPU_DIR=.gpu
@@ -46,11 +51,9 @@ for line in sys.stdin:
         "'bash scripts/gpu_check.sh run'"
 }
 
-run() {
-    local out="${OUT:-/tmp/gpu-check}"
-    mkdir -p "$out"
-    [ -x "$GPU_DIR/gpu-tests" ] || { echo "no $GPU_DIR/gpu-tests: run 'prepare' here first"; exit 2; }
-    # cudarc opens libcuda, libnvrtc and libcublas by name: add every directory holding them.
+# cudarc opens libcuda, libnvrtc and libcublas by name: every directory holding NVRTC or
+# cuBLAS (PyPI's nvidia-* wheels, a CUDA toolkit) goes on LD_LIBRARY_PATH.
+cuda_library_path() {
     local dirs
     dirs=$( (python3 -c '
 import glob, os, sys
@@ -63,7 +66,53 @@ for p in sys.path:
         done \
         | sort -u | paste -sd: -)
     export LD_LIBRARY_PATH="${dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    local failed=0 summary=""
+}
+
+# The GPU's memory bandwidth in GB/s, by its name (H100 SXM 3350, H100 PCIe 2000, H200 4800).
+peak_gbps() {
+    local name peak=3350
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+    case "$name" in *H200*) peak=4800 ;; *H100*PCIe*) peak=2000 ;; esac
+    echo "$peak"
+}
+
+profile() {
+    local out="${OUT:-/tmp/gpu-check}" ncu defines target
+    mkdir -p "$out"
+    cuda_library_path
+    # The bandwidth table once per set of the kernels' tuning defines (KVSERVE_CUDA_DEFINES;
+    # PROFILE_DEFINES: sets separated by ';', the first the defaults) and per split target
+    # (SPLIT_TARGETS: split_kv_target_blocks values separated by spaces; unset: the default).
+    local sets=("")
+    [ -n "${PROFILE_DEFINES-;ATTN_MIN_BLOCKS=4;V_UNROLL_MAX=4}" ] \
+        && IFS=';' read -r -a sets <<<"${PROFILE_DEFINES-;ATTN_MIN_BLOCKS=4;V_UNROLL_MAX=4}"
+    read -r -a targets <<<"${SPLIT_TARGETS:-default}"
+    for defines in "${sets[@]}"; do
+        for target in "${targets[@]}"; do
+            echo "== KVSERVE_CUDA_DEFINES='$defines' split target $target" | tee -a "$out/profile.log"
+            [ "$target" = default ] && target=
+            KVSERVE_CUDA_DEFINES="$defines" timeout 60 "$GPU_DIR/decode_bandwidth" \
+                "$(peak_gbps)" 2 $target 2>&1 | tee -a "$out/profile.log"
+        done
+    done
+    [ "${NO_NCU:-0}" = 1 ] && return 0
+    ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    [ -n "$ncu" ] || { echo "no ncu" | tee -a "$out/profile.log"; return 1; }
+    # The defaults, launch 150: f16, pages of 16, 32768 positions × 16 requests (21 calls per
+    # row, the first untimed).
+    timeout 90 "$ncu" --clock-control none --kernel-name paged_attention --launch-skip 149 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 2>&1 | grep -v '^|' >>"$out/profile.log"
+}
+
+run() {
+    local out="${OUT:-/tmp/gpu-check}"
+    mkdir -p "$out"
+    [ -x "$GPU_DIR/gpu-tests" ] || { echo "no $GPU_DIR/gpu-tests: run 'prepare' here first"; exit 2; }
+    cuda_library_path
+    local failed=0
+    : >"$out/summary.txt"
     step() { # step NAME SECONDS COMMAND...
         local name=$1 limit=$2 t0=$SECONDS rc
         shift 2
@@ -71,32 +120,40 @@ for p in sys.path:
         timeout "$limit" "$@" 2>&1 | tee -a "$out/check.log"
         rc=${PIPESTATUS[0]}
         [ "$rc" = 0 ] || failed=1
-        summary+="$name: rc $rc in $((SECONDS - t0)) s"$'\n'
+        echo "$name: rc $rc in $((SECONDS - t0)) s" >>"$out/summary.txt"
     }
-    step env 30 bash -c 'nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH";
+    step env 20 bash -c 'nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH";
         for l in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libnvrtc.so.12 libcublas.so.12; do
             python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
                 2>/dev/null || echo "$l does not load"; done'
-    step gpu-tests 240 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
-    local name peak=3350
-    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-    case "$name" in *H200*) peak=4800 ;; *H100*PCIe*) peak=2000 ;; esac
-    step bandwidth 180 "$GPU_DIR/decode_bandwidth" "$peak" 2
+    step gpu-tests 120 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
+    step bandwidth 90 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2
     local ck=/tmp/smollm2-shape-bf16
-    step checkpoint 60 "$GPU_DIR/random_checkpoint" "$ck" bf16
+    step checkpoint 30 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
         --random-input-len 512 --random-output-len 128 --random-range-ratio 1
         --request-rate inf --quiet --plot /tmp/bench.png)
-    step bench-b1 120 "${bench[@]}" --num-prompts 1 --json "$out/bench-b1.json"
-    step bench-b16 120 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
-    step bench-b16-eager 120 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
+    step bench-b1 45 "${bench[@]}" --num-prompts 1 --json "$out/bench-b1.json"
+    step bench-b16 45 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
+    step bench-b16-eager 45 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
-    printf '%s' "$summary" | tee "$out/summary.txt"
+    local sanitizer
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+    if [ -n "$sanitizer" ]; then
+        for tool in memcheck racecheck; do
+            step "sanitizer-$tool" 45 env KVSERVE_REQUIRE_CUDA=1 "$sanitizer" --tool "$tool" \
+                --error-exitcode 3 "$GPU_DIR/gpu-tests" gpu_attention_conformance_quick --nocapture
+        done
+    else
+        echo "sanitizer: compute-sanitizer not found: skipped" >>"$out/summary.txt"
+    fi
+    cat "$out/summary.txt"
     return "$failed"
 }
 
 case "${1:-}" in
     prepare) prepare ;;
     run) run ;;
-    *) echo "usage: bash scripts/gpu_check.sh prepare|run" >&2; exit 2 ;;
+    profile) profile ;;
+    *) echo "usage: bash scripts/gpu_check.sh prepare|run|profile" >&2; exit 2 ;;
 esac

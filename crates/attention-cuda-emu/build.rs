@@ -82,13 +82,18 @@ fn main() {
          return -1;\n}}\n",
         kernels.join("common.cuh").display(),
         emu.join("selftest.cu").display(),
-        ["shfl_xor_table", "block_reduce", "mismatched_barriers"]
-            .iter()
-            .map(|k| format!(
-                "    if (strcmp(kernel, \"{k}\") == 0) return kvs_emu::launch(&kvs_selftest::{k}, \
+        [
+            "shfl_xor_table",
+            "block_reduce",
+            "decode_tables",
+            "mismatched_barriers"
+        ]
+        .iter()
+        .map(|k| format!(
+            "    if (strcmp(kernel, \"{k}\") == 0) return kvs_emu::launch(&kvs_selftest::{k}, \
                  grid, block, params, nparams);\n"
-            ))
-            .collect::<String>()
+        ))
+        .collect::<String>()
     );
     let selftest_file = out.join("kvs_emu_selftest.cpp");
     std::fs::write(&selftest_file, selftest).unwrap();

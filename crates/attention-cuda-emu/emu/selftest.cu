@@ -24,6 +24,18 @@ KVS_KERNEL void block_reduce(const float* in, float* out) {
     }
 }
 
+// out[i] = kvs_f16_to_f32(i) for every f16 bit pattern i < 65536 (a grid of 65536 threads),
+// then out[65536 + b] = kvs_e4m3_to_f32(b) for every fp8 e4m3 byte: the portable conversions
+// (the ones the emulation and HIP run) against the host's, bit for bit.
+KVS_KERNEL void decode_tables(const float* in, float* out) {
+    (void)in;
+    const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    out[i] = kvs_f16_to_f32((unsigned short)i);
+    if (i < 256) {
+        out[65536 + i] = kvs_e4m3_to_f32((unsigned char)i);
+    }
+}
+
 // Lane 0 waits at the block barrier while the rest of its warp waits on a shuffle that needs
 // lane 0: no barrier can ever complete (undefined on a GPU; the emulator must say so).
 KVS_KERNEL void mismatched_barriers(float* out) {

@@ -1,6 +1,7 @@
 //! The emulator itself, on its own test kernels (`emu/selftest.cu`): warp shuffles equal their
-//! definition for every lane mask, block reductions across warps are exact, and a barrier
-//! mismatch is reported as a typed error instead of hanging.
+//! definition for every lane mask, block reductions across warps are exact, the portable f16
+//! and fp8 e4m3 decoders equal the host's for every bit pattern, and a barrier mismatch is
+//! reported as a typed error instead of hanging.
 
 use attention::AttentionError;
 use attention_cuda::{Device, KernelArg, LaunchConfig};
@@ -52,6 +53,28 @@ fn warp_shuffles_follow_their_definition() {
             assert_eq!(got[m * n + i], input[i ^ m], "mask {m} thread {i}");
         }
     }
+}
+
+#[test]
+fn kernel_decoders_equal_the_hosts_for_every_bit_pattern() {
+    let Some(dev) = emu_or_skip("kernel_decoders_equal_the_hosts_for_every_bit_pattern") else {
+        return;
+    };
+    let got = run(&dev, "decode_tables", (256, 256), &[0.0], 65536 + 256);
+    let check = |dtype: kv_pool::KvDtype, bytes: &[u8], got: &[f32]| {
+        let mut want = vec![0f32; got.len()];
+        kv_pool::dtype::decode_to_f32(dtype, bytes, 1.0, &mut want);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{dtype} pattern {i:#x}: kernel {g:e}, host {w:e}"
+            );
+        }
+    };
+    let f16: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
+    check(kv_pool::KvDtype::F16, &f16, &got[..65536]);
+    let e4m3: Vec<u8> = (0..=u8::MAX).collect();
+    check(kv_pool::KvDtype::Fp8E4m3, &e4m3, &got[65536..]);
 }
 
 #[test]

@@ -4,15 +4,17 @@
 //!
 //! ```sh
 //! cargo run --release -p attention-cuda --features cuda-13 --example decode_bandwidth -- \
-//!     [PEAK_GBPS] [MIN_GIB]
+//!     [PEAK_GBPS] [MIN_GIB] [SPLIT_TARGET]
 //! ```
 //!
 //! Llama-3-8B-shaped attention (8 KV heads, 32 query heads, head dim 128), as many requests as
 //! it takes to read at least `MIN_GIB` GiB of KV per call (default 2), so launch overhead does
 //! not hide the bandwidth; each row is the median of 20 calls after one untimed call (which
 //! compiles the kernels), timed by `attention::bandwidth::measure_decode`. `PEAK_GBPS` is the
-//! device's memory bandwidth in GB/s (default 3350, H100 SXM; 4800 for an H200). Prints a
-//! Markdown table; a case the device refuses (memory) is a row with the error.
+//! device's memory bandwidth in GB/s (default 3350, H100 SXM; 4800 for an H200);
+//! `SPLIT_TARGET` the backend's `split_kv_target_blocks` (default: `CudaConfig`'s). KV dtypes
+//! f16, bf16 and fp8 e4m3. Prints a Markdown table; a case the device refuses (memory) is a
+//! row with the error.
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 fn main() -> std::process::ExitCode {
@@ -23,6 +25,10 @@ fn main() -> std::process::ExitCode {
     let mut args = std::env::args().skip(1);
     let peak: f64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(3350.0);
     let min_gib: f64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(2.0);
+    let mut config = CudaConfig::default();
+    if let Some(target) = args.next().and_then(|a| a.parse().ok()) {
+        config.split_kv_target_blocks = target;
+    }
     let device = match CudarcDevice::new(0) {
         Ok(d) => d,
         Err(e) => {
@@ -31,12 +37,15 @@ fn main() -> std::process::ExitCode {
         }
     };
     println!("device: {:?}", device.report());
-    println!("peak: {peak} GB/s; at least {min_gib} GiB of KV per call\n");
-    let b = CudaBackend::new(device, CudaConfig::default());
+    println!(
+        "peak: {peak} GB/s; at least {min_gib} GiB of KV per call; split target {} blocks\n",
+        config.split_kv_target_blocks
+    );
+    let b = CudaBackend::new(device, config);
     println!("| KV dtype | page size | context | requests | KV read (GiB) | ms per call | GB/s | of peak |");
     println!("|---|---|---|---|---|---|---|---|");
     let min_bytes = (min_gib * (1u64 << 30) as f64) as u64;
-    for dtype in [KvDtype::F16, KvDtype::Bf16] {
+    for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8E4m3] {
         for page in [1u32, 16, 64] {
             for context in [1024usize, 4096, 16384, 32768] {
                 let case = DecodeCase::llama3_8b(page, context, dtype, min_bytes);

@@ -24,15 +24,28 @@
 #define V_ROW V_HEAD_DIM
 #endif
 
-// Query heads per block: HEADS_PER_BLOCK heads that share one KV head are served by one block,
-// which reads each key and value row once for all of them (MLA, whose one latent head every
-// query head reads; the host passes it as a define). 1 otherwise.
+// Query heads per block: up to HEADS_PER_BLOCK heads that share one KV head are served by one
+// block, which reads each key and value row once for all of them (GQA's groups, and MLA, whose
+// one latent head every query head reads; the host passes it as a define). 1 for MHA.
 #ifndef HEADS_PER_BLOCK
 #define HEADS_PER_BLOCK 1
 #endif
 
 #define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / WARP_SIZE)
+// ATTN_MIN_BLOCKS (a tuning define, 3 by default): the compiler fits this many blocks per SM
+// (it caps the registers per thread, spilling if it must). On an H100, f16/bf16 KV with 4
+// heads per block: unbounded (198 registers, 2 blocks) 38-42 % of the memory bandwidth, 3
+// blocks (168) 47-56 %, 4 (128, spilling) 42-50 %. 0: no bound. NVIDIA only (HIP's second
+// bound means warps per execution unit; the emulation has no registers).
+#ifndef ATTN_MIN_BLOCKS
+#define ATTN_MIN_BLOCKS 3
+#endif
+#if ATTN_MIN_BLOCKS > 0 && defined(__CUDA_ARCH__)
+#define ATTN_BOUNDS __launch_bounds__(ATTN_THREADS, ATTN_MIN_BLOCKS)
+#else
+#define ATTN_BOUNDS
+#endif
 
 // Loads (see paged_attention's comment): keys and values are read as 16-byte vectors of
 // K_EPV / V_EPV elements, which needs every row's byte length (and the value part's) to be a
@@ -87,26 +100,37 @@ __device__ inline unsigned int kvs_slot(const unsigned int* pages, unsigned int 
 // reduction per key): at the step of width h a lane with bit h set keeps the upper half of
 // its live keys and sends the lower half to lane ^ h, which keeps the lower half, so the keys
 // a lane ends with are those whose index bits equal its own.
-template <int N> __device__ inline float kvs_lane_transpose_sum(float* part) {
+// One step of width H, then the narrower ones: a template per step, so every index into
+// part is a compile-time constant and part stays in registers (as one loop nest, ptxas kept
+// a 16-key part in local memory: a load and a store per partial product).
+template <int H> struct kvs_transpose_steps {
+    __device__ static inline void run(float* part) {
+        const bool upper = (threadIdx.x & H) != 0;
 #pragma unroll
-    for (int h = N / 2; h > 0; h >>= 1) {
-        const bool upper = (threadIdx.x & h) != 0;
-#pragma unroll
-        for (int i = 0; i < h; ++i) {
-            const float send = upper ? part[i] : part[i + h];
-            const float keep = upper ? part[i + h] : part[i];
-            part[i] = keep + KVS_SHFL_XOR(send, h);
+        for (int i = 0; i < H; ++i) {
+            const float send = upper ? part[i] : part[i + H];
+            const float keep = upper ? part[i + H] : part[i];
+            part[i] = keep + KVS_SHFL_XOR(send, H);
         }
+        kvs_transpose_steps<H / 2>::run(part);
     }
+};
+template <> struct kvs_transpose_steps<0> {
+    __device__ static inline void run(float*) {}
+};
+
+template <int N> __device__ inline float kvs_lane_transpose_sum(float* part) {
+    kvs_transpose_steps<N / 2>::run(part);
     return part[0];
 }
 
-// One block of ATTN_THREADS per (token, group of HEADS_PER_BLOCK query heads, split): grid.x =
-// tokens × ⌈q_heads / HEADS_PER_BLOCK⌉, grid.y = num_splits. The block walks its split's keys
-// ATTN_THREADS at a time with an online softmax per head (each head's block-wide max and sum
-// in turn), and writes each head's normalised partial output and its log-sum-exp (-inf and
-// zeros for an empty split). Every key and value vector is loaded once per block and used by
-// all its heads: for MLA, one latent read serves HEADS_PER_BLOCK query heads.
+// One block of ATTN_THREADS per (token, KV head, group of up to HEADS_PER_BLOCK of the query
+// heads that read it, split): grid.x = tokens × kv_heads × ⌈group / HEADS_PER_BLOCK⌉ (group =
+// q_heads / kv_heads), grid.y = num_splits. The block walks its split's keys ATTN_THREADS at a
+// time with an online softmax per head, and writes each head's normalised partial output and
+// its log-sum-exp (-inf and zeros for an empty split). Every key and value vector is loaded
+// and decoded once per block and used by all its heads: for GQA, one KV read serves up to
+// HEADS_PER_BLOCK query heads of its group; for MLA, one latent read serves HEADS_PER_BLOCK.
 //
 // Memory access (the kernel is bound by reading the cache):
 // - Keys: warp w scores the chunk's keys w·32 … w·32 + 31. A key row is read by K_LANES lanes
@@ -122,30 +146,71 @@ template <int N> __device__ inline float kvs_lane_transpose_sum(float* part) {
 // - Values: the block splits into V_GROUPS groups; group g reads the value rows of keys g,
 //   g + V_GROUPS, … of the chunk, thread i of the group the i-th (i + V_GROUP-th, …) vector of
 //   each, so every load instruction reads whole 16-byte vectors of consecutive rows' elements
-//   (again coalesced). Each thread accumulates its elements over its group's keys; at the end
-//   the groups' sums are added in group order through shared memory (a fixed order, so the
-//   result does not depend on the batch).
+//   (again coalesced), V_UNROLL rows' loads issued before any is used. Each thread
+//   accumulates its elements over its group's keys; at the end the groups' sums are added in
+//   group order through shared memory (a fixed order, so the result does not depend on the
+//   batch).
 // - The page table: each thread resolves the slot of its own key once per chunk (s_slot).
-KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t* v_cache,
-                                const unsigned int* plan, float* partial_o, float* partial_lse,
-                                unsigned int q_heads, unsigned int kv_heads,
-                                unsigned int page_size, unsigned int page_shift,
-                                unsigned int split_size, float scale, float k_scale,
-                                float v_scale) {
+// - Barriers: four per chunk whatever HEADS_PER_BLOCK (slots published; every head's chunk
+//   maximum; every head's probabilities and sums; the chunk's shared memory free again).
+#define V_ITERS ((ATTN_THREADS + V_GROUPS - 1) / V_GROUPS) // value rows a group reads, at most
+// Value rows whose loads are issued together: up to V_UNROLL_MAX (a tuning define, 8 by
+// default: the key phase's partial scores and queries are dead by then, so their registers
+// hold the loads; 16 raised the kernel's registers and lowered its occupancy on an H100).
+#ifndef V_UNROLL_MAX
+#define V_UNROLL_MAX 8
+#endif
+#define V_UNROLL (V_ITERS < V_UNROLL_MAX ? V_ITERS : V_UNROLL_MAX)
+// Loads (without decoding) value rows vgroup + (it0 + u)·V_GROUPS, u < V_UNROLL, of the chunk
+// (those below count): this thread's vectors of each, into raw[u].
+__device__ inline void kvs_load_value_rows(kvs_vec16 (&raw)[V_UNROLL][V_VECS_PER_THREAD],
+                                           const kv_t* v_cache, const unsigned int* s_slot,
+                                           unsigned int kv_heads, unsigned int kvh,
+                                           unsigned int vgroup, unsigned int vlane,
+                                           unsigned int it0, unsigned int count) {
+#pragma unroll
+    for (int u = 0; u < V_UNROLL; ++u) {
+        const unsigned int jj = vgroup + (it0 + u) * V_GROUPS;
+        if (jj < count) {
+            const kv_t* vr = v_cache + ((size_t)s_slot[jj] * kv_heads + kvh) * V_ROW;
+#pragma unroll
+            for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
+                const unsigned int v = vlane + i * V_GROUP;
+                if (v < V_VECS) {
+                    raw[u][i] = kv_load_raw16(vr + v * V_EPV);
+                }
+            }
+        }
+    }
+}
+
+KVS_KERNEL void ATTN_BOUNDS paged_attention(const float* q, const kv_t* k_cache,
+                                            const kv_t* v_cache, const unsigned int* plan,
+                                            float* partial_o, float* partial_lse,
+                                            unsigned int q_heads, unsigned int kv_heads,
+                                            unsigned int page_size, unsigned int page_shift,
+                                            unsigned int split_size, float scale,
+                                            float k_scale, float v_scale) {
     __shared__ float s_q[HEADS_PER_BLOCK][HEAD_DIM];
     __shared__ float s_p[HEADS_PER_BLOCK][ATTN_THREADS];
     __shared__ unsigned int s_slot[ATTN_THREADS];
-    __shared__ float s_red[ATTN_WARPS];
+    __shared__ float s_max[HEADS_PER_BLOCK][ATTN_WARPS];
+    __shared__ float s_sum[HEADS_PER_BLOCK][ATTN_WARPS];
     __shared__ float s_o[V_GROUPS * V_HEAD_DIM];
 
     const unsigned int t = threadIdx.x;
     const unsigned int lane = t % WARP_SIZE;
     const unsigned int warp = t / WARP_SIZE;
-    const unsigned int head_groups = (q_heads + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
-    const unsigned int tok = blockIdx.x / head_groups;
-    const unsigned int head0 = (blockIdx.x % head_groups) * HEADS_PER_BLOCK;
-    // The block's heads share one KV head (HEADS_PER_BLOCK is 1 unless kv_heads is 1).
-    const unsigned int kvh = head0 / (q_heads / kv_heads);
+    // The block's KV head and its query heads head0 .. head0 + nheads - 1 (all in its group).
+    const unsigned int group_size = q_heads / kv_heads;
+    const unsigned int blocks_per_kv = (group_size + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
+    const unsigned int per_token = kv_heads * blocks_per_kv;
+    const unsigned int tok = blockIdx.x / per_token;
+    const unsigned int kvh = blockIdx.x % per_token / blocks_per_kv;
+    const unsigned int first = blockIdx.x % blocks_per_kv * HEADS_PER_BLOCK; // in the group
+    const unsigned int head0 = kvh * group_size + first;
+    const unsigned int nheads =
+        group_size - first < HEADS_PER_BLOCK ? group_size - first : HEADS_PER_BLOCK;
     const unsigned int split = blockIdx.y;
     const unsigned int num_splits = gridDim.y;
 
@@ -156,13 +221,12 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
     const unsigned int begin = split * split_size;
     const unsigned int end = begin + split_size < kv_end ? begin + split_size : kv_end;
 
-    // The scaled queries; a head past q_heads (the last group of a head count that is no
+    // The scaled queries; a head slot past nheads (the last block of a group that is no
     // multiple of HEADS_PER_BLOCK) gets zeros and writes nothing.
     for (unsigned int h = 0; h < HEADS_PER_BLOCK; ++h) {
         for (unsigned int d = t; d < HEAD_DIM; d += ATTN_THREADS) {
-            s_q[h][d] = head0 + h < q_heads
-                ? q[((size_t)tok * q_heads + head0 + h) * HEAD_DIM + d] * scale
-                : 0.0f;
+            s_q[h][d] =
+                h < nheads ? q[((size_t)tok * q_heads + head0 + h) * HEAD_DIM + d] * scale : 0.0f;
         }
     }
     __syncthreads();
@@ -181,13 +245,20 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
             acc[h][i] = 0.0f;
         }
     }
+    // Each chunk's slot of key t is read from the page table during the chunk before (its
+    // latency hidden behind that chunk's loads, not paid before this one's).
+    unsigned int next_slot = begin + t < end ? kvs_slot(pages, begin + t, page_size, page_shift) : 0;
+    kvs_vec16 raw[V_UNROLL][V_VECS_PER_THREAD];
     for (unsigned int c = begin; c < end; c += ATTN_THREADS) {
         const unsigned int j = c + t;
-        s_slot[t] = j < end ? kvs_slot(pages, j, page_size, page_shift) : 0;
+        s_slot[t] = next_slot;
         __syncthreads(); // every lane reads its warp's slots below
-        // The warp's keys: first .. first + nkeys - 1 (the same for every lane of the warp).
-        const unsigned int first = c + warp * WARP_SIZE;
-        const unsigned int left = first < end ? end - first : 0;
+        const unsigned int jn = j + ATTN_THREADS;
+        next_slot = jn < end ? kvs_slot(pages, jn, page_size, page_shift) : 0;
+        const unsigned int count = end - c < ATTN_THREADS ? end - c : ATTN_THREADS;
+        // The warp's keys: first_key .. first_key + nkeys - 1 (the same for every lane).
+        const unsigned int first_key = c + warp * WARP_SIZE;
+        const unsigned int left = first_key < end ? end - first_key : 0;
         const unsigned int nkeys = left < WARP_SIZE ? left : WARP_SIZE;
         // This lane's key group (keys group·K_LANES …) and its place in the group.
         const unsigned int group = lane / K_LANES;
@@ -235,48 +306,87 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
                 }
             }
         }
-        float alpha[HEADS_PER_BLOCK];
+        // Every head's score of key t, and the chunk's maximum per head: each warp's in
+        // s_max, then across warps in warp order.
+        float s[HEADS_PER_BLOCK];
 #pragma unroll
         for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
             const float dot = kvs_lane_transpose_sum<K_LANES>(part[h]);
-            const float s = j < end ? dot * k_scale : KVS_NEG_INF;
-            const float chunk_max = kvs_block_max(s, s_red);
-            const float new_m = fmaxf(m[h], chunk_max);
-            const float p = j < end ? expf(s - new_m) : 0.0f;
-            s_p[h][t] = p;
-            alpha[h] = m[h] == KVS_NEG_INF ? 0.0f : expf(m[h] - new_m);
-            l[h] = l[h] * alpha[h] + kvs_block_sum(p, s_red); // its barrier publishes s_p
-            m[h] = new_m;
+            s[h] = j < end ? dot * k_scale : KVS_NEG_INF;
+            const float wmax = kvs_warp_max(s[h]);
+            if (lane == 0) {
+                s_max[h][warp] = wmax;
+            }
         }
-        const unsigned int count = end - c < ATTN_THREADS ? end - c : ATTN_THREADS;
+        // The first V_UNROLL value rows' loads, issued before the softmax's barriers so their
+        // latency passes while it runs (the key phase's registers are free again).
+        if (vgroup < V_GROUPS) {
+            kvs_load_value_rows(raw, v_cache, s_slot, kv_heads, kvh, vgroup, vlane, 0, count);
+        }
+        __syncthreads();
+        float alpha[HEADS_PER_BLOCK];
 #pragma unroll
         for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+            float chunk_max = s_max[h][0];
+            for (int w = 1; w < ATTN_WARPS; ++w) {
+                chunk_max = fmaxf(chunk_max, s_max[h][w]);
+            }
+            const float new_m = fmaxf(m[h], chunk_max);
+            const float p = j < end ? expf(s[h] - new_m) : 0.0f;
+            s_p[h][t] = p;
+            alpha[h] = m[h] == KVS_NEG_INF ? 0.0f : expf(m[h] - new_m);
+            m[h] = new_m;
+            const float wsum = kvs_warp_sum(p);
+            if (lane == 0) {
+                s_sum[h][warp] = wsum;
+            }
+        }
+        __syncthreads(); // publishes s_p and s_sum
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+            float chunk_sum = 0.0f;
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                chunk_sum += s_sum[h][w];
+            }
+            l[h] = l[h] * alpha[h] + chunk_sum;
             for (int i = 0; i < V_VECS_PER_THREAD * V_EPV; ++i) {
                 acc[h][i] *= alpha[h];
             }
         }
-        // Each value vector is loaded once and accumulated into every head.
+        // Each value vector is loaded once and accumulated into every head, V_UNROLL rows'
+        // loads in flight before the first is used (the first batch's since the softmax).
         if (vgroup < V_GROUPS) {
-            for (unsigned int jj = vgroup; jj < count; jj += V_GROUPS) {
-                const kv_t* vr = v_cache + ((size_t)s_slot[jj] * kv_heads + kvh) * V_ROW;
-                for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
-                    const unsigned int v = vlane + i * V_GROUP;
-                    if (v < V_VECS) {
-                        float vx[V_EPV];
-                        V_LOAD(vr + v * V_EPV, vx);
+            for (unsigned int it0 = 0; it0 < V_ITERS && vgroup + it0 * V_GROUPS < count;
+                 it0 += V_UNROLL) {
+                if (it0 > 0) {
+                    kvs_load_value_rows(raw, v_cache, s_slot, kv_heads, kvh, vgroup, vlane, it0,
+                                        count);
+                }
 #pragma unroll
-                        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
-                            const float pj = s_p[h][jj];
+                for (int u = 0; u < V_UNROLL; ++u) {
+                    const unsigned int jj = vgroup + (it0 + u) * V_GROUPS;
+                    if (jj < count) {
 #pragma unroll
-                            for (int e = 0; e < V_EPV; ++e) {
-                                acc[h][i * V_EPV + e] += pj * vx[e];
+                        for (int i = 0; i < V_VECS_PER_THREAD; ++i) {
+                            const unsigned int v = vlane + i * V_GROUP;
+                            if (v < V_VECS) {
+                                float vx[V_EPV];
+                                kv_decode_vec16(raw[u][i], vx);
+#pragma unroll
+                                for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+                                    const float pj = s_p[h][jj];
+#pragma unroll
+                                    for (int e = 0; e < V_EPV; ++e) {
+                                        acc[h][i * V_EPV + e] += pj * vx[e];
+                                    }
+                                }
                             }
                         }
                     }
                 }
             }
         }
-        __syncthreads(); // s_p and s_slot are rewritten by the next chunk
+        __syncthreads(); // s_p, s_slot, s_max and s_sum are rewritten by the next chunk
     }
 
     // Per head: the groups' sums, added in group order through s_o.
@@ -294,7 +404,7 @@ KVS_KERNEL void paged_attention(const float* q, const kv_t* k_cache, const kv_t*
             }
         }
         __syncthreads();
-        if (head0 + h < q_heads) {
+        if (h < nheads) {
             const size_t out = ((size_t)tok * q_heads + head0 + h) * num_splits + split;
             for (unsigned int d = t; d < V_HEAD_DIM; d += ATTN_THREADS) {
                 float o = 0.0f;

@@ -1,7 +1,8 @@
 // Shared by every kvserve CUDA kernel source: prepended (after the specialisation #defines) to
 // each .cu file by the host, so the sources need no #include. Written in the subset that NVRTC,
-// hipRTC and the CPU emulation (attention-cuda-emu) all compile: no cooperative groups, no inline
-// PTX, no CUDA headers; the warp size is a compile-time constant.
+// hipRTC and the CPU emulation (attention-cuda-emu) all compile: no cooperative groups, no CUDA
+// headers, inline PTX only behind `__CUDA_ARCH__` beside a portable form (which the emulation
+// runs); the warp size is a compile-time constant.
 //
 // KV_DTYPE (when a source is specialised by it): 0 f32, 1 f16, 2 bf16, 3 fp8 e4m3, 4 fp8 e5m2
 // (stored as their bit patterns, converted here with round-to-nearest-even exactly as the host
@@ -27,19 +28,29 @@
 
 #define KVS_NEG_INF __int_as_float(0xff800000)
 
+// Exact and branch-free: the exponent and mantissa bits moved to f32's places are the value
+// times 2^-112 (a subnormal half becomes an f32 subnormal), so one multiply by 2^112 rebiases
+// normal and subnormal halves alike; infinities and NaNs (exponent 31) take the f32 exponent
+// 255 and keep their payload. Needs f32 subnormals (no flush to zero: NVRTC's and hipRTC's
+// default, not --use_fast_math). The branchy form cost more than the loads in decode attention.
+#if defined(__CUDA_ARCH__) && !defined(KVS_SOFT_CVT)
+// On an NVIDIA GPU: the hardware conversion (one instruction; exact, subnormals included; a
+// NaN stays a NaN, its payload not kept). KVS_SOFT_CVT (a tuning define) selects the
+// portable forms of this and the fp8 conversion, which the emulation and HIP compile.
 __device__ inline float kvs_f16_to_f32(unsigned short h) {
-    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
-    unsigned int exp = ((unsigned int)h >> 10) & 0x1fu;
-    unsigned int mant = (unsigned int)h & 0x3ffu;
-    if (exp == 0) {
-        float f = (float)mant * 5.9604644775390625e-8f; // mant × 2^-24 (zero or subnormal)
-        return sign ? -f : f;
-    }
-    if (exp == 31) {
-        return __uint_as_float(sign | 0x7f800000u | (mant << 13));
-    }
-    return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
 }
+#else
+__device__ inline float kvs_f16_to_f32(unsigned short h) {
+    const unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    const unsigned int em = (unsigned int)h & 0x7fffu;
+    const float scaled = __uint_as_float(em << 13) * 5.192296858534828e33f; // × 2^112
+    const unsigned int bits = em >= 0x7c00u ? 0x7f800000u | (em << 13) : __float_as_uint(scaled);
+    return __uint_as_float(sign | bits);
+}
+#endif
 
 __device__ inline unsigned short kvs_f32_to_f16(float f) {
     unsigned int x = __float_as_uint(f);
@@ -73,6 +84,17 @@ __device__ inline unsigned short kvs_f32_to_bf16(float f) {
 }
 
 // fp8 e4m3 ("fn": no infinities, 0x7f / 0xff are NaN) to f32, exactly.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(KVS_SOFT_CVT)
+// On an NVIDIA GPU with fp8 conversions (sm_89 and later): to f16 in hardware (every e4m3 value
+// is an f16 value), then to f32 (the branchy form below took an H100 to 13 % of its memory
+// bandwidth in decode attention).
+__device__ inline float kvs_e4m3_to_f32(unsigned char b) {
+    unsigned int pair;
+    const unsigned short in = b; // the upper byte (0) converts into the upper half, unused
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(pair) : "h"(in));
+    return kvs_f16_to_f32((unsigned short)(pair & 0xffffu));
+}
+#else
 __device__ inline float kvs_e4m3_to_f32(unsigned char b) {
     unsigned int sign = ((unsigned int)b & 0x80u) << 24;
     unsigned int exp = ((unsigned int)b >> 3) & 0xfu;
@@ -86,6 +108,7 @@ __device__ inline float kvs_e4m3_to_f32(unsigned char b) {
     }
     return __uint_as_float(sign | ((exp + 120u) << 23) | (mant << 20));
 }
+#endif
 
 // f32 to fp8, rounded to nearest even and saturating to ±max (NaN stays NaN): kv-pool's
 // encoder, which clamps and then converts as CUDA's __nv_cvt_double_to_fp8 with SATFINITE
@@ -196,10 +219,13 @@ struct alignas(16) kvs_vec16 {
 // Elements per 16-byte vector of the store.
 #define KV_PER_VEC (4 * KV_PER_WORD)
 
-// Reads the 16 bytes at p (which must be 16-byte aligned) in one load and decodes their
-// KV_PER_VEC elements into out.
-__device__ inline void kv_load_vec16(const kv_t* p, float* out) {
-    const kvs_vec16 x = *reinterpret_cast<const kvs_vec16*>(p);
+// The 16 bytes at p (which must be 16-byte aligned), read in one load.
+__device__ inline kvs_vec16 kv_load_raw16(const kv_t* p) {
+    return *reinterpret_cast<const kvs_vec16*>(p);
+}
+
+// The KV_PER_VEC elements of a 16-byte vector of the store, decoded into out.
+__device__ inline void kv_decode_vec16(const kvs_vec16& x, float* out) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -207,6 +233,12 @@ __device__ inline void kv_load_vec16(const kv_t* p, float* out) {
             out[i * KV_PER_WORD + e] = kv_word_elem(x.w[i], e);
         }
     }
+}
+
+// Reads the 16 bytes at p (which must be 16-byte aligned) in one load and decodes their
+// KV_PER_VEC elements into out.
+__device__ inline void kv_load_vec16(const kv_t* p, float* out) {
+    kv_decode_vec16(kv_load_raw16(p), out);
 }
 #endif
 

@@ -4,7 +4,7 @@
 //! stream (created, not the legacy default stream, which cannot be captured), so launches and
 //! copies run in order; reads wait for it. Graphs ([`crate::graph`]) are that stream's capture
 //! (`cuStreamBeginCapture` in thread-local mode, instantiated at its end) and replay
-//! (`cuGraphLaunch`) — not yet run on a GPU.
+//! (`cuGraphLaunch`), run on an H100 by `kvserve bench --backend cuda` (scripts/gpu_check.sh).
 //!
 //! Every cudarc call is preceded by `is_culib_present()` checks in [`CudarcDevice::new`]
 //! (cudarc's loader panics when a library is missing): no driver and no device are typed
@@ -234,6 +234,10 @@ impl Device for CudarcDevice {
         }
         let view = src.slice(offset..offset + dst.len());
         self.stream.memcpy_dtoh(&view, dst).map_err(driver)?;
+        self.stream.synchronize().map_err(driver)
+    }
+
+    fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(driver)
     }
 

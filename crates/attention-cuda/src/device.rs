@@ -105,6 +105,12 @@ pub trait Device: Send + Sync {
         )))
     }
 
+    /// Waits until every launch and copy submitted so far has finished. The default (a device
+    /// that runs each launch to completion when called): nothing to wait for.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// The vendor BLAS this device runs f32 GEMMs through (`"cuBLAS"`), or why there is none
     /// (its library did not load, or the device has none). The default: none.
     fn blas(&self) -> std::result::Result<&str, String> {

@@ -5,7 +5,10 @@
 use kv_pool::KvDtype;
 
 use crate::specs::attention_spec;
-pub use crate::specs::{all_specs, Source, Spec, SPEC_HEAD_DIMS, SPEC_MLA_DIMS};
+pub use crate::specs::{
+    all_specs, Source, Spec, GQA_HEADS_PER_BLOCK, MLA_HEADS_PER_BLOCK, SPEC_HEAD_DIMS,
+    SPEC_MLA_DIMS,
+};
 
 /// `kernels/common.cuh`: dtype conversions and block reductions, prepended to every source.
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
@@ -62,12 +65,14 @@ pub fn store(dtype: KvDtype) -> Result<Spec, String> {
 }
 
 /// The attention kernels for a store of `dtype`, `head_dim`-wide keys and values, pages of
-/// `page_size`; `Err(reason)` when no specialisation exists.
+/// `page_size` and `group` query heads per KV head (a block serves up to
+/// [`GQA_HEADS_PER_BLOCK`] of a group); `Err(reason)` when no specialisation exists.
 pub fn attention(
     dtype: KvDtype,
     head_dim: usize,
     v_head_dim: usize,
     page_size: u32,
+    group: usize,
 ) -> Result<Spec, String> {
     let kv = kv_dtype_define(dtype)?;
     let supported = SPEC_HEAD_DIMS.iter().any(|&d| d as usize == head_dim);
@@ -78,7 +83,15 @@ pub fn attention(
         ));
     }
     let (d, dv) = (head_dim as u32, v_head_dim as u32);
-    Ok(attention_spec(kv, d, dv, page_family(page_size), false))
+    let heads_per_block = if group > 1 { GQA_HEADS_PER_BLOCK } else { 1 };
+    Ok(attention_spec(
+        kv,
+        d,
+        dv,
+        page_family(page_size),
+        heads_per_block,
+        false,
+    ))
 }
 
 /// The absorbed-MLA attention kernels for a store of `dtype` whose rows are `kv_lora_rank`
@@ -105,6 +118,7 @@ pub fn attention_mla(
         rank + rope,
         rank,
         page_family(page_size),
+        MLA_HEADS_PER_BLOCK,
         true,
     ))
 }
@@ -121,8 +135,10 @@ mod tests {
             assert!(all.contains(&store(dtype).unwrap()));
             for &d in &SPEC_HEAD_DIMS {
                 for p in [1, 2, 16, 64, 3, 48] {
-                    let spec = attention(dtype, d as usize, d as usize, p).unwrap();
-                    assert!(all.contains(&spec), "{}", spec.name());
+                    for group in [1, 2, 4, 7, 8] {
+                        let spec = attention(dtype, d as usize, d as usize, p, group).unwrap();
+                        assert!(all.contains(&spec), "{}", spec.name());
+                    }
                 }
             }
             for (r, rope) in SPEC_MLA_DIMS {
@@ -133,8 +149,8 @@ mod tests {
             }
         }
         assert!(attention_mla(KvDtype::F16, 512, 32, 1).is_err());
-        assert!(attention(KvDtype::F16, 72, 72, 1).is_err());
-        assert!(attention(KvDtype::F16, 64, 128, 1).is_err());
+        assert!(attention(KvDtype::F16, 72, 72, 1, 1).is_err());
+        assert!(attention(KvDtype::F16, 64, 128, 1, 1).is_err());
     }
 
     /// `attention.cu` reads key and value rows only as whole 16-byte vectors (and refuses to
@@ -156,7 +172,7 @@ mod tests {
             }
             checked += 1;
         }
-        assert_eq!(checked, 90);
+        assert_eq!(checked, 150);
     }
 
     #[test]
@@ -175,11 +191,11 @@ mod tests {
 
     #[test]
     fn source_text_puts_defines_before_the_common_header() {
-        let spec = attention(KvDtype::Bf16, 128, 128, 16).unwrap();
+        let spec = attention(KvDtype::Bf16, 128, 128, 16, 1).unwrap();
         let text = source_text(&spec);
         let define = text.find("#define KV_DTYPE 2").unwrap();
         let common = text.find("kvs_f16_to_f32").unwrap();
-        let kernel = text.find("void paged_attention").unwrap();
+        let kernel = text.find("paged_attention(").unwrap();
         assert!(define < common && common < kernel);
         assert!(text.contains("#define PAGE_FAMILY 1"));
     }

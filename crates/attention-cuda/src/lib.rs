@@ -7,10 +7,13 @@
 //! merged by log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
 //!
 //! - [`kernels`]: the `.cu` sources under `kernels/` (embedded), specialised by `#define`s
-//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family; MLA blocks serve
-//!   [`specs::MLA_HEADS_PER_BLOCK`] query heads, which share each latent read) into the
-//!   [`Spec`]s of [`specs`]; every specialisation is compiled to PTX by NVRTC and for gfx90a by
-//!   hipRTC in CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`).
+//!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family, query heads per
+//!   attention block: [`specs::GQA_HEADS_PER_BLOCK`] of a GQA group, or
+//!   [`specs::MLA_HEADS_PER_BLOCK`] MLA heads, share each KV read) into the [`Spec`]s of
+//!   [`specs`]; every specialisation is compiled to PTX by NVRTC and for gfx90a by hipRTC in
+//!   CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`). The kernels' tuning defines
+//!   (`ATTN_MIN_BLOCKS`, `V_UNROLL_MAX`, `KVS_SOFT_CVT`) can be set at run time with
+//!   `KVSERVE_CUDA_DEFINES` ([`nvrtc::tuning_defines`]) to measure them on a GPU.
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
 //!   copies, and launches by specialisation and kernel name. The CPU emulation
 //!   (`attention-cuda-emu`, tests only) implements it by compiling the same `.cu` sources with
@@ -35,7 +38,9 @@
 //!
 //! ## Invariants
 //! - The kernel sources stay within what NVRTC, hipRTC and the emulation compile: no
-//!   cooperative groups, no inline PTX, no CUDA headers, a compile-time warp size, 1-D blocks.
+//!   cooperative groups, no CUDA headers, a compile-time warp size, 1-D blocks; inline PTX
+//!   (the hardware f16 and fp8 conversions) only behind `__CUDA_ARCH__`, beside a portable
+//!   form that the emulation runs and checks bit for bit against the host's decoders.
 //! - Like every backend, it never allocates or frees slots: attention writes the new K/V at the
 //!   plan's `out_cache_loc`, then reads every position back from the store.
 //! - Bad input is a typed error, checked on the host with [`attention::check`] and

@@ -66,6 +66,10 @@ pub const SPEC_MLA_DIMS: [(u32, u32); 2] = [(512, 64), (32, 16)];
 /// Query heads one MLA attention block serves (`HEADS_PER_BLOCK`): they share the one latent
 /// head, whose rows the block reads once for all of them.
 pub const MLA_HEADS_PER_BLOCK: u32 = 4;
+/// Query heads one GQA attention block serves (`HEADS_PER_BLOCK`) when several share a KV
+/// head: the block reads each key and value row once for up to this many of them (a group of
+/// 8 takes two blocks, one of 7 a block of 4 and one of 3). MHA (a group of 1) compiles with 1.
+pub const GQA_HEADS_PER_BLOCK: u32 = 4;
 
 impl Spec {
     /// A unique identifier, usable as a C symbol suffix: the source's stem and the defines'
@@ -100,13 +104,15 @@ impl Spec {
 }
 
 /// The attention source specialised for a store dtype (`KV_DTYPE`), key and value head dims, a
-/// page-size family and, for absorbed MLA, `MLA 1` (values are the head of the key row) and
-/// `HEADS_PER_BLOCK` [`MLA_HEADS_PER_BLOCK`].
+/// page-size family, the query heads a block serves (`HEADS_PER_BLOCK`, defined when above 1)
+/// and, for absorbed MLA, `MLA 1` (values are the head of the key row; `heads_per_block` is
+/// then [`MLA_HEADS_PER_BLOCK`] whatever is passed).
 pub fn attention_spec(
     kv: u32,
     head_dim: u32,
     v_head_dim: u32,
     page_family: u32,
+    heads_per_block: u32,
     mla: bool,
 ) -> Spec {
     let mut defines = vec![
@@ -118,6 +124,8 @@ pub fn attention_spec(
     if mla {
         defines.push(("MLA", 1));
         defines.push(("HEADS_PER_BLOCK", MLA_HEADS_PER_BLOCK));
+    } else if heads_per_block > 1 {
+        defines.push(("HEADS_PER_BLOCK", heads_per_block));
     }
     Spec {
         source: Source::Attention,
@@ -141,14 +149,23 @@ pub fn all_specs() -> Vec<Spec> {
     for kv in SPEC_KV_DTYPES {
         for hd in SPEC_HEAD_DIMS {
             for pf in SPEC_PAGE_FAMILIES {
-                specs.push(attention_spec(kv, hd, hd, pf, false));
+                for hpb in [1, GQA_HEADS_PER_BLOCK] {
+                    specs.push(attention_spec(kv, hd, hd, pf, hpb, false));
+                }
             }
         }
     }
     for kv in SPEC_KV_DTYPES {
         for (rank, rope) in SPEC_MLA_DIMS {
             for pf in SPEC_PAGE_FAMILIES {
-                specs.push(attention_spec(kv, rank + rope, rank, pf, true));
+                specs.push(attention_spec(
+                    kv,
+                    rank + rope,
+                    rank,
+                    pf,
+                    MLA_HEADS_PER_BLOCK,
+                    true,
+                ));
             }
         }
     }

@@ -81,16 +81,6 @@ impl WgpuBackend {
         Ok(())
     }
 
-    /// Waits until the device has finished all submitted work (for timing).
-    pub fn synchronize(&self) -> Result<()> {
-        self.runner
-            .gpu
-            .device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| WgpuError::Device(format!("waiting for the device: {e}")))?;
-        Ok(self.runner.gpu.take_error()?)
-    }
-
     fn params(&self, words: &[u32]) -> Result<wgpu::Buffer> {
         Ok(self.runner.upload_u32("params", words)?)
     }
@@ -270,6 +260,15 @@ impl Backend for WgpuBackend {
 
     fn download(&self, t: &WgpuTensor) -> Result<Vec<f32>> {
         Ok(self.runner.read_f32(&t.buf, t.numel())?)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.runner
+            .gpu
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgpuError::Device(format!("waiting for the device: {e}")))?;
+        Ok(self.runner.gpu.take_error()?)
     }
 
     fn reshape(&self, t: WgpuTensor, shape: &[usize]) -> Result<WgpuTensor> {

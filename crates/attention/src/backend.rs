@@ -160,6 +160,12 @@ pub trait Backend {
     /// Builds the backend's plan for one batch (once per batch, reused by every layer).
     fn plan(&self, meta: &BatchMetadata) -> Result<Self::Plan>;
 
+    /// Waits until every op submitted so far has finished (for timing: a device backend
+    /// returns from an op once it is queued). A no-op where ops run to completion when called.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// MHA / GQA / MQA (and DoubleSparse) attention for one layer.
     ///
     /// `q` is `[n, q_heads, head_dim]`, `k` `[n, kv_heads, head_dim]`, `v`

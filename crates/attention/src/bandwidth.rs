@@ -8,7 +8,9 @@
 //! values do not change the work), its page table (each request's positions on consecutive
 //! pages after the reserved page 0) and its plan, runs one untimed call (which compiles
 //! kernels where a backend compiles at first use), then times `iters` calls, each ending
-//! with a download of its output (so an asynchronous backend has finished), and reports the
+//! with [`Backend::synchronize`] (so an asynchronous backend has finished; the output stays on
+//! the device, as it does between layers: a download would add a copy of
+//! `requests × q_heads × head_dim` floats, most of a short context's time), and reports the
 //! median. The GPU benches run it per page size and context length; the tests run it on the
 //! CPU and emulated backends with small shapes.
 
@@ -126,8 +128,8 @@ pub fn measure_decode<B: Backend>(b: &B, case: &DecodeCase, iters: usize) -> Res
     let params = AttentionParams::dense(1.0 / (c.head_dim as f32).sqrt());
     let mut call = || -> Result<f64> {
         let t = Instant::now();
-        let out = b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
-        b.download(&out)?;
+        b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
+        b.synchronize()?;
         Ok(t.elapsed().as_secs_f64())
     };
     call()?;

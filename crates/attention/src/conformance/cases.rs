@@ -302,11 +302,18 @@ pub enum SuiteSize {
     Full,
 }
 
-/// The attention cases of the suite: shapes 32/8, 8/1, 4/4, 16/16 over head dims 64 and 128,
+/// The attention cases of the suite: shapes 32/8, 8/1, 4/4, 16/16, 14/2 (a group of 7, no
+/// multiple of a GPU block's heads) over head dims 64 and 128,
 /// MLA 512+64 and 32+16, DoubleSparse; page sizes 1, 16, 64; every store dtype; prefixes of
 /// length 0, page-aligned and not; extend and decode batches of requests of different lengths.
 pub fn attention_cases(size: SuiteSize) -> Vec<AttentionCase> {
-    let mha = [(32, 8, 128), (8, 1, 64), (4, 4, 64), (16, 16, 128)];
+    let mha = [
+        (32, 8, 128),
+        (8, 1, 64),
+        (4, 4, 64),
+        (16, 16, 128),
+        (14, 2, 64),
+    ];
     let mut cases = Vec::new();
     let mut seed = 1u64;
     let mut next_seed = || {
