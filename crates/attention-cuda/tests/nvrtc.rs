@@ -22,6 +22,7 @@ fn every_specialisation_compiles_to_ptx() {
     common::compile_every_spec(
         "every_specialisation_compiles_to_ptx",
         "to PTX",
+        attention_cuda::kernels::all_specs(),
         |spec| nvrtc::compile(spec, ARCH).map(|ptx| ptx.to_src()),
         |spec, ptx| match spec
             .source

@@ -2,7 +2,7 @@
 //! missing, or fail when CI requires it; compile every specialisation from several processes
 //! and threads; check that a broken source is rejected with the compiler's log.
 
-use attention_cuda::kernels::{self, all_specs};
+use attention_cuda::kernels;
 use attention_cuda::{Source, Spec};
 
 /// `true` when `found` is `Ok`; otherwise prints why `test` skips and returns `false`, or
@@ -25,8 +25,9 @@ pub fn found_or_skip<T>(test: &str, require: &str, found: Result<T, String>) -> 
 /// binary it starts.
 pub const SHARE_VAR: &str = "KVSERVE_COMPILE_SHARE";
 
-/// Compiles every specialisation with `compile` and checks each result with `check`, failing
-/// with every failure listed; prints the count and the time under `what`.
+/// Compiles every specialisation of `specs` (the same list in every process: a fixed filter of
+/// `all_specs()`) with `compile` and checks each result with `check`, failing with every
+/// failure listed; prints the count and the time under `what`.
 ///
 /// The work is split over processes, and within each over threads: the test named `test`
 /// re-runs its own test binary once per core (at least twice), each child compiling every n-th
@@ -37,10 +38,10 @@ pub const SHARE_VAR: &str = "KVSERVE_COMPILE_SHARE";
 pub fn compile_every_spec<C>(
     test: &str,
     what: &str,
+    specs: Vec<Spec>,
     compile: impl Fn(&Spec) -> Result<C, String> + Sync,
     check: impl Fn(&Spec, &C) -> Result<(), String> + Sync,
 ) {
-    let specs = all_specs();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if let Ok(share) = std::env::var(SHARE_VAR) {
         let (first, step) = parse_share(&share);
