@@ -59,7 +59,6 @@
 #define K_EPV KV_PER_VEC
 #define V_EPV KV_PER_VEC
 #define K_LOAD(p, out) kv_load_vec16((p), (out))
-#define V_LOAD(p, out) kv_load_vec16((p), (out))
 // Loads per key row; K_LANES lanes read one row (its loads rounded up to a power of two, at
 // most the warp), so a warp reads WARP_SIZE / K_LANES rows at once, K_VECS_PER_LANE loads
 // each.

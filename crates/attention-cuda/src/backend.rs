@@ -272,8 +272,8 @@ impl<D: Device> CudaBackend<D> {
         }
         // One block per KV head and group of up to heads_per_block of its query heads (GQA's
         // and MLA's share the KV rows the block reads).
-        let head_groups = a.kv_heads
-            * (a.q_heads / a.kv_heads.max(1)).div_ceil(a.spec.heads_per_block() as usize);
+        let head_groups =
+            geometry::attention_head_groups(a.q_heads, a.kv_heads, a.spec.heads_per_block());
         let split = SplitPlan::new(
             n,
             head_groups,

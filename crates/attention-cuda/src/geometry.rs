@@ -55,7 +55,15 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `paged_attention`: x over (token, group of query heads a block serves), y over splits.
+/// Attention blocks per token: per KV head, its `q_heads / kv_heads` query heads in blocks of
+/// up to `heads_per_block` (`attention.cu` derives each block's KV head and heads the same
+/// way: a group of 7 over blocks of 4 takes a block of 4 and one of 3).
+pub fn attention_head_groups(q_heads: usize, kv_heads: usize, heads_per_block: u32) -> usize {
+    let group = q_heads / kv_heads.max(1);
+    kv_heads * group.div_ceil(heads_per_block.max(1) as usize)
+}
+
+/// `paged_attention`: x over (token, [`attention_head_groups`]), y over splits.
 pub fn attention(tokens: usize, head_groups: usize, split: SplitPlan) -> Result<LaunchConfig> {
     Ok(LaunchConfig {
         grid: grid(
@@ -89,6 +97,16 @@ mod tests {
             writeln!(text, "{name:<18} grid {:?} block {}", cfg.grid, cfg.block).unwrap();
         }
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn head_groups_cover_every_query_head_once_per_kv_head() {
+        // MHA, GQA with groups of 4, 8 and 7 (blocks of 4), MLA's 16 heads over one latent.
+        assert_eq!(attention_head_groups(16, 16, 1), 16);
+        assert_eq!(attention_head_groups(32, 8, 4), 8);
+        assert_eq!(attention_head_groups(64, 8, 4), 16);
+        assert_eq!(attention_head_groups(14, 2, 4), 4);
+        assert_eq!(attention_head_groups(16, 1, 4), 4);
     }
 
     #[test]
