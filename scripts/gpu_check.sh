@@ -12,17 +12,18 @@
 #   2. attention-cuda's tests/gpu.rs with KVSERVE_REQUIRE_CUDA=1: the dense and attention
 #      conformance suites against the f64 reference, and the tiny Llama and MLA decoders' greedy
 #      schedule against the CPU backend (model::greedy_check);
-#   3. examples/decode_bandwidth.rs: decode attention's KV GB/s per KV dtype, page size and
-#      context length, against the GPU's peak (H100 3350 GB/s, H200 4800 GB/s, by its name);
+#   3. examples/decode_bandwidth.rs: decode attention's KV GB/s per kernel (chunked and
+#      pipelined), KV dtype, page size and context length, against the GPU's peak (H100
+#      3350 GB/s, H200 4800 GB/s, by its name);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
 #      cuda` (batch 1 and 16), and once more with --disable-cuda-graph;
-#   5. the attention conformance suite under compute-sanitizer's memcheck (out-of-bounds and
+#   5. the attention conformance suite (both kernels) under compute-sanitizer's memcheck (out-of-bounds and
 #      misaligned accesses) and racecheck (shared-memory hazards: what emulation, which runs
 #      a block's threads in lockstep between barriers, cannot see), where the image has it.
 # Everything goes to $OUT/check.log, the benches' JSON beside it, a line per step to
 # $OUT/summary.txt as each step ends (five files: the device returns at most eight); `run`
-# exits non-zero when any step failed. The steps' limits add up to under 500 s.
+# exits non-zero when any step failed. The steps' limits add up to 515 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GPU_DIR=.gpu
@@ -98,12 +99,18 @@ profile() {
     [ "${NO_NCU:-0}" = 1 ] && return 0
     ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
     [ -n "$ncu" ] || { echo "no ncu" | tee -a "$out/profile.log"; return 1; }
-    # The defaults, launch 150: f16, pages of 16, 32768 positions × 16 requests (21 calls per
-    # row, the first untimed).
-    timeout 90 "$ncu" --clock-control none --kernel-name paged_attention --launch-skip 149 \
-        --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-        "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 2>&1 | grep -v '^|' >>"$out/profile.log"
+    # The defaults, launch 150 of each kernel alone: f16, pages of 16, 32768 positions × 16
+    # requests (21 calls per row, the first untimed).
+    for kernel in chunked pipelined; do
+        local entry=paged_attention
+        [ "$kernel" = pipelined ] && entry=paged_attention_pipelined
+        echo "== ncu $entry" >>"$out/profile.log"
+        timeout 90 "$ncu" --clock-control none --kernel-name "$entry" --launch-skip 149 \
+            --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+            --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+            "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" "$kernel" 2>&1 | grep -v '^|' \
+            >>"$out/profile.log"
+    done
 }
 
 run() {
@@ -127,7 +134,7 @@ run() {
             python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
                 2>/dev/null || echo "$l does not load"; done'
     step gpu-tests 120 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
-    step bandwidth 90 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2
+    step bandwidth 120 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2
     local ck=/tmp/smollm2-shape-bf16
     step checkpoint 30 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random

@@ -76,9 +76,10 @@ fn main() {
     .unwrap();
     // The emulator's own test kernels, as one more specialisation named "selftest".
     let selftest = format!(
-        "#include \"emu.h\"\nnamespace kvs_selftest {{\n#include \"{}\"\n#include \"{}\"\n}}\n\
-         #include <string.h>\nextern \"C\" int kvs_emu_selftest(const char* kernel, const \
-         unsigned int* grid, unsigned int block, void** params, unsigned int nparams) {{\n{}    \
+        "#include <mutex>\n#include \"emu.h\"\nnamespace kvs_selftest {{\n#include \"{}\"\n#include \"{}\"\n}}\n\
+         #include <string.h>\nextern \"C\" int kvs_emu_selftest(const char* \
+         kernel, const unsigned int* grid, unsigned int block, void** params, unsigned int \
+         nparams) {{\n    static std::mutex m;\n    std::lock_guard<std::mutex> lock(m);\n{}    \
          return -1;\n}}\n",
         kernels.join("common.cuh").display(),
         emu.join("selftest.cu").display(),
@@ -107,7 +108,7 @@ fn main() {
 /// The translation unit of one specialisation.
 fn unit(spec: &specs::Spec, kernels: &Path) -> String {
     let name = spec.name();
-    let mut s = String::from("#include \"emu.h\"\n");
+    let mut s = String::from("#include <mutex>\n#include \"emu.h\"\n");
     writeln!(s, "namespace kvs_spec_{name} {{").unwrap();
     s.push_str(&spec.prelude());
     writeln!(s, "#include \"{}\"", kernels.join("common.cuh").display()).unwrap();
@@ -121,7 +122,9 @@ fn unit(spec: &specs::Spec, kernels: &Path) -> String {
     writeln!(
         s,
         "int kvs_emu_launch_{name}(const char* kernel, const unsigned int* grid, unsigned int \
-         block, void** params, unsigned int nparams) {{"
+         block, void** params, unsigned int nparams) {{\n    // The specialisation's __shared__ \
+         arrays are static: one launch at a time.\n    static std::mutex m;\n    \
+         std::lock_guard<std::mutex> lock(m);"
     )
     .unwrap();
     for kernel in spec.source.kernels() {

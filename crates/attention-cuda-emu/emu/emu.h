@@ -6,7 +6,9 @@
 // until each reaches a barrier: __syncthreads() is a block-wide barrier, and a warp shuffle is
 // a per-warp barrier over a scratch row (double-buffered, so one barrier per shuffle). Because
 // blocks run one at a time and every fiber of a launch shares the OS thread, __shared__ arrays
-// are static thread_local storage. What this cannot check: the memory model (fibers switch
+// are static storage, and a specialisation runs one launch at a time (its dispatcher holds a
+// mutex of its own: thread_local arrays, summed over every specialisation, made static TLS of
+// megabytes, which glibc carves out of each new thread's stack). What this cannot check: the memory model (fibers switch
 // only at barriers, so races the barriers hide stay hidden) and speed.
 //
 // Included before a kernel source's #defines, common.cuh and the source itself; those go inside
@@ -37,7 +39,7 @@ extern thread_local dim3 kvs_emu_grid_dim;
 
 #define __global__
 #define __device__
-#define __shared__ static thread_local
+#define __shared__ static
 #define KVS_KERNEL
 #define WARP_SIZE 32
 

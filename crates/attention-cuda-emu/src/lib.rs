@@ -4,8 +4,8 @@
 //! GPU runs, compiled for the CPU by this crate's build script with g++ (C++20) over
 //! `emu/emu.h`: a launch runs the grid's blocks one after another, a block's threads as fibers
 //! switched at barriers, `__syncthreads` as a block barrier, warp shuffles through a per-warp
-//! scratch row and barrier, `__shared__` as thread-local static storage. Device memory is host
-//! memory. So `CudaBackend<EmuDevice>` runs the shared conformance suite against the f64
+//! scratch row and barrier, `__shared__` as static storage (a specialisation runs one launch
+//! at a time). Device memory is host memory. So `CudaBackend<EmuDevice>` runs the shared conformance suite against the f64
 //! reference with the backend's real planning and launch code, without a GPU.
 //!
 //! ## Invariants

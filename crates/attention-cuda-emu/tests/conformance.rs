@@ -4,7 +4,7 @@
 
 use attention::conformance::{self, AttentionCase, CaseKind, SuiteSize};
 use attention::Backend;
-use attention_cuda::{CudaBackend, CudaConfig};
+use attention_cuda::{AttentionKernel, CudaBackend, CudaConfig};
 use attention_cuda_emu::emu_or_skip;
 use kv_pool::KvDtype;
 
@@ -27,21 +27,33 @@ fn emu_dense_conformance() {
     report(&conformance::run_dense_suite(&b).unwrap());
 }
 
+/// A backend whose paged attention runs `kernel`.
+fn with_kernel(kernel: AttentionKernel) -> CudaConfig {
+    CudaConfig {
+        attention_kernel: kernel,
+        ..CudaConfig::default()
+    }
+}
+
+/// The quick suite on both attention kernels.
 #[test]
 fn emu_attention_conformance_quick() {
-    let Some(b) = backend("emu_attention_conformance_quick", CudaConfig::default()) else {
-        return;
-    };
-    let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
-    report(&outcomes);
-    // Every MHA and MLA case has kernels (every store dtype), so it must have run.
-    let runnable = conformance::attention_cases(SuiteSize::Quick)
-        .iter()
-        .filter(|c| has_kernels(c))
-        .count();
-    let ran = outcomes.iter().filter(|o| o.skipped.is_none()).count();
-    println!("{ran} of {} cases ran", outcomes.len());
-    assert_eq!(ran, runnable);
+    for kernel in AttentionKernel::ALL {
+        let Some(b) = backend("emu_attention_conformance_quick", with_kernel(kernel)) else {
+            return;
+        };
+        println!("{kernel}:");
+        let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
+        report(&outcomes);
+        // Every MHA and MLA case has kernels (every store dtype), so it must have run.
+        let runnable = conformance::attention_cases(SuiteSize::Quick)
+            .iter()
+            .filter(|c| has_kernels(c))
+            .count();
+        let ran = outcomes.iter().filter(|o| o.skipped.is_none()).count();
+        println!("{ran} of {} cases ran", outcomes.len());
+        assert_eq!(ran, runnable);
+    }
 }
 
 fn has_kernels(case: &AttentionCase) -> bool {
@@ -80,26 +92,28 @@ fn emu_attention_conformance_every_shape_and_dtype() {
 }
 
 /// No split (one block per query over its whole range) and the most splits (one chunk of
-/// keys per block), so both the single-split path and the log-sum-exp merge meet the
-/// reference.
+/// keys per block, empty splits for the shorter requests), so both the single-split path and
+/// the log-sum-exp merge meet the reference, on both attention kernels.
 #[test]
 fn emu_attention_conformance_split_extremes() {
-    for (name, target) in [("no split", 1), ("max split", 1 << 20)] {
-        let config = CudaConfig {
-            split_kv_target_blocks: target,
-            ..CudaConfig::default()
-        };
-        let Some(b) = backend("emu_attention_split_extremes", config) else {
-            return;
-        };
-        let outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
-            .iter()
-            .filter(|c| has_kernels(c))
-            .step_by(3)
-            .map(|c| conformance::run_attention_case(&b, c).unwrap())
-            .collect();
-        println!("{name}:");
-        report(&outcomes);
+    for kernel in AttentionKernel::ALL {
+        for (name, target) in [("no split", 1), ("max split", 1 << 20)] {
+            let config = CudaConfig {
+                split_kv_target_blocks: target,
+                ..with_kernel(kernel)
+            };
+            let Some(b) = backend("emu_attention_split_extremes", config) else {
+                return;
+            };
+            let outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
+                .iter()
+                .filter(|c| has_kernels(c))
+                .step_by(3)
+                .map(|c| conformance::run_attention_case(&b, c).unwrap())
+                .collect();
+            println!("{kernel}, {name}:");
+            report(&outcomes);
+        }
     }
 }
 
@@ -107,17 +121,23 @@ fn emu_attention_conformance_split_extremes() {
 /// of them); the suite's head counts (16, 4) are multiples of it, so here the small MLA shape
 /// runs with 6 heads (two blocks per token, the second with idle heads), over
 /// every store dtype (each with one page size, in rotation), extend and decode, with no split
-/// and with the most splits.
+/// and with the most splits; the pipelined kernel with the most splits (the harder case: empty
+/// splits and the merge).
 #[test]
 fn emu_mla_head_counts_off_the_block_grid() {
     const HEADS: usize = 6;
     let hpb = attention_cuda::specs::MLA_HEADS_PER_BLOCK as usize;
     assert!(HEADS > hpb && HEADS % hpb != 0);
     let mut outcomes = Vec::new();
-    for target in [1, 1 << 20] {
+    let configs = [
+        (AttentionKernel::Chunked, 1),
+        (AttentionKernel::Chunked, 1 << 20),
+        (AttentionKernel::Pipelined, 1 << 20),
+    ];
+    for (kernel, target) in configs {
         let config = CudaConfig {
             split_kv_target_blocks: target,
-            ..CudaConfig::default()
+            ..with_kernel(kernel)
         };
         let Some(b) = backend("emu_mla_head_counts_off_the_block_grid", config) else {
             return;
@@ -146,7 +166,7 @@ fn emu_mla_head_counts_off_the_block_grid() {
             outcomes.push(conformance::run_attention_case(&b, &case).unwrap());
         }
     }
-    assert_eq!(outcomes.len(), 2 * 5 * 2);
+    assert_eq!(outcomes.len(), 3 * 5 * 2);
     report(&outcomes);
 }
 
@@ -172,14 +192,18 @@ fn unsupported_stores_are_announced() {
 }
 
 /// `attention::bandwidth::measure_decode`, what `examples/decode_bandwidth.rs` times on a GPU,
-/// runs the emulated split-KV decode kernels at every page family (1, a power of two, other).
+/// runs the emulated split-KV decode kernels (both) at every page family (1, a power of two,
+/// other).
 #[test]
 fn emu_decode_bandwidth_measures_every_page_family() {
     use attention::bandwidth::{measure_decode, DecodeCase};
-    let Some(b) = backend("emu_decode_bandwidth", CudaConfig::default()) else {
-        return;
-    };
-    for page_size in [1, 16, 24] {
+    for (kernel, page_size) in AttentionKernel::ALL
+        .into_iter()
+        .flat_map(|k| [1, 16, 24].map(|p| (k, p)))
+    {
+        let Some(b) = backend("emu_decode_bandwidth", with_kernel(kernel)) else {
+            return;
+        };
         let case = DecodeCase {
             requests: 2,
             kv_len: 40,

@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! cargo run --release -p attention-cuda --features cuda-13 --example decode_bandwidth -- \
-//!     [PEAK_GBPS] [MIN_GIB] [SPLIT_TARGET]
+//!     [PEAK_GBPS] [MIN_GIB] [SPLIT_TARGET] [KERNEL]
 //! ```
 //!
 //! Llama-3-8B-shaped attention (8 KV heads, 32 query heads, head dim 128), as many requests as
@@ -12,14 +12,15 @@
 //! not hide the bandwidth; each row is the median of 20 calls after one untimed call (which
 //! compiles the kernels), timed by `attention::bandwidth::measure_decode`. `PEAK_GBPS` is the
 //! device's memory bandwidth in GB/s (default 3350, H100 SXM; 4800 for an H200);
-//! `SPLIT_TARGET` the backend's `split_kv_target_blocks` (default: `CudaConfig`'s). KV dtypes
-//! f16, bf16 and fp8 e4m3. Prints a Markdown table; a case the device refuses (memory) is a
-//! row with the error.
+//! `SPLIT_TARGET` the backend's `split_kv_target_blocks` (default: `CudaConfig`'s); `KERNEL`
+//! the paged-attention kernel, `chunked`, `pipelined` or `both` (the default: a row each, the
+//! same case one after the other). KV dtypes f16, bf16 and fp8 e4m3. Prints a Markdown table;
+//! a case the device refuses (memory) is a row with the error.
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 fn main() -> std::process::ExitCode {
     use attention::bandwidth::{measure_decode, DecodeCase};
-    use attention_cuda::{CudaBackend, CudaConfig, CudarcDevice};
+    use attention_cuda::{AttentionKernel, CudaBackend, CudaConfig, CudarcDevice};
     use kv_pool::KvDtype;
 
     let mut args = std::env::args().skip(1);
@@ -29,6 +30,16 @@ fn main() -> std::process::ExitCode {
     if let Some(target) = args.next().and_then(|a| a.parse().ok()) {
         config.split_kv_target_blocks = target;
     }
+    let kernels: Vec<AttentionKernel> = match args.next().as_deref() {
+        None | Some("both") => AttentionKernel::ALL.to_vec(),
+        Some(k) => match k.parse() {
+            Ok(k) => vec![k],
+            Err(e) => {
+                eprintln!("decode_bandwidth: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
+        },
+    };
     let device = match CudarcDevice::new(0) {
         Ok(d) => d,
         Err(e) => {
@@ -42,26 +53,29 @@ fn main() -> std::process::ExitCode {
         config.split_kv_target_blocks
     );
     let b = CudaBackend::new(device, config);
-    println!("| KV dtype | page size | context | requests | KV read (GiB) | ms per call | GB/s | of peak |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| kernel | KV dtype | page size | context | requests | KV read (GiB) | ms per call | GB/s | of peak |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let min_bytes = (min_gib * (1u64 << 30) as f64) as u64;
     for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8E4m3] {
         for page in [1u32, 16, 64] {
             for context in [1024usize, 4096, 16384, 32768] {
                 let case = DecodeCase::llama3_8b(page, context, dtype, min_bytes);
-                let lead = format!(
-                    "| {dtype} | {page} | {context} | {} | {:.2} |",
-                    case.requests,
-                    case.kv_bytes() as f64 / (1u64 << 30) as f64
-                );
-                match measure_decode(&b, &case, 20) {
-                    Ok(t) => println!(
-                        "{lead} {:.3} | {:.0} | {:.1} % |",
-                        t.seconds * 1e3,
-                        t.gbps(),
-                        100.0 * t.gbps() / peak
-                    ),
-                    Err(e) => println!("{lead} error: {e} | | |"),
+                for &kernel in &kernels {
+                    let b = b.with_attention_kernel(kernel);
+                    let lead = format!(
+                        "| {kernel} | {dtype} | {page} | {context} | {} | {:.2} |",
+                        case.requests,
+                        case.kv_bytes() as f64 / (1u64 << 30) as f64
+                    );
+                    match measure_decode(&b, &case, 20) {
+                        Ok(t) => println!(
+                            "{lead} {:.3} | {:.0} | {:.1} % |",
+                            t.seconds * 1e3,
+                            t.gbps(),
+                            100.0 * t.gbps() / peak
+                        ),
+                        Err(e) => println!("{lead} error: {e} | | |"),
+                    }
                 }
             }
         }

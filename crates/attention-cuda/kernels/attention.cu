@@ -92,6 +92,38 @@ __device__ inline unsigned int kvs_slot(const unsigned int* pages, unsigned int 
 #endif
 }
 
+// The work of one attention block (the grid of paged_attention, below): its token, its KV
+// head kvh and query heads head0 .. head0 + nheads - 1 (all in kvh's group), its split of
+// num_splits and the positions begin .. end - 1 of the split (empty past the token's causal
+// end pos + 1), and the page list of the token's request.
+struct kvs_attn_block {
+    unsigned int tok, kvh, head0, nheads, split, num_splits, begin, end;
+    const unsigned int* pages;
+};
+
+__device__ inline kvs_attn_block kvs_attn_block_of(const unsigned int* plan, unsigned int q_heads,
+                                                   unsigned int kv_heads,
+                                                   unsigned int split_size) {
+    kvs_attn_block b;
+    const unsigned int group_size = q_heads / kv_heads;
+    const unsigned int blocks_per_kv = (group_size + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
+    const unsigned int per_token = kv_heads * blocks_per_kv;
+    b.tok = blockIdx.x / per_token;
+    b.kvh = blockIdx.x % per_token / blocks_per_kv;
+    const unsigned int first = blockIdx.x % blocks_per_kv * HEADS_PER_BLOCK; // in the group
+    b.head0 = b.kvh * group_size + first;
+    b.nheads = group_size - first < HEADS_PER_BLOCK ? group_size - first : HEADS_PER_BLOCK;
+    b.split = blockIdx.y;
+    b.num_splits = gridDim.y;
+    const unsigned int req = plan[plan[PLAN_TOK_REQ] + b.tok];
+    const unsigned int pos = plan[plan[PLAN_TOK_POS] + b.tok];
+    b.pages = plan + plan[PLAN_KV_INDICES] + plan[plan[PLAN_KV_INDPTR] + req];
+    const unsigned int kv_end = pos + 1; // causal: positions 0..=pos
+    b.begin = b.split * split_size;
+    b.end = b.begin + split_size < kv_end ? b.begin + split_size : kv_end;
+    return b;
+}
+
 // part[k] (k < N, N a power of two ≤ WARP_SIZE) is this lane's partial sum for the k-th key
 // of its group of N lanes (lanes that differ only in their low log2(N) bits); returns, in the
 // lane at position i of the group, the group's full sum for key i. A butterfly that halves
@@ -200,25 +232,10 @@ KVS_KERNEL void ATTN_BOUNDS paged_attention(const float* q, const kv_t* k_cache,
     const unsigned int t = threadIdx.x;
     const unsigned int lane = t % WARP_SIZE;
     const unsigned int warp = t / WARP_SIZE;
-    // The block's KV head and its query heads head0 .. head0 + nheads - 1 (all in its group).
-    const unsigned int group_size = q_heads / kv_heads;
-    const unsigned int blocks_per_kv = (group_size + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
-    const unsigned int per_token = kv_heads * blocks_per_kv;
-    const unsigned int tok = blockIdx.x / per_token;
-    const unsigned int kvh = blockIdx.x % per_token / blocks_per_kv;
-    const unsigned int first = blockIdx.x % blocks_per_kv * HEADS_PER_BLOCK; // in the group
-    const unsigned int head0 = kvh * group_size + first;
-    const unsigned int nheads =
-        group_size - first < HEADS_PER_BLOCK ? group_size - first : HEADS_PER_BLOCK;
-    const unsigned int split = blockIdx.y;
-    const unsigned int num_splits = gridDim.y;
-
-    const unsigned int req = plan[plan[PLAN_TOK_REQ] + tok];
-    const unsigned int pos = plan[plan[PLAN_TOK_POS] + tok];
-    const unsigned int* pages = plan + plan[PLAN_KV_INDICES] + plan[plan[PLAN_KV_INDPTR] + req];
-    const unsigned int kv_end = pos + 1; // causal: positions 0..=pos
-    const unsigned int begin = split * split_size;
-    const unsigned int end = begin + split_size < kv_end ? begin + split_size : kv_end;
+    const kvs_attn_block b = kvs_attn_block_of(plan, q_heads, kv_heads, split_size);
+    const unsigned int tok = b.tok, kvh = b.kvh, head0 = b.head0, nheads = b.nheads;
+    const unsigned int split = b.split, num_splits = b.num_splits, begin = b.begin, end = b.end;
+    const unsigned int* pages = b.pages;
 
     // The scaled queries; a head slot past nheads (the last block of a group that is no
     // multiple of HEADS_PER_BLOCK) gets zeros and writes nothing.
@@ -414,6 +431,411 @@ KVS_KERNEL void ATTN_BOUNDS paged_attention(const float* q, const kv_t* k_cache,
             }
             if (t == 0) {
                 partial_lse[out] = l[h] > 0.0f ? m[h] + logf(l[h]) : KVS_NEG_INF;
+            }
+        }
+        __syncthreads(); // s_o is rewritten for the next head
+    }
+}
+
+// paged_attention_pipelined: paged_attention's contract (grid, arguments, partial outputs and
+// log-sum-exps for merge_states) with another memory schedule, for GPUs whose attention is
+// bound by the latency of reading the cache: keys and values are staged in shared memory by
+// asynchronous copies (cp.async, sm_80 and later) PL_STAGES - 1 tiles ahead of the tile being
+// computed, so the loads in flight are held in shared memory, not registers, and never wait
+// for a barrier. FlashInfer's decode kernel reads the cache this way.
+//
+// - Lanes: a row (a key, and its value) is read by PL_LANES lanes of a warp (its units of
+//   PL_UNIT_BYTES rounded up to a power of two, at most the warp), lane x its units x,
+//   x + PL_LANES, …; the block's threads form PL_SLOTS row slots of PL_LANES lanes. A tile is
+//   PL_TILE rows: slot r takes rows r, r + PL_SLOTS, … (PL_ROWS_PER_THREAD of them), so each
+//   copy instruction of a warp reads whole rows of consecutive positions.
+// - Each thread copies exactly the units it reads back (its lane's units of its slot's rows),
+//   so a tile is ready for a thread when its own copies are (cp.async.wait_group): the main
+//   loop has no barrier. Where cp.async does not exist (HIP, the emulation, GPUs before
+//   sm_80) the copies are plain loads and stores, and the schedule is the same.
+// - Scores: a lane dots its units with the matching elements of every head's query (held in
+//   registers, scaled), the slot's lanes add them up by shuffles, and each lane keeps an
+//   online softmax per head over its slot's rows (every lane of a slot the same state) and
+//   the weighted sum of its value units.
+// - The end: the slots of a warp merge by shuffles (a butterfly: the same state in every
+//   lane), the warps through shared memory in warp order (a fixed order, so the result does
+//   not depend on the batch).
+// - The page table: the slots of a thread's rows of the next tile to issue are read one
+//   iteration ahead (their latency hidden behind a tile's compute).
+// Tuning defines: PL_UNIT_BYTES (16, or 8 for fp8, whose 16-byte units hold 16 elements a lane
+// would keep per head), PL_ROWS_PER_THREAD (2), PL_MAX_STAGES (4), PL_SMEM_BYTES (the stages'
+// shared memory, 36 KiB: static shared memory ends at 48 KiB and the merge needs its own),
+// PL_MIN_BLOCKS (the launch bound, as ATTN_MIN_BLOCKS; below).
+#ifndef PL_UNIT_BYTES
+#define PL_UNIT_BYTES (KV_BYTES == 1 ? 8 : 16)
+#endif
+#if PL_UNIT_BYTES == 16
+typedef kvs_vec16 pl_unit;
+#elif PL_UNIT_BYTES == 8
+struct alignas(8) pl_unit {
+    unsigned int w[2];
+};
+#else
+#error "PL_UNIT_BYTES must be 8 or 16"
+#endif
+#define PL_EPU (PL_UNIT_BYTES / KV_BYTES) // elements per unit
+#define PL_K_UNITS (HEAD_DIM / PL_EPU)
+#define PL_V_UNITS (V_HEAD_DIM / PL_EPU) // MLA: the head of the key row
+#define PL_LANES                                                                               \
+    (PL_K_UNITS > 16   ? 32                                                                    \
+     : PL_K_UNITS > 8  ? 16                                                                    \
+     : PL_K_UNITS > 4  ? 8                                                                     \
+     : PL_K_UNITS > 2  ? 4                                                                     \
+     : PL_K_UNITS > 1  ? 2                                                                     \
+                       : 1)
+#define PL_K_UPL ((PL_K_UNITS + PL_LANES - 1) / PL_LANES) // key units per lane
+#define PL_V_UPL ((PL_V_UNITS + PL_LANES - 1) / PL_LANES) // value units per lane
+#define PL_SLOTS (ATTN_THREADS / PL_LANES)
+#ifndef PL_ROWS_PER_THREAD
+#define PL_ROWS_PER_THREAD 2
+#endif
+#define PL_TILE (PL_SLOTS * PL_ROWS_PER_THREAD)
+#if MLA
+#define PL_ROW_UNITS PL_K_UNITS // values are read from the key row
+#else
+#define PL_ROW_UNITS (PL_K_UNITS + PL_V_UNITS) // the key's units, then the value's
+#endif
+#define PL_STAGE_BYTES (PL_TILE * PL_ROW_UNITS * PL_UNIT_BYTES)
+#ifndef PL_SMEM_BYTES
+#define PL_SMEM_BYTES 36864
+#endif
+#ifndef PL_MAX_STAGES
+#define PL_MAX_STAGES 4
+#endif
+#define PL_FIT_STAGES (PL_SMEM_BYTES / PL_STAGE_BYTES)
+#define PL_STAGES (PL_FIT_STAGES < PL_MAX_STAGES ? PL_FIT_STAGES : PL_MAX_STAGES)
+#if PL_STAGES < 2
+#error "paged_attention_pipelined: two stages of PL_TILE rows exceed PL_SMEM_BYTES"
+#endif
+#if (HEAD_DIM * KV_BYTES) % PL_UNIT_BYTES != 0 || (V_HEAD_DIM * KV_BYTES) % PL_UNIT_BYTES != 0
+#error "key and value rows must be whole units of PL_UNIT_BYTES"
+#endif
+// 4 blocks per SM (at most 128 registers a thread: no specialisation spills on sm_90), MLA 2
+// (its wide rows spill 500-600 bytes at 128 registers; 232 without spilling at 2).
+#ifndef PL_MIN_BLOCKS
+#define PL_MIN_BLOCKS (MLA ? 2 : 4)
+#endif
+#if PL_MIN_BLOCKS > 0 && defined(__CUDA_ARCH__)
+#define PL_BOUNDS __launch_bounds__(ATTN_THREADS, PL_MIN_BLOCKS)
+#else
+#define PL_BOUNDS
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define PL_CP_ASYNC 1
+#else
+#define PL_CP_ASYNC 0
+#endif
+
+// The unit at src (global memory) into dst (shared memory): asynchronously where the GPU has
+// cp.async (L2 only for 16 bytes: the cache is streamed once), else a load and a store.
+__device__ inline void pl_copy(pl_unit* dst, const kv_t* src) {
+#if PL_CP_ASYNC
+    unsigned int d;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+                 : "=r"(d)
+                 : "l"(dst));
+#if PL_UNIT_BYTES == 16
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
+#endif
+#else
+    *dst = *reinterpret_cast<const pl_unit*>(src);
+#endif
+}
+
+// Closes the group of copies issued since the last commit (one group per tile).
+__device__ inline void pl_commit() {
+#if PL_CP_ASYNC
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's groups are still in flight.
+template <int N> __device__ inline void pl_wait() {
+#if PL_CP_ASYNC
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ inline void pl_decode(const pl_unit& u, float* out) {
+#pragma unroll
+    for (int w = 0; w < PL_UNIT_BYTES / 4; ++w) {
+#pragma unroll
+        for (int e = 0; e < KV_PER_WORD; ++e) {
+            out[w * KV_PER_WORD + e] = kv_word_elem(u.w[w], e);
+        }
+    }
+}
+
+// The slots of this thread's rows (slot r of the tile starting at position tile_begin); 0 for a
+// row at or past end (not copied, not read).
+__device__ inline void pl_lookup(unsigned int (&slot)[PL_ROWS_PER_THREAD], const unsigned int* pages,
+                                 unsigned int tile_begin, unsigned int end, unsigned int r,
+                                 unsigned int page_size, unsigned int page_shift) {
+#pragma unroll
+    for (int i = 0; i < PL_ROWS_PER_THREAD; ++i) {
+        const unsigned int j = tile_begin + r + i * PL_SLOTS;
+        slot[i] = j < end ? kvs_slot(pages, j, page_size, page_shift) : 0;
+    }
+}
+
+// Issues the copies of this thread's units (lane x of slot r) of the tile at tile_begin.
+__device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
+                                const unsigned int (&slot)[PL_ROWS_PER_THREAD], const kv_t* k_cache,
+                                const kv_t* v_cache, unsigned int kv_heads, unsigned int kvh,
+                                unsigned int tile_begin, unsigned int end, unsigned int r,
+                                unsigned int x) {
+#pragma unroll
+    for (int i = 0; i < PL_ROWS_PER_THREAD; ++i) {
+        const unsigned int row = r + i * PL_SLOTS;
+        if (tile_begin + row < end) {
+            const kv_t* kr = k_cache + ((size_t)slot[i] * kv_heads + kvh) * HEAD_DIM;
+#pragma unroll
+            for (int k = 0; k < PL_K_UPL; ++k) {
+                const unsigned int u = x + k * PL_LANES;
+                if (u < PL_K_UNITS) {
+                    pl_copy(&stage[row][u], kr + u * PL_EPU);
+                }
+            }
+#if !MLA
+            const kv_t* vr = v_cache + ((size_t)slot[i] * kv_heads + kvh) * V_HEAD_DIM;
+#pragma unroll
+            for (int k = 0; k < PL_V_UPL; ++k) {
+                const unsigned int u = x + k * PL_LANES;
+                if (u < PL_V_UNITS) {
+                    pl_copy(&stage[row][PL_K_UNITS + u], vr + u * PL_EPU);
+                }
+            }
+#endif
+        }
+    }
+}
+
+KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(
+    const float* q, const kv_t* k_cache, const kv_t* v_cache, const unsigned int* plan,
+    float* partial_o, float* partial_lse, unsigned int q_heads, unsigned int kv_heads,
+    unsigned int page_size, unsigned int page_shift, unsigned int split_size, float scale,
+    float k_scale, float v_scale) {
+    __shared__ pl_unit s_stage[PL_STAGES][PL_TILE][PL_ROW_UNITS];
+    __shared__ float s_m[HEADS_PER_BLOCK][ATTN_WARPS];
+    __shared__ float s_l[HEADS_PER_BLOCK][ATTN_WARPS];
+    __shared__ float s_o[ATTN_WARPS][V_HEAD_DIM];
+
+    const unsigned int t = threadIdx.x;
+    const unsigned int x = t % PL_LANES; // this thread's lane in its row slot
+    const unsigned int r = t / PL_LANES; // its row slot
+    const unsigned int warp = t / WARP_SIZE;
+    const kvs_attn_block b = kvs_attn_block_of(plan, q_heads, kv_heads, split_size);
+
+    // This lane's elements of every head's scaled query (zeros past nheads and past the row).
+    float qr[HEADS_PER_BLOCK][PL_K_UPL * PL_EPU];
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+#pragma unroll
+        for (int k = 0; k < PL_K_UPL; ++k) {
+            const unsigned int u = x + k * PL_LANES;
+            const bool live = (unsigned int)h < b.nheads && u < PL_K_UNITS;
+            const float* qh = q + ((size_t)b.tok * q_heads + b.head0 + h) * HEAD_DIM + u * PL_EPU;
+#pragma unroll
+            for (int e = 0; e < PL_EPU; ++e) {
+                qr[h][k * PL_EPU + e] = live ? qh[e] * scale : 0.0f;
+            }
+        }
+    }
+    float m[HEADS_PER_BLOCK];
+    float l[HEADS_PER_BLOCK];
+    float acc[HEADS_PER_BLOCK][PL_V_UPL * PL_EPU];
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+        m[h] = KVS_NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int a = 0; a < PL_V_UPL * PL_EPU; ++a) {
+            acc[h][a] = 0.0f;
+        }
+    }
+
+    const unsigned int tiles = b.begin < b.end ? (b.end - b.begin + PL_TILE - 1) / PL_TILE : 0;
+    unsigned int slot[PL_ROWS_PER_THREAD]; // of the next tile to issue
+    pl_lookup(slot, b.pages, b.begin, b.end, r, page_size, page_shift);
+    // The first PL_STAGES - 1 tiles; a group per tile, empty past the last.
+#pragma unroll
+    for (int s = 0; s < PL_STAGES - 1; ++s) {
+        if ((unsigned int)s < tiles) {
+            pl_issue(s_stage[s], slot, k_cache, v_cache, kv_heads, b.kvh, b.begin + s * PL_TILE,
+                     b.end, r, x);
+        }
+        pl_commit();
+        pl_lookup(slot, b.pages, b.begin + (s + 1) * PL_TILE, b.end, r, page_size, page_shift);
+    }
+    for (unsigned int it = 0; it < tiles; ++it) {
+        // Tile it + PL_STAGES - 1 into the stage tile it - 1 used (read by this thread only).
+        const unsigned int ahead = it + PL_STAGES - 1;
+        if (ahead < tiles) {
+            pl_issue(s_stage[ahead % PL_STAGES], slot, k_cache, v_cache, kv_heads, b.kvh,
+                     b.begin + ahead * PL_TILE, b.end, r, x);
+        }
+        pl_commit();
+        pl_lookup(slot, b.pages, b.begin + (ahead + 1) * PL_TILE, b.end, r, page_size,
+                  page_shift);
+        pl_wait<PL_STAGES - 1>(); // tile it's group (and every earlier one) has landed
+        const pl_unit(*tile)[PL_ROW_UNITS] = s_stage[it % PL_STAGES];
+        const unsigned int tile_begin = b.begin + it * PL_TILE;
+
+        // Every head's score of this slot's rows (-inf past end).
+        float p[PL_ROWS_PER_THREAD][HEADS_PER_BLOCK];
+#pragma unroll
+        for (int i = 0; i < PL_ROWS_PER_THREAD; ++i) {
+            const unsigned int row = r + i * PL_SLOTS;
+            float part[HEADS_PER_BLOCK];
+#pragma unroll
+            for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+                part[h] = 0.0f;
+            }
+            if (tile_begin + row < b.end) {
+#pragma unroll
+                for (int k = 0; k < PL_K_UPL; ++k) {
+                    const unsigned int u = x + k * PL_LANES;
+                    if (u < PL_K_UNITS) {
+                        float kx[PL_EPU];
+                        pl_decode(tile[row][u], kx);
+#pragma unroll
+                        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+#pragma unroll
+                            for (int e = 0; e < PL_EPU; ++e) {
+                                part[h] += qr[h][k * PL_EPU + e] * kx[e];
+                            }
+                        }
+                    }
+                }
+            }
+            // The slot's lanes' sums (every lane of a slot takes the same branch above).
+#pragma unroll
+            for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+#pragma unroll
+                for (int mask = 1; mask < PL_LANES; mask <<= 1) {
+                    part[h] += KVS_SHFL_XOR(part[h], mask);
+                }
+                p[i][h] = tile_begin + row < b.end ? part[h] * k_scale : KVS_NEG_INF;
+            }
+        }
+        // The online softmax per head: scores become probabilities against the new maximum.
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+            float new_m = m[h];
+#pragma unroll
+            for (int i = 0; i < PL_ROWS_PER_THREAD; ++i) {
+                new_m = fmaxf(new_m, p[i][h]);
+            }
+            const float alpha = m[h] == KVS_NEG_INF ? 0.0f : expf(m[h] - new_m);
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PL_ROWS_PER_THREAD; ++i) {
+                p[i][h] = p[i][h] == KVS_NEG_INF ? 0.0f : expf(p[i][h] - new_m);
+                sum += p[i][h];
+            }
+            l[h] = l[h] * alpha + sum;
+            m[h] = new_m;
+#pragma unroll
+            for (int a = 0; a < PL_V_UPL * PL_EPU; ++a) {
+                acc[h][a] *= alpha;
+            }
+        }
+        // Values: each unit decoded once, accumulated into every head.
+#pragma unroll
+        for (int i = 0; i < PL_ROWS_PER_THREAD; ++i) {
+            const unsigned int row = r + i * PL_SLOTS;
+            if (tile_begin + row < b.end) {
+#pragma unroll
+                for (int k = 0; k < PL_V_UPL; ++k) {
+                    const unsigned int u = x + k * PL_LANES;
+                    if (u < PL_V_UNITS) {
+                        float vx[PL_EPU];
+                        pl_decode(tile[row][MLA ? u : PL_K_UNITS + u], vx);
+#pragma unroll
+                        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+#pragma unroll
+                            for (int e = 0; e < PL_EPU; ++e) {
+                                acc[h][k * PL_EPU + e] += p[i][h] * vx[e];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // The row slots of a warp: lane x merges with lane x of the other slots (masks PL_LANES …
+    // 16), each pair's weights by its maxima; both lanes of a pair compute the same sums.
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+#pragma unroll
+        for (int mask = PL_LANES; mask < WARP_SIZE; mask <<= 1) {
+            const float mo = KVS_SHFL_XOR(m[h], mask);
+            const float lo = KVS_SHFL_XOR(l[h], mask);
+            const float nm = fmaxf(m[h], mo);
+            const float wa = m[h] == KVS_NEG_INF ? 0.0f : expf(m[h] - nm);
+            const float wb = mo == KVS_NEG_INF ? 0.0f : expf(mo - nm);
+            l[h] = l[h] * wa + lo * wb;
+#pragma unroll
+            for (int a = 0; a < PL_V_UPL * PL_EPU; ++a) {
+                const float ao = KVS_SHFL_XOR(acc[h][a], mask);
+                acc[h][a] = acc[h][a] * wa + ao * wb;
+            }
+            m[h] = nm;
+        }
+    }
+    // The warps, in warp order, through shared memory (one head at a time).
+    const bool writer = t % WARP_SIZE < PL_LANES; // the warp's first slot
+    if (writer && x == 0) {
+#pragma unroll
+        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+            s_m[h][warp] = m[h];
+            s_l[h][warp] = l[h];
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
+        if (writer) {
+#pragma unroll
+            for (int k = 0; k < PL_V_UPL; ++k) {
+                const unsigned int u = x + k * PL_LANES;
+                if (u < PL_V_UNITS) {
+#pragma unroll
+                    for (int e = 0; e < PL_EPU; ++e) {
+                        s_o[warp][u * PL_EPU + e] = acc[h][k * PL_EPU + e];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if ((unsigned int)h < b.nheads) {
+            float mx = s_m[h][0];
+            for (int w = 1; w < ATTN_WARPS; ++w) {
+                mx = fmaxf(mx, s_m[h][w]);
+            }
+            float wt[ATTN_WARPS];
+            float total = 0.0f;
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                wt[w] = s_m[h][w] == KVS_NEG_INF ? 0.0f : expf(s_m[h][w] - mx);
+                total += s_l[h][w] * wt[w];
+            }
+            const size_t out = ((size_t)b.tok * q_heads + b.head0 + h) * b.num_splits + b.split;
+            for (unsigned int d = t; d < V_HEAD_DIM; d += ATTN_THREADS) {
+                float o = 0.0f;
+                for (int w = 0; w < ATTN_WARPS; ++w) {
+                    o += wt[w] * s_o[w][d];
+                }
+                partial_o[out * V_HEAD_DIM + d] = total > 0.0f ? o / total * v_scale : 0.0f;
+            }
+            if (t == 0) {
+                partial_lse[out] = total > 0.0f ? mx + logf(total) : KVS_NEG_INF;
             }
         }
         __syncthreads(); // s_o is rewritten for the next head

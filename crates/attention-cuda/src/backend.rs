@@ -32,6 +32,8 @@ pub struct CudaConfig {
     /// SGLang's `--enable-deterministic-inference`: batch-invariant ops, so GEMMs take the
     /// crate's tiled kernel even where the vendor BLAS is loaded ([`crate::gemm`]).
     pub enable_deterministic_inference: bool,
+    /// The kernel paged attention (MHA, GQA and MLA; extend and decode) runs.
+    pub attention_kernel: AttentionKernel,
 }
 
 impl Default for CudaConfig {
@@ -39,7 +41,57 @@ impl Default for CudaConfig {
         CudaConfig {
             split_kv_target_blocks: 1056,
             enable_deterministic_inference: false,
+            attention_kernel: AttentionKernel::default(),
         }
+    }
+}
+
+/// The two paged-attention kernels of `attention.cu`: the same grid, arguments and partial
+/// states (merged by `merge_states`), the same results within rounding; they differ in how
+/// they read the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionKernel {
+    /// `paged_attention`: chunks of 128 keys loaded into registers, a block-wide softmax per
+    /// chunk (50–59 % of an H100's memory bandwidth for f16/bf16 KV in decode).
+    #[default]
+    Chunked,
+    /// `paged_attention_pipelined`: keys and values staged in shared memory by asynchronous
+    /// copies (`cp.async`) several tiles ahead of the compute, no barrier per tile
+    /// (FlashInfer's decode schedule). Checked by NVRTC, hipRTC and the emulation; not yet
+    /// timed on a GPU, so not the default.
+    Pipelined,
+}
+
+impl AttentionKernel {
+    /// Both kernels.
+    pub const ALL: [AttentionKernel; 2] = [AttentionKernel::Chunked, AttentionKernel::Pipelined];
+
+    /// The kernel's entry point in `attention.cu`.
+    pub const fn entry_point(self) -> &'static str {
+        match self {
+            AttentionKernel::Chunked => "paged_attention",
+            AttentionKernel::Pipelined => "paged_attention_pipelined",
+        }
+    }
+}
+
+impl fmt::Display for AttentionKernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AttentionKernel::Chunked => "chunked",
+            AttentionKernel::Pipelined => "pipelined",
+        })
+    }
+}
+
+impl std::str::FromStr for AttentionKernel {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        AttentionKernel::ALL
+            .into_iter()
+            .find(|k| k.to_string() == s)
+            .ok_or_else(|| format!("unknown attention kernel {s:?} (chunked or pipelined)"))
     }
 }
 
@@ -128,6 +180,17 @@ impl<D: Device> CudaBackend<D> {
             config,
             gemm,
             graph: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// A clone (the same device, memory and graphs) whose paged attention runs `kernel`.
+    pub fn with_attention_kernel(&self, kernel: AttentionKernel) -> Self {
+        CudaBackend {
+            config: CudaConfig {
+                attention_kernel: kernel,
+                ..self.config
+            },
+            ..self.clone()
         }
     }
 
@@ -302,7 +365,7 @@ impl<D: Device> CudaBackend<D> {
         let (partial_o, partial_lse) = (&*scratch.o, &*scratch.lse);
         self.launch(
             &a.spec,
-            "paged_attention",
+            self.config.attention_kernel.entry_point(),
             geometry::attention(n, head_groups, split)?,
             &[
                 KernelArg::Buf(&a.q.buf),
@@ -671,5 +734,23 @@ impl<D: Device> Backend for CudaBackend<D> {
                 v_scale: k_scale,
             },
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_kernels_parse_their_names_and_name_their_entry_points() {
+        for k in AttentionKernel::ALL {
+            assert_eq!(k.to_string().parse::<AttentionKernel>(), Ok(k));
+            assert!(crate::specs::Source::Attention
+                .kernels()
+                .contains(&k.entry_point()));
+        }
+        assert_eq!(AttentionKernel::default(), AttentionKernel::Chunked);
+        let err = "flash".parse::<AttentionKernel>().unwrap_err();
+        assert!(err.contains("chunked or pipelined"), "{err}");
     }
 }

@@ -11,9 +11,13 @@
 //!   attention block: [`specs::GQA_HEADS_PER_BLOCK`] of a GQA group, or
 //!   [`specs::MLA_HEADS_PER_BLOCK`] MLA heads, share each KV read) into the [`Spec`]s of
 //!   [`specs`]; every specialisation is compiled to PTX by NVRTC and for gfx90a by hipRTC in
-//!   CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`). The kernels' tuning defines
-//!   (`ATTN_MIN_BLOCKS`, `V_UNROLL_MAX`, `KVS_SOFT_CVT`) can be set at run time with
-//!   `KVSERVE_CUDA_DEFINES` ([`nvrtc::tuning_defines`]) to measure them on a GPU.
+//!   CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`). Paged attention has two kernels
+//!   with one contract, chosen by [`CudaConfig::attention_kernel`] ([`AttentionKernel`]):
+//!   `paged_attention` (chunks of keys in registers; the default, measured on an H100) and
+//!   `paged_attention_pipelined` (keys and values staged in shared memory by `cp.async`
+//!   several tiles ahead, FlashInfer's decode schedule; not yet timed on a GPU). The kernels'
+//!   tuning defines (`ATTN_MIN_BLOCKS`, `V_UNROLL_MAX`, `KVS_SOFT_CVT`, `PL_*`) can be set at
+//!   run time with `KVSERVE_CUDA_DEFINES` ([`nvrtc::tuning_defines`]) to measure them on a GPU.
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
 //!   copies, and launches by specialisation and kernel name. The CPU emulation
 //!   (`attention-cuda-emu`, tests only) implements it by compiling the same `.cu` sources with
@@ -89,7 +93,7 @@ pub mod specs;
 pub mod store;
 pub mod tensor;
 
-pub use backend::{CudaBackend, CudaConfig, CudaPlan};
+pub use backend::{AttentionKernel, CudaBackend, CudaConfig, CudaPlan};
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub use cudarc_device::{CudaError, CudaReport, CudarcDevice};
 pub use device::{packed_args, Device, KernelArg, LaunchConfig};

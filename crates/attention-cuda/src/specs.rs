@@ -39,7 +39,11 @@ impl Source {
                 "embedding",
             ],
             Source::Store => &["store_kv", "gather_rows", "scatter_rows"],
-            Source::Attention => &["paged_attention", "merge_states"],
+            Source::Attention => &[
+                "paged_attention",
+                "paged_attention_pipelined",
+                "merge_states",
+            ],
         }
     }
 }

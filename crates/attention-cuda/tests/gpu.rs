@@ -3,13 +3,17 @@
 #![cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 
 use attention::conformance::{self, SuiteSize};
-use attention_cuda::{CudaBackend, CudaConfig, CudarcDevice};
+use attention_cuda::{AttentionKernel, CudaBackend, CudaConfig, CudarcDevice};
 
 fn gpu_or_skip(test: &str) -> Option<CudaBackend<CudarcDevice>> {
+    gpu_with_or_skip(test, CudaConfig::default())
+}
+
+fn gpu_with_or_skip(test: &str, config: CudaConfig) -> Option<CudaBackend<CudarcDevice>> {
     match CudarcDevice::new(0) {
         Ok(d) => {
             println!("{test}: {:?}", d.report());
-            Some(CudaBackend::new(d, CudaConfig::default()))
+            Some(CudaBackend::new(d, config))
         }
         Err(e) => {
             if std::env::var("KVSERVE_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
@@ -33,16 +37,24 @@ fn gpu_dense_conformance() {
     conformance::assert_all_passed(&outcomes);
 }
 
+/// The quick attention suite on both paged-attention kernels.
 #[test]
 fn gpu_attention_conformance_quick() {
-    let Some(b) = gpu_or_skip("gpu_attention_conformance_quick") else {
-        return;
-    };
-    let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
-    for o in &outcomes {
-        println!("{o}");
+    for kernel in AttentionKernel::ALL {
+        let config = CudaConfig {
+            attention_kernel: kernel,
+            ..CudaConfig::default()
+        };
+        let Some(b) = gpu_with_or_skip("gpu_attention_conformance_quick", config) else {
+            return;
+        };
+        println!("{kernel}:");
+        let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
+        for o in &outcomes {
+            println!("{o}");
+        }
+        conformance::assert_all_passed(&outcomes);
     }
-    conformance::assert_all_passed(&outcomes);
 }
 
 /// The tiny Llama and MLA decoders' greedy schedule on the GPU against the CPU backend
