@@ -14,13 +14,21 @@ fn has_adapter() -> bool {
     attention_wgpu::test_support::backend_or_skip("engine wgpu_backend").is_some()
 }
 
-fn greedy(port: u16, input_ids: &[u32]) -> (Vec<u64>, u64) {
+/// Greedy output of `max_new_tokens` tokens and the prompt's cached tokens. (Each forward of the
+/// tiny model takes about half a second on lavapipe, Mesa's software Vulkan device in CI, so
+/// the tests generate few tokens: the first from the prefill over the prompt's cached or
+/// loaded-back KV, the rest from decode steps attending over it.)
+fn greedy(port: u16, input_ids: &[u32], max_new_tokens: u32) -> (Vec<u64>, u64) {
     let (status, v) = post(
         port,
         "/generate",
         json!({
             "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0,
+                "ignore_eos": true
+            }
         }),
     );
     assert_eq!(status, 200, "{v}");
@@ -46,15 +54,15 @@ fn wgpu_serves_the_same_greedy_tokens_as_the_cpu() {
         (0..70).map(|i| 20_000 + 13 * i).collect(),
     ];
     let cpu = start(&["--backend", "cpu"]);
-    let want: Vec<Vec<u64>> = prompts.iter().map(|p| greedy(cpu.port, p).0).collect();
+    let want: Vec<Vec<u64>> = prompts.iter().map(|p| greedy(cpu.port, p, 4).0).collect();
     drop(cpu);
 
     let gpu = start(&["--backend", "wgpu"]);
     for (p, want) in prompts.iter().zip(&want) {
-        let (cold, cached_cold) = greedy(gpu.port, p);
+        let (cold, cached_cold) = greedy(gpu.port, p, 4);
         assert_eq!(&cold, want, "wgpu vs cpu, cold");
         assert_eq!(cached_cold, 0);
-        let (warm, cached_warm) = greedy(gpu.port, p);
+        let (warm, cached_warm) = greedy(gpu.port, p, 4);
         assert_eq!(&warm, want, "wgpu vs cpu, from the cache");
         assert!(
             cached_warm >= 32,
@@ -92,7 +100,7 @@ fn wgpu_hicache_loads_back_from_host_with_the_same_greedy_tokens() {
         flags.extend_from_slice(extra);
         let srv = start(&flags);
         let outs: Vec<Vec<u64>> = (0..4)
-            .map(|turn| greedy(srv.port, if turn % 2 == 0 { &a } else { &b }).0)
+            .map(|turn| greedy(srv.port, if turn % 2 == 0 { &a } else { &b }, 2).0)
             .collect();
         let info = wait_idle(srv.port);
         assert_eq!(info["engine"]["ownership_ok"], true, "{extra:?}: {info}");
