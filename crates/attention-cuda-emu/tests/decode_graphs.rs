@@ -4,8 +4,9 @@
 //! pad, a size beyond the largest captured one, a request past the graphs' context) gives
 //! bitwise the logits and tokens of the same runner without graphs (what
 //! `--disable-cuda-graph` builds), and each batch takes the route the host logic decides.
-//! The MLA decoder, whose forward reads back to the host, cannot be captured: a typed error,
-//! and the runner stays eager.
+//! The MLA decoder with mixture-of-experts layers, whose routing reads back to the host, cannot
+//! be captured: a typed error, and the runner stays eager; without them (dense MLPs) it
+//! captures and replays bitwise like the Llama decoder.
 
 mod common;
 
@@ -161,15 +162,14 @@ fn generate(runner: &mut ModelRunner<Emu>) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
     (seqs, logits)
 }
 
-#[test]
-fn decode_batches_through_graphs_are_bitwise_the_eager_ones() {
-    let test = "decode_batches_through_graphs_are_bitwise_the_eager_ones";
+/// `config`'s decoder greedy over [`SCHEDULE`] with and without graphs: equal tokens and
+/// bitwise equal logits. Returns each decode batch's route, or `None` without the emulation.
+fn graphs_match_eager(test: &str, config: &ModelConfig) -> Option<String> {
     let (Some(d1), Some(d2)) = (emu_or_skip(test), emu_or_skip(test)) else {
-        return;
+        return None;
     };
-    let config = common::llama_config();
-    let mut eager = runner(d1, &config);
-    let mut graphed = runner(d2, &config);
+    let mut eager = runner(d1, config);
+    let mut graphed = runner(d2, config);
     let log = Arc::new(Mutex::new(Vec::new()));
     let inner = CudaGraphRunner::new(graphed.backend(), graph_config()).unwrap();
     graphed
@@ -198,15 +198,39 @@ fn decode_batches_through_graphs_are_bitwise_the_eager_ones() {
         );
     }
     let log = log.lock().unwrap().join("\n");
-    insta::assert_snapshot!(log);
+    Some(log)
 }
 
 #[test]
-fn the_mla_decoder_cannot_be_captured_and_stays_eager() {
-    let Some(device) = emu_or_skip("the_mla_decoder_cannot_be_captured_and_stays_eager") else {
+fn decode_batches_through_graphs_are_bitwise_the_eager_ones() {
+    let test = "decode_batches_through_graphs_are_bitwise_the_eager_ones";
+    if let Some(log) = graphs_match_eager(test, &common::llama_config()) {
+        insta::assert_snapshot!(log);
+    }
+}
+
+/// MLA without mixture-of-experts layers (every MLP dense): concat_last runs on the device, so
+/// nothing reads back and the decode forward captures; the batches take the Llama decoder's
+/// routes.
+#[test]
+fn dense_mla_decode_batches_through_graphs_are_bitwise_the_eager_ones() {
+    let test = "dense_mla_decode_batches_through_graphs_are_bitwise_the_eager_ones";
+    let mut config = common::mla_config();
+    config.mla.as_mut().expect("an MLA config").moe = None;
+    let Some(mla_log) = graphs_match_eager(test, &config) else {
+        return;
+    };
+    let llama_log = graphs_match_eager(test, &common::llama_config()).expect("the emulation ran");
+    assert_eq!(mla_log, llama_log);
+}
+
+#[test]
+fn the_moe_mla_decoder_cannot_be_captured_and_stays_eager() {
+    let Some(device) = emu_or_skip("the_moe_mla_decoder_cannot_be_captured_and_stays_eager") else {
         return;
     };
     let config = common::mla_config();
+    assert!(config.mla.as_ref().is_some_and(|m| m.moe.is_some()));
     let mut runner = runner(device, &config);
     let graphs = CudaGraphRunner::new(runner.backend(), graph_config()).unwrap();
     let e = runner.enable_decode_graphs(Box::new(graphs)).unwrap_err();

@@ -100,3 +100,13 @@ KVS_KERNEL void embedding(const float* table, const unsigned int* ids, float* ou
         out[(size_t)blockIdx.x * d + i] = src[i];
     }
 }
+
+// Concatenation along the last dimension: out[r] = a[r] (da elements) then b[r] (db), one block
+// per row.
+KVS_KERNEL void concat_last(const float* a, const float* b, float* out, unsigned int da,
+                            unsigned int db) {
+    const size_t r = blockIdx.x;
+    for (unsigned int i = threadIdx.x; i < da + db; i += blockDim.x) {
+        out[r * (da + db) + i] = i < da ? a[r * da + i] : b[r * db + i - da];
+    }
+}

@@ -612,6 +612,32 @@ impl<D: Device> Backend for CudaBackend<D> {
         Ok(out)
     }
 
+    /// On the device (the trait's default reads both back to the host: a synchronisation, and
+    /// impossible inside a captured graph).
+    fn concat_last(&self, a: &CudaTensor<D>, b: &CudaTensor<D>) -> Result<CudaTensor<D>> {
+        let (rows, da, db) = check::concat_last(&a.shape, &b.shape)?;
+        let mut shape = a.shape.clone();
+        *shape
+            .last_mut()
+            .expect("rank checked by check::concat_last") = da + db;
+        let out = self.zeros(&shape)?;
+        if rows == 0 || da + db == 0 {
+            return Ok(out);
+        }
+        self.dense(
+            "concat_last",
+            geometry::per_row("concat_last", rows, THREADS)?,
+            &[
+                KernelArg::Buf(&a.buf),
+                KernelArg::Buf(&b.buf),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("da", da)?),
+                KernelArg::U32(dim("db", db)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.device.synchronize()
     }

@@ -37,6 +37,7 @@ impl Source {
                 "silu_mul",
                 "add_assign",
                 "embedding",
+                "concat_last",
             ],
             Source::Store => &["store_kv", "gather_rows", "scatter_rows"],
             Source::Attention => &[

@@ -1,9 +1,9 @@
 //! The dense-op checks: matmul, RMSNorm, every rotary variant, SiLU-and-mul, residual add,
-//! embedding and logits against the f64 reference.
+//! embedding, concatenation and logits against the f64 reference.
 
 use kv_pool::rng::SplitMix64;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DeviceTensor};
 use crate::error::Result;
 use crate::reference;
 use crate::rope::{RopeConfig, RopeScaling, RopeStyle};
@@ -15,7 +15,7 @@ use super::outcome::{relative_error, Outcome};
 const DENSE_BOUND: f64 = 1e-5;
 
 /// Runs the dense-op checks (matmul, RMSNorm, rotary variants, SiLU-and-mul, residual add,
-/// embedding, logits) against the f64 reference.
+/// embedding, concat_last, logits) against the f64 reference.
 pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
     let mut rng = SplitMix64::new(0xD15E);
     let mut out = Vec::new();
@@ -144,6 +144,36 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
             .collect();
         push(
             "embedding 10x8 [3,0,9,3]".into(),
+            relative_error(&backend.download(&got)?, &want),
+            0.0,
+        );
+    }
+    // A copy, so exact: rank 2 and rank 3 (MLA's query: [tokens, heads, rank + rope]).
+    for shape in [&[5usize][..], &[3, 4]] {
+        let rows: usize = shape.iter().product();
+        let (da, db) = (24, 8);
+        let (a, b) = (
+            nonzero_vec(&mut rng, rows * da),
+            nonzero_vec(&mut rng, rows * db),
+        );
+        let dims = |d: usize| [shape, &[d]].concat();
+        let got = backend.concat_last(
+            &backend.upload(&a, &dims(da))?,
+            &backend.upload(&b, &dims(db))?,
+        )?;
+        if got.shape() != dims(da + db).as_slice() {
+            return Err(crate::AttentionError::Device(format!(
+                "concat_last returned shape {:?}, not {:?}",
+                got.shape(),
+                dims(da + db)
+            )));
+        }
+        let want: Vec<f64> = (0..rows)
+            .flat_map(|r| a[r * da..][..da].iter().chain(&b[r * db..][..db]))
+            .map(|&x| x as f64)
+            .collect();
+        push(
+            format!("concat_last {shape:?} {da}+{db}"),
             relative_error(&backend.download(&got)?, &want),
             0.0,
         );
