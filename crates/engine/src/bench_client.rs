@@ -9,7 +9,8 @@
 //! measured to the first streamed chunk that carries text, inter-token latency between chunks
 //! that carry text (a chunk holding several tokens counts as one gap, as bench_serving does);
 //! token counts and cached tokens come from the final `usage` (`prompt_tokens_details.
-//! cached_tokens`; a server that omits it reports a hit rate of 0).
+//! cached_tokens`; a server that omits it reports a hit rate of 0). The warmup requests go
+//! first, all at once and untimed; if every one fails the bench stops with the first error.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,23 +45,45 @@ struct RequestResult {
     output_tokens: usize,
 }
 
-/// Runs `requests` against `target` and summarizes them as a [`SimReport`] (with
-/// `prefill_tokens = prompt − cached` and no scheduler figures). `progress` gets (done, total).
+/// Runs `warmup` (untimed), then `requests` against `target`, and summarizes `requests` as a
+/// [`SimReport`] (with `prefill_tokens = prompt − cached` and no scheduler figures).
+/// `progress` gets (done, total).
 pub fn run_remote(
     requests: &[SimRequest],
+    warmup: &[SimRequest],
     target: &RemoteTarget,
     max_concurrency: Option<usize>,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<SimReport> {
-    crate::runtime::async_runtime()?.block_on(drive(requests, target, max_concurrency, progress))
+    crate::runtime::async_runtime()?.block_on(drive(
+        requests,
+        warmup,
+        target,
+        max_concurrency,
+        progress,
+    ))
 }
 
 fn url_err(url: &str, e: impl std::fmt::Display) -> EngineError {
     EngineError::arg("--url", format!("{url}: {e}"))
 }
 
+/// The streamed completion request of `r`.
+fn completion_body(model: &str, r: &SimRequest) -> Value {
+    json!({
+        "model": model,
+        "prompt": r.prompt,
+        "max_tokens": r.output_len.max(1),
+        "ignore_eos": true,
+        "temperature": 0.0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
 async fn drive(
     requests: &[SimRequest],
+    warmup: &[SimRequest],
     target: &RemoteTarget,
     max_concurrency: Option<usize>,
     progress: &(dyn Fn(usize, usize) + Sync),
@@ -85,6 +108,34 @@ async fn drive(
         None => first_model(&client, &base, auth.as_deref()).await?,
     };
     let endpoint = format!("{base}/v1/completions");
+    if !warmup.is_empty() {
+        let sent: Vec<_> = warmup
+            .iter()
+            .map(|r| {
+                let (client, endpoint, auth) = (client.clone(), endpoint.clone(), auth.clone());
+                let body = completion_body(&model, r);
+                tokio::spawn(
+                    async move { one_request(&client, &endpoint, auth.as_deref(), body).await },
+                )
+            })
+            .collect();
+        let mut first_error = None;
+        let mut any_ok = false;
+        for t in sent {
+            let r = t.await.map_err(|e| url_err(&base, e))?;
+            any_ok |= r.ok;
+            first_error = first_error.or(r.error);
+        }
+        if !any_ok {
+            return Err(url_err(
+                &endpoint,
+                format!(
+                    "every warmup request failed; the first: {}",
+                    first_error.unwrap_or_else(|| "no [DONE]".into())
+                ),
+            ));
+        }
+    }
     let gate = Arc::new(Semaphore::new(
         max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
     ));
@@ -103,15 +154,7 @@ async fn drive(
             .acquire_owned()
             .await
             .map_err(|e| url_err(&base, e))?;
-        let body = json!({
-            "model": model,
-            "prompt": r.prompt,
-            "max_tokens": r.output_len.max(1),
-            "ignore_eos": true,
-            "temperature": 0.0,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
+        let body = completion_body(&model, r);
         let (client, endpoint, auth, counter) =
             (client.clone(), endpoint.clone(), auth.clone(), done.clone());
         tasks.push(tokio::spawn(async move {

@@ -59,6 +59,8 @@ fn a_shared_prefix_workload_over_http_reports_the_servers_cache_hits() {
             "2",
             "--vocab-size",
             "50000",
+            "--warmup-requests",
+            "0",
         ],
     );
     let err = String::from_utf8_lossy(&o.stderr);
@@ -89,6 +91,42 @@ fn a_shared_prefix_workload_over_http_reports_the_servers_cache_hits() {
         "{info}"
     );
     assert_eq!(info["engine"]["ownership_ok"], true, "{info}");
+}
+
+/// `--warmup-requests 2`: two copies of the first request (at most 16 output tokens) reach the
+/// server before the timed run and stay out of the bench's figures.
+#[test]
+fn warmup_requests_reach_the_server_and_stay_out_of_the_figures() {
+    let server = start(&[]);
+    let (o, v) = bench_url(
+        server.port,
+        &[
+            "--workload",
+            "random",
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "20",
+            "--random-range-ratio",
+            "1",
+            "--request-rate",
+            "inf",
+            "--warmup-requests",
+            "2",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(v[0]["requests"], 3, "{v}");
+    assert_eq!(v[0]["prompt_tokens"], 3 * 24, "{v}");
+    assert_eq!(v[0]["output_tokens"], 3 * 20, "{v}");
+    let (status, info) = http_with(server.port, "GET", "/get_server_info", &[], "");
+    assert_eq!(status, 200, "{info}");
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["engine"]["prompt_tokens"], 5 * 24, "{info}");
+    assert_eq!(info["engine"]["output_tokens"], 3 * 20 + 2 * 16, "{info}");
 }
 
 #[test]

@@ -25,6 +25,12 @@ pub struct BenchArgs {
     /// Also run the workload with the radix cache disabled and print the ratios.
     #[arg(long)]
     pub compare_no_cache: bool,
+
+    /// Untimed requests before each run (SGLang's bench_serving `--warmup-requests`): copies
+    /// of the first request with at most 16 output tokens, so first-use costs stay out of the
+    /// figures; in process they leave the prefix cache cold. 0: none.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub warmup_requests: usize,
     /// Drive this OpenAI-compatible server (`http://host:port`) over HTTP instead of an
     /// in-process engine (the engine flags are then unused).
     #[arg(long, value_name = "URL", help_heading = "Remote server")]

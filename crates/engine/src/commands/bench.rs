@@ -4,12 +4,19 @@
 //! TTFT and inter-token latency percentiles, and the cache hit rate against the workload's
 //! ideal; `--compare-no-cache` runs the same workload with the radix cache disabled. With
 //! `--url`, the same workload against any OpenAI-compatible server (`crate::bench_client`).
+//!
+//! Before each timed run, `--warmup-requests` (SGLang's `bench_serving`: 1 by default) copies
+//! of the workload's first request, with at most [`WARMUP_MAX_OUTPUT`] output tokens, run
+//! untimed, so first-use costs (kernel compilation and loading, a device's lazy set-up) stay
+//! out of the figures. In process they run on the engine's executor through a scheduler of
+//! their own (no prefix cache, no host tier), so the timed run starts from a cold cache; a
+//! remote server keeps whatever its cache made of them, as with SGLang's `bench_serving`.
 
 use std::io::Write;
 use std::time::Instant;
 
 use scheduler::summary::per_second;
-use scheduler::{replay_observed, Clock, ReplayConfig, SimReport, SimRequest};
+use scheduler::{replay, replay_observed, Clock, ReplayConfig, SimReport, SimRequest};
 use serde::Serialize;
 
 use super::{progress_bar, write_out};
@@ -17,7 +24,7 @@ use crate::bench_client::{run_remote, RemoteTarget};
 use crate::cli::{BenchArgs, WorkloadDefaults};
 use crate::engine_metrics::HiCacheMetrics;
 use crate::error::{EngineError, Result};
-use crate::setup::{build, EngineSetup};
+use crate::setup::{build, build_scheduler, EngineSetup};
 use crate::sim::sim_requests;
 use crate::sim_contiguity::ContiguityOutcome;
 
@@ -110,16 +117,66 @@ impl BenchOutcome {
     }
 }
 
-/// Runs the workload once, with the radix cache (`radix`) or without.
+/// Output tokens a warmup request generates at most.
+pub const WARMUP_MAX_OUTPUT: usize = 16;
+
+/// `n` warmup requests: the first request to arrive (its prompt), generating at most
+/// [`WARMUP_MAX_OUTPUT`] tokens, all arriving at once. None for an empty workload.
+pub fn warmup_requests(requests: &[SimRequest], n: usize) -> Vec<SimRequest> {
+    let first = requests
+        .iter()
+        .min_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+    first.map_or_else(Vec::new, |r| {
+        vec![
+            SimRequest {
+                prompt: r.prompt.clone(),
+                output_len: r.output_len.clamp(1, WARMUP_MAX_OUTPUT),
+                arrival_s: 0.0,
+            };
+            n
+        ]
+    })
+}
+
+/// Runs the workload once, with the radix cache (`radix`) or without, after `warmup` untimed
+/// requests ([`warmup_requests`]) through a scheduler of their own over the same executor.
 pub fn run_bench(
     requests: &[SimRequest],
     setup: &EngineSetup,
     radix: bool,
     ideal_hit_rate: f64,
     max_concurrency: Option<usize>,
+    warmup: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<BenchOutcome> {
     let (mut sched, mut exec) = build(setup, radix)?;
+    let warm = warmup_requests(requests, warmup);
+    if !warm.is_empty() {
+        // Its own allocator over the same pool size: the slots it writes are free in the
+        // bench's scheduler, whose requests write them before reading them.
+        let mut warm_sched = build_scheduler(
+            setup.scheduler.clone(),
+            false,
+            &setup.eviction_policy,
+            sched.allocator().size(),
+            None,
+            false,
+        )?;
+        let config = ReplayConfig {
+            clock: Clock::Wall,
+            max_concurrency: None,
+        };
+        let report = replay(&warm, &mut warm_sched, &mut exec, config, &mut |_, _| {})
+            .map_err(|e| EngineError::Simulation(format!("warmup: {e}")))?;
+        if report.requests != warm.len() {
+            return Err(EngineError::Simulation(format!(
+                "warmup: {} of {} requests finished ({} aborted)",
+                report.requests,
+                warm.len(),
+                report.aborted
+            )));
+        }
+    }
     let config = ReplayConfig {
         clock: Clock::Wall,
         max_concurrency,
@@ -306,6 +363,7 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
                     radix,
                     ideal,
                     max_concurrency,
+                    args.warmup_requests,
                     &mut |done, _| bar.set_position(done as u64),
                 ),
                 (None, url) => {
@@ -314,7 +372,8 @@ pub fn bench(args: &BenchArgs, out: &mut dyn Write) -> Result<()> {
                         model: args.model.clone(),
                         api_key: args.api_key.clone(),
                     };
-                    run_remote(&requests, &target, max_concurrency, &|done, _| {
+                    let warm = warmup_requests(&requests, args.warmup_requests);
+                    run_remote(&requests, &warm, &target, max_concurrency, &|done, _| {
                         bar.set_position(done as u64)
                     })
                     .map(|report| BenchOutcome::new(label, report, ideal))
@@ -353,6 +412,25 @@ mod tests {
     use crate::workload::GspConfig;
 
     #[test]
+    fn warmup_requests_copy_the_first_arrival_with_a_short_output() {
+        let req = |p: u32, out: usize, at: f64| SimRequest {
+            prompt: vec![p; 4],
+            output_len: out,
+            arrival_s: at,
+        };
+        let reqs = [req(1, 100, 0.5), req(2, 3, 0.1), req(3, 0, 0.9)];
+        let warm = warmup_requests(&reqs, 2);
+        assert_eq!(warm, vec![req(2, 3, 0.0), req(2, 3, 0.0)]);
+        assert_eq!(
+            warmup_requests(&reqs[..1], 1),
+            vec![req(1, WARMUP_MAX_OUTPUT, 0.0)]
+        );
+        assert_eq!(warmup_requests(&reqs[2..], 1), vec![req(3, 1, 0.0)]);
+        assert!(warmup_requests(&reqs, 0).is_empty());
+        assert!(warmup_requests(&[], 3).is_empty());
+    }
+
+    #[test]
     fn the_cache_saves_prefill_and_both_runs_finish_everything() {
         let w = GspConfig {
             num_groups: 2,
@@ -378,8 +456,8 @@ mod tests {
             capacity_tokens: 8192,
             ..default_setup(512)
         };
-        let with = run_bench(&reqs, &setup, true, ideal, None, &mut |_, _| {}).unwrap();
-        let without = run_bench(&reqs, &setup, false, ideal, None, &mut |_, _| {}).unwrap();
+        let with = run_bench(&reqs, &setup, true, ideal, None, 1, &mut |_, _| {}).unwrap();
+        let without = run_bench(&reqs, &setup, false, ideal, None, 0, &mut |_, _| {}).unwrap();
         for o in [&with, &without] {
             assert_eq!((o.requests, o.aborted, o.output_tokens), (8, 0, 64));
             assert!(
