@@ -1,6 +1,7 @@
 //! The device KV store (`CudaKvStore` over the emulated device) against kv-pool's host store:
 //! the same operations leave the same bytes (raw rows and the canonical packed pages), bad
-//! input gets the same typed errors, and the `store_kv` kernel that attention writes new
+//! input gets the same typed errors, the rows handle a HiCache controller copies through moves
+//! the same bytes from other threads, and the `store_kv` kernel that attention writes new
 //! tokens with rounds to f16 / bf16 / fp8 (with the layer's scales) exactly as kv-pool's
 //! encoder does.
 
@@ -106,6 +107,30 @@ fn device_store_matches_host_store() {
         ] {
             same_ops(&backend, KvLayout::new(shape, 4, 64).unwrap(), &mut rng);
         }
+    }
+}
+
+/// `CudaKvRows` (what a HiCache controller's IO thread copies through) passes kv-pool's
+/// `check_device_rows` (the same bytes as the host store from other threads, the host store's
+/// errors, nothing written on bad input, the buffers kept after the store is gone).
+#[test]
+fn device_rows_move_the_same_bytes_as_the_host_store_from_another_thread() {
+    let Some(backend) = backend("device_rows_from_another_thread") else {
+        return;
+    };
+    for (i, shape) in [
+        KvShape::mha(2, 8, 4, 2, KvDtype::Bf16).unwrap(),
+        KvShape::mla(12, 4, 2, KvDtype::Fp8E4m3).unwrap(),
+        KvShape::double_sparse(2, 8, 4, 3, 2, KvDtype::F32).unwrap(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dev: Store = backend
+            .new_kv_store(KvLayout::new(shape, 4, 64).unwrap())
+            .unwrap();
+        let rows = dev.device_rows();
+        kv_pool::testing::check_device_rows(dev, rows, 17 + i as u64);
     }
 }
 

@@ -105,5 +105,5 @@ pub use graph::{
 #[cfg(feature = "rocm")]
 pub use hip_device::{HipDevice, HipError, HipReport};
 pub use specs::{Source, Spec};
-pub use store::CudaKvStore;
+pub use store::{CudaKvRows, CudaKvStore};
 pub use tensor::CudaTensor;

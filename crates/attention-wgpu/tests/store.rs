@@ -262,77 +262,17 @@ fn bad_inputs_get_the_host_stores_errors() {
 }
 
 /// `WgpuKvStore::device_rows`: the handle another thread copies through (HiCache's controller)
-/// writes and reads the same rows as the store's own raw methods and the host store, from
-/// another thread, refuses bad input with the host store's errors, and keeps the buffers alive
-/// after the store is gone.
+/// passes kv-pool's `check_device_rows` (the same bytes as the host store from other threads,
+/// the host store's errors, the buffers kept after the store is gone).
 #[test]
 fn device_rows_move_the_same_bytes_as_the_host_store_from_another_thread() {
-    use kv_pool::DeviceKvRows;
     let Some(backend) = backend_or_skip_with("store_device_rows", WgpuConfig::default()) else {
         return;
     };
-    let mut seed = SplitMix64::new(17);
-    for shape in shapes(KvDtype::F32) {
+    for (i, shape) in shapes(KvDtype::F32).into_iter().enumerate() {
         let layout = KvLayout::new(shape, 4, 64).unwrap();
-        let mut host = HostKvStore::new(layout).unwrap();
         let dev: WgpuKvStore = backend.new_kv_store(layout).unwrap();
         let rows = dev.device_rows();
-        for layer in 0..shape.layers as usize {
-            for &b in shape.buffers() {
-                let s = slots(&[5, 6, 9, 5, 62, 1]);
-                let raw = bytes(s.len() * shape.row_bytes(b), &mut seed);
-                host.write_raw(layer, b, &s, &raw).unwrap();
-                let handle = rows.clone();
-                let s2 = s.clone();
-                std::thread::spawn(move || handle.write_rows(layer, b, &s2, &raw).unwrap())
-                    .join()
-                    .unwrap();
-                let mut want = vec![0u8; s.len() * shape.row_bytes(b)];
-                host.read_raw(layer, b, &s, &mut want).unwrap();
-                let handle = rows.clone();
-                let got = std::thread::spawn(move || {
-                    let mut got = vec![0u8; s.len() * shape.row_bytes(b)];
-                    handle.read_rows(layer, b, &s, &mut got).unwrap();
-                    got
-                })
-                .join()
-                .unwrap();
-                assert!(got == want, "{shape} layer {layer} {}", b.name());
-            }
-        }
-        assert!(
-            dump(&host) == dump(&dev),
-            "{shape}: the store sees the handle's writes"
-        );
-        // Bad input: the host store's errors, nothing written.
-        let before = dump(&dev);
-        let rb = shape.row_bytes(KvBuffer::Key);
-        let bad = slots(&[1, 1000]);
-        let refused = rows.write_rows(0, KvBuffer::Key, &bad, &vec![0; 2 * rb]);
-        assert!(refused.is_err());
-        assert_eq!(
-            refused,
-            host.write_raw(0, KvBuffer::Key, &bad, &vec![0; 2 * rb])
-        );
-        assert_eq!(
-            rows.read_rows(9, KvBuffer::Key, &slots(&[1]), &mut vec![0; rb]),
-            host.read_raw(9, KvBuffer::Key, &slots(&[1]), &mut vec![0; rb])
-        );
-        assert!(rows
-            .write_rows(0, KvBuffer::Key, &slots(&[1]), &[1, 2])
-            .is_err());
-        assert!(
-            dump(&dev) == before,
-            "{shape}: a refused write changed the store"
-        );
-        // The handle keeps the buffers after the store is dropped.
-        drop(dev);
-        let mut got = vec![0u8; rb];
-        rows.read_rows(0, KvBuffer::Key, &slots(&[5]), &mut got)
-            .unwrap();
-        let mut want = vec![0u8; rb];
-        host.read_raw(0, KvBuffer::Key, &slots(&[5]), &mut want)
-            .unwrap();
-        assert_eq!(got, want);
+        kv_pool::testing::check_device_rows(dev, rows, 17 + i as u64);
     }
 }

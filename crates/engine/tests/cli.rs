@@ -574,7 +574,8 @@ fn info_lists_this_build() {
 }
 
 /// `--cuda-graph-max-bs` 0 or above `--max-running-requests` is refused on every backend;
-/// `kvserve info` says which decode batch sizes the cuda backend captures, or why none.
+/// `kvserve info` says which decode batch sizes the cuda backend captures, or why none; an
+/// unknown `--cuda-attention-kernel` is refused naming the two kernels.
 #[test]
 fn cuda_graph_flags_are_checked_and_reported() {
     assert_fails(
@@ -594,6 +595,10 @@ fn cuda_graph_flags_are_checked_and_reported() {
     assert_fails(
         &["info", "--cuda-graph-max-bs", "300"],
         &["--cuda-graph-max-bs", "(256)"],
+    );
+    assert_fails(
+        &["bench", "--cuda-attention-kernel", "flash"],
+        &["--cuda-attention-kernel", "chunked", "pipelined"],
     );
     let o = kvserve(&["info", "--disable-cuda-graph"]);
     assert!(o.status.success(), "{}", stderr(&o));

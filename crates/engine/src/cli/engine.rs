@@ -7,8 +7,8 @@ use clap::Args;
 
 use crate::error::{EngineError, Result};
 use crate::setup::{
-    default_setup, parse_policy, BackendKind, CudaGraphSetup, EngineSetup, HiCacheSetup,
-    ModelSource,
+    default_setup, parse_policy, BackendKind, CudaAttentionKernel, CudaGraphSetup, EngineSetup,
+    HiCacheSetup, ModelSource,
 };
 
 /// Engine flags shared by `bench` and `serve`, named after SGLang's server arguments.
@@ -91,6 +91,17 @@ pub struct EngineArgs {
     /// backend; ignored by the others.
     #[arg(long, value_name = "N", help_heading = "Engine")]
     pub cuda_graph_max_bs: Option<usize>,
+    /// The paged-attention kernel of the cuda and rocm backends: `chunked` (keys in registers,
+    /// measured on an H100) or `pipelined` (keys and values staged in shared memory by
+    /// asynchronous copies several tiles ahead; not yet timed on a GPU). Ignored by the others.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "KERNEL",
+        default_value_t = CudaAttentionKernel::Chunked,
+        help_heading = "Engine"
+    )]
+    pub cuda_attention_kernel: CudaAttentionKernel,
     #[command(flatten)]
     pub hicache: HiCacheArgs,
 }
@@ -221,6 +232,7 @@ impl EngineArgs {
         setup.scheduler.schedule_conservativeness = self.schedule_conservativeness;
         setup.scheduler.enable_mixed_chunk = self.enable_mixed_chunk;
         setup.enable_deterministic_inference = self.enable_deterministic_inference;
+        setup.cuda_attention_kernel = self.cuda_attention_kernel;
         setup.threads = self
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

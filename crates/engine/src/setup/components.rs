@@ -298,8 +298,13 @@ not_compiled_backend!(WgpuRunner, BackendKind::Wgpu);
 /// The CUDA/ROCm backend's tunables for `setup`.
 #[cfg(any(feature = "cuda", feature = "cuda-13", feature = "rocm"))]
 fn cuda_config(setup: &EngineSetup) -> attention_cuda::CudaConfig {
+    use crate::setup::CudaAttentionKernel;
     attention_cuda::CudaConfig {
         enable_deterministic_inference: setup.enable_deterministic_inference,
+        attention_kernel: match setup.cuda_attention_kernel {
+            CudaAttentionKernel::Chunked => attention_cuda::AttentionKernel::Chunked,
+            CudaAttentionKernel::Pipelined => attention_cuda::AttentionKernel::Pipelined,
+        },
         ..Default::default()
     }
 }

@@ -42,6 +42,19 @@ pub struct EngineSetup {
     pub enable_deterministic_inference: bool,
     /// `--disable-cuda-graph` and `--cuda-graph-max-bs` (the cuda backend's decode graphs).
     pub cuda_graph: CudaGraphSetup,
+    /// `--cuda-attention-kernel`: the cuda and rocm backends' paged-attention kernel.
+    pub cuda_attention_kernel: CudaAttentionKernel,
+}
+
+/// The cuda and rocm backends' paged-attention kernel (`attention_cuda::AttentionKernel`, named
+/// here so the flag exists in builds without those backends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CudaAttentionKernel {
+    /// Chunks of keys in registers (the default; measured on an H100).
+    #[default]
+    Chunked,
+    /// Keys and values staged in shared memory by asynchronous copies (not yet timed on a GPU).
+    Pipelined,
 }
 
 /// Parses `--schedule-policy` for the bench (one policy).
@@ -75,6 +88,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         kv_events: false,
         enable_deterministic_inference: false,
         cuda_graph: CudaGraphSetup::default(),
+        cuda_attention_kernel: CudaAttentionKernel::default(),
     }
 }
 

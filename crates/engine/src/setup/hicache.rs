@@ -2,10 +2,10 @@
 //! flags): the host pool sized as SGLang sizes it, the cache controller over the runner's KV
 //! store, the L3 store, and the tree's [`HiCacheConfig`].
 //!
-//! On the `cpu` backend the controller copies the store's host memory directly; on `wgpu` it
-//! copies through the store's `WgpuKvRows` handle (kernels and readbacks on the device's queue,
-//! ordered with the forward passes). Other backends are refused with an error naming
-//! `--backend`.
+//! On the `cpu` backend the controller copies the store's host memory directly; on `wgpu`,
+//! `cuda` and `rocm` it copies through the store's rows handle (`WgpuKvRows`, `CudaKvRows`:
+//! kernels and read-backs on the device's queue or stream, ordered with the forward passes). A
+//! backend not compiled in never gets here (building its runner failed first).
 
 use std::sync::Arc;
 
@@ -39,12 +39,17 @@ pub struct HiCacheParts {
 enum StoreAccess<'a> {
     /// The store's memory, in host addresses (the `cpu` backend).
     Memory(&'a dyn KvStore),
-    /// A handle copying through the device's queue (`wgpu`).
+    /// A handle copying through the device's queue or stream (`wgpu`, `cuda`, `rocm`).
     #[cfg_attr(
-        not(feature = "wgpu"),
+        not(any(
+            feature = "wgpu",
+            feature = "cuda",
+            feature = "cuda-13",
+            feature = "rocm"
+        )),
         expect(
             dead_code,
-            reason = "only the wgpu backend hands out device rows so far"
+            reason = "only the device backends hand out device rows, and none is compiled"
         )
     )]
     Rows(Arc<dyn DeviceKvRows>),
@@ -57,11 +62,15 @@ impl<'a> StoreAccess<'a> {
             AnyRunner::Cpu(cpu) => Ok(StoreAccess::Memory(cpu.kv_store())),
             #[cfg(feature = "wgpu")]
             AnyRunner::Wgpu(wgpu) => Ok(StoreAccess::Rows(Arc::new(wgpu.kv_store().device_rows()))),
+            #[cfg(any(feature = "cuda", feature = "cuda-13"))]
+            AnyRunner::Cuda(cuda) => Ok(StoreAccess::Rows(Arc::new(cuda.kv_store().device_rows()))),
+            #[cfg(feature = "rocm")]
+            AnyRunner::Rocm(rocm) => Ok(StoreAccess::Rows(Arc::new(rocm.kv_store().device_rows()))),
             #[allow(unreachable_patterns)]
             _ => Err(EngineError::arg(
                 "--enable-hierarchical-cache",
                 format!(
-                    "the host tier needs --backend cpu or wgpu (got {})",
+                    "the host tier needs --backend cpu, wgpu, cuda or rocm, compiled in (got {})",
                     setup.backend
                 ),
             )),

@@ -28,7 +28,9 @@ use scheduler::Scheduler;
 pub use backend::BackendKind;
 pub use components::{build_scheduler, AnyRunner, Inventory};
 pub use cuda_graph::{CudaGraphSetup, GraphsOff};
-pub use engine_setup::{default_setup, parse_policy, EngineSetup, HiCacheSetup};
+pub use engine_setup::{
+    default_setup, parse_policy, CudaAttentionKernel, EngineSetup, HiCacheSetup,
+};
 pub use model_exec::ModelExecutor;
 pub use source::ModelSource;
 

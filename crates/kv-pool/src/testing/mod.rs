@@ -54,7 +54,7 @@ mod scripted;
 mod trace;
 
 pub use controller::{ImmediateController, LoggedOp};
-pub use device_rows::LockedStoreRows;
+pub use device_rows::{check_device_rows, LockedStoreRows};
 pub use model::{
     check_position_rule, decode_requests, extend_requests, random_ops, run_ops, Op, OwnershipModel,
 };
