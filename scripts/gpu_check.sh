@@ -17,8 +17,8 @@
 #      3350 GB/s, H200 4800 GB/s, by its name);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
-#      cuda` (batch 1 and 16), once more with --disable-cuda-graph, once with the pipelined
-#      attention kernel, and a shared-prefix workload with HiCache on a small device pool;
+#      cuda` (batch 1 and 16), once more with --disable-cuda-graph, once with the chunked
+#      attention kernel (the default is the pipelined one), and a shared-prefix workload with HiCache on a small device pool;
 #   5. the attention conformance suite (both kernels) under compute-sanitizer's memcheck (out-of-bounds and
 #      misaligned accesses) and racecheck (shared-memory hazards: what emulation, which runs
 #      a block's threads in lockstep between barriers, cannot see), where the image has it.
@@ -146,8 +146,8 @@ run() {
     step bench-b16 40 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
     step bench-b16-eager 40 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
-    step bench-b16-pipelined 40 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel pipelined \
-        --json "$out/bench-b16-pipelined.json"
+    step bench-b16-chunked 40 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
+        --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
     # it, so prefixes are evicted to the host tier and loaded back through CudaKvRows.
     step bench-hicache 50 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \

@@ -76,8 +76,10 @@ inline long long __double_as_longlong(double d) {
     return x;
 }
 
-template <class T>
-inline T __shfl_xor_sync(unsigned int /*mask*/, T v, int lane_mask) {
+// A shuffle: every lane of the calling fiber's warp posts v, and gets the v of lane
+// src_of(its lane) % WARP_SIZE.
+template <class T, class F>
+inline T kvs_emu_shuffle(T v, F src_of) {
     static_assert(sizeof(T) <= sizeof(uint64_t), "shuffled values are at most 8 bytes");
     unsigned int lane;
     uint64_t* row = kvs_emu_shfl_row(&lane);
@@ -86,9 +88,22 @@ inline T __shfl_xor_sync(unsigned int /*mask*/, T v, int lane_mask) {
     row[lane] = bits;
     kvs_emu_warp_sync();
     T r;
-    memcpy(&r, &row[(lane ^ (unsigned int)lane_mask) % WARP_SIZE], sizeof(T));
+    memcpy(&r, &row[src_of(lane) % WARP_SIZE], sizeof(T));
     return r;
 }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned int /*mask*/, T v, int lane_mask) {
+    return kvs_emu_shuffle(v, [lane_mask](unsigned int lane) { return lane ^ (unsigned int)lane_mask; });
+}
+
+template <class T>
+inline T __shfl_sync(unsigned int /*mask*/, T v, int src_lane) {
+    return kvs_emu_shuffle(v, [src_lane](unsigned int) { return (unsigned int)src_lane; });
+}
+
+// The warp's barrier (every lane of the calling fiber's warp arrives before any goes on).
+#define __syncwarp() kvs_emu_warp_sync()
 
 namespace kvs_emu {
 

@@ -92,6 +92,13 @@ __device__ inline unsigned int kvs_slot(const unsigned int* pages, unsigned int 
 #endif
 }
 
+// The parameters of both paged-attention kernels (one contract: the host launches either).
+#define KVS_ATTN_PARAMS                                                                        \
+    const float *q, const kv_t *k_cache, const kv_t *v_cache, const unsigned int *plan,        \
+        float *partial_o, float *partial_lse, unsigned int q_heads, unsigned int kv_heads,     \
+        unsigned int page_size, unsigned int page_shift, unsigned int split_size, float scale, \
+        float k_scale, float v_scale
+
 // The work of one attention block (the grid of paged_attention, below): its token, its KV
 // head kvh and query heads head0 .. head0 + nheads - 1 (all in kvh's group), its split of
 // num_splits and the positions begin .. end - 1 of the split (empty past the token's causal
@@ -215,13 +222,7 @@ __device__ inline void kvs_load_value_rows(kvs_vec16 (&raw)[V_UNROLL][V_VECS_PER
     }
 }
 
-KVS_KERNEL void ATTN_BOUNDS paged_attention(const float* q, const kv_t* k_cache,
-                                            const kv_t* v_cache, const unsigned int* plan,
-                                            float* partial_o, float* partial_lse,
-                                            unsigned int q_heads, unsigned int kv_heads,
-                                            unsigned int page_size, unsigned int page_shift,
-                                            unsigned int split_size, float scale,
-                                            float k_scale, float v_scale) {
+KVS_KERNEL void ATTN_BOUNDS paged_attention(KVS_ATTN_PARAMS) {
     __shared__ float s_q[HEADS_PER_BLOCK][HEAD_DIM];
     __shared__ float s_p[HEADS_PER_BLOCK][ATTN_THREADS];
     __shared__ unsigned int s_slot[ATTN_THREADS];
@@ -437,12 +438,45 @@ KVS_KERNEL void ATTN_BOUNDS paged_attention(const float* q, const kv_t* k_cache,
     }
 }
 
+// Head h of block b's output from its warps' states, merged in warp order (a fixed order, so
+// the result does not depend on the batch) and written to partial_o / partial_lse: warp w's
+// running maximum m[w·stride], sum l[w·stride] and unnormalised output o[w·stride + d]
+// (shared memory). Every thread of the block calls it.
+__device__ inline void pl_merge_warps(const kvs_attn_block& b, unsigned int h,
+                                      unsigned int q_heads, const float* m, const float* l,
+                                      const float* o, unsigned int stride, float* partial_o,
+                                      float* partial_lse, float v_scale) {
+    float mx = KVS_NEG_INF;
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+        mx = fmaxf(mx, m[w * stride]);
+    }
+    float wt[ATTN_WARPS];
+    float total = 0.0f;
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+        wt[w] = m[w * stride] == KVS_NEG_INF ? 0.0f : expf(m[w * stride] - mx);
+        total += l[w * stride] * wt[w];
+    }
+    const size_t out = ((size_t)b.tok * q_heads + b.head0 + h) * b.num_splits + b.split;
+    for (unsigned int d = threadIdx.x; d < V_HEAD_DIM; d += ATTN_THREADS) {
+        float acc = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; ++w) {
+            acc += wt[w] * o[w * stride + d];
+        }
+        partial_o[out * V_HEAD_DIM + d] = total > 0.0f ? acc / total * v_scale : 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        partial_lse[out] = total > 0.0f ? mx + logf(total) : KVS_NEG_INF;
+    }
+}
+
 // paged_attention_pipelined: paged_attention's contract (grid, arguments, partial outputs and
 // log-sum-exps for merge_states) with another memory schedule, for GPUs whose attention is
 // bound by the latency of reading the cache: keys and values are staged in shared memory by
 // asynchronous copies (cp.async, sm_80 and later) PL_STAGES - 1 tiles ahead of the tile being
 // computed, so the loads in flight are held in shared memory, not registers, and never wait
-// for a barrier. FlashInfer's decode kernel reads the cache this way.
+// for a barrier. FlashInfer's decode kernel reads the cache this way. Two forms: the
+// tensor-core form (PL_MMA, below) for f16/bf16 stores of head dim 64 or 128, and the lanes'
+// form for every other store (f32, fp8, other head dims, MLA), described here.
 //
 // - Lanes: a row (a key, and its value) is read by PL_LANES lanes of a warp (its units of
 //   PL_UNIT_BYTES rounded up to a power of two, at most the warp), lane x its units x,
@@ -463,9 +497,9 @@ KVS_KERNEL void ATTN_BOUNDS paged_attention(const float* q, const kv_t* k_cache,
 // - The page table: the slots of a thread's rows of the next tile to issue are read one
 //   iteration ahead (their latency hidden behind a tile's compute).
 // Tuning defines: PL_UNIT_BYTES (16, or 8 for fp8, whose 16-byte units hold 16 elements a lane
-// would keep per head), PL_ROWS_PER_THREAD (2), PL_MAX_STAGES (4), PL_SMEM_BYTES (the stages'
-// shared memory, 36 KiB: static shared memory ends at 48 KiB and the merge needs its own),
-// PL_MIN_BLOCKS (the launch bound, as ATTN_MIN_BLOCKS; below).
+// would keep per head), PL_ROWS_PER_THREAD (4, below), PL_MAX_STAGES (4), PL_SMEM_BYTES (the
+// stages' shared memory, 36 KiB: static shared memory ends at 48 KiB and the merge needs its
+// own), PL_MIN_BLOCKS (the launch bound, as ATTN_MIN_BLOCKS; below).
 #ifndef PL_UNIT_BYTES
 #define PL_UNIT_BYTES (KV_BYTES == 1 ? 8 : 16)
 #endif
@@ -491,19 +525,22 @@ struct alignas(8) pl_unit {
 #define PL_K_UPL ((PL_K_UNITS + PL_LANES - 1) / PL_LANES) // key units per lane
 #define PL_V_UPL ((PL_V_UNITS + PL_LANES - 1) / PL_LANES) // value units per lane
 #define PL_SLOTS (ATTN_THREADS / PL_LANES)
-#ifndef PL_ROWS_PER_THREAD
-#define PL_ROWS_PER_THREAD 2
-#endif
-#define PL_TILE (PL_SLOTS * PL_ROWS_PER_THREAD)
 #if MLA
 #define PL_ROW_UNITS PL_K_UNITS // values are read from the key row
 #else
 #define PL_ROW_UNITS (PL_K_UNITS + PL_V_UNITS) // the key's units, then the value's
 #endif
-#define PL_STAGE_BYTES (PL_TILE * PL_ROW_UNITS * PL_UNIT_BYTES)
 #ifndef PL_SMEM_BYTES
 #define PL_SMEM_BYTES 36864
 #endif
+// 4 rows a thread (an H100: f16 decode 63 % of the memory bandwidth at 2, 68-69 % at 3 or 4,
+// 54 % at 1), fewer where two stages of 4 would not fit PL_SMEM_BYTES (f32 at head dim 256).
+#ifndef PL_ROWS_PER_THREAD
+#define PL_ROWS_FIT (PL_SMEM_BYTES / (2 * PL_SLOTS * PL_ROW_UNITS * PL_UNIT_BYTES))
+#define PL_ROWS_PER_THREAD (PL_ROWS_FIT < 4 ? PL_ROWS_FIT : 4)
+#endif
+#define PL_TILE (PL_SLOTS * PL_ROWS_PER_THREAD)
+#define PL_STAGE_BYTES (PL_TILE * PL_ROW_UNITS * PL_UNIT_BYTES)
 #ifndef PL_MAX_STAGES
 #define PL_MAX_STAGES 4
 #endif
@@ -515,10 +552,21 @@ struct alignas(8) pl_unit {
 #if (HEAD_DIM * KV_BYTES) % PL_UNIT_BYTES != 0 || (V_HEAD_DIM * KV_BYTES) % PL_UNIT_BYTES != 0
 #error "key and value rows must be whole units of PL_UNIT_BYTES"
 #endif
+// PL_MMA: the tensor-core form of the kernel (below), where it applies.
+#ifndef PL_MMA
+#if KV_BYTES == 2 && !MLA && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128) &&  \
+    HEADS_PER_BLOCK <= 8
+#define PL_MMA 1
+#else
+#define PL_MMA 0
+#endif
+#endif
 // 4 blocks per SM (at most 128 registers a thread: no specialisation spills on sm_90), MLA 2
-// (its wide rows spill 500-600 bytes at 128 registers; 232 without spilling at 2).
+// (its wide rows spill 500-600 bytes at 128 registers; 250 without spilling at 2), PL_MMA 3
+// (166 registers unbounded, a few spilled at 128; on an H100, f16/bf16 decode read 86.7-87.5 %
+// of the memory bandwidth at 3 against 84.2-87.1 % at 4).
 #ifndef PL_MIN_BLOCKS
-#define PL_MIN_BLOCKS (MLA ? 2 : 4)
+#define PL_MIN_BLOCKS (MLA ? 2 : PL_MMA ? 3 : 4)
 #endif
 #if PL_MIN_BLOCKS > 0 && defined(__CUDA_ARCH__)
 #define PL_BOUNDS __launch_bounds__(ATTN_THREADS, PL_MIN_BLOCKS)
@@ -617,15 +665,400 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
     }
 }
 
-KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(
-    const float* q, const kv_t* k_cache, const kv_t* v_cache, const unsigned int* plan,
-    float* partial_o, float* partial_lse, unsigned int q_heads, unsigned int kv_heads,
-    unsigned int page_size, unsigned int page_shift, unsigned int split_size, float scale,
-    float k_scale, float v_scale) {
+// PL_MMA (a tuning define; on by default where it applies: f16 or bf16 keys and values of one
+// head dim, 64 or 128, at most 8 query heads a block, not MLA): paged_attention_pipelined
+// computes on the tensor cores instead of the lanes' FMAs and shuffles (FlashInfer's decode
+// with tensor cores, which it takes for GQA). On an H100 the lanes' form spent 68 % of the
+// SMs' issue slots on f16 decode (dot products, their shuffle reductions and a softmax per
+// lane) and read 63-73 % of the memory bandwidth; here a warp's 8 rows of a step cost a few
+// dozen instructions, and f16/bf16 decode reads 80-87 % of it (Nsight Compute: the kernel
+// alone at 91 % of DRAM throughput; `decode_bandwidth` also times the merge).
+// - Each warp walks its own rows: step s of the block covers PM_STEP positions, warp w the 8
+//   from begin + s·PM_STEP + 8w, staged in the warp's own shared memory by cp.async
+//   PM_STAGES − 1 steps ahead (rows past the end are zero-filled); a warp waits for its
+//   copies and meets its lanes (KVS_SYNCWARP), never the block, until the end.
+// - Scores: S (heads × 8 rows) = Q · Kᵀ by mma.m16n8k16 (A: the block's heads, rows 8-15 of A
+//   are zero; B: the key rows as loaded by ldmatrix, which a row-major key tile already is).
+//   The query is f32: it enters as two halves, hi = round(q·scale), lo = round(q·scale − hi),
+//   two mmas each (about 22 bits of the query kept; keys are exact).
+// - Softmax: lane (g, t) = (lane / 4, lane % 4) holds head g's scores of rows 2t, 2t + 1 (the
+//   mma's C layout); the row maximum is a max over the 4 lanes of g (two shuffles); l is kept
+//   per lane and summed at the end.
+// - Values: O (heads × head dim) += P · V by mma.m16n8k8 with P rounded to the store's dtype;
+//   P's C layout from the scores is the A layout of this mma, so P never leaves registers;
+//   V comes through ldmatrix.trans.
+// - Shared memory: each row's key units, then its value units, each swizzled by the row (unit
+//   u at u ^ row), so the 8 rows of an 8×8 ldmatrix tile sit in 8 different bank groups.
+// - The end: the warps' states meet in shared memory (the stages' space) in warp order, as in
+//   the lanes' form.
+// Where the GPU has no mma (HIP, the emulation, NVIDIA GPUs before sm_80) the same schedule
+// runs with portable stand-ins (registers exchanged through a warp's shared scratch, tiles
+// read from shared memory) in exactly the fragment layouts, so the emulation checks the
+// layouts the GPU uses.
+
+#if PL_MMA
+#if KV_BYTES != 2 || MLA || HEAD_DIM != V_HEAD_DIM || HEAD_DIM % 64 != 0 || HEADS_PER_BLOCK > 8
+#error "PL_MMA: f16/bf16 keys and values of one head dim (a multiple of 64), at most 8 heads"
+#endif
+#define PM_UNITS (HEAD_DIM / 8)          // 16-byte units of a key (or value) row
+#define PM_ROW_UNITS (2 * PM_UNITS)      // a staged row: its key's units, then its value's
+#define PM_WARP_STAGE (8 * PM_ROW_UNITS) // units of one warp's step (8 rows)
+#define PM_STEP (8 * ATTN_WARPS)         // positions one step of the block covers
+// PL_MMA_SMEM_BYTES (a tuning define): the stages' shared memory (48 KiB, static shared
+// memory's limit: 3 stages at head dim 128, PL_MAX_STAGES at 64).
+#ifndef PL_MMA_SMEM_BYTES
+#define PL_MMA_SMEM_BYTES 49152
+#endif
+#define PM_FIT_STAGES (PL_MMA_SMEM_BYTES / (ATTN_WARPS * PM_WARP_STAGE * 16))
+#define PM_STAGES (PM_FIT_STAGES < PL_MAX_STAGES ? PM_FIT_STAGES : PL_MAX_STAGES)
+#if PM_STAGES < 2
+#error "PL_MMA: two stages exceed PL_MMA_SMEM_BYTES"
+#endif
+#define PM_SCRATCH (HEAD_DIM + 2) // a warp's head at the end: its output row, m, l
+#if ATTN_WARPS * HEADS_PER_BLOCK * PM_SCRATCH * 4 > PM_STAGES * ATTN_WARPS * PM_WARP_STAGE * 16
+#error "PL_MMA: the end's scratch exceeds the stages"
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define PM_ASM 1
+#if KV_DTYPE == 1
+#define PM_AB "f16"
+#else
+#define PM_AB "bf16"
+#endif
+#else
+#define PM_ASM 0
+#endif
+
+// Unit u of row `row` (< 8) of a warp's stage, key part 0 or value part 1, swizzled.
+__device__ inline unsigned int pm_unit(unsigned int row, unsigned int part, unsigned int u) {
+    return row * PM_ROW_UNITS + part * PM_UNITS + (u ^ row);
+}
+
+// Two f32 as the store's 16-bit dtype, rounded to nearest even: lo in the low half.
+__device__ inline unsigned int pm_pack(float lo, float hi) {
+#if PM_ASM
+    unsigned int r;
+    asm("cvt.rn." PM_AB "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned int)kv_from_f32(lo) | ((unsigned int)kv_from_f32(hi) << 16);
+#endif
+}
+
+// The portable mmas' step: rows g and g + 8 (x0, x8) times columns 2t and 2t + 1 (y0, y1).
+__device__ inline void pm_fma(float (&c)[4], float x0, float x8, float y0, float y1) {
+    c[0] += x0 * y0;
+    c[1] += x0 * y1;
+    c[2] += x8 * y0;
+    c[3] += x8 * y1;
+}
+
+#if !PM_ASM
+// The mmas below where the GPU has none (HIP, the emulation, NVIDIA GPUs before sm_80), over
+// k = 8·KK in the same fragment layouts: a lane's A registers a[2kk + h] hold row g + 8h's
+// k 8kk + 2t, + 1, its B registers b[kk] column g's; row g of A is in lanes 4g + s and column
+// n of B in lanes 4n + s (s < 4). Every lane's registers go through the warp's shared scratch
+// (two warp barriers per mma, where shuffles would take 12 to 16: the emulation runs a
+// barrier as a switch to every lane).
+template <int KK>
+__device__ inline void pm_mma_portable(float (&c)[4], const unsigned int (&a)[2 * KK],
+                                       const unsigned int (&b)[KK]) {
+    __shared__ unsigned int s_x[ATTN_WARPS][WARP_SIZE][3 * KK];
+    const unsigned int lane = threadIdx.x % WARP_SIZE, g = lane >> 2, t = lane & 3;
+    unsigned int(&x)[WARP_SIZE][3 * KK] = s_x[threadIdx.x / WARP_SIZE];
+#pragma unroll
+    for (int i = 0; i < 2 * KK; ++i) {
+        x[lane][i] = a[i];
+    }
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+        x[lane][2 * KK + kk] = b[kk];
+    }
+    KVS_SYNCWARP();
+#pragma unroll
+    for (unsigned int s = 0; s < 4; ++s) {
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                pm_fma(c, kv_word_elem(x[4 * g + s][2 * kk], e),
+                       kv_word_elem(x[4 * g + s][2 * kk + 1], e),
+                       kv_word_elem(x[8 * t + s][2 * KK + kk], e),
+                       kv_word_elem(x[8 * t + 4 + s][2 * KK + kk], e));
+            }
+        }
+    }
+    KVS_SYNCWARP(); // every lane has read the scratch before it is rewritten
+}
+#endif
+
+// c += A·B over k = 16 (mma.m16n8k16, f32 accumulators), in the mma's fragment layouts (lane
+// (g, t) = (lane / 4, lane % 4)): a[0] and a[2] row g's k 2t, 2t + 1 and 2t + 8, 2t + 9, a[1]
+// and a[3] row g + 8's; b0, b1 column g's k 2t, 2t + 1 and 2t + 8, 2t + 9; c[0], c[1] row g's
+// columns 2t, 2t + 1, c[2], c[3] row g + 8's.
+__device__ inline void pm_mma_k16(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                  unsigned int b1) {
+#if PM_ASM
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PM_AB "." PM_AB ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    const unsigned int bb[2] = {b0, b1};
+    pm_mma_portable<2>(c, a, bb);
+#endif
+}
+
+// c += A·B over k = 8 (mma.m16n8k8): a0 row g's k 2t, 2t + 1, a1 row g + 8's; b column g's k
+// 2t, 2t + 1; c as pm_mma_k16's.
+__device__ inline void pm_mma_k8(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int b) {
+#if PM_ASM
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32." PM_AB "." PM_AB ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b));
+#else
+    const unsigned int aa[2] = {a0, a1};
+    const unsigned int bb[1] = {b};
+    pm_mma_portable<1>(c, aa, bb);
+#endif
+}
+
+// Four 8×8 tiles of a warp's stage (rows 0-7, units u0 … u0 + 3 of one part) as ldmatrix.x4
+// gives them: r[j] holds tile j's elements (row g, columns 2t, 2t + 1), or with TRANS its
+// elements (rows 2t, 2t + 1, column g).
+template <bool TRANS>
+__device__ inline void pm_ldsm(const pl_unit* st, unsigned int part, unsigned int u0,
+                               unsigned int (&r)[4]) {
+    const unsigned int lane = threadIdx.x % WARP_SIZE;
+#if PM_ASM
+    // Lane i gives the address of row i % 8 of tile i / 8.
+    const pl_unit* p = st + pm_unit(lane & 7, part, u0 + (lane >> 3));
+    unsigned int addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+                 : "=r"(addr)
+                 : "l"(p));
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr)
+                     : "memory");
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr)
+                     : "memory");
+    }
+#else
+    const unsigned int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (unsigned int j = 0; j < 4; ++j) {
+        if (TRANS) {
+            const unsigned short* r0 =
+                reinterpret_cast<const unsigned short*>(st + pm_unit(2 * t, part, u0 + j));
+            const unsigned short* r1 =
+                reinterpret_cast<const unsigned short*>(st + pm_unit(2 * t + 1, part, u0 + j));
+            r[j] = (unsigned int)r0[g] | (unsigned int)r1[g] << 16;
+        } else {
+            r[j] = reinterpret_cast<const unsigned int*>(st + pm_unit(g, part, u0 + j))[t];
+        }
+    }
+#endif
+}
+
+// The unit at src into dst, or zeros where !live (src is then not read).
+__device__ inline void pm_copy(pl_unit* dst, const kv_t* src, bool live) {
+#if PL_CP_ASYNC
+    unsigned int d;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+                 : "=r"(d)
+                 : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+                 "r"(live ? 16u : 0u)
+                 : "memory");
+#else
+    if (live) {
+        *dst = *reinterpret_cast<const pl_unit*>(src);
+    } else {
+        pl_unit z;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            z.w[w] = 0;
+        }
+        *dst = z;
+    }
+#endif
+}
+
+// Issues the copies of one warp's step: the 8 rows from position row0 (each row's slot in lane
+// row of `slot`), lane i the units i, i + 32, … of the step in row-major order (a copy
+// instruction of the warp reads whole rows' keys and values).
+__device__ inline void pm_issue(pl_unit* st, unsigned int slot, unsigned int row0, unsigned int end,
+                                const kv_t* k_cache, const kv_t* v_cache, unsigned int kv_heads,
+                                unsigned int kvh) {
+    const unsigned int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (unsigned int c = 0; c < PM_WARP_STAGE / WARP_SIZE; ++c) {
+        const unsigned int flat = c * WARP_SIZE + lane;
+        const unsigned int row = flat / PM_ROW_UNITS;
+        const unsigned int part = flat % PM_ROW_UNITS / PM_UNITS;
+        const unsigned int u = flat % PM_UNITS;
+        const unsigned int s = KVS_SHFL(slot, (int)row);
+        const kv_t* src = (part ? v_cache : k_cache) + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * 8;
+        pm_copy(st + pm_unit(row, part, u), src, row0 + row < end);
+    }
+}
+
+KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
+    __shared__ pl_unit s_stage[PM_STAGES][ATTN_WARPS][PM_WARP_STAGE];
+
+    const unsigned int t = threadIdx.x;
+    const unsigned int lane = t % WARP_SIZE;
+    const unsigned int warp = t / WARP_SIZE;
+    const unsigned int g = lane >> 2;  // the head this lane's A and C elements belong to
+    const unsigned int tq = lane & 3;  // its place in g's 4 lanes
+    const kvs_attn_block b = kvs_attn_block_of(plan, q_heads, kv_heads, split_size);
+
+    // Head g's scaled query (zero past nheads) as A registers of k-tile kt (elements
+    // 16kt + 2tq, + 1 and 16kt + 8 + 2tq, + 1): its rounding hi = round(q·scale) in rows 0-7
+    // and the rest lo = round(q·scale − hi) in rows 8-15, so one mma gives both parts' scores.
+    unsigned int qa[HEAD_DIM / 16][4];
+    {
+        const bool live = g < b.nheads;
+        const float* qg = q + ((size_t)b.tok * q_heads + b.head0 + (live ? g : 0)) * HEAD_DIM;
+#pragma unroll
+        for (int kt = 0; kt < HEAD_DIM / 16; ++kt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const unsigned int d = 16 * kt + 8 * half + 2 * tq;
+                const float x0 = live ? qg[d] * scale : 0.0f;
+                const float x1 = live ? qg[d + 1] * scale : 0.0f;
+                const unsigned int hi = pm_pack(x0, x1);
+                qa[kt][2 * half] = hi;
+                qa[kt][2 * half + 1] = pm_pack(x0 - kv_word_elem(hi, 0), x1 - kv_word_elem(hi, 1));
+            }
+        }
+    }
+    // Head g's output, dims 8nt + 2tq, + 1: P's hi part's in [0], [1], its lo part's in [2], [3].
+    float acc[PM_UNITS][4];
+#pragma unroll
+    for (int nt = 0; nt < PM_UNITS; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            acc[nt][e] = 0.0f;
+        }
+    }
+    float m = KVS_NEG_INF; // head g's running maximum (the same in g's 4 lanes)
+    float l = 0.0f;        // this lane's share of head g's running sum
+
+    const unsigned int steps = b.begin < b.end ? (b.end - b.begin + PM_STEP - 1) / PM_STEP : 0;
+    const unsigned int first = b.begin + warp * 8; // this warp's row 0 of step 0
+    // The slot of row lane % 8 of the next step to issue (0 past the end: not read).
+    unsigned int slot;
+    {
+        const unsigned int j = first + (lane & 7);
+        slot = j < b.end ? kvs_slot(b.pages, j, page_size, page_shift) : 0;
+    }
+#pragma unroll
+    for (int s = 0; s < PM_STAGES - 1; ++s) {
+        if ((unsigned int)s < steps) {
+            pm_issue(s_stage[s][warp], slot, first + s * PM_STEP, b.end, k_cache, v_cache,
+                     kv_heads, b.kvh);
+        }
+        pl_commit();
+        const unsigned int j = first + (s + 1) * PM_STEP + (lane & 7);
+        slot = j < b.end ? kvs_slot(b.pages, j, page_size, page_shift) : 0;
+    }
+    for (unsigned int it = 0; it < steps; ++it) {
+        // Step it + PM_STAGES - 1 into the stage step it - 1 used (the warp met after it).
+        const unsigned int ahead = it + PM_STAGES - 1;
+        if (ahead < steps) {
+            pm_issue(s_stage[ahead % PM_STAGES][warp], slot, first + ahead * PM_STEP, b.end,
+                     k_cache, v_cache, kv_heads, b.kvh);
+        }
+        pl_commit();
+        {
+            const unsigned int j = first + (ahead + 1) * PM_STEP + (lane & 7);
+            slot = j < b.end ? kvs_slot(b.pages, j, page_size, page_shift) : 0;
+        }
+        pl_wait<PM_STAGES - 1>(); // this lane's copies of step it have landed
+        KVS_SYNCWARP();           // and every lane's
+        const pl_unit* st = s_stage[it % PM_STAGES][warp];
+        const unsigned int row0 = first + it * PM_STEP;
+
+        // Head g's scores of rows 2tq, 2tq + 1: the query's hi part's in c[0], c[1], its lo
+        // part's in c[2], c[3].
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (unsigned int u0 = 0; u0 < PM_UNITS; u0 += 4) {
+            unsigned int kb[4];
+            pm_ldsm<false>(st, 0, u0, kb);
+            pm_mma_k16(c, qa[u0 / 2], kb[0], kb[1]);
+            pm_mma_k16(c, qa[u0 / 2 + 1], kb[2], kb[3]);
+        }
+        const float s0 = row0 + 2 * tq < b.end ? (c[0] + c[2]) * k_scale : KVS_NEG_INF;
+        const float s1 = row0 + 2 * tq + 1 < b.end ? (c[1] + c[3]) * k_scale : KVS_NEG_INF;
+        float mt = fmaxf(s0, s1);
+        mt = fmaxf(mt, KVS_SHFL_XOR(mt, 1));
+        mt = fmaxf(mt, KVS_SHFL_XOR(mt, 2));
+        const float nm = fmaxf(m, mt);
+        const float alpha = m == KVS_NEG_INF ? 0.0f : expf(m - nm);
+        const float p0 = s0 == KVS_NEG_INF ? 0.0f : expf(s0 - nm);
+        const float p1 = s1 == KVS_NEG_INF ? 0.0f : expf(s1 - nm);
+        l = l * alpha + p0 + p1;
+        m = nm;
+#pragma unroll
+        for (int nt = 0; nt < PM_UNITS; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[nt][e] *= alpha;
+            }
+        }
+        // Values: P (rows 2tq, 2tq + 1 of head g: the scores' C layout is this mma's A
+        // layout), its rounding in rows 0-7 and the rest in rows 8-15, times the value tile.
+        const unsigned int p_hi = pm_pack(p0, p1);
+        const unsigned int p_lo = pm_pack(p0 - kv_word_elem(p_hi, 0), p1 - kv_word_elem(p_hi, 1));
+#pragma unroll
+        for (unsigned int u0 = 0; u0 < PM_UNITS; u0 += 4) {
+            unsigned int vb[4];
+            pm_ldsm<true>(st, 1, u0, vb);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                pm_mma_k8(acc[u0 + j], p_hi, p_lo, vb[j]);
+            }
+        }
+        KVS_SYNCWARP(); // every lane is done with this stage before it is refilled
+    }
+    pl_wait<0>();
+
+    // Head g's sum over its 4 lanes; then the warps, in warp order, through shared memory.
+    l += KVS_SHFL_XOR(l, 1);
+    l += KVS_SHFL_XOR(l, 2);
+    __syncthreads(); // every warp is done with the stages
+    float* s_f = reinterpret_cast<float*>(&s_stage[0][0][0]);
+    if (g < HEADS_PER_BLOCK) {
+        float* w = s_f + (warp * HEADS_PER_BLOCK + g) * PM_SCRATCH;
+#pragma unroll
+        for (int nt = 0; nt < PM_UNITS; ++nt) {
+            w[8 * nt + 2 * tq] = acc[nt][0] + acc[nt][2];
+            w[8 * nt + 2 * tq + 1] = acc[nt][1] + acc[nt][3];
+        }
+        if (tq == 0) {
+            w[HEAD_DIM] = m;
+            w[HEAD_DIM + 1] = l;
+        }
+    }
+    __syncthreads();
+    for (unsigned int h = 0; h < b.nheads; ++h) {
+        const float* hs = s_f + h * PM_SCRATCH;
+        pl_merge_warps(b, h, q_heads, hs + HEAD_DIM, hs + HEAD_DIM + 1, hs,
+                       HEADS_PER_BLOCK * PM_SCRATCH, partial_o, partial_lse, v_scale);
+    }
+}
+#else // the lanes' form
+KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     __shared__ pl_unit s_stage[PL_STAGES][PL_TILE][PL_ROW_UNITS];
-    __shared__ float s_m[HEADS_PER_BLOCK][ATTN_WARPS];
-    __shared__ float s_l[HEADS_PER_BLOCK][ATTN_WARPS];
-    __shared__ float s_o[ATTN_WARPS][V_HEAD_DIM];
+    __shared__ float s_o[ATTN_WARPS][V_HEAD_DIM + 2]; // a warp's output of one head, its m, l
 
     const unsigned int t = threadIdx.x;
     const unsigned int x = t % PL_LANES; // this thread's lane in its row slot
@@ -793,13 +1226,6 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(
     }
     // The warps, in warp order, through shared memory (one head at a time).
     const bool writer = t % WARP_SIZE < PL_LANES; // the warp's first slot
-    if (writer && x == 0) {
-#pragma unroll
-        for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
-            s_m[h][warp] = m[h];
-            s_l[h][warp] = l[h];
-        }
-    }
 #pragma unroll
     for (int h = 0; h < HEADS_PER_BLOCK; ++h) {
         if (writer) {
@@ -813,34 +1239,21 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(
                     }
                 }
             }
+            if (x == 0) {
+                s_o[warp][V_HEAD_DIM] = m[h];
+                s_o[warp][V_HEAD_DIM + 1] = l[h];
+            }
         }
         __syncthreads();
         if ((unsigned int)h < b.nheads) {
-            float mx = s_m[h][0];
-            for (int w = 1; w < ATTN_WARPS; ++w) {
-                mx = fmaxf(mx, s_m[h][w]);
-            }
-            float wt[ATTN_WARPS];
-            float total = 0.0f;
-            for (int w = 0; w < ATTN_WARPS; ++w) {
-                wt[w] = s_m[h][w] == KVS_NEG_INF ? 0.0f : expf(s_m[h][w] - mx);
-                total += s_l[h][w] * wt[w];
-            }
-            const size_t out = ((size_t)b.tok * q_heads + b.head0 + h) * b.num_splits + b.split;
-            for (unsigned int d = t; d < V_HEAD_DIM; d += ATTN_THREADS) {
-                float o = 0.0f;
-                for (int w = 0; w < ATTN_WARPS; ++w) {
-                    o += wt[w] * s_o[w][d];
-                }
-                partial_o[out * V_HEAD_DIM + d] = total > 0.0f ? o / total * v_scale : 0.0f;
-            }
-            if (t == 0) {
-                partial_lse[out] = total > 0.0f ? mx + logf(total) : KVS_NEG_INF;
-            }
+            pl_merge_warps(b, h, q_heads, &s_o[0][V_HEAD_DIM], &s_o[0][V_HEAD_DIM + 1], &s_o[0][0],
+                           V_HEAD_DIM + 2, partial_o, partial_lse, v_scale);
         }
         __syncthreads(); // s_o is rewritten for the next head
     }
 }
+
+#endif // PL_MMA
 
 // Merges the splits of every (token, query head) by their log-sum-exp (SGLang's merge_state):
 // out = Σ_s exp(lse_s − M) · o_s / Σ_s exp(lse_s − M). One block per (token, head).

@@ -20,10 +20,18 @@
 // __HIP_PLATFORM_AMD__ before the source): __shfl_xor over the whole wavefront. WARP_SIZE stays
 // 32 on a 64-wide wavefront: xor masks below 32 never leave a lane's aligned group of 32, so
 // the reductions below reduce over 32 lanes, as on NVIDIA.
+// KVS_SHFL(v, src): v of lane src (0 … 31) of the caller's 32 lanes (width 32 on HIP, so a
+// 64-wide wavefront shuffles within each half, as the xor masks do). KVS_SYNCWARP(): the
+// 32 lanes meet, and each sees the shared-memory writes the others made before (a wavefront
+// runs in lockstep, so HIP only needs the compiler not to move memory accesses across it).
 #if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__)
 #define KVS_SHFL_XOR(v, m) __shfl_xor((v), (m))
+#define KVS_SHFL(v, src) __shfl((v), (src), 32)
+#define KVS_SYNCWARP() __builtin_amdgcn_wave_barrier()
 #else
 #define KVS_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define KVS_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
+#define KVS_SYNCWARP() __syncwarp()
 #endif
 
 #define KVS_NEG_INF __int_as_float(0xff800000)

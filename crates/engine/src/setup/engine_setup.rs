@@ -50,10 +50,12 @@ pub struct EngineSetup {
 /// here so the flag exists in builds without those backends).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum CudaAttentionKernel {
-    /// Chunks of keys in registers (the default; measured on an H100).
-    #[default]
+    /// Chunks of keys in registers.
     Chunked,
-    /// Keys and values staged in shared memory by asynchronous copies (not yet timed on a GPU).
+    /// Keys and values staged in shared memory by asynchronous copies, on the tensor cores for
+    /// f16/bf16 stores (the default: 80-87 % of an H100's memory bandwidth in decode, against
+    /// 50-59 % for `Chunked`).
+    #[default]
     Pipelined,
 }
 
