@@ -9,8 +9,10 @@
 //! reference with the backend's real planning and launch code, without a GPU.
 //!
 //! ## Invariants
-//! - The kernels are compiled unchanged: every specialisation of `attention_cuda::specs`,
-//!   from the same files NVRTC compiles; only the header around them differs.
+//! - The kernels are compiled unchanged: every specialisation of `attention_cuda::specs` that
+//!   an emulated test launches (attention at head dims 64 and 128 and every MLA shape; 96 and
+//!   256 are left to NVRTC and hipRTC), from the same files NVRTC compiles; only the header
+//!   around them differs.
 //! - Launches are checked before they run: an unknown specialisation or kernel, an argument
 //!   count other than the kernel's, an empty grid or an oversized block is a typed `Device`
 //!   error, as is a block whose threads wait on barriers that can never complete.
@@ -317,7 +319,11 @@ fn launch_compiled(
     let what = match rc {
         0 => return Ok(()),
         -1 => "no such kernel in this specialisation",
-        -2 => "no such specialisation",
+        -2 => concat!(
+            "no such specialisation (the emulation compiles attention for head dims ",
+            env!("KVS_EMU_HEAD_DIMS"),
+            " and MLA only)"
+        ),
         -3 => "the block's threads wait on barriers that can never complete",
         -4 => "an empty grid or a block of 0 or more than 1024 threads",
         -5 => "the wrong number of arguments",
