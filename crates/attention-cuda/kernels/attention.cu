@@ -552,10 +552,13 @@ struct alignas(8) pl_unit {
 #if (HEAD_DIM * KV_BYTES) % PL_UNIT_BYTES != 0 || (V_HEAD_DIM * KV_BYTES) % PL_UNIT_BYTES != 0
 #error "key and value rows must be whole units of PL_UNIT_BYTES"
 #endif
-// PL_MMA: the tensor-core form of the kernel (below), where it applies.
+// PL_MMA: the tensor-core form of the kernel (below), where it applies: NVIDIA GPUs from sm_80
+// (mma.sync with bf16) and the emulation, which checks its layouts. HIP and older NVIDIA GPUs
+// would run its portable stand-ins, slower than the lanes' form, so they take the latter.
 #ifndef PL_MMA
 #if KV_BYTES == 2 && !MLA && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128) &&  \
-    HEADS_PER_BLOCK <= 8
+    HEADS_PER_BLOCK <= 8 && !defined(__HIP__) && !defined(__HIP_PLATFORM_AMD__) &&              \
+    !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
 #define PL_MMA 1
 #else
 #define PL_MMA 0
@@ -691,10 +694,10 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 //   u at u ^ row), so the 8 rows of an 8×8 ldmatrix tile sit in 8 different bank groups.
 // - The end: the warps' states meet in shared memory (the stages' space) in warp order, as in
 //   the lanes' form.
-// Where the GPU has no mma (HIP, the emulation, NVIDIA GPUs before sm_80) the same schedule
-// runs with portable stand-ins (registers exchanged through a warp's shared scratch, tiles
-// read from shared memory) in exactly the fragment layouts, so the emulation checks the
-// layouts the GPU uses.
+// Without mma (the emulation; HIP and NVIDIA GPUs before sm_80 only with PL_MMA=1 set) the
+// same schedule runs with portable stand-ins (registers exchanged through a warp's shared
+// scratch, tiles read from shared memory) in exactly the fragment layouts, so the emulation
+// checks the layouts the GPU uses.
 
 #if PL_MMA
 #if KV_BYTES != 2 || MLA || HEAD_DIM != V_HEAD_DIM || HEAD_DIM % 64 != 0 || HEADS_PER_BLOCK > 8
