@@ -9,8 +9,12 @@
 //!
 //! Llama-3-8B-shaped attention (8 KV heads, 32 query heads, head dim 128), as many requests as
 //! it takes to read at least `MIN_GIB` GiB of KV per call (default 2), so launch overhead does
-//! not hide the bandwidth; each row is the median of 20 calls after one untimed call (which
-//! compiles the kernels), timed by `attention::bandwidth::measure_decode`. `PEAK_GBPS` is the
+//! not hide the bandwidth. Each row times the case twice (`attention::bandwidth`, after one
+//! untimed call, which compiles the kernels): alone, the median of 20 calls each synchronised
+//! (a call's latency: the host's launches and synchronisation included), and back to back,
+//! the median of 20 samples of 8 calls and one synchronisation, per call (what the GPU
+//! spends per call when calls follow each other, as a decode step's layers do and as GPU
+//! kernel benchmarks time them; the bandwidth figure). `PEAK_GBPS` is the
 //! device's memory bandwidth in GB/s (default 3350, H100 SXM; 4800 for an H200);
 //! `SPLIT_TARGET` the backend's `split_kv_target_blocks` (default: `CudaConfig`'s); `KERNEL`
 //! the paged-attention kernel, `chunked`, `pipelined` or `both` (the default: a row each, the
@@ -19,7 +23,7 @@
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 fn main() -> std::process::ExitCode {
-    use attention::bandwidth::{measure_decode, DecodeCase};
+    use attention::bandwidth::{measure_decode, measure_decode_back_to_back, DecodeCase};
     use attention_cuda::{AttentionKernel, CudaBackend, CudaConfig, CudarcDevice};
     use kv_pool::KvDtype;
 
@@ -53,8 +57,11 @@ fn main() -> std::process::ExitCode {
         config.split_kv_target_blocks
     );
     let b = CudaBackend::new(device, config);
-    println!("| kernel | KV dtype | page size | context | requests | KV read (GiB) | ms per call | GB/s | of peak |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| kernel | KV dtype | page size | context | requests | KV read (GiB) | ms alone | \
+         of peak alone | ms per call back to back | GB/s | of peak |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let min_bytes = (min_gib * (1u64 << 30) as f64) as u64;
     for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8E4m3] {
         for page in [1u32, 16, 64] {
@@ -67,14 +74,19 @@ fn main() -> std::process::ExitCode {
                         case.requests,
                         case.kv_bytes() as f64 / (1u64 << 30) as f64
                     );
-                    match measure_decode(&b, &case, 20) {
-                        Ok(t) => println!(
-                            "{lead} {:.3} | {:.0} | {:.1} % |",
+                    let timings = measure_decode(&b, &case, 20).and_then(|alone| {
+                        Ok((alone, measure_decode_back_to_back(&b, &case, 20, 8)?))
+                    });
+                    match timings {
+                        Ok((alone, t)) => println!(
+                            "{lead} {:.3} | {:.1} % | {:.3} | {:.0} | {:.1} % |",
+                            alone.seconds * 1e3,
+                            100.0 * alone.gbps() / peak,
                             t.seconds * 1e3,
                             t.gbps(),
                             100.0 * t.gbps() / peak
                         ),
-                        Err(e) => println!("{lead} error: {e} | | |"),
+                        Err(e) => println!("{lead} error: {e} | | | | |"),
                     }
                 }
             }

@@ -475,8 +475,8 @@ __device__ inline void pl_merge_warps(const kvs_attn_block& b, unsigned int h,
 // asynchronous copies (cp.async, sm_80 and later) PL_STAGES - 1 tiles ahead of the tile being
 // computed, so the loads in flight are held in shared memory, not registers, and never wait
 // for a barrier. FlashInfer's decode kernel reads the cache this way. Two forms: the
-// tensor-core form (PL_MMA, below) for f16/bf16 stores of head dim 64 or 128, and the lanes'
-// form for every other store (f32, fp8, other head dims, MLA), described here.
+// tensor-core form (PL_MMA, below) for f16, bf16 and fp8 stores of head dim 64 or 128, and the
+// lanes' form for every other store (f32, other head dims, MLA), described here.
 //
 // - Lanes: a row (a key, and its value) is read by PL_LANES lanes of a warp (its units of
 //   PL_UNIT_BYTES rounded up to a power of two, at most the warp), lane x its units x,
@@ -556,7 +556,7 @@ struct alignas(8) pl_unit {
 // (mma.sync with bf16) and the emulation, which checks its layouts. HIP and older NVIDIA GPUs
 // would run its portable stand-ins, slower than the lanes' form, so they take the latter.
 #ifndef PL_MMA
-#if KV_BYTES == 2 && !MLA && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128) &&  \
+#if KV_BYTES <= 2 && !MLA && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128) &&  \
     HEADS_PER_BLOCK <= 8 && !defined(__HIP__) && !defined(__HIP_PLATFORM_AMD__) &&              \
     !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
 #define PL_MMA 1
@@ -668,8 +668,8 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
     }
 }
 
-// PL_MMA (a tuning define; on by default where it applies: f16 or bf16 keys and values of one
-// head dim, 64 or 128, at most 8 query heads a block, not MLA): paged_attention_pipelined
+// PL_MMA (a tuning define; on by default where it applies: f16, bf16 or fp8 keys and values of
+// one head dim, 64 or 128, at most 8 query heads a block, not MLA): paged_attention_pipelined
 // computes on the tensor cores instead of the lanes' FMAs and shuffles (FlashInfer's decode
 // with tensor cores, which it takes for GQA). On an H100 the lanes' form spent 68 % of the
 // SMs' issue slots on f16 decode (dot products, their shuffle reductions and a softmax per
@@ -687,11 +687,18 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 // - Softmax: lane (g, t) = (lane / 4, lane % 4) holds head g's scores of rows 2t, 2t + 1 (the
 //   mma's C layout); the row maximum is a max over the 4 lanes of g (two shuffles); l is kept
 //   per lane and summed at the end.
-// - Values: O (heads × head dim) += P · V by mma.m16n8k8 with P rounded to the store's dtype;
-//   P's C layout from the scores is the A layout of this mma, so P never leaves registers;
-//   V comes through ldmatrix.trans.
-// - Shared memory: each row's key units, then its value units, each swizzled by the row (unit
-//   u at u ^ row), so the 8 rows of an 8×8 ldmatrix tile sit in 8 different bank groups.
+// - Values: O (heads × head dim) += P · V by mma.m16n8k8, P split as the query is; P's C
+//   layout from the scores is the A layout of this mma, so P never leaves registers; V comes
+//   through ldmatrix.trans.
+// - fp8 (e4m3, e5m2): the mmas take f16, to which every fp8 value converts exactly by a few
+//   integer operations (e4m3 times 2^-8, undone on the scores and the output): no ldmatrix
+//   (there is no 8-bit transpose); a lane reads whole units of shared memory and the mmas' k
+//   and n indices are assigned to head dims so those units hold its fragments (pm_k_dim,
+//   pm_v_dim); the value's B registers pair two rows' bytes by PRMT. On an H100 the lanes'
+//   form read fp8 decode at 34-36 % of the memory bandwidth (compute-bound: slower per
+//   position than f16).
+// - Shared memory: each row's key units, then its value units, swizzled by the row
+//   (PM_SWIZZLE), so the units a warp reads at once sit in different bank groups.
 // - The end: the warps' states meet in shared memory (the stages' space) in warp order, as in
 //   the lanes' form.
 // Without mma (the emulation; HIP and NVIDIA GPUs before sm_80 only with PL_MMA=1 set) the
@@ -700,20 +707,28 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 // checks the layouts the GPU uses.
 
 #if PL_MMA
-#if KV_BYTES != 2 || MLA || HEAD_DIM != V_HEAD_DIM || HEAD_DIM % 64 != 0 || HEADS_PER_BLOCK > 8
-#error "PL_MMA: f16/bf16 keys and values of one head dim (a multiple of 64), at most 8 heads"
+#if KV_BYTES > 2 || MLA || HEAD_DIM != V_HEAD_DIM || HEAD_DIM % 64 != 0 || HEADS_PER_BLOCK > 8
+#error "PL_MMA: f16/bf16/fp8 keys and values of one head dim (a multiple of 64), at most 8 heads"
 #endif
-#define PM_UNITS (HEAD_DIM / 8)          // 16-byte units of a key (or value) row
-#define PM_ROW_UNITS (2 * PM_UNITS)      // a staged row: its key's units, then its value's
-#define PM_WARP_STAGE (8 * PM_ROW_UNITS) // units of one warp's step (8 rows)
-#define PM_STEP (8 * ATTN_WARPS)         // positions one step of the block covers
+#define PM_EPU (16 / KV_BYTES)                // elements per 16-byte unit
+#define PM_UNITS (HEAD_DIM / PM_EPU)          // 16-byte units of a key (or value) row
+#define PM_ROW_UNITS (2 * PM_UNITS)           // a staged row: its key's units, then its value's
+#define PM_WARP_STAGE (8 * PM_ROW_UNITS)      // units of one warp's step (8 rows)
+#define PM_STEP (8 * ATTN_WARPS)              // positions one step of the block covers
+#define PM_NT (HEAD_DIM / 8)                  // n-tiles of the values mma (8 dims each)
+#define PM_FP8 (KV_BYTES == 1)
 // PL_MMA_SMEM_BYTES (a tuning define): the stages' shared memory (48 KiB, static shared
-// memory's limit: 3 stages at head dim 128, PL_MAX_STAGES at 64).
+// memory's limit: 3 stages at head dim 128, PL_MMA_MAX_STAGES at 64 and for fp8).
 #ifndef PL_MMA_SMEM_BYTES
 #define PL_MMA_SMEM_BYTES 49152
 #endif
+// PL_MMA_MAX_STAGES (a tuning define): at most this many stages (fp8's steps are half as many
+// bytes, so more of them are in flight for the same shared memory).
+#ifndef PL_MMA_MAX_STAGES
+#define PL_MMA_MAX_STAGES (PM_FP8 ? 6 : PL_MAX_STAGES)
+#endif
 #define PM_FIT_STAGES (PL_MMA_SMEM_BYTES / (ATTN_WARPS * PM_WARP_STAGE * 16))
-#define PM_STAGES (PM_FIT_STAGES < PL_MAX_STAGES ? PM_FIT_STAGES : PL_MAX_STAGES)
+#define PM_STAGES (PM_FIT_STAGES < PL_MMA_MAX_STAGES ? PM_FIT_STAGES : PL_MMA_MAX_STAGES)
 #if PM_STAGES < 2
 #error "PL_MMA: two stages exceed PL_MMA_SMEM_BYTES"
 #endif
@@ -721,32 +736,99 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 #if ATTN_WARPS * HEADS_PER_BLOCK * PM_SCRATCH * 4 > PM_STAGES * ATTN_WARPS * PM_WARP_STAGE * 16
 #error "PL_MMA: the end's scratch exceeds the stages"
 #endif
+// The mmas' element type: the store's for f16 and bf16; f16 for fp8, whose values convert to
+// f16 exactly (e4m3 scaled by 2^-8, which PM_FP8_UNSCALE undoes on the scores and the output).
+#define PM_BF16 (KV_DTYPE == 2)
+#if KV_DTYPE == 3
+#define PM_FP8_UNSCALE 256.0f
+#else
+#define PM_FP8_UNSCALE 1.0f
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define PM_ASM 1
-#if KV_DTYPE == 1
-#define PM_AB "f16"
-#else
+#if PM_BF16
 #define PM_AB "bf16"
+#else
+#define PM_AB "f16"
 #endif
 #else
 #define PM_ASM 0
 #endif
 
+// A row's swizzle: unit x of row `row` sits at x ^ PM_SWIZZLE(row), so the tiles a warp reads
+// at once fall in different bank groups: ldmatrix's 8 rows of one unit (f16/bf16), and fp8's
+// reads of whole units (scores: 2 rows a quarter-warp, 4 lanes each; values: 4 rows, 2 lanes
+// each). Rows of 8 units (fp8 at head dim 64) need their own pattern: rows 2r and 2r + 1 take
+// opposite halves of the bank groups, and rows 0, 2, 4, 6 (and 1, 3, 5, 7) differ in bits 1-2.
+#if PM_ROW_UNITS >= 16
+#define PM_SWIZZLE(row) (row)
+#else
+#define PM_SWIZZLE(row) ((((row) & 1u) << 2) ^ (((row) >> 1) << 1))
+#endif
+
 // Unit u of row `row` (< 8) of a warp's stage, key part 0 or value part 1, swizzled.
 __device__ inline unsigned int pm_unit(unsigned int row, unsigned int part, unsigned int u) {
-    return row * PM_ROW_UNITS + part * PM_UNITS + (u ^ row);
+    return row * PM_ROW_UNITS + ((part * PM_UNITS + u) ^ PM_SWIZZLE(row));
 }
 
-// Two f32 as the store's 16-bit dtype, rounded to nearest even: lo in the low half.
+// Element e of a word of two mma elements (f16, or bf16), as f32.
+__device__ inline float pm_elem(unsigned int w, int e) {
+    const unsigned short h = (unsigned short)(w >> (16 * e));
+#if PM_BF16
+    return kvs_bf16_to_f32(h);
+#else
+    return kvs_f16_to_f32(h);
+#endif
+}
+
+// Two f32 as the mma's 16-bit type, rounded to nearest even: lo in the low half.
 __device__ inline unsigned int pm_pack(float lo, float hi) {
 #if PM_ASM
     unsigned int r;
     asm("cvt.rn." PM_AB "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+#elif PM_BF16
+    return (unsigned int)kvs_f32_to_bf16(lo) | ((unsigned int)kvs_f32_to_bf16(hi) << 16);
 #else
-    return (unsigned int)kv_from_f32(lo) | ((unsigned int)kv_from_f32(hi) << 16);
+    return (unsigned int)kvs_f32_to_f16(lo) | ((unsigned int)kvs_f32_to_f16(hi) << 16);
 #endif
 }
+
+#if PM_FP8
+// fp8 bytes 0 and 2 of x as f16x2 (byte 0 in the low half), exactly: e5m2 is the top byte of
+// an f16; e4m3's exponent and mantissa bits, moved to f16's places, are its value times 2^-8
+// (subnormals included). A NaN (e4m3 0x7f) becomes a finite value, as no encoder writes one
+// but kvs_f32_to_fp8 of a NaN.
+__device__ inline unsigned int pm_fp8_even(unsigned int x) {
+#if KV_DTYPE == 3
+    return ((x & 0x007f007fu) << 7) | ((x & 0x00800080u) << 8);
+#else
+    return (x << 8) & 0xff00ff00u;
+#endif
+}
+
+// fp8 bytes 1 and 3 of x as f16x2 (byte 1 in the low half), as pm_fp8_even.
+__device__ inline unsigned int pm_fp8_odd(unsigned int x) {
+#if KV_DTYPE == 3
+    return ((x & 0x7f007f00u) >> 1) | (x & 0x80008000u);
+#else
+    return x & 0xff00ff00u;
+#endif
+}
+
+// Byte p of a in byte 0 and byte p of b in byte 2 (bytes 1 and 3 unspecified): PRMT.
+template <int P> __device__ inline unsigned int pm_pair_bytes(unsigned int a, unsigned int b) {
+#if PM_ASM
+    unsigned int r;
+    asm("prmt.b32 %0, %1, %2, %3;"
+        : "=r"(r)
+        : "r"(a), "r"(b), "n"(P | P << 4 | (4 + P) << 8 | (4 + P) << 12));
+    return r;
+#else
+    return ((a >> (8 * P)) & 0xffu) | (((b >> (8 * P)) & 0xffu) << 16);
+#endif
+}
+#endif
 
 // The portable mmas' step: rows g and g + 8 (x0, x8) times columns 2t and 2t + 1 (y0, y1).
 __device__ inline void pm_fma(float (&c)[4], float x0, float x8, float y0, float y1) {
@@ -784,10 +866,9 @@ __device__ inline void pm_mma_portable(float (&c)[4], const unsigned int (&a)[2 
         for (int kk = 0; kk < KK; ++kk) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                pm_fma(c, kv_word_elem(x[4 * g + s][2 * kk], e),
-                       kv_word_elem(x[4 * g + s][2 * kk + 1], e),
-                       kv_word_elem(x[8 * t + s][2 * KK + kk], e),
-                       kv_word_elem(x[8 * t + 4 + s][2 * KK + kk], e));
+                pm_fma(c, pm_elem(x[4 * g + s][2 * kk], e), pm_elem(x[4 * g + s][2 * kk + 1], e),
+                       pm_elem(x[8 * t + s][2 * KK + kk], e),
+                       pm_elem(x[8 * t + 4 + s][2 * KK + kk], e));
             }
         }
     }
@@ -831,12 +912,12 @@ __device__ inline void pm_mma_k8(float (&c)[4], unsigned int a0, unsigned int a1
 // gives them: r[j] holds tile j's elements (row g, columns 2t, 2t + 1), or with TRANS its
 // elements (rows 2t, 2t + 1, column g).
 template <bool TRANS>
-__device__ inline void pm_ldsm(const pl_unit* st, unsigned int part, unsigned int u0,
+__device__ inline void pm_ldsm(const kvs_vec16* st, unsigned int part, unsigned int u0,
                                unsigned int (&r)[4]) {
     const unsigned int lane = threadIdx.x % WARP_SIZE;
 #if PM_ASM
     // Lane i gives the address of row i % 8 of tile i / 8.
-    const pl_unit* p = st + pm_unit(lane & 7, part, u0 + (lane >> 3));
+    const kvs_vec16* p = st + pm_unit(lane & 7, part, u0 + (lane >> 3));
     unsigned int addr;
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
                  : "=r"(addr)
@@ -870,7 +951,7 @@ __device__ inline void pm_ldsm(const pl_unit* st, unsigned int part, unsigned in
 }
 
 // The unit at src into dst, or zeros where !live (src is then not read).
-__device__ inline void pm_copy(pl_unit* dst, const kv_t* src, bool live) {
+__device__ inline void pm_copy(kvs_vec16* dst, const kv_t* src, bool live) {
 #if PL_CP_ASYNC
     unsigned int d;
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
@@ -881,9 +962,9 @@ __device__ inline void pm_copy(pl_unit* dst, const kv_t* src, bool live) {
                  : "memory");
 #else
     if (live) {
-        *dst = *reinterpret_cast<const pl_unit*>(src);
+        *dst = *reinterpret_cast<const kvs_vec16*>(src);
     } else {
-        pl_unit z;
+        kvs_vec16 z;
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
             z.w[w] = 0;
@@ -896,7 +977,7 @@ __device__ inline void pm_copy(pl_unit* dst, const kv_t* src, bool live) {
 // Issues the copies of one warp's step: the 8 rows from position row0 (each row's slot in lane
 // row of `slot`), lane i the units i, i + 32, … of the step in row-major order (a copy
 // instruction of the warp reads whole rows' keys and values).
-__device__ inline void pm_issue(pl_unit* st, unsigned int slot, unsigned int row0, unsigned int end,
+__device__ inline void pm_issue(kvs_vec16* st, unsigned int slot, unsigned int row0, unsigned int end,
                                 const kv_t* k_cache, const kv_t* v_cache, unsigned int kv_heads,
                                 unsigned int kvh) {
     const unsigned int lane = threadIdx.x % WARP_SIZE;
@@ -907,13 +988,51 @@ __device__ inline void pm_issue(pl_unit* st, unsigned int slot, unsigned int row
         const unsigned int part = flat % PM_ROW_UNITS / PM_UNITS;
         const unsigned int u = flat % PM_UNITS;
         const unsigned int s = KVS_SHFL(slot, (int)row);
-        const kv_t* src = (part ? v_cache : k_cache) + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * 8;
+        const kv_t* src =
+            (part ? v_cache : k_cache) + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU;
         pm_copy(st + pm_unit(row, part, u), src, row0 + row < end);
     }
 }
 
+// The head dim of the scores mma's k index in k-tile kt (half 0: k 2tq + e, half 1: k 8 + 2tq
+// + e) for lane tq: f16/bf16 the key row in order (ldmatrix's layout); fp8 lane tq's own
+// quarter of the row, whose word kt holds the k-tile (bytes 0 and 2 half 0, 1 and 3 half 1).
+// The query's A registers follow the same order, so the dot products are the same.
+__device__ inline unsigned int pm_k_dim(unsigned int kt, unsigned int half, unsigned int e,
+                                        unsigned int tq) {
+#if PM_FP8
+    return tq * (HEAD_DIM / 4) + 4 * kt + half + 2 * e;
+#else
+    return 16 * kt + 8 * half + 2 * tq + e;
+#endif
+}
+
+// The head dim of column n of the values mma's n-tile nt: f16/bf16 8nt + n (ldmatrix.trans's
+// layout); fp8 n·PM_NT + nt (lane g reads PM_NT consecutive bytes of a value row from g·PM_NT).
+__device__ inline unsigned int pm_v_dim(unsigned int nt, unsigned int n) {
+#if PM_FP8
+    return n * PM_NT + nt;
+#else
+    return 8 * nt + n;
+#endif
+}
+
+#if PM_FP8
+// fp8: the PM_NT / 4 words of row `row`'s value from byte g·PM_NT (n-tile 4i + p's column g is
+// byte p of word i).
+__device__ inline void pm_value_words(const kvs_vec16* st, unsigned int row, unsigned int g,
+                                      unsigned int (&y)[PM_NT / 4]) {
+    const unsigned int w0 = g * (PM_NT / 4);
+    const unsigned int* src = st[pm_unit(row, 1, w0 / 4)].w + w0 % 4;
+#pragma unroll
+    for (int i = 0; i < PM_NT / 4; ++i) {
+        y[i] = src[i];
+    }
+}
+#endif
+
 KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
-    __shared__ pl_unit s_stage[PM_STAGES][ATTN_WARPS][PM_WARP_STAGE];
+    __shared__ kvs_vec16 s_stage[PM_STAGES][ATTN_WARPS][PM_WARP_STAGE];
 
     const unsigned int t = threadIdx.x;
     const unsigned int lane = t % WARP_SIZE;
@@ -922,9 +1041,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     const unsigned int tq = lane & 3;  // its place in g's 4 lanes
     const kvs_attn_block b = kvs_attn_block_of(plan, q_heads, kv_heads, split_size);
 
-    // Head g's scaled query (zero past nheads) as A registers of k-tile kt (elements
-    // 16kt + 2tq, + 1 and 16kt + 8 + 2tq, + 1): its rounding hi = round(q·scale) in rows 0-7
-    // and the rest lo = round(q·scale − hi) in rows 8-15, so one mma gives both parts' scores.
+    // Head g's scaled query (zero past nheads) as A registers of k-tile kt (dims pm_k_dim):
+    // its rounding hi = round(q·scale) in rows 0-7 and the rest lo = round(q·scale − hi) in
+    // rows 8-15, so one mma gives both parts' scores.
     unsigned int qa[HEAD_DIM / 16][4];
     {
         const bool live = g < b.nheads;
@@ -933,19 +1052,19 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         for (int kt = 0; kt < HEAD_DIM / 16; ++kt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const unsigned int d = 16 * kt + 8 * half + 2 * tq;
-                const float x0 = live ? qg[d] * scale : 0.0f;
-                const float x1 = live ? qg[d + 1] * scale : 0.0f;
+                const float x0 = live ? qg[pm_k_dim(kt, half, 0, tq)] * scale : 0.0f;
+                const float x1 = live ? qg[pm_k_dim(kt, half, 1, tq)] * scale : 0.0f;
                 const unsigned int hi = pm_pack(x0, x1);
                 qa[kt][2 * half] = hi;
-                qa[kt][2 * half + 1] = pm_pack(x0 - kv_word_elem(hi, 0), x1 - kv_word_elem(hi, 1));
+                qa[kt][2 * half + 1] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
             }
         }
     }
-    // Head g's output, dims 8nt + 2tq, + 1: P's hi part's in [0], [1], its lo part's in [2], [3].
-    float acc[PM_UNITS][4];
+    // Head g's output, dims pm_v_dim(nt, 2tq), (nt, 2tq + 1): P's hi part's in [0], [1], its
+    // lo part's in [2], [3].
+    float acc[PM_NT][4];
 #pragma unroll
-    for (int nt = 0; nt < PM_UNITS; ++nt) {
+    for (int nt = 0; nt < PM_NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             acc[nt][e] = 0.0f;
@@ -953,6 +1072,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     }
     float m = KVS_NEG_INF; // head g's running maximum (the same in g's 4 lanes)
     float l = 0.0f;        // this lane's share of head g's running sum
+    const float ks = k_scale * PM_FP8_UNSCALE;
 
     const unsigned int steps = b.begin < b.end ? (b.end - b.begin + PM_STEP - 1) / PM_STEP : 0;
     const unsigned int first = b.begin + warp * 8; // this warp's row 0 of step 0
@@ -986,12 +1106,30 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         }
         pl_wait<PM_STAGES - 1>(); // this lane's copies of step it have landed
         KVS_SYNCWARP();           // and every lane's
-        const pl_unit* st = s_stage[it % PM_STAGES][warp];
+        const kvs_vec16* st = s_stage[it % PM_STAGES][warp];
         const unsigned int row0 = first + it * PM_STEP;
 
         // Head g's scores of rows 2tq, 2tq + 1: the query's hi part's in c[0], c[1], its lo
         // part's in c[2], c[3].
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if PM_FP8
+        {
+            // Key row g's quarter tq (whole units): word kt is k-tile kt's B registers.
+            unsigned int kw[HEAD_DIM / 16];
+#pragma unroll
+            for (int i = 0; i < PM_UNITS / 4; ++i) {
+                const kvs_vec16 x = st[pm_unit(g, 0, tq * (PM_UNITS / 4) + i)];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    kw[4 * i + w] = x.w[w];
+                }
+            }
+#pragma unroll
+            for (int kt = 0; kt < HEAD_DIM / 16; ++kt) {
+                pm_mma_k16(c, qa[kt], pm_fp8_even(kw[kt]), pm_fp8_odd(kw[kt]));
+            }
+        }
+#else
 #pragma unroll
         for (unsigned int u0 = 0; u0 < PM_UNITS; u0 += 4) {
             unsigned int kb[4];
@@ -999,8 +1137,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_mma_k16(c, qa[u0 / 2], kb[0], kb[1]);
             pm_mma_k16(c, qa[u0 / 2 + 1], kb[2], kb[3]);
         }
-        const float s0 = row0 + 2 * tq < b.end ? (c[0] + c[2]) * k_scale : KVS_NEG_INF;
-        const float s1 = row0 + 2 * tq + 1 < b.end ? (c[1] + c[3]) * k_scale : KVS_NEG_INF;
+#endif
+        const float s0 = row0 + 2 * tq < b.end ? (c[0] + c[2]) * ks : KVS_NEG_INF;
+        const float s1 = row0 + 2 * tq + 1 < b.end ? (c[1] + c[3]) * ks : KVS_NEG_INF;
         float mt = fmaxf(s0, s1);
         mt = fmaxf(mt, KVS_SHFL_XOR(mt, 1));
         mt = fmaxf(mt, KVS_SHFL_XOR(mt, 2));
@@ -1011,7 +1150,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         l = l * alpha + p0 + p1;
         m = nm;
 #pragma unroll
-        for (int nt = 0; nt < PM_UNITS; ++nt) {
+        for (int nt = 0; nt < PM_NT; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 acc[nt][e] *= alpha;
@@ -1020,7 +1159,23 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         // Values: P (rows 2tq, 2tq + 1 of head g: the scores' C layout is this mma's A
         // layout), its rounding in rows 0-7 and the rest in rows 8-15, times the value tile.
         const unsigned int p_hi = pm_pack(p0, p1);
-        const unsigned int p_lo = pm_pack(p0 - kv_word_elem(p_hi, 0), p1 - kv_word_elem(p_hi, 1));
+        const unsigned int p_lo = pm_pack(p0 - pm_elem(p_hi, 0), p1 - pm_elem(p_hi, 1));
+#if PM_FP8
+        {
+            // Value rows 2tq, 2tq + 1 from byte g·PM_NT: byte p of words i paired is n-tile
+            // 4i + p's B register.
+            unsigned int y0[PM_NT / 4], y1[PM_NT / 4];
+            pm_value_words(st, 2 * tq, g, y0);
+            pm_value_words(st, 2 * tq + 1, g, y1);
+#pragma unroll
+            for (int i = 0; i < PM_NT / 4; ++i) {
+                pm_mma_k8(acc[4 * i], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<0>(y0[i], y1[i])));
+                pm_mma_k8(acc[4 * i + 1], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<1>(y0[i], y1[i])));
+                pm_mma_k8(acc[4 * i + 2], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<2>(y0[i], y1[i])));
+                pm_mma_k8(acc[4 * i + 3], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<3>(y0[i], y1[i])));
+            }
+        }
+#else
 #pragma unroll
         for (unsigned int u0 = 0; u0 < PM_UNITS; u0 += 4) {
             unsigned int vb[4];
@@ -1030,6 +1185,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
                 pm_mma_k8(acc[u0 + j], p_hi, p_lo, vb[j]);
             }
         }
+#endif
         KVS_SYNCWARP(); // every lane is done with this stage before it is refilled
     }
     pl_wait<0>();
@@ -1042,9 +1198,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     if (g < HEADS_PER_BLOCK) {
         float* w = s_f + (warp * HEADS_PER_BLOCK + g) * PM_SCRATCH;
 #pragma unroll
-        for (int nt = 0; nt < PM_UNITS; ++nt) {
-            w[8 * nt + 2 * tq] = acc[nt][0] + acc[nt][2];
-            w[8 * nt + 2 * tq + 1] = acc[nt][1] + acc[nt][3];
+        for (int nt = 0; nt < PM_NT; ++nt) {
+            w[pm_v_dim(nt, 2 * tq)] = acc[nt][0] + acc[nt][2];
+            w[pm_v_dim(nt, 2 * tq + 1)] = acc[nt][1] + acc[nt][3];
         }
         if (tq == 0) {
             w[HEAD_DIM] = m;
@@ -1055,7 +1211,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     for (unsigned int h = 0; h < b.nheads; ++h) {
         const float* hs = s_f + h * PM_SCRATCH;
         pl_merge_warps(b, h, q_heads, hs + HEAD_DIM, hs + HEAD_DIM + 1, hs,
-                       HEADS_PER_BLOCK * PM_SCRATCH, partial_o, partial_lse, v_scale);
+                       HEADS_PER_BLOCK * PM_SCRATCH, partial_o, partial_lse,
+                       v_scale * PM_FP8_UNSCALE);
     }
 }
 #else // the lanes' form

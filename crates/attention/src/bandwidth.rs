@@ -7,12 +7,16 @@
 //! [`measure_decode`] builds its store (zeroed, as [`Backend::new_kv_store`] gives it: the
 //! values do not change the work), its page table (each request's positions on consecutive
 //! pages after the reserved page 0) and its plan, runs one untimed call (which compiles
-//! kernels where a backend compiles at first use), then times `iters` calls, each ending
-//! with [`Backend::synchronize`] (so an asynchronous backend has finished; the output stays on
-//! the device, as it does between layers: a download would add a copy of
-//! `requests × q_heads × head_dim` floats, most of a short context's time), and reports the
-//! median. The GPU benches run it per page size and context length; the tests run it on the
-//! CPU and emulated backends with small shapes.
+//! kernels where a backend compiles at first use), then times `iters` samples, each of
+//! `calls` calls back to back ending with [`Backend::synchronize`] (so an asynchronous backend
+//! has finished; the output stays on the device, as it does between layers: a download would
+//! add a copy of `requests × q_heads × head_dim` floats, most of a short context's time), and
+//! reports the median sample's time per call. One call a sample ([`measure_decode`]) is a
+//! call's latency, the host's launch and synchronisation included; several
+//! ([`measure_decode_back_to_back`]) are what a GPU spends per call when calls follow each
+//! other (a decode step's layers), as GPU kernel benchmarks (FlashInfer's) time them. The GPU
+//! benches run it per page size and context length; the tests run it on the CPU and emulated
+//! backends with small shapes.
 
 use std::time::Instant;
 
@@ -76,8 +80,10 @@ impl DecodeCase {
 pub struct DecodeTiming {
     /// The case measured.
     pub case: DecodeCase,
-    /// The median time of one call, in seconds.
+    /// The median sample's time per call, in seconds.
     pub seconds: f64,
+    /// Calls per sample, back to back before one synchronisation.
+    pub calls: usize,
 }
 
 impl DecodeTiming {
@@ -88,8 +94,21 @@ impl DecodeTiming {
 }
 
 /// Times decode attention of `case` on `b` (see the module documentation): the median of
-/// `iters` calls (at least one) after one untimed call.
+/// `iters` calls (at least one), each synchronised, after one untimed call.
 pub fn measure_decode<B: Backend>(b: &B, case: &DecodeCase, iters: usize) -> Result<DecodeTiming> {
+    measure_decode_back_to_back(b, case, iters, 1)
+}
+
+/// Times decode attention of `case` on `b` (see the module documentation): the median of
+/// `iters` samples (at least one) of `calls` calls back to back (at least one) and one
+/// synchronisation, per call, after one untimed call.
+pub fn measure_decode_back_to_back<B: Backend>(
+    b: &B,
+    case: &DecodeCase,
+    iters: usize,
+    calls: usize,
+) -> Result<DecodeTiming> {
+    let calls = calls.max(1);
     let c = case;
     let shape = KvShape::mha(
         c.kv_heads as u32,
@@ -126,20 +145,23 @@ pub fn measure_decode<B: Backend>(b: &B, case: &DecodeCase, iters: usize) -> Res
     let q = b.upload(&row(c.q_heads), &[c.requests, c.q_heads, c.head_dim])?;
     let kv = b.upload(&row(c.kv_heads), &[c.requests, c.kv_heads, c.head_dim])?;
     let params = AttentionParams::dense(1.0 / (c.head_dim as f32).sqrt());
-    let mut call = || -> Result<f64> {
+    let mut sample = |calls: usize| -> Result<f64> {
         let t = Instant::now();
-        b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
+        for _ in 0..calls {
+            b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
+        }
         b.synchronize()?;
-        Ok(t.elapsed().as_secs_f64())
+        Ok(t.elapsed().as_secs_f64() / calls as f64)
     };
-    call()?;
+    sample(1)?;
     let mut times = (0..iters.max(1))
-        .map(|_| call())
+        .map(|_| sample(calls))
         .collect::<Result<Vec<f64>>>()?;
     times.sort_by(f64::total_cmp);
     Ok(DecodeTiming {
         case: *case,
         seconds: times[times.len() / 2],
+        calls,
     })
 }
 
@@ -171,7 +193,10 @@ mod tests {
             };
             let t = measure_decode(&b, &case, 3).unwrap();
             assert!(t.seconds > 0.0 && t.gbps().is_finite(), "{t:?}");
-            assert_eq!(t.case.kv_bytes(), 3 * 100 * 2 * 2 * 64 * 2);
+            assert_eq!((t.case.kv_bytes(), t.calls), (3 * 100 * 2 * 2 * 64 * 2, 1));
+            let t = measure_decode_back_to_back(&b, &case, 2, 3).unwrap();
+            assert!(t.seconds > 0.0 && t.gbps().is_finite(), "{t:?}");
+            assert_eq!(t.calls, 3);
         }
     }
 }

@@ -152,6 +152,7 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
             error: 0.0,
             bound: attention_bound(case.dtype),
             skipped: Some(reason),
+            stored_error: None,
         });
     }
     let mla = matches!(case.kind, CaseKind::Mla { .. });
@@ -260,12 +261,13 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
         head_dim: d,
         v_head_dim: dv,
     };
-    let mut want = Vec::with_capacity(got.len());
-    for (r, &(prefix, _)) in case.requests.iter().enumerate() {
+    // The reference over request r's keys and values `k`, `v` (full rows, prefix first).
+    let reference_of = |r: usize, k: &[f32], v: &[f32]| -> Result<Vec<f64>> {
+        let prefix = case.requests[r].0;
         let qr = &q[meta.qo_range(r).start * qh * d..meta.qo_range(r).end * qh * d];
-        let part = match (case.kind, &params.double_sparse) {
+        Ok(match (case.kind, &params.double_sparse) {
             (CaseKind::Mla { .. }, _) => {
-                reference::attention_mla(qh, dv, d - dv, qr, &kf[r], prefix, params.scale)
+                reference::attention_mla(qh, dv, d - dv, qr, k, prefix, params.scale)
             }
             (_, Some(ds)) if meta.is_decode() => {
                 let mut labels = vec![0.0f32; slots[r].len() * shape.row_elems(KvBuffer::Label)];
@@ -273,23 +275,36 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
                 reference::double_sparse_decode(
                     heads,
                     qr,
-                    &kf[r],
-                    &vf[r],
+                    k,
+                    v,
                     &labels,
                     &ds.channels,
                     ds.top_k,
                     params.scale,
                 )
             }
-            _ => reference::attention(heads, qr, &kf[r], &vf[r], prefix, params.scale),
-        };
-        want.extend(part);
+            _ => reference::attention(heads, qr, k, v, prefix, params.scale),
+        })
+    };
+    let mut want = Vec::with_capacity(got.len());
+    let mut want_stored = Vec::with_capacity(got.len());
+    for r in 0..case.requests.len() {
+        want.extend(reference_of(r, &kf[r], &vf[r])?);
+        // What the store holds after the call (the prefix, and the new tokens it wrote).
+        let mut ks = vec![0.0f32; slots[r].len() * k_row];
+        store.read_f32(LAYER, KvBuffer::Key, &slots[r], &mut ks)?;
+        let mut vs = vec![0.0f32; if mla { 0 } else { slots[r].len() * v_row }];
+        if !mla {
+            store.read_f32(LAYER, KvBuffer::Value, &slots[r], &mut vs)?;
+        }
+        want_stored.extend(reference_of(r, &ks, &vs)?);
     }
     Ok(Outcome::measured(
         format!("{} {case}", backend.name()),
         relative_error(&got, &want),
         attention_bound(case.dtype),
-    ))
+    )
+    .with_stored(relative_error(&got, &want_stored)))
 }
 
 /// How much of the suite to run.
