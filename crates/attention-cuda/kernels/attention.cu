@@ -566,10 +566,12 @@ struct alignas(8) pl_unit {
 #endif
 // 4 blocks per SM (at most 128 registers a thread: no specialisation spills on sm_90), MLA 2
 // (its wide rows spill 500-600 bytes at 128 registers; 250 without spilling at 2), PL_MMA 3
-// (166 registers unbounded, a few spilled at 128; on an H100, f16/bf16 decode read 86.7-87.5 %
-// of the memory bandwidth at 3 against 84.2-87.1 % at 4).
+// with f16/bf16 3 (166 registers unbounded, a few spilled at 128; on an H100, f16/bf16 decode
+// read 86.7-87.5 % of the memory bandwidth at 3 against 84.2-87.1 % at 4), with fp8 4 (154
+// registers unbounded, 128 without spilling; fp8 decode read 72-79 % of the bandwidth at 4
+// against 67-78 % at 3, pages of one).
 #ifndef PL_MIN_BLOCKS
-#define PL_MIN_BLOCKS (MLA ? 2 : PL_MMA ? 3 : 4)
+#define PL_MIN_BLOCKS (MLA ? 2 : PL_MMA && KV_BYTES == 2 ? 3 : 4)
 #endif
 #if PL_MIN_BLOCKS > 0 && defined(__CUDA_ARCH__)
 #define PL_BOUNDS __launch_bounds__(ATTN_THREADS, PL_MIN_BLOCKS)

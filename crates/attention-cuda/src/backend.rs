@@ -338,12 +338,14 @@ impl<D: Device> CudaBackend<D> {
         // and MLA's share the KV rows the block reads).
         let head_groups =
             geometry::attention_head_groups(a.q_heads, a.kv_heads, a.spec.heads_per_block());
-        let split = SplitPlan::new(
+        let entry = self.config.attention_kernel.entry_point();
+        let split = SplitPlan::filling_waves(
             n,
             head_groups,
             plan.max_kv_len,
             self.config.split_kv_target_blocks,
             ATTN_THREADS as usize,
+            self.device.wave_blocks(&a.spec, entry, ATTN_THREADS)?,
         );
         let partials = split.num_splits as usize * n * a.q_heads;
         let (o_bytes, lse_bytes) = (partials * a.v_head_dim * 4, partials * 4);
@@ -366,7 +368,7 @@ impl<D: Device> CudaBackend<D> {
         let (partial_o, partial_lse) = (&*scratch.o, &*scratch.lse);
         self.launch(
             &a.spec,
-            self.config.attention_kernel.entry_point(),
+            entry,
             geometry::attention(n, head_groups, split)?,
             &[
                 KernelArg::Buf(&a.q.buf),

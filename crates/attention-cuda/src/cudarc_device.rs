@@ -100,6 +100,8 @@ pub struct CudarcDevice {
     arch: String,
     report: CudaReport,
     functions: KernelCache<CudaFunction>,
+    /// Multiprocessors of the device.
+    sm_count: usize,
     /// cuBLAS on `stream`, or why it is not available.
     blas: std::result::Result<CudaBlas, String>,
 }
@@ -146,7 +148,12 @@ impl CudarcDevice {
         // order nothing that the stream does not already order.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(err)?;
+        let sm_count = ctx
+            .attribute(driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(err)?
+            .max(1) as usize;
         Ok(CudarcDevice {
+            sm_count,
             blas: open_cublas(&stream),
             stream,
             ctx,
@@ -278,6 +285,14 @@ impl Device for CudarcDevice {
         // into the launch when it is queued.
         unsafe { builder.launch(cfg) }.map_err(driver)?;
         Ok(())
+    }
+
+    fn wave_blocks(&self, spec: &Spec, kernel: &str, block: u32) -> Result<Option<usize>> {
+        let func = self.function(spec, kernel)?;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(block, 0, None)
+            .map_err(driver)?;
+        Ok(Some(per_sm as usize * self.sm_count))
     }
 
     fn blas(&self) -> std::result::Result<&str, String> {

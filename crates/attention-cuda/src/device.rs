@@ -105,6 +105,16 @@ pub trait Device: Send + Sync {
         )))
     }
 
+    /// Blocks of `kernel` of `spec`, `block` threads each, that the whole device runs at once
+    /// (its multiprocessors times the blocks each holds by the kernel's registers and shared
+    /// memory): one wave of a grid, which the split plan fills to whole waves
+    /// ([`SplitPlan::new`](crate::plan::SplitPlan::new)). The default: `None`, the device
+    /// cannot tell, and grids are sized by the target alone.
+    fn wave_blocks(&self, spec: &Spec, kernel: &str, block: u32) -> Result<Option<usize>> {
+        let _ = (spec, kernel, block);
+        Ok(None)
+    }
+
     /// Waits until every launch and copy submitted so far has finished. The default (a device
     /// that runs each launch to completion when called): nothing to wait for.
     fn synchronize(&self) -> Result<()> {
