@@ -52,13 +52,13 @@ impl Default for CudaConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionKernel {
     /// `paged_attention`: chunks of 128 keys loaded into registers, a block-wide softmax per
-    /// chunk (50–59 % of an H100's memory bandwidth for f16/bf16 KV in decode, 29–33 % fp8).
+    /// chunk (55–60 % of an H100's memory bandwidth for f16/bf16 KV in decode, 31–34 % fp8).
     Chunked,
     /// `paged_attention_pipelined` (the default): keys and values staged in shared memory by
     /// asynchronous copies (`cp.async`) several tiles ahead of the compute, no barrier per
-    /// tile (FlashInfer's decode schedule); f16/bf16 stores of head dim 64 or 128 compute on
-    /// the tensor cores (`mma.sync`). On an H100: f16/bf16 decode 80–87 % of the memory
-    /// bandwidth, fp8 31–35 %.
+    /// tile (FlashInfer's decode schedule); f16/bf16/fp8 stores of head dim 64 or 128 compute
+    /// on the tensor cores (`mma.sync`). On an H100: f16/bf16 decode 83–89 % of the memory
+    /// bandwidth, fp8 73–80 %.
     #[default]
     Pipelined,
 }

@@ -14,9 +14,9 @@
 //!   CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`). Paged attention has two kernels
 //!   with one contract, chosen by [`CudaConfig::attention_kernel`] ([`AttentionKernel`]):
 //!   `paged_attention_pipelined` (the default: keys and values staged in shared memory by
-//!   `cp.async` several tiles ahead, FlashInfer's decode schedule, f16/bf16 on the tensor
-//!   cores; 80–87 % of an H100's memory bandwidth in decode) and `paged_attention` (chunks of
-//!   keys in registers; 50–59 %). The kernels'
+//!   `cp.async` several tiles ahead, FlashInfer's decode schedule, f16/bf16/fp8 on the tensor
+//!   cores; 83–89 % of an H100's memory bandwidth in f16/bf16 decode, 73–80 % fp8) and
+//!   `paged_attention` (chunks of keys in registers; 55–60 %). The kernels'
 //!   tuning defines (`ATTN_MIN_BLOCKS`, `V_UNROLL_MAX`, `KVS_SOFT_CVT`, `PL_*`) can be set at
 //!   run time with `KVSERVE_CUDA_DEFINES` ([`nvrtc::tuning_defines`]) to measure them on a GPU.
 //! - [`device`]: the [`Device`] trait the backend's host logic is generic over: allocation,
