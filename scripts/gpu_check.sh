@@ -101,17 +101,23 @@ profile() {
     [ "${NO_NCU:-0}" = 1 ] && return 0
     ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
     [ -n "$ncu" ] || { echo "no ncu" | tee -a "$out/profile.log"; return 1; }
-    # The defaults, launch 150 of each kernel alone: f16, pages of 16, 32768 positions × 16
-    # requests (21 calls per row, the first untimed).
-    for kernel in chunked pipelined; do
+    # The defaults, one kernel at a time (NCU_KERNELS, default both), one back-to-back launch
+    # of each table row in NCU_ROWS (default 7: f16, pages of 16, 32768 positions × 16
+    # requests; fp8's rows are 24-35 in the same order): a row is 182 calls of the kernel
+    # (one untimed, 20 alone, one untimed, 20 × 8 back to back), so row r's back-to-back
+    # launches start after 182r + 22.
+    for kernel in ${NCU_KERNELS:-chunked pipelined}; do
         local entry=paged_attention
         [ "$kernel" = pipelined ] && entry=paged_attention_pipelined
-        echo "== ncu $entry" >>"$out/profile.log"
-        timeout 90 "$ncu" --clock-control none --kernel-name "$entry" --launch-skip 149 \
-            --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
-            --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-            "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" "$kernel" 2>&1 | grep -v '^|' \
-            >>"$out/profile.log"
+        for row in ${NCU_ROWS:-7}; do
+            echo "== ncu $entry, row $row" >>"$out/profile.log"
+            timeout 120 "$ncu" --clock-control none --kernel-name "$entry" \
+                --launch-skip $((182 * row + 100)) --launch-count 1 --section SpeedOfLight \
+                --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section SchedulerStats --section MemoryWorkloadAnalysis \
+                "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" "$kernel" 2>&1 | grep -v '^|' \
+                >>"$out/profile.log"
+        done
     done
 }
 
