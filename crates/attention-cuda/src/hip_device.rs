@@ -145,6 +145,8 @@ pub struct HipDevice {
     ordinal: c_int,
     report: HipReport,
     functions: KernelCache<Function>,
+    /// Compute units (multiprocessors) of the device.
+    compute_units: usize,
 }
 
 impl fmt::Debug for HipDevice {
@@ -215,6 +217,7 @@ impl HipDevice {
                 total_bytes: total,
             },
             functions: KernelCache::default(),
+            compute_units: prop.multiProcessorCount.max(1) as usize,
         })
     }
 
@@ -285,6 +288,20 @@ impl Device for HipDevice {
              build time, which Debian's ROCm lacks)"
                 .into(),
         )
+    }
+
+    fn wave_blocks(&self, spec: &Spec, kernel: &str, block: u32) -> Result<Option<usize>> {
+        let f = self.function(spec, kernel)?;
+        self.bind()?;
+        let mut per_cu: c_int = 0;
+        let block = c_int::try_from(block)
+            .map_err(|_| AttentionError::Device(format!("block of {block} threads")))?;
+        // SAFETY: a function of a loaded module (kept loaded for the process's life) and a
+        // valid out-pointer.
+        check(unsafe {
+            hip::hipModuleOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_cu, f.0, block, 0)
+        })?;
+        Ok(Some(per_cu.max(0) as usize * self.compute_units))
     }
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<HipBuffer> {
