@@ -1,7 +1,8 @@
 //! Scratch reuse: a batch's plan allocates the split-KV scratch (partial outputs and their
 //! log-sum-exps) once, on its first attention call, and every later layer reuses it, so a
 //! layer's attention allocates only its output tensor. Checked by counting the allocations of
-//! a device that wraps the emulated one.
+//! a device that wraps the emulated one. Likewise the split plan: chosen by the first layer
+//! (asking the device for its wave once), taken as it is by the others.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -10,10 +11,12 @@ use attention_cuda::{CudaBackend, CudaConfig, Device, KernelArg, LaunchConfig, S
 use attention_cuda_emu::{emu_or_skip, EmuDevice};
 use kv_pool::{KvDtype, KvLayout, KvShape, Slot};
 
-/// The emulated device, counting allocations.
+/// The emulated device, counting allocations and wave queries (it reports a wave of 6 blocks,
+/// so the split plan fills waves in the emulation too).
 struct Counting {
     inner: EmuDevice,
     allocs: AtomicUsize,
+    wave_queries: AtomicUsize,
 }
 
 impl Device for Counting {
@@ -45,6 +48,11 @@ impl Device for Counting {
         self.inner.address(buf)
     }
 
+    fn wave_blocks(&self, _: &Spec, _: &str, _: u32) -> attention::Result<Option<usize>> {
+        self.wave_queries.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(6))
+    }
+
     fn launch(
         &self,
         spec: &Spec,
@@ -66,6 +74,7 @@ fn layers_reuse_the_plans_split_scratch() {
         Counting {
             inner,
             allocs: AtomicUsize::new(0),
+            wave_queries: AtomicUsize::new(0),
         },
         CudaConfig {
             split_kv_target_blocks: 1 << 20,
@@ -104,16 +113,20 @@ fn layers_reuse_the_plans_split_scratch() {
     let mut outputs = Vec::new();
     let mut per_layer = Vec::new();
     for layer in 0..layers {
-        let before = b.device().allocs.load(Ordering::Relaxed);
+        let count = |c: &AtomicUsize| c.load(Ordering::Relaxed);
+        let before = (count(&b.device().allocs), count(&b.device().wave_queries));
         let out = b
             .attention(layer, &plan, &mut store, &q, &k, &v, &params)
             .unwrap();
-        per_layer.push(b.device().allocs.load(Ordering::Relaxed) - before);
+        per_layer.push((
+            count(&b.device().allocs) - before.0,
+            count(&b.device().wave_queries) - before.1,
+        ));
         outputs.push(b.download(&out).unwrap());
     }
-    // The first layer allocates its output and the two scratch buffers; the others only
-    // their output.
-    assert_eq!(per_layer, vec![3, 1, 1, 1]);
+    // The first layer allocates its output and the two scratch buffers and asks for the
+    // wave; the others only allocate their output.
+    assert_eq!(per_layer, vec![(3, 1), (1, 0), (1, 0), (1, 0)]);
     // Same inputs in every layer (each layer has its own cache): the same outputs.
     for o in &outputs[1..] {
         assert_eq!(o, &outputs[0]);

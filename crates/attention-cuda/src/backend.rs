@@ -138,6 +138,18 @@ pub struct CudaPlan<D: Device> {
     kept_writes: usize,
     max_kv_len: usize,
     scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
+    split: Mutex<Option<SplitChoice>>,
+}
+
+/// The split plan the plan's first attention call chose, and what it was chosen for: every
+/// later layer of the same shape takes it as it is (the "plan once per batch"), without
+/// asking the device for its wave again.
+struct SplitChoice {
+    spec: kernels::Spec,
+    entry: &'static str,
+    head_groups: usize,
+    target: usize,
+    plan: SplitPlan,
 }
 
 /// `paged_attention`'s partial outputs and log-sum-exps, allocated by the first layer that
@@ -339,14 +351,41 @@ impl<D: Device> CudaBackend<D> {
         let head_groups =
             geometry::attention_head_groups(a.q_heads, a.kv_heads, a.spec.heads_per_block());
         let entry = self.config.attention_kernel.entry_point();
-        let split = SplitPlan::filling_waves(
-            n,
-            head_groups,
-            plan.max_kv_len,
-            self.config.split_kv_target_blocks,
-            ATTN_THREADS as usize,
-            self.device.wave_blocks(&a.spec, entry, ATTN_THREADS)?,
-        );
+        let target = self.config.split_kv_target_blocks;
+        let split = {
+            let mut chosen = plan
+                .split
+                .lock()
+                .map_err(|_| AttentionError::Device("split plan poisoned".into()))?;
+            match &*chosen {
+                Some(c)
+                    if c.spec == a.spec
+                        && c.entry == entry
+                        && c.head_groups == head_groups
+                        && c.target == target =>
+                {
+                    c.plan
+                }
+                _ => {
+                    let split = SplitPlan::filling_waves(
+                        n,
+                        head_groups,
+                        plan.max_kv_len,
+                        target,
+                        ATTN_THREADS as usize,
+                        self.device.wave_blocks(&a.spec, entry, ATTN_THREADS)?,
+                    );
+                    *chosen = Some(SplitChoice {
+                        spec: a.spec.clone(),
+                        entry,
+                        head_groups,
+                        target,
+                        plan: split,
+                    });
+                    split
+                }
+            }
+        };
         let partials = split.num_splits as usize * n * a.q_heads;
         let (o_bytes, lse_bytes) = (partials * a.v_head_dim * 4, partials * 4);
         let mut slot = plan
@@ -674,6 +713,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             kept_writes: writes[0] as usize,
             max_kv_len,
             scratch: Mutex::new(None),
+            split: Mutex::new(None),
         })
     }
 
