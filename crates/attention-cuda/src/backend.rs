@@ -138,18 +138,18 @@ pub struct CudaPlan<D: Device> {
     kept_writes: usize,
     max_kv_len: usize,
     scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
-    split: Mutex<Option<SplitChoice>>,
+    split: Mutex<Option<(SplitKey, SplitPlan)>>,
 }
 
-/// The split plan the plan's first attention call chose, and what it was chosen for: every
-/// later layer of the same shape takes it as it is (the "plan once per batch"), without
-/// asking the device for its wave again.
-struct SplitChoice {
+/// What the plan's first attention call chose its split plan for: every later layer with the
+/// same key takes the plan as it is (the "plan once per batch"), without asking the
+/// device for its wave again.
+#[derive(PartialEq)]
+struct SplitKey {
     spec: kernels::Spec,
     entry: &'static str,
     head_groups: usize,
     target: usize,
-    plan: SplitPlan,
 }
 
 /// `paged_attention`'s partial outputs and log-sum-exps, allocated by the first layer that
@@ -351,37 +351,29 @@ impl<D: Device> CudaBackend<D> {
         let head_groups =
             geometry::attention_head_groups(a.q_heads, a.kv_heads, a.spec.heads_per_block());
         let entry = self.config.attention_kernel.entry_point();
-        let target = self.config.split_kv_target_blocks;
+        let key = SplitKey {
+            spec: a.spec.clone(),
+            entry,
+            head_groups,
+            target: self.config.split_kv_target_blocks,
+        };
         let split = {
             let mut chosen = plan
                 .split
                 .lock()
                 .map_err(|_| AttentionError::Device("split plan poisoned".into()))?;
             match &*chosen {
-                Some(c)
-                    if c.spec == a.spec
-                        && c.entry == entry
-                        && c.head_groups == head_groups
-                        && c.target == target =>
-                {
-                    c.plan
-                }
+                Some((k, split)) if *k == key => *split,
                 _ => {
                     let split = SplitPlan::filling_waves(
                         n,
                         head_groups,
                         plan.max_kv_len,
-                        target,
+                        key.target,
                         ATTN_THREADS as usize,
                         self.device.wave_blocks(&a.spec, entry, ATTN_THREADS)?,
                     );
-                    *chosen = Some(SplitChoice {
-                        spec: a.spec.clone(),
-                        entry,
-                        head_groups,
-                        target,
-                        plan: split,
-                    });
+                    *chosen = Some((key, split));
                     split
                 }
             }
