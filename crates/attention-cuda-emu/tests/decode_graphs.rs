@@ -4,22 +4,21 @@
 //! pad, a size beyond the largest captured one, a request past the graphs' context) gives
 //! bitwise the logits and tokens of the same runner without graphs (what
 //! `--disable-cuda-graph` builds), and each batch takes the route the host logic decides.
-//! The MLA decoder with mixture-of-experts layers, whose routing reads back to the host, cannot
-//! be captured: a typed error, and the runner stays eager; without them (dense MLPs) it
-//! captures and replays bitwise like the Llama decoder.
+//! The MLA decoder captures and replays bitwise like the Llama decoder, with dense MLPs and
+//! with mixture-of-experts layers (routed on the device by `fused_moe`, nothing read back).
 
 mod common;
 
 use std::sync::{Arc, Mutex};
 
-use attention::{AttentionError, DecodeForward, DecodeGraphs, RequestKv};
+use attention::{DecodeForward, DecodeGraphs, RequestKv};
 use attention_cuda::{CudaBackend, CudaConfig, CudaGraphConfig, CudaGraphRunner, GraphRoute};
 use attention_cuda_emu::{emu_or_skip, EmuDevice};
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::tiny::random_weights;
 use model::{
     argmax, AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Model, ModelConfig,
-    ModelError, ModelRunner,
+    ModelRunner,
 };
 
 type Emu = CudaBackend<EmuDevice>;
@@ -224,21 +223,16 @@ fn dense_mla_decode_batches_through_graphs_are_bitwise_the_eager_ones() {
     assert_eq!(mla_log, llama_log);
 }
 
+/// MLA with mixture-of-experts layers: routing and the experts run on the device
+/// (`fused_moe`), so the decode forward captures too, and replays bitwise like the eager one.
 #[test]
-fn the_moe_mla_decoder_cannot_be_captured_and_stays_eager() {
-    let Some(device) = emu_or_skip("the_moe_mla_decoder_cannot_be_captured_and_stays_eager") else {
-        return;
-    };
+fn moe_mla_decode_batches_through_graphs_are_bitwise_the_eager_ones() {
+    let test = "moe_mla_decode_batches_through_graphs_are_bitwise_the_eager_ones";
     let config = common::mla_config();
     assert!(config.mla.as_ref().is_some_and(|m| m.moe.is_some()));
-    let mut runner = runner(device, &config);
-    let graphs = CudaGraphRunner::new(runner.backend(), graph_config()).unwrap();
-    let e = runner.enable_decode_graphs(Box::new(graphs)).unwrap_err();
-    assert!(
-        matches!(&e, ModelError::Attention(AttentionError::Device(m)) if m.contains("cannot be read back")),
-        "{e:?}"
-    );
-    assert!(runner.decode_graphs().is_none());
-    let (seqs, _) = generate(&mut runner);
-    assert_eq!(seqs[0].len(), 40 + SCHEDULE.len());
+    let Some(moe_log) = graphs_match_eager(test, &config) else {
+        return;
+    };
+    let llama_log = graphs_match_eager(test, &common::llama_config()).expect("the emulation ran");
+    assert_eq!(moe_log, llama_log);
 }

@@ -110,3 +110,100 @@ KVS_KERNEL void concat_last(const float* a, const float* b, float* out, unsigned
         out[r * (da + db) + i] = i < da ? a[r * da + i] : b[r * db + i - da];
     }
 }
+
+// Mixture of experts (SGLang's FusedMoE), three kernels that keep the routing on the device.
+
+// Greedy top-k routing, one thread per token: softmax over logits[t, 0..experts), the k largest
+// (ties to the lower expert index: the j-th pick is the largest logit below the previous pick
+// in the order (value descending, index ascending)), written in rank order as ids[t, j] and
+// weights[t, j]: the probabilities renormalised to sum to 1 (renormalize and k > 1) or
+// multiplied by `scaling` (the host's route_token, in f32).
+KVS_KERNEL void moe_topk(const float* logits, unsigned int* ids, float* weights, unsigned int n,
+                         unsigned int experts, unsigned int k, unsigned int renormalize,
+                         float scaling) {
+    size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) {
+        return;
+    }
+    const float* row = logits + t * experts;
+    float max = KVS_NEG_INF;
+    for (unsigned int e = 0; e < experts; ++e) {
+        max = fmaxf(max, row[e]);
+    }
+    float sum = 0.0f;
+    for (unsigned int e = 0; e < experts; ++e) {
+        sum += expf(row[e] - max);
+    }
+    float total = 0.0f;
+    float prev = 0.0f;
+    unsigned int prev_id = 0;
+    for (unsigned int j = 0; j < k; ++j) {
+        unsigned int best = experts;
+        for (unsigned int e = 0; e < experts; ++e) {
+            float v = row[e];
+            bool after_prev = j == 0 || v < prev || (v == prev && e > prev_id);
+            if (after_prev && (best == experts || v > row[best])) {
+                best = e;
+            }
+        }
+        // Fewer than k experts remain only for a k above the expert count, which the host
+        // refuses; a NaN logit is never picked, and leaves its slot to expert 0 at weight 0.
+        float p = best < experts ? expf(row[best] - max) / sum : 0.0f;
+        ids[t * k + j] = best < experts ? best : 0;
+        weights[t * k + j] = p;
+        total += p;
+        prev = best < experts ? row[best] : prev;
+        prev_id = best < experts ? best : prev_id;
+    }
+    for (unsigned int j = 0; j < k; ++j) {
+        float w = weights[t * k + j];
+        weights[t * k + j] = (renormalize && k > 1) ? w / (total + 1e-20f) : w * scaling;
+    }
+}
+
+// The experts' matmuls: out[r, c] = x[r / x_div] · w[ids[r]][c, :] for the rows r < rows of
+// (token, rank) pairs, w stacked as [experts, n, kdim]; x_div is top-k for the gate/up
+// projection (each of a token's rows reads its hidden row) and 1 for the down projection. One
+// warp per output element, lanes striding kdim (coalesced weight rows), summed by a fixed
+// butterfly: the result of a row never depends on the others (batch-invariant). Grid: x over
+// rows, y over groups of blockDim.x / WARP_SIZE outputs.
+KVS_KERNEL void moe_matmul(const float* x, const float* w, const unsigned int* ids, float* out,
+                           unsigned int rows, unsigned int x_div, unsigned int kdim,
+                           unsigned int n) {
+    unsigned int warps = blockDim.x / WARP_SIZE;
+    unsigned int lane = threadIdx.x % WARP_SIZE;
+    size_t c = (size_t)blockIdx.y * warps + threadIdx.x / WARP_SIZE;
+    size_t r = blockIdx.x;
+    // c and r are the same for the warp's lanes, so whole warps leave (the shuffles below
+    // need every lane).
+    if (r >= rows || c >= n) {
+        return;
+    }
+    const float* xr = x + (r / x_div) * kdim;
+    const float* wr = w + ((size_t)ids[r] * n + c) * kdim;
+    float acc = 0.0f;
+    for (unsigned int i = lane; i < kdim; i += WARP_SIZE) {
+        acc += xr[i] * wr[i];
+    }
+    acc = kvs_warp_sum(acc);
+    if (lane == 0) {
+        out[r * n + c] = acc;
+    }
+}
+
+// out[t, c] = Σ_j weights[t, j] · y[t · k + j, c], j in rank order from 0 (as the host adds a
+// token's experts).
+KVS_KERNEL void moe_combine(const float* y, const float* weights, float* out, unsigned int n,
+                            unsigned int k, unsigned int d) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * d) {
+        return;
+    }
+    size_t t = i / d;
+    size_t c = i % d;
+    float acc = 0.0f;
+    for (unsigned int j = 0; j < k; ++j) {
+        acc += weights[t * k + j] * y[(t * k + j) * d + c];
+    }
+    out[i] = acc;
+}

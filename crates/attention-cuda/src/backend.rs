@@ -7,8 +7,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use attention::{
-    check, AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, Result,
-    RopeConfig, RopeStyle,
+    check, AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, MoeExperts,
+    MoeRouting, Result, RopeConfig, RopeStyle,
 };
 use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
 
@@ -267,6 +267,34 @@ impl<D: Device> CudaBackend<D> {
                 Err("DoubleSparse attention has no CUDA kernel yet".into())
             }
         }
+    }
+}
+
+impl<D: Device> CudaBackend<D> {
+    /// `moe_matmul` over `(rows, x_div, kdim, n)`: `out[r] = x[r / x_div] · w[ids[r]]ᵀ` with
+    /// `w` an expert's `[n, kdim]` matrix per row.
+    fn moe_matmul(
+        &self,
+        x: &CudaTensor<D>,
+        w: &CudaTensor<D>,
+        ids: &D::Buffer,
+        out: &CudaTensor<D>,
+        (rows, x_div, kdim, n): (usize, usize, usize, usize),
+    ) -> Result<()> {
+        self.dense(
+            "moe_matmul",
+            geometry::moe_matmul(rows, n)?,
+            &[
+                KernelArg::Buf(&x.buf),
+                KernelArg::Buf(&w.buf),
+                KernelArg::Buf(ids),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("rows", rows)?),
+                KernelArg::U32(dim("top_k", x_div)?),
+                KernelArg::U32(dim("kdim", kdim)?),
+                KernelArg::U32(dim("n", n)?),
+            ],
+        )
     }
 }
 
@@ -667,6 +695,70 @@ impl<D: Device> Backend for CudaBackend<D> {
                 KernelArg::Buf(&out.buf),
                 KernelArg::U32(dim("da", da)?),
                 KernelArg::U32(dim("db", db)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// On the device, in four launches and no read-back (so a decode forward with MoE layers
+    /// captures): `moe_topk` routes every token (ids and weights in device memory),
+    /// `moe_matmul` runs every (token, rank) row through its expert's gate and up rows,
+    /// `silu_mul`, `moe_matmul` again through the expert's down rows, and `moe_combine` adds a
+    /// token's rows weighted, in rank order. Each (token, rank) row is one expert's matmul of
+    /// one hidden row, whatever the batch, so results are batch-invariant; a batch whose
+    /// tokens share an expert reads its weights once per token (decode's few tokens; a
+    /// grouped GEMM for prefill is a follow-up).
+    fn fused_moe(
+        &self,
+        h: &CudaTensor<D>,
+        router_logits: &CudaTensor<D>,
+        experts: &MoeExperts<CudaTensor<D>>,
+        routing: &MoeRouting,
+    ) -> Result<CudaTensor<D>> {
+        let dims = attention::moe::check(h, router_logits, experts, routing)?;
+        let (n, d, e, i, k) = (
+            dims.tokens,
+            dims.hidden,
+            dims.experts,
+            dims.intermediate,
+            dims.top_k,
+        );
+        let out = self.zeros(&[n, d])?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let rows = n * k;
+        let ids = self.alloc(rows * 4)?;
+        let weights = self.zeros(&[n, k])?;
+        self.dense(
+            "moe_topk",
+            geometry::elementwise("moe_topk", n)?,
+            &[
+                KernelArg::Buf(&router_logits.buf),
+                KernelArg::Buf(&ids),
+                KernelArg::Buf(&weights.buf),
+                KernelArg::U32(dim("n", n)?),
+                KernelArg::U32(dim("experts", e)?),
+                KernelArg::U32(dim("top_k", k)?),
+                KernelArg::U32(u32::from(routing.renormalize)),
+                KernelArg::F32(routing.routed_scaling_factor as f32),
+            ],
+        )?;
+        let gate_up = self.zeros(&[rows, 2 * i])?;
+        self.moe_matmul(h, &experts.gate_up, &ids, &gate_up, (rows, k, d, 2 * i))?;
+        let act = self.silu_mul(&gate_up)?;
+        let down = self.zeros(&[rows, d])?;
+        self.moe_matmul(&act, &experts.down, &ids, &down, (rows, 1, i, d))?;
+        self.dense(
+            "moe_combine",
+            geometry::elementwise("moe_combine", n * d)?,
+            &[
+                KernelArg::Buf(&down.buf),
+                KernelArg::Buf(&weights.buf),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("n", n)?),
+                KernelArg::U32(dim("top_k", k)?),
+                KernelArg::U32(dim("d", d)?),
             ],
         )?;
         Ok(out)

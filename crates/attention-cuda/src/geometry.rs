@@ -15,6 +15,9 @@ pub const ROW_THREADS: u32 = 128;
 /// `MATMUL_TILE` in `dense.cu`: a matmul block computes a tile of this many rows and columns.
 pub const MATMUL_TILE: u32 = 16;
 
+/// Warps per `moe_matmul` block (each computes one output element).
+pub const MOE_WARPS: u32 = 8;
+
 /// CUDA's largest grid along x.
 const MAX_GRID_X: u64 = (1 << 31) - 1;
 /// CUDA's largest grid along y and z.
@@ -55,6 +58,20 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
     })
 }
 
+/// `moe_matmul` for `rows` (token, rank) rows of `n` outputs: one warp per output, a block of
+/// [`MOE_WARPS`] warps over consecutive outputs of one row (x over rows, y over outputs: a
+/// prefill's rows outnumber the y limit).
+pub fn moe_matmul(rows: usize, n: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid: grid(
+            "moe_matmul",
+            rows as u64,
+            (n as u64).div_ceil(MOE_WARPS as u64),
+        )?,
+        block: MOE_WARPS * 32,
+    })
+}
+
 /// Attention blocks per token: per KV head, its `q_heads / kv_heads` query heads in blocks of
 /// up to `heads_per_block` (`attention.cu` derives each block's KV head and heads the same
 /// way: a group of 7 over blocks of 4 takes a block of 4 and one of 3).
@@ -92,6 +109,10 @@ mod tests {
             ("matmul 33x96", matmul(33, 96).unwrap()),
             ("matmul 1x17", matmul(1, 17).unwrap()),
             ("attention 5x32", attention(5, 32, split).unwrap()),
+            // DeepSeek-V2-Lite: one decode token's 6 experts (gate/up rows of 2 · 1408), and
+            // a 16384-token prefill's down projection (98304 rows: past y's limit, so on x).
+            ("moe_matmul 6x2816", moe_matmul(6, 2816).unwrap()),
+            ("moe_matmul 98304x2048", moe_matmul(98_304, 2048).unwrap()),
         ];
         for (name, cfg) in rows {
             writeln!(text, "{name:<18} grid {:?} block {}", cfg.grid, cfg.block).unwrap();

@@ -6,7 +6,8 @@
 /// A kernel source file under `kernels/`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Source {
-    /// `dense.cu`: matmul, RMSNorm, rotary, SiLU-and-mul, residual add, embedding.
+    /// `dense.cu`: matmul, RMSNorm, rotary, SiLU-and-mul, residual add, embedding,
+    /// concatenation, mixture-of-experts routing and experts.
     Dense,
     /// `store.cu`: KV writes at `out_cache_loc` and raw row gathers and scatters.
     Store,
@@ -38,6 +39,9 @@ impl Source {
                 "add_assign",
                 "embedding",
                 "concat_last",
+                "moe_topk",
+                "moe_matmul",
+                "moe_combine",
             ],
             Source::Store => &["store_kv", "gather_rows", "scatter_rows"],
             Source::Attention => &[

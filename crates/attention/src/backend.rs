@@ -6,6 +6,7 @@ use kv_pool::{KvLayout, KvShape, KvStore};
 
 use crate::error::Result;
 use crate::metadata::BatchMetadata;
+use crate::moe::{MoeExperts, MoeRouting};
 use crate::params::AttentionParams;
 use crate::rope::RopeConfig;
 
@@ -150,6 +151,27 @@ pub trait Backend {
         let mut shape = a.shape().to_vec();
         *shape.last_mut().expect("rank checked above") = da + db;
         self.upload(&out, &shape)
+    }
+
+    /// SGLang's `FusedMoE` (top-k routing and the routed experts of a mixture-of-experts MLP;
+    /// shared experts are the model's dense ops): `h` `[n, hidden]`, `router_logits`
+    /// `[n, experts]` (the router's matmul); each token goes to its `routing.top_k` experts
+    /// ([`moe::route_token`](crate::moe::route_token)'s rule), and the result `[n, hidden]` is
+    /// the sum over them, in rank order, of the routing weight times the expert's
+    /// `down · silu_mul(gate_up · h)`. Input is checked by [`moe::check`](crate::moe::check).
+    ///
+    /// The default runs [`moe::fused_moe_by_embedding`](crate::moe::fused_moe_by_embedding):
+    /// the routing on the host (a read-back), every backend has it; a device overrides it with
+    /// kernels that keep the routing on the device, so a decode forward with MoE layers can be
+    /// captured.
+    fn fused_moe(
+        &self,
+        h: &Self::Tensor,
+        router_logits: &Self::Tensor,
+        experts: &MoeExperts<Self::Tensor>,
+        routing: &MoeRouting,
+    ) -> Result<Self::Tensor> {
+        crate::moe::fused_moe_by_embedding(self, h, router_logits, experts, routing)
     }
 
     /// Final logits `hidden · lm_headᵀ`: `hidden` `[m, d]`, `lm_head` `[vocab, d]`.

@@ -1,7 +1,7 @@
 //! # attention — compute backends for kvserve
 //!
 //! The backend traits every device implements ([`Backend`]: device tensors, the dense ops of a
-//! decoder layer, paged attention over a [`kv_pool::KvStore`]), the backend-neutral batch
+//! decoder layer, mixture-of-experts layers ([`moe`]), paged attention over a [`kv_pool::KvStore`]), the backend-neutral batch
 //! metadata ([`BatchMetadata`]: FlashInfer-style page tables), the CPU backend
 //! ([`CpuBackend`]), an f64 reference ([`reference`]), the conformance suite every backend
 //! runs ([`conformance`]), decode attention's KV bandwidth on any backend ([`bandwidth`]: what
@@ -39,6 +39,7 @@ pub mod cpu;
 pub mod error;
 pub mod graphs;
 pub mod metadata;
+pub mod moe;
 pub mod params;
 pub mod reference;
 pub mod rope;
@@ -48,5 +49,6 @@ pub use cpu::{CpuBackend, CpuConfig, CpuPlan, CpuTensor};
 pub use error::{AttentionError, Result};
 pub use graphs::{DecodeForward, DecodeGraphs};
 pub use metadata::{BatchMetadata, RequestKv};
+pub use moe::{MoeExperts, MoeRouting};
 pub use params::{AttentionParams, DoubleSparseConfig};
 pub use rope::{RopeConfig, RopeScaling, RopeStyle};

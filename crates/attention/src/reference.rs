@@ -75,6 +75,41 @@ pub fn silu_mul(x: &[f32], d: usize) -> Vec<f64> {
     out
 }
 
+/// [`Backend::fused_moe`](crate::Backend::fused_moe) in f64: each of the `n` tokens of `h`
+/// `[n, d]` routed by [`route_token`](crate::moe::route_token) over its row of `logits`
+/// `[n, e]`, its experts' MLPs (`gate_up` `[e, 2i·d]`, `down` `[e, d·i]`) weighted and summed.
+pub fn fused_moe(
+    h: &[f32],
+    logits: &[f32],
+    gate_up: &[f32],
+    down: &[f32],
+    (n, d, e, i): (usize, usize, usize, usize),
+    routing: &crate::moe::MoeRouting,
+) -> Vec<f64> {
+    let mut out = vec![0.0; n * d];
+    for t in 0..n {
+        let x = &h[t * d..(t + 1) * d];
+        for (ex, w) in crate::moe::route_token(&logits[t * e..(t + 1) * e], routing) {
+            let gu = matmul(
+                x,
+                &gate_up[ex * 2 * i * d..(ex + 1) * 2 * i * d],
+                1,
+                d,
+                2 * i,
+            );
+            let act: Vec<f64> = (0..i)
+                .map(|c| gu[c] / (1.0 + (-gu[c]).exp()) * gu[i + c])
+                .collect();
+            let wd = &down[ex * d * i..(ex + 1) * d * i];
+            for (c, o) in out[t * d..(t + 1) * d].iter_mut().enumerate() {
+                let y: f64 = (0..i).map(|j| act[j] * wd[c * i + j] as f64).sum();
+                *o += w as f64 * y;
+            }
+        }
+    }
+    out
+}
+
 /// Softmax-weighted sum of `values(j)` with scores `s[j]` (stable, in f64).
 fn softmax_sum(s: &[f64], dv: usize, value: impl Fn(usize) -> Vec<f64>) -> Vec<f64> {
     let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);

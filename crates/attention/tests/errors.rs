@@ -500,3 +500,52 @@ fn yarn_inv_freqs_blend_extrapolated_and_interpolated_dims() {
     assert_eq!(inv[0], 1.0);
     assert!((inv[7] - 10_000f64.powf(-14.0 / 16.0) / 40.0).abs() < 1e-18);
 }
+
+#[test]
+fn fused_moe_refuses_bad_shapes_and_routing() {
+    use attention::moe::{MoeExperts, MoeRouting};
+    let cpu = CpuBackend::default();
+    let (n, d, e, i) = (2, 8, 4, 6);
+    let t = |len: usize, shape: &[usize]| cpu.upload(&vec![0.5; len], shape).unwrap();
+    let experts = |gu: &[usize], dn: &[usize]| MoeExperts {
+        gate_up: t(gu.iter().product(), gu),
+        down: t(dn.iter().product(), dn),
+        intermediate: i,
+    };
+    let good = experts(&[e, 2 * i * d], &[e, d * i]);
+    let routing = |top_k, scale| MoeRouting {
+        top_k,
+        renormalize: false,
+        routed_scaling_factor: scale,
+    };
+    let (h, logits) = (t(n * d, &[n, d]), t(n * e, &[n, e]));
+    assert!(cpu.fused_moe(&h, &logits, &good, &routing(2, 1.0)).is_ok());
+    let refused = |h: &attention::CpuTensor, l, x: &MoeExperts<_>, r: MoeRouting| match cpu
+        .fused_moe(h, l, x, &r)
+        .unwrap_err()
+    {
+        AttentionError::ShapeMismatch { what, .. } => what.to_string(),
+        AttentionError::InvalidConfig { field, .. } => field.to_string(),
+        other => panic!("{other:?}"),
+    };
+    let wrong_rows = t((n + 1) * e, &[n + 1, e]);
+    assert_eq!(
+        refused(&h, &wrong_rows, &good, routing(2, 1.0)),
+        "router_logits"
+    );
+    let wrong_gu = experts(&[e, 2 * i * d - 1], &[e, d * i]);
+    assert_eq!(refused(&h, &logits, &wrong_gu, routing(2, 1.0)), "gate_up");
+    let wrong_down = experts(&[e + 1, 2 * i * d], &[e, d * i]);
+    assert_eq!(
+        refused(&h, &logits, &wrong_down, routing(2, 1.0)),
+        "gate_up"
+    );
+    let wrong_down = experts(&[e, 2 * i * d], &[e, d * i + 1]);
+    assert_eq!(refused(&h, &logits, &wrong_down, routing(2, 1.0)), "down");
+    assert_eq!(refused(&h, &logits, &good, routing(0, 1.0)), "top_k");
+    assert_eq!(refused(&h, &logits, &good, routing(e + 1, 1.0)), "top_k");
+    assert_eq!(
+        refused(&h, &logits, &good, routing(2, f64::NAN)),
+        "routed_scaling_factor"
+    );
+}

@@ -467,3 +467,68 @@ fn decode_cut_by_kv_head_equals_one_thread() {
         }
     }
 }
+
+/// Mixture of experts on the CPU: a token's `fused_moe` row is bitwise the same alone or in
+/// a batch (each expert's MLP runs over its rows, a token's experts added in rank order), for
+/// f32 and bf16 expert weights, with one thread or several; and the CPU's in-place expert
+/// matrices give bitwise what the default path (`fused_moe_by_embedding`, a copy per expert)
+/// gives for f32 weights.
+#[test]
+fn fused_moe_rows_do_not_depend_on_the_batch() {
+    use attention::moe::{fused_moe_by_embedding, MoeExperts, MoeRouting};
+    use attention::TensorDtype;
+    let (n, d, e, i) = (7, 48, 8, 24);
+    let mut rng = SplitMix64::new(0x0E);
+    let h = nonzero_vec(&mut rng, n * d);
+    let logits = nonzero_vec(&mut rng, n * e);
+    let (gate_up, down) = (
+        nonzero_vec(&mut rng, e * 2 * i * d),
+        nonzero_vec(&mut rng, e * d * i),
+    );
+    let routing = MoeRouting {
+        top_k: 3,
+        renormalize: true,
+        routed_scaling_factor: 1.0,
+    };
+    for dtype in [TensorDtype::F32, TensorDtype::Bf16] {
+        for threads in [1, 3] {
+            let cpu = CpuBackend::new(CpuConfig {
+                threads,
+                ..CpuConfig::default()
+            })
+            .unwrap();
+            let experts = MoeExperts {
+                gate_up: cpu.upload_weight(&gate_up, &[e, 2 * i * d], dtype).unwrap(),
+                down: cpu.upload_weight(&down, &[e, d * i], dtype).unwrap(),
+                intermediate: i,
+            };
+            let moe = |rows: std::ops::Range<usize>| {
+                let m = rows.len();
+                let h = cpu
+                    .upload(&h[rows.start * d..rows.end * d], &[m, d])
+                    .unwrap();
+                let l = cpu
+                    .upload(&logits[rows.start * e..rows.end * e], &[m, e])
+                    .unwrap();
+                let got = cpu.fused_moe(&h, &l, &experts, &routing).unwrap();
+                if dtype == TensorDtype::F32 {
+                    let by_copy = fused_moe_by_embedding(&cpu, &h, &l, &experts, &routing).unwrap();
+                    assert_eq!(got.data(), by_copy.data(), "in place vs copied experts");
+                }
+                cpu.download(&got).unwrap()
+            };
+            let batch = moe(0..n);
+            for t in 0..n {
+                let alone = moe(t..t + 1);
+                assert_eq!(
+                    alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    batch[t * d..(t + 1) * d]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                    "token {t}, {dtype:?}, {threads} threads"
+                );
+            }
+        }
+    }
+}

@@ -73,6 +73,25 @@ impl<'a, B: Backend> Loader<'a, B> {
         }
     }
 
+    /// Reads the tensors of each row of `rows`, concatenated in order, and uploads the rows as
+    /// one weight `[rows, elements]`, in the checkpoint's type where every tensor has the same
+    /// (else f32): the routed experts' stacked `gate_up` and `down` ([`attention::MoeExperts`]).
+    pub(crate) fn upload_stacked(&self, rows: &[Vec<String>]) -> Result<B::Tensor> {
+        let mut data = Vec::new();
+        let mut dtypes = rows.iter().flatten().map(|name| self.dtype(name));
+        let first = dtypes.next().unwrap_or(TensorDtype::F32);
+        let dtype = if dtypes.all(|d| d == first) {
+            first
+        } else {
+            TensorDtype::F32
+        };
+        for name in rows.iter().flatten() {
+            data.extend_from_slice(&self.get(name)?.data);
+        }
+        let shape = [rows.len(), data.len() / rows.len().max(1)];
+        Ok(self.backend.upload_weight(&data, &shape, dtype)?)
+    }
+
     /// Reads an expected matrix (a matmul weight or the embedding) and uploads it as a weight
     /// in the checkpoint's type ([`Backend::upload_weight`]: exact, the values are that type's).
     pub(crate) fn upload_weight(&self, name: &str) -> Result<B::Tensor> {

@@ -62,7 +62,7 @@ pub use config::{Architecture, MlaConfig, ModelConfig, MoeConfig};
 pub use decoder::Model;
 pub use error::{ModelError, Result};
 pub use llama::{expected_tensors, LlamaModel, LogitsMode};
-pub use mla::{mla_expected_tensors, route_token, MlaModel};
+pub use mla::{mla_expected_tensors, MlaModel};
 pub use runner::{AttentionMode, ForwardInput, ForwardRequest, LogitsOutput, ModelRunner};
 pub use sampling::{
     apply_penalties, argmax, check_stop, stop_string_holdback, Sampler, SamplingParams, SplitMix64,

@@ -27,12 +27,15 @@
 //! softmax scale is multiplied by [`MlaConfig::softmax_mscale`]², as in HF.
 //!
 //! ## MoE routing
-//! Router logits come from the backend's matmul; the softmax, greedy top-k (ties to the lower
-//! expert index) and the weighted combination run on the host per token in rank order, and
-//! each expert's MLP runs on the backend over the rows routed to it, so a token's result does
-//! not depend on which other tokens share the batch (on a row-invariant backend).
+//! Router logits come from the backend's matmul; routing and the routed experts are one backend
+//! op, [`Backend::fused_moe`] (softmax, greedy top-k with ties to the lower expert index, each
+//! expert's MLP, a token's experts added in its rank order), over the experts' weights stacked
+//! at load time ([`MoeExperts`], SGLang's `w13` / `w2`); the shared experts are a dense MLP
+//! added after. The CPU backend runs each expert's MLP over the rows routed to it, so a token's
+//! result does not depend on which other tokens share the batch; the CUDA backend keeps the
+//! routing on the device, so the decoder's decode forward can be captured as a CUDA graph.
 
-use attention::{AttentionParams, Backend, DeviceTensor, RopeConfig};
+use attention::{AttentionParams, Backend, DeviceTensor, MoeExperts, MoeRouting, RopeConfig};
 
 use crate::config::{MlaConfig, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
@@ -59,9 +62,10 @@ enum QueryProj<B: Backend> {
 struct Moe<B: Backend> {
     /// Router `[n_routed_experts, hidden]`.
     gate: B::Tensor,
-    experts: Vec<DenseMlp<B>>,
+    /// The routed experts, stacked.
+    experts: MoeExperts<B::Tensor>,
     shared: Option<DenseMlp<B>>,
-    cfg: MoeConfig,
+    routing: MoeRouting,
 }
 
 enum Mlp<B: Backend> {
@@ -314,18 +318,9 @@ impl<B: Backend> MlaModel<B> {
             }
             let o = loader.get(&format!("{a}o_proj.weight"))?;
             let mlp = match &m.moe {
-                Some(e) if e.is_moe_layer(i) => Mlp::Moe(Moe {
-                    gate: loader.upload(&format!("{p}mlp.gate.weight"))?,
-                    experts: (0..e.n_routed_experts)
-                        .map(|x| DenseMlp::load(&loader, &format!("{p}mlp.experts.{x}.")))
-                        .collect::<Result<_>>()?,
-                    shared: if e.n_shared_experts > 0 {
-                        Some(DenseMlp::load(&loader, &format!("{p}mlp.shared_experts."))?)
-                    } else {
-                        None
-                    },
-                    cfg: e.clone(),
-                }),
+                Some(e) if e.is_moe_layer(i) => {
+                    Mlp::Moe(Moe::load(&loader, &format!("{p}mlp."), e)?)
+                }
                 _ => Mlp::Dense(DenseMlp::load(&loader, &format!("{p}mlp."))?),
             };
             layers.push(MlaLayer {
@@ -427,7 +422,7 @@ impl<B: Backend> MlaModel<B> {
         let h = backend.rms_norm(x, &w.post_norm, eps)?;
         let out = match &w.mlp {
             Mlp::Dense(mlp) => mlp.forward(backend, &h)?,
-            Mlp::Moe(moe) => moe.forward(backend, &h, n, c.hidden_size)?,
+            Mlp::Moe(moe) => moe.forward(backend, &h)?,
         };
         backend.add_assign(x, &out)?;
         Ok(())
@@ -445,74 +440,44 @@ impl<B: Backend> MlaModel<B> {
     }
 }
 
-/// Greedy top-k routing of one token: softmax over the router logits (f64), the `k` largest
-/// probabilities (ties to the lower expert index), then renormalised (if `norm_topk_prob` and
-/// `k > 1`) or scaled by `routed_scaling_factor` — HF `MoEGate` with `topk_method = greedy`.
-pub fn route_token(logits: &[f32], cfg: &MoeConfig) -> Vec<(usize, f32)> {
-    let max = logits
-        .iter()
-        .fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
-    let exps: Vec<f64> = logits.iter().map(|&l| (l as f64 - max).exp()).collect();
-    let sum: f64 = exps.iter().sum();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
-    let k = cfg.num_experts_per_tok.min(order.len());
-    let top: Vec<(usize, f64)> = order[..k].iter().map(|&e| (e, exps[e] / sum)).collect();
-    let total: f64 = top.iter().map(|x| x.1).sum();
-    top.into_iter()
-        .map(|(e, p)| {
-            let w = if k > 1 && cfg.norm_topk_prob {
-                p / (total + 1e-20)
-            } else {
-                p * cfg.routed_scaling_factor
-            };
-            (e, w as f32)
-        })
-        .collect()
-}
-
 impl<B: Backend> Moe<B> {
-    /// Routed experts (weighted by the router) plus the shared experts, `[n, hidden]`.
-    fn forward(&self, backend: &B, h: &B::Tensor, n: usize, d: usize) -> Result<B::Tensor> {
-        let logits = backend.download(&backend.matmul(h, &self.gate)?)?;
-        let e = self.cfg.n_routed_experts;
-        let routes: Vec<Vec<(usize, f32)>> = (0..n)
-            .map(|t| route_token(&logits[t * e..(t + 1) * e], &self.cfg))
-            .collect();
-        // Per expert: the tokens routed to it (ascending) and its output rows.
-        let mut outputs: Vec<Option<(Vec<u32>, Vec<f32>)>> = Vec::with_capacity(e);
-        for (x, expert) in self.experts.iter().enumerate() {
-            let rows: Vec<u32> = (0..n)
-                .filter(|&t| routes[t].iter().any(|&(ex, _)| ex == x))
-                .map(|t| t as u32)
-                .collect();
-            if rows.is_empty() {
-                outputs.push(None);
-                continue;
-            }
-            let sel = backend.embedding(h, &rows)?;
-            let y = backend.download(&expert.forward(backend, &sel)?)?;
-            outputs.push(Some((rows, y)));
-        }
-        // Combine per token in its rank order, so the sum never depends on the batch.
-        let mut out = vec![0.0f32; n * d];
-        for (t, route) in routes.iter().enumerate() {
-            let dst = &mut out[t * d..(t + 1) * d];
-            for &(x, wgt) in route {
-                if let Some((rows, y)) = &outputs[x] {
-                    let i =
-                        rows.binary_search(&(t as u32))
-                            .map_err(|_| ModelError::InvalidInput {
-                                request: 0,
-                                reason: format!("token {t} lost its expert {x} row"),
-                            })?;
-                    for (o, &v) in dst.iter_mut().zip(&y[i * d..(i + 1) * d]) {
-                        *o += wgt * v;
-                    }
-                }
-            }
-        }
-        let mut routed = backend.upload(&out, &[n, d])?;
+    /// Loads the router, the routed experts stacked ([`MoeExperts`]) and the shared experts
+    /// of the layer under `prefix` (`model.layers.{i}.mlp.`).
+    fn load(loader: &Loader<'_, B>, prefix: &str, cfg: &MoeConfig) -> Result<Self> {
+        let expert = |x: usize, names: &[&str]| -> Vec<String> {
+            names
+                .iter()
+                .map(|n| format!("{prefix}experts.{x}.{n}_proj.weight"))
+                .collect()
+        };
+        let e = cfg.n_routed_experts;
+        let gate_up: Vec<Vec<String>> = (0..e).map(|x| expert(x, &["gate", "up"])).collect();
+        let down: Vec<Vec<String>> = (0..e).map(|x| expert(x, &["down"])).collect();
+        Ok(Moe {
+            gate: loader.upload(&format!("{prefix}gate.weight"))?,
+            experts: MoeExperts {
+                gate_up: loader.upload_stacked(&gate_up)?,
+                down: loader.upload_stacked(&down)?,
+                intermediate: cfg.moe_intermediate_size,
+            },
+            shared: if cfg.n_shared_experts > 0 {
+                Some(DenseMlp::load(loader, &format!("{prefix}shared_experts."))?)
+            } else {
+                None
+            },
+            routing: MoeRouting {
+                top_k: cfg.num_experts_per_tok,
+                renormalize: cfg.norm_topk_prob,
+                routed_scaling_factor: cfg.routed_scaling_factor,
+            },
+        })
+    }
+
+    /// Routed experts (weighted by the router, [`Backend::fused_moe`]) plus the shared
+    /// experts, `[n, hidden]`.
+    fn forward(&self, backend: &B, h: &B::Tensor) -> Result<B::Tensor> {
+        let logits = backend.matmul(h, &self.gate)?;
+        let mut routed = backend.fused_moe(h, &logits, &self.experts, &self.routing)?;
         if let Some(shared) = &self.shared {
             let s = shared.forward(backend, h)?;
             backend.add_assign(&mut routed, &s)?;

@@ -1,10 +1,11 @@
 //! The dense-op checks: matmul, RMSNorm, every rotary variant, SiLU-and-mul, residual add,
-//! embedding, concatenation and logits against the f64 reference.
+//! embedding, concatenation, logits and mixture-of-experts layers against the f64 reference.
 
 use kv_pool::rng::SplitMix64;
 
 use crate::backend::{Backend, DeviceTensor};
 use crate::error::Result;
+use crate::moe::{MoeExperts, MoeRouting};
 use crate::reference;
 use crate::rope::{RopeConfig, RopeScaling, RopeStyle};
 
@@ -15,7 +16,7 @@ use super::outcome::{relative_error, Outcome};
 const DENSE_BOUND: f64 = 1e-5;
 
 /// Runs the dense-op checks (matmul, RMSNorm, rotary variants, SiLU-and-mul, residual add,
-/// embedding, concat_last, logits) against the f64 reference.
+/// embedding, concat_last, logits, fused_moe) against the f64 reference.
 pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
     let mut rng = SplitMix64::new(0xD15E);
     let mut out = Vec::new();
@@ -176,6 +177,41 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
             format!("concat_last {shape:?} {da}+{db}"),
             relative_error(&backend.download(&got)?, &want),
             0.0,
+        );
+    }
+    // Mixture of experts: one token (decode), a batch where experts share tokens, renormalised
+    // and scaled weights, every expert chosen (top_k = experts).
+    for &(n, d, e, i, top_k, renormalize) in &[
+        (1, 64, 8, 32, 2, true),
+        (5, 48, 4, 24, 1, false),
+        (9, 64, 16, 40, 6, false),
+        (3, 32, 3, 16, 3, true),
+    ] {
+        let routing = MoeRouting {
+            top_k,
+            renormalize,
+            routed_scaling_factor: 2.5,
+        };
+        let h = nonzero_vec(&mut rng, n * d);
+        let logits = nonzero_vec(&mut rng, n * e);
+        let gate_up = nonzero_vec(&mut rng, e * 2 * i * d);
+        let down = nonzero_vec(&mut rng, e * d * i);
+        let experts = MoeExperts {
+            gate_up: backend.upload(&gate_up, &[e, 2 * i * d])?,
+            down: backend.upload(&down, &[e, d * i])?,
+            intermediate: i,
+        };
+        let got = backend.fused_moe(
+            &backend.upload(&h, &[n, d])?,
+            &backend.upload(&logits, &[n, e])?,
+            &experts,
+            &routing,
+        )?;
+        let want = reference::fused_moe(&h, &logits, &gate_up, &down, (n, d, e, i), &routing);
+        push(
+            format!("fused_moe {n}x{d} top {top_k} of {e} experts of {i}"),
+            relative_error(&backend.download(&got)?, &want),
+            DENSE_BOUND,
         );
     }
     Ok(out)

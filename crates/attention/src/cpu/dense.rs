@@ -38,6 +38,15 @@ impl Weights<'_> {
         }
     }
 
+    /// Elements `range` (a block of whole rows: one expert's matrix of stacked weights).
+    pub(crate) fn slice(&self, range: std::ops::Range<usize>) -> Self {
+        match self {
+            Weights::F32(w) => Weights::F32(&w[range]),
+            Weights::F16(w) => Weights::F16(&w[range]),
+            Weights::Bf16(w) => Weights::Bf16(&w[range]),
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             Weights::F32(w) => w.len(),

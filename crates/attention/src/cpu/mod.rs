@@ -37,6 +37,7 @@ use crate::backend::{Backend, DeviceTensor, TensorDtype};
 use crate::check;
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
+use crate::moe::{self, MoeExperts, MoeRouting};
 use crate::params::AttentionParams;
 use crate::rope::RopeConfig;
 
@@ -409,6 +410,31 @@ impl Backend for CpuBackend {
             }
         }
         CpuTensor::new(out, &[ids.len(), d])
+    }
+
+    /// The host algorithm ([`moe::fused_moe_on_host`]) with each expert's matmuls reading its
+    /// rows of the stacked weights in place (in their stored type, as a separate weight's
+    /// matmul would: the same bits).
+    fn fused_moe(
+        &self,
+        h: &CpuTensor,
+        router_logits: &CpuTensor,
+        experts: &MoeExperts<CpuTensor>,
+        routing: &MoeRouting,
+    ) -> Result<CpuTensor> {
+        let (i, d) = (experts.intermediate, h.shape.get(1).copied().unwrap_or(0));
+        let (gate_up, down) = (experts.gate_up.weights(), experts.down.weights());
+        moe::fused_moe_on_host(self, h, router_logits, experts, routing, |x, rows| {
+            let m = rows.shape[0];
+            let mut gu = buffers::take(m * 2 * i);
+            let w = gate_up.slice(x * 2 * i * d..(x + 1) * 2 * i * d);
+            dense::matmul(&self.pool, rows.f32s("fused_moe")?, w, m, d, 2 * i, &mut gu);
+            let act = self.silu_mul(&CpuTensor::new(gu, &[m, 2 * i])?)?;
+            let mut out = buffers::take(m * d);
+            let w = down.slice(x * d * i..(x + 1) * d * i);
+            dense::matmul(&self.pool, act.f32s("fused_moe")?, w, m, i, d, &mut out);
+            CpuTensor::new(out, &[m, d])
+        })
     }
 
     fn plan(&self, meta: &BatchMetadata) -> Result<CpuPlan> {

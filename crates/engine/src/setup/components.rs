@@ -323,7 +323,7 @@ fn cuda_probe(
 
 /// Captures the decode forward of `runner` as CUDA graphs (`--cuda-graph-max-bs`, up to
 /// `--max-running-requests`, for requests up to `--context-length`), unless
-/// `--disable-cuda-graph`. A forward that cannot be captured (the MLA decoder's MoE routing reads back to
+/// `--disable-cuda-graph`. A forward that cannot be captured (one that reads a tensor back to
 /// the host) leaves decode eager, said on stderr.
 #[cfg(any(feature = "cuda", feature = "cuda-13"))]
 fn enable_cuda_graphs<D: attention_cuda::Device + 'static>(
