@@ -217,3 +217,64 @@ fn emu_decode_bandwidth_measures_every_page_family() {
         assert!(t.seconds > 0.0 && t.gbps() > 0.0, "{t:?}");
     }
 }
+
+/// `fused_moe` on the device groups a batch's rows by expert into tiles; a token's output is
+/// still bitwise the same alone as in a batch of 40 (where experts get several tiles, shared
+/// with other tokens); more experts than `moe_align` groups for is a typed error.
+#[test]
+fn emu_fused_moe_rows_do_not_depend_on_the_batch() {
+    use attention::moe::{MoeExperts, MoeRouting};
+    use attention::AttentionError;
+    let Some(b) = backend("emu_fused_moe_batch_invariance", CudaConfig::default()) else {
+        return;
+    };
+    let (n, d, e, i) = (40, 24, 4, 20);
+    let mut rng = kv_pool::rng::SplitMix64::new(0x3E);
+    let h = conformance::nonzero_vec(&mut rng, n * d);
+    let logits = conformance::nonzero_vec(&mut rng, n * e);
+    let experts = MoeExperts {
+        gate_up: b
+            .upload(
+                &conformance::nonzero_vec(&mut rng, e * 2 * i * d),
+                &[e, 2 * i * d],
+            )
+            .unwrap(),
+        down: b
+            .upload(&conformance::nonzero_vec(&mut rng, e * d * i), &[e, d * i])
+            .unwrap(),
+        intermediate: i,
+    };
+    let routing = MoeRouting {
+        top_k: 2,
+        renormalize: true,
+        routed_scaling_factor: 1.0,
+    };
+    let moe = |rows: std::ops::Range<usize>| {
+        let m = rows.len();
+        let x = b.upload(&h[rows.start * d..rows.end * d], &[m, d]).unwrap();
+        let l = b
+            .upload(&logits[rows.start * e..rows.end * e], &[m, e])
+            .unwrap();
+        let out = b.fused_moe(&x, &l, &experts, &routing).unwrap();
+        b.download(&out).unwrap()
+    };
+    let batch = moe(0..n);
+    for t in [0, 17, n - 1] {
+        let alone: Vec<u32> = moe(t..t + 1).iter().map(|x| x.to_bits()).collect();
+        let within: Vec<u32> = batch[t * d..(t + 1) * d]
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(alone, within, "token {t}");
+    }
+    let many = attention_cuda::geometry::MOE_MAX_EXPERTS + 1;
+    let too_many = MoeExperts {
+        gate_up: b.upload(&vec![0.5; many * 2], &[many, 2]).unwrap(),
+        down: b.upload(&vec![0.5; many], &[many, 1]).unwrap(),
+        intermediate: 1,
+    };
+    let x = b.upload(&[0.5], &[1, 1]).unwrap();
+    let l = b.upload(&vec![0.5; many], &[1, many]).unwrap();
+    let err = b.fused_moe(&x, &l, &too_many, &routing).unwrap_err();
+    assert!(matches!(err, AttentionError::Unsupported(_)), "{err:?}");
+}

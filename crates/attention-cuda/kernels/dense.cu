@@ -111,7 +111,12 @@ KVS_KERNEL void concat_last(const float* a, const float* b, float* out, unsigned
     }
 }
 
-// Mixture of experts (SGLang's FusedMoE), three kernels that keep the routing on the device.
+// Mixture of experts (SGLang's FusedMoE): kernels that keep the routing on the device.
+
+// Rows of one expert a moe_matmul block computes (and its outputs per block).
+#define MOE_TILE 16
+// The most experts moe_align groups rows for (its shared-memory tables).
+#define MOE_MAX_EXPERTS 512
 
 // Greedy top-k routing, one thread per token: softmax over logits[t, 0..experts), the k largest
 // (ties to the lower expert index: the j-th pick is the largest logit below the previous pick
@@ -161,33 +166,96 @@ KVS_KERNEL void moe_topk(const float* logits, unsigned int* ids, float* weights,
     }
 }
 
-// The experts' matmuls: out[r, c] = x[r / x_div] · w[ids[r]][c, :] for the rows r < rows of
-// (token, rank) pairs, w stacked as [experts, n, kdim]; x_div is top-k for the gate/up
-// projection (each of a token's rows reads its hidden row) and 1 for the down projection. One
-// warp per output element, lanes striding kdim (coalesced weight rows), summed by a fixed
-// butterfly: the result of a row never depends on the others (batch-invariant). Grid: x over
-// rows, y over groups of blockDim.x / WARP_SIZE outputs.
-KVS_KERNEL void moe_matmul(const float* x, const float* w, const unsigned int* ids, float* out,
-                           unsigned int rows, unsigned int x_div, unsigned int kdim,
-                           unsigned int n) {
-    unsigned int warps = blockDim.x / WARP_SIZE;
-    unsigned int lane = threadIdx.x % WARP_SIZE;
-    size_t c = (size_t)blockIdx.y * warps + threadIdx.x / WARP_SIZE;
-    size_t r = blockIdx.x;
-    // c and r are the same for the warp's lanes, so whole warps leave (the shuffles below
-    // need every lane).
-    if (r >= rows || c >= n) {
-        return;
+// Rows of (token, rank) pairs grouped by expert (SGLang's moe_align_block_size), one block:
+// sorted[] holds the rows of expert 0 in ascending order, then expert 1's, …; tiles[] one
+// (expert, first index into sorted, row count ≤ MOE_TILE) triple per MOE_TILE rows of an
+// expert, and count 0 in the unused tail (there are at most rows / MOE_TILE + experts tiles,
+// the grid moe_matmul is launched with). experts ≤ MOE_MAX_EXPERTS (checked on the host).
+KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigned int* tiles,
+                          unsigned int rows, unsigned int experts, unsigned int max_tiles) {
+    __shared__ unsigned int count[MOE_MAX_EXPERTS];
+    __shared__ unsigned int first_row[MOE_MAX_EXPERTS];
+    __shared__ unsigned int first_tile[MOE_MAX_EXPERTS + 1];
+    for (unsigned int e = threadIdx.x; e < experts; e += blockDim.x) {
+        unsigned int c = 0;
+        for (unsigned int r = 0; r < rows; ++r) {
+            c += ids[r] == e;
+        }
+        count[e] = c;
     }
-    const float* xr = x + (r / x_div) * kdim;
-    const float* wr = w + ((size_t)ids[r] * n + c) * kdim;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int row = 0;
+        unsigned int tile = 0;
+        for (unsigned int e = 0; e < experts; ++e) {
+            first_row[e] = row;
+            first_tile[e] = tile;
+            row += count[e];
+            tile += (count[e] + MOE_TILE - 1) / MOE_TILE;
+        }
+        first_tile[experts] = tile;
+    }
+    __syncthreads();
+    for (unsigned int e = threadIdx.x; e < experts; e += blockDim.x) {
+        unsigned int at = first_row[e];
+        for (unsigned int r = 0; r < rows; ++r) {
+            if (ids[r] == e) {
+                sorted[at++] = r;
+            }
+        }
+        for (unsigned int t = 0; t < first_tile[e + 1] - first_tile[e]; ++t) {
+            unsigned int* tile = tiles + 3 * (size_t)(first_tile[e] + t);
+            unsigned int left = count[e] - t * MOE_TILE;
+            tile[0] = e;
+            tile[1] = first_row[e] + t * MOE_TILE;
+            tile[2] = left < MOE_TILE ? left : MOE_TILE;
+        }
+    }
+    for (unsigned int t = first_tile[experts] + threadIdx.x; t < max_tiles; t += blockDim.x) {
+        tiles[3 * (size_t)t + 2] = 0;
+    }
+}
+
+// The experts' matmuls over moe_align's tiles: out[r, c] = x[r / x_div] · w[e][c, :] for the
+// rows r of a tile of expert e, w stacked as [experts, n, kdim]; x_div is top-k for the
+// gate/up projection (each of a token's rows reads its hidden row) and 1 for the down
+// projection. One block of MOE_TILE² threads per tile and MOE_TILE outputs (grid.x over
+// tiles, grid.y over outputs), staged through shared memory as `matmul` stages its tiles: an
+// expert's weights are read once per tile of its rows, not once per row. Each output is one
+// dot product summed in k order, whatever rows share its tile (batch-invariant, and the bits
+// of `matmul` on that row).
+KVS_KERNEL void moe_matmul(const float* x, const float* w, const unsigned int* sorted,
+                           const unsigned int* tiles, float* out, unsigned int x_div,
+                           unsigned int kdim, unsigned int n) {
+    __shared__ float xs[MOE_TILE][MOE_TILE + 1];
+    __shared__ float ws[MOE_TILE][MOE_TILE + 1];
+    const unsigned int* tile = tiles + 3 * (size_t)blockIdx.x;
+    unsigned int expert = tile[0];
+    unsigned int first = tile[1];
+    unsigned int count = tile[2];
+    if (count == 0) {
+        return;  // the whole block: an unused tile
+    }
+    unsigned int tx = threadIdx.x % MOE_TILE;
+    unsigned int ty = threadIdx.x / MOE_TILE;
+    unsigned int col = blockIdx.y * MOE_TILE + tx;
+    unsigned int wrow = blockIdx.y * MOE_TILE + ty;
+    size_t row = ty < count ? sorted[first + ty] : 0;
+    const float* xr = x + (row / x_div) * kdim;
+    const float* we = w + (size_t)expert * n * kdim;
     float acc = 0.0f;
-    for (unsigned int i = lane; i < kdim; i += WARP_SIZE) {
-        acc += xr[i] * wr[i];
+    for (unsigned int k0 = 0; k0 < kdim; k0 += MOE_TILE) {
+        unsigned int kk = k0 + tx;
+        xs[ty][tx] = (ty < count && kk < kdim) ? xr[kk] : 0.0f;
+        ws[ty][tx] = (wrow < n && kk < kdim) ? we[(size_t)wrow * kdim + kk] : 0.0f;
+        __syncthreads();
+        for (unsigned int i = 0; i < MOE_TILE; ++i) {
+            acc += xs[ty][i] * ws[tx][i];
+        }
+        __syncthreads();
     }
-    acc = kvs_warp_sum(acc);
-    if (lane == 0) {
-        out[r * n + c] = acc;
+    if (ty < count && col < n) {
+        out[row * n + col] = acc;
     }
 }
 

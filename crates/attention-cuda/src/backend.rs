@@ -270,26 +270,34 @@ impl<D: Device> CudaBackend<D> {
     }
 }
 
+/// A batch's (token, rank) rows grouped by expert (`moe_align`'s output): the rows in expert
+/// order and the tile table `moe_matmul` walks.
+struct MoeGroups<'a, B> {
+    sorted: &'a B,
+    tiles: &'a B,
+    count: usize,
+}
+
 impl<D: Device> CudaBackend<D> {
-    /// `moe_matmul` over `(rows, x_div, kdim, n)`: `out[r] = x[r / x_div] · w[ids[r]]ᵀ` with
-    /// `w` an expert's `[n, kdim]` matrix per row.
+    /// `moe_matmul` over `(x_div, kdim, n)`: for every grouped row `r`, `out[r] = x[r / x_div]
+    /// · w[expert(r)]ᵀ` with `w` an expert's `[n, kdim]` matrix per row of the stack.
     fn moe_matmul(
         &self,
         x: &CudaTensor<D>,
         w: &CudaTensor<D>,
-        ids: &D::Buffer,
+        groups: &MoeGroups<'_, D::Buffer>,
         out: &CudaTensor<D>,
-        (rows, x_div, kdim, n): (usize, usize, usize, usize),
+        (x_div, kdim, n): (usize, usize, usize),
     ) -> Result<()> {
         self.dense(
             "moe_matmul",
-            geometry::moe_matmul(rows, n)?,
+            geometry::moe_matmul(groups.count, n)?,
             &[
                 KernelArg::Buf(&x.buf),
                 KernelArg::Buf(&w.buf),
-                KernelArg::Buf(ids),
+                KernelArg::Buf(groups.sorted),
+                KernelArg::Buf(groups.tiles),
                 KernelArg::Buf(&out.buf),
-                KernelArg::U32(dim("rows", rows)?),
                 KernelArg::U32(dim("top_k", x_div)?),
                 KernelArg::U32(dim("kdim", kdim)?),
                 KernelArg::U32(dim("n", n)?),
@@ -700,14 +708,15 @@ impl<D: Device> Backend for CudaBackend<D> {
         Ok(out)
     }
 
-    /// On the device, in four launches and no read-back (so a decode forward with MoE layers
-    /// captures): `moe_topk` routes every token (ids and weights in device memory),
-    /// `moe_matmul` runs every (token, rank) row through its expert's gate and up rows,
-    /// `silu_mul`, `moe_matmul` again through the expert's down rows, and `moe_combine` adds a
-    /// token's rows weighted, in rank order. Each (token, rank) row is one expert's matmul of
-    /// one hidden row, whatever the batch, so results are batch-invariant; a batch whose
-    /// tokens share an expert reads its weights once per token (decode's few tokens; a
-    /// grouped GEMM for prefill is a follow-up).
+    /// On the device, with no read-back (so a decode forward with MoE layers captures):
+    /// `moe_topk` routes every token (ids and weights in device memory), `moe_align` groups
+    /// the (token, rank) rows by expert into tiles (SGLang's `moe_align_block_size`),
+    /// `moe_matmul` runs each tile through its expert's gate and up rows, `silu_mul`,
+    /// `moe_matmul` again through the expert's down rows, and `moe_combine` adds a token's
+    /// rows weighted, in rank order. An expert's weights are read once per tile of up to
+    /// [`geometry::MOE_TILE`] of its rows; every output is one dot product in k order whatever
+    /// shares its tile, so results are batch-invariant. Every buffer and grid is sized by the
+    /// batch alone (tiles: [`geometry::moe_tiles`]), as a graph replay needs.
     fn fused_moe(
         &self,
         h: &CudaTensor<D>,
@@ -723,11 +732,18 @@ impl<D: Device> Backend for CudaBackend<D> {
             dims.intermediate,
             dims.top_k,
         );
+        if e > geometry::MOE_MAX_EXPERTS {
+            return Err(AttentionError::Unsupported(format!(
+                "fused_moe: {e} experts; the kernels group rows for at most {}",
+                geometry::MOE_MAX_EXPERTS
+            )));
+        }
         let out = self.zeros(&[n, d])?;
         if n == 0 {
             return Ok(out);
         }
         let rows = n * k;
+        let tiles = geometry::moe_tiles(rows, e);
         let ids = self.alloc(rows * 4)?;
         let weights = self.zeros(&[n, k])?;
         self.dense(
@@ -744,11 +760,30 @@ impl<D: Device> Backend for CudaBackend<D> {
                 KernelArg::F32(routing.routed_scaling_factor as f32),
             ],
         )?;
+        let sorted = self.alloc(rows * 4)?;
+        let tile_table = self.alloc(tiles * 3 * 4)?;
+        self.dense(
+            "moe_align",
+            geometry::per_row("moe_align", 1, THREADS)?,
+            &[
+                KernelArg::Buf(&ids),
+                KernelArg::Buf(&sorted),
+                KernelArg::Buf(&tile_table),
+                KernelArg::U32(dim("rows", rows)?),
+                KernelArg::U32(dim("experts", e)?),
+                KernelArg::U32(dim("tiles", tiles)?),
+            ],
+        )?;
+        let grouped: MoeGroups<'_, D::Buffer> = MoeGroups {
+            sorted: &sorted,
+            tiles: &tile_table,
+            count: tiles,
+        };
         let gate_up = self.zeros(&[rows, 2 * i])?;
-        self.moe_matmul(h, &experts.gate_up, &ids, &gate_up, (rows, k, d, 2 * i))?;
+        self.moe_matmul(h, &experts.gate_up, &grouped, &gate_up, (k, d, 2 * i))?;
         let act = self.silu_mul(&gate_up)?;
         let down = self.zeros(&[rows, d])?;
-        self.moe_matmul(&act, &experts.down, &ids, &down, (rows, 1, i, d))?;
+        self.moe_matmul(&act, &experts.down, &grouped, &down, (1, i, d))?;
         self.dense(
             "moe_combine",
             geometry::elementwise("moe_combine", n * d)?,

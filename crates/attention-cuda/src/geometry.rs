@@ -15,8 +15,10 @@ pub const ROW_THREADS: u32 = 128;
 /// `MATMUL_TILE` in `dense.cu`: a matmul block computes a tile of this many rows and columns.
 pub const MATMUL_TILE: u32 = 16;
 
-/// Warps per `moe_matmul` block (each computes one output element).
-pub const MOE_WARPS: u32 = 8;
+/// `MOE_TILE` in `dense.cu`: rows of one expert (and outputs) a `moe_matmul` block computes.
+pub const MOE_TILE: u32 = 16;
+/// `MOE_MAX_EXPERTS` in `dense.cu`: the most experts `moe_align` groups rows for.
+pub const MOE_MAX_EXPERTS: usize = 512;
 
 /// CUDA's largest grid along x.
 const MAX_GRID_X: u64 = (1 << 31) - 1;
@@ -58,17 +60,20 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `moe_matmul` for `rows` (token, rank) rows of `n` outputs: one warp per output, a block of
-/// [`MOE_WARPS`] warps over consecutive outputs of one row (x over rows, y over outputs: a
-/// prefill's rows outnumber the y limit).
-pub fn moe_matmul(rows: usize, n: usize) -> Result<LaunchConfig> {
+/// Tiles `moe_align` may fill for `rows` (token, rank) rows over `experts` experts: each
+/// expert's rows in tiles of [`MOE_TILE`], at most `⌈rows / MOE_TILE⌉ + experts` of them
+/// (the grid of `moe_matmul`, fixed by the batch's size alone so a graph can replay it).
+pub fn moe_tiles(rows: usize, experts: usize) -> usize {
+    rows.div_ceil(MOE_TILE as usize) + experts
+}
+
+/// `moe_matmul` over `tiles` tiles of `n` outputs: one block of [`MOE_TILE`]² threads per
+/// tile and [`MOE_TILE`] outputs (x over tiles, y over outputs).
+pub fn moe_matmul(tiles: usize, n: usize) -> Result<LaunchConfig> {
+    let t = MOE_TILE as u64;
     Ok(LaunchConfig {
-        grid: grid(
-            "moe_matmul",
-            rows as u64,
-            (n as u64).div_ceil(MOE_WARPS as u64),
-        )?,
-        block: MOE_WARPS * 32,
+        grid: grid("moe_matmul", tiles as u64, (n as u64).div_ceil(t))?,
+        block: MOE_TILE * MOE_TILE,
     })
 }
 
@@ -109,10 +114,16 @@ mod tests {
             ("matmul 33x96", matmul(33, 96).unwrap()),
             ("matmul 1x17", matmul(1, 17).unwrap()),
             ("attention 5x32", attention(5, 32, split).unwrap()),
-            // DeepSeek-V2-Lite: one decode token's 6 experts (gate/up rows of 2 · 1408), and
-            // a 16384-token prefill's down projection (98304 rows: past y's limit, so on x).
-            ("moe_matmul 6x2816", moe_matmul(6, 2816).unwrap()),
-            ("moe_matmul 98304x2048", moe_matmul(98_304, 2048).unwrap()),
+            // DeepSeek-V2-Lite (64 experts): one decode token's 6 rows through gate/up
+            // (2 · 1408 outputs), and a 16384-token prefill's 98304 rows through down (2048).
+            (
+                "moe_matmul 6x2816",
+                moe_matmul(moe_tiles(6, 64), 2816).unwrap(),
+            ),
+            (
+                "moe_matmul 98304x2048",
+                moe_matmul(moe_tiles(98_304, 64), 2048).unwrap(),
+            ),
         ];
         for (name, cfg) in rows {
             writeln!(text, "{name:<18} grid {:?} block {}", cfg.grid, cfg.block).unwrap();

@@ -40,6 +40,7 @@ impl Source {
                 "embedding",
                 "concat_last",
                 "moe_topk",
+                "moe_align",
                 "moe_matmul",
                 "moe_combine",
             ],

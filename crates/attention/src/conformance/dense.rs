@@ -180,12 +180,14 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
         );
     }
     // Mixture of experts: one token (decode), a batch where experts share tokens, renormalised
-    // and scaled weights, every expert chosen (top_k = experts).
+    // and scaled weights, every expert chosen (top_k = experts), and experts with more rows
+    // than a device tile of 16 over widths that are not multiples of it.
     for &(n, d, e, i, top_k, renormalize) in &[
         (1, 64, 8, 32, 2, true),
         (5, 48, 4, 24, 1, false),
         (9, 64, 16, 40, 6, false),
         (3, 32, 3, 16, 3, true),
+        (40, 40, 4, 20, 2, false),
     ] {
         let routing = MoeRouting {
             top_k,
