@@ -3,29 +3,42 @@
 
 #define MATMUL_TILE 16
 
-// out[m, n] = x[m, k] · w[n, k]ᵀ. One block of MATMUL_TILE² threads per MATMUL_TILE² output
-// tile (grid.x over n, grid.y over m); both operands are staged through shared memory one
-// MATMUL_TILE-wide slice of k at a time.
-KVS_KERNEL void matmul(const float* x, const float* w, float* out, unsigned int m, unsigned int k,
-                       unsigned int n) {
+// One output of a MATMUL_TILE² block's tile of rows × columns: thread (ty, tx) =
+// (threadIdx.x / MATMUL_TILE, threadIdx.x % MATMUL_TILE) gets the dot product of its row's x
+// (`xr`: the tile's row ty, nullptr past the rows) with the weight row of column tx, where each
+// thread passes the tile's weight row ty as `wr` (nullptr past the columns): both staged
+// through shared memory one MATMUL_TILE-wide slice of k at a time, summed in k order (so an
+// output's bits depend on its row and column alone). Every thread of the block calls it.
+__device__ inline float kvs_tile_dot(const float* xr, const float* wr, unsigned int k) {
     __shared__ float xs[MATMUL_TILE][MATMUL_TILE + 1];
     __shared__ float ws[MATMUL_TILE][MATMUL_TILE + 1];
     unsigned int tx = threadIdx.x % MATMUL_TILE;
     unsigned int ty = threadIdx.x / MATMUL_TILE;
-    unsigned int row = blockIdx.y * MATMUL_TILE + ty;
-    unsigned int col = blockIdx.x * MATMUL_TILE + tx;
-    unsigned int wrow = blockIdx.x * MATMUL_TILE + ty;
     float acc = 0.0f;
     for (unsigned int k0 = 0; k0 < k; k0 += MATMUL_TILE) {
         unsigned int kk = k0 + tx;
-        xs[ty][tx] = (row < m && kk < k) ? x[(size_t)row * k + kk] : 0.0f;
-        ws[ty][tx] = (wrow < n && kk < k) ? w[(size_t)wrow * k + kk] : 0.0f;
+        xs[ty][tx] = (xr != nullptr && kk < k) ? xr[kk] : 0.0f;
+        ws[ty][tx] = (wr != nullptr && kk < k) ? wr[kk] : 0.0f;
         __syncthreads();
         for (unsigned int i = 0; i < MATMUL_TILE; ++i) {
             acc += xs[ty][i] * ws[tx][i];
         }
         __syncthreads();
     }
+    return acc;
+}
+
+// out[m, n] = x[m, k] · w[n, k]ᵀ. One block of MATMUL_TILE² threads per MATMUL_TILE² output
+// tile (grid.x over n, grid.y over m), by kvs_tile_dot.
+KVS_KERNEL void matmul(const float* x, const float* w, float* out, unsigned int m, unsigned int k,
+                       unsigned int n) {
+    unsigned int tx = threadIdx.x % MATMUL_TILE;
+    unsigned int ty = threadIdx.x / MATMUL_TILE;
+    unsigned int row = blockIdx.y * MATMUL_TILE + ty;
+    unsigned int col = blockIdx.x * MATMUL_TILE + tx;
+    unsigned int wrow = blockIdx.x * MATMUL_TILE + ty;
+    float acc = kvs_tile_dot(row < m ? x + (size_t)row * k : nullptr,
+                             wrow < n ? w + (size_t)wrow * k : nullptr, k);
     if (row < m && col < n) {
         out[(size_t)row * n + col] = acc;
     }
@@ -113,8 +126,9 @@ KVS_KERNEL void concat_last(const float* a, const float* b, float* out, unsigned
 
 // Mixture of experts (SGLang's FusedMoE): kernels that keep the routing on the device.
 
-// Rows of one expert a moe_matmul block computes (and its outputs per block).
-#define MOE_TILE 16
+// Rows of one expert a moe_matmul block computes (and its outputs per block): its tiles are
+// kvs_tile_dot's.
+#define MOE_TILE MATMUL_TILE
 // The most experts moe_align groups rows for (its shared-memory tables).
 #define MOE_MAX_EXPERTS 512
 
@@ -220,15 +234,12 @@ KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigne
 // rows r of a tile of expert e, w stacked as [experts, n, kdim]; x_div is top-k for the
 // gate/up projection (each of a token's rows reads its hidden row) and 1 for the down
 // projection. One block of MOE_TILE² threads per tile and MOE_TILE outputs (grid.x over
-// tiles, grid.y over outputs), staged through shared memory as `matmul` stages its tiles: an
-// expert's weights are read once per tile of its rows, not once per row. Each output is one
-// dot product summed in k order, whatever rows share its tile (batch-invariant, and the bits
-// of `matmul` on that row).
+// tiles, grid.y over outputs), by kvs_tile_dot as `matmul`: an expert's weights are read once
+// per tile of its rows, not once per row. Each output is one dot product summed in k order,
+// whatever rows share its tile (batch-invariant, and the bits of `matmul` on that row).
 KVS_KERNEL void moe_matmul(const float* x, const float* w, const unsigned int* sorted,
                            const unsigned int* tiles, float* out, unsigned int x_div,
                            unsigned int kdim, unsigned int n) {
-    __shared__ float xs[MOE_TILE][MOE_TILE + 1];
-    __shared__ float ws[MOE_TILE][MOE_TILE + 1];
     const unsigned int* tile = tiles + 3 * (size_t)blockIdx.x;
     unsigned int expert = tile[0];
     unsigned int first = tile[1];
@@ -236,24 +247,14 @@ KVS_KERNEL void moe_matmul(const float* x, const float* w, const unsigned int* s
     if (count == 0) {
         return;  // the whole block: an unused tile
     }
-    unsigned int tx = threadIdx.x % MOE_TILE;
-    unsigned int ty = threadIdx.x / MOE_TILE;
-    unsigned int col = blockIdx.y * MOE_TILE + tx;
-    unsigned int wrow = blockIdx.y * MOE_TILE + ty;
+    unsigned int tx = threadIdx.x % MATMUL_TILE;
+    unsigned int ty = threadIdx.x / MATMUL_TILE;
+    unsigned int col = blockIdx.y * MATMUL_TILE + tx;
+    unsigned int wrow = blockIdx.y * MATMUL_TILE + ty;
     size_t row = ty < count ? sorted[first + ty] : 0;
-    const float* xr = x + (row / x_div) * kdim;
     const float* we = w + (size_t)expert * n * kdim;
-    float acc = 0.0f;
-    for (unsigned int k0 = 0; k0 < kdim; k0 += MOE_TILE) {
-        unsigned int kk = k0 + tx;
-        xs[ty][tx] = (ty < count && kk < kdim) ? xr[kk] : 0.0f;
-        ws[ty][tx] = (wrow < n && kk < kdim) ? we[(size_t)wrow * kdim + kk] : 0.0f;
-        __syncthreads();
-        for (unsigned int i = 0; i < MOE_TILE; ++i) {
-            acc += xs[ty][i] * ws[tx][i];
-        }
-        __syncthreads();
-    }
+    float acc = kvs_tile_dot(ty < count ? x + (row / x_div) * kdim : nullptr,
+                             wrow < n ? we + (size_t)wrow * kdim : nullptr, kdim);
     if (ty < count && col < n) {
         out[row * n + col] = acc;
     }
