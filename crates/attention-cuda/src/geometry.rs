@@ -61,10 +61,11 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
 }
 
 /// Tiles `moe_align` may fill for `rows` (token, rank) rows over `experts` experts: each
-/// expert's rows in tiles of [`MOE_TILE`], at most `⌈rows / MOE_TILE⌉ + experts` of them
-/// (the grid of `moe_matmul`, fixed by the batch's size alone so a graph can replay it).
+/// expert's rows in tiles of [`MOE_TILE`], so at most `⌈rows / MOE_TILE⌉ + experts` of them,
+/// and at most `rows` (a tile holds a row): the grid of `moe_matmul`, fixed by the batch's
+/// size alone so a graph can replay it (a decode token's 6 rows over 64 experts: 6 tiles).
 pub fn moe_tiles(rows: usize, experts: usize) -> usize {
-    rows.div_ceil(MOE_TILE as usize) + experts
+    (rows.div_ceil(MOE_TILE as usize) + experts).min(rows)
 }
 
 /// `moe_matmul` over `tiles` tiles of `n` outputs: one block of [`MOE_TILE`]² threads per
@@ -129,6 +130,23 @@ mod tests {
             writeln!(text, "{name:<18} grid {:?} block {}", cfg.grid, cfg.block).unwrap();
         }
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn moe_tiles_bound_every_grouping() {
+        // Every way 40 rows can fall on 4 experts needs at most moe_tiles(40, 4) tiles.
+        let t = MOE_TILE as usize;
+        for a in 0..=40 {
+            for b in 0..=40 - a {
+                for c in 0..=40 - a - b {
+                    let counts = [a, b, c, 40 - a - b - c];
+                    let used: usize = counts.iter().map(|&n: &usize| n.div_ceil(t)).sum();
+                    assert!(used <= moe_tiles(40, 4), "{counts:?}");
+                }
+            }
+        }
+        assert_eq!(moe_tiles(6, 64), 6);
+        assert_eq!(moe_tiles(98_304, 64), 6208);
     }
 
     #[test]
