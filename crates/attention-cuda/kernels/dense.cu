@@ -165,8 +165,9 @@ KVS_KERNEL void moe_topk(const float* logits, unsigned int* ids, float* weights,
                 best = e;
             }
         }
-        // Fewer than k experts remain only for a k above the expert count, which the host
-        // refuses; a NaN logit is never picked, and leaves its slot to expert 0 at weight 0.
+        // Fewer than k experts remain only for a k above the expert count (which the host
+        // refuses) or after NaN logits (never greater than another value): such a slot takes
+        // expert 0 at weight 0. NaN logits make every weight NaN, as on the host.
         float p = best < experts ? expf(row[best] - max) / sum : 0.0f;
         ids[t * k + j] = best < experts ? best : 0;
         weights[t * k + j] = p;

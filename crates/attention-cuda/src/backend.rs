@@ -733,8 +733,19 @@ impl<D: Device> Backend for CudaBackend<D> {
             dims.top_k,
         );
         if e > geometry::MOE_MAX_EXPERTS {
+            // Eager: the host algorithm (a read-back), as every backend without kernels runs.
+            if self.graph_phase().is_none() {
+                return attention::moe::fused_moe_by_embedding(
+                    self,
+                    h,
+                    router_logits,
+                    experts,
+                    routing,
+                );
+            }
             return Err(AttentionError::Unsupported(format!(
-                "fused_moe: {e} experts; the kernels group rows for at most {}",
+                "fused_moe under a CUDA graph: {e} experts; the kernels group rows for at \
+                 most {} (decode runs eagerly)",
                 geometry::MOE_MAX_EXPERTS
             )));
         }

@@ -81,12 +81,21 @@ pub fn check<T: DeviceTensor>(
             ),
         });
     }
+    let (gate_up_len, down_len) = match (i.checked_mul(hidden), i.checked_mul(2 * hidden)) {
+        (Some(down), Some(gate_up)) => (gate_up, down),
+        _ => {
+            return Err(AttentionError::InvalidConfig {
+                field: "fused_moe",
+                reason: format!("experts of width {i} over hidden {hidden} overflow"),
+            })
+        }
+    };
     check::shape(
         "gate_up",
         experts.gate_up.shape(),
-        &[n_experts, 2 * i * hidden],
+        &[n_experts, gate_up_len],
     )?;
-    check::shape("down", experts.down.shape(), &[n_experts, hidden * i])?;
+    check::shape("down", experts.down.shape(), &[n_experts, down_len])?;
     if routing.top_k == 0 || routing.top_k > n_experts {
         return Err(AttentionError::InvalidConfig {
             field: "top_k",
@@ -194,7 +203,8 @@ pub fn fused_moe_on_host<B: Backend + ?Sized>(
 
 /// [`fused_moe_on_host`] with each expert's matrices taken out of the stacked weights by
 /// [`Backend::embedding`] (a copy of the expert's weights per call: what a backend without its
-/// own kernel for the op pays).
+/// own kernel for the op pays). The stack is one tensor per layer, so it must fit the
+/// backend's largest buffer (wgpu refuses a larger upload with a typed `TooLarge` error).
 pub fn fused_moe_by_embedding<B: Backend + ?Sized>(
     backend: &B,
     h: &B::Tensor,

@@ -548,4 +548,12 @@ fn fused_moe_refuses_bad_shapes_and_routing() {
         refused(&h, &logits, &good, routing(2, f64::NAN)),
         "routed_scaling_factor"
     );
+    let overflowing = MoeExperts {
+        intermediate: usize::MAX / 2,
+        ..experts(&[e, 2 * i * d], &[e, d * i])
+    };
+    assert_eq!(
+        refused(&h, &logits, &overflowing, routing(2, 1.0)),
+        "fused_moe"
+    );
 }

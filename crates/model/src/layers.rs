@@ -85,8 +85,12 @@ impl<'a, B: Backend> Loader<'a, B> {
         } else {
             TensorDtype::F32
         };
-        for name in rows.iter().flatten() {
-            data.extend_from_slice(&self.get(name)?.data);
+        for (i, name) in rows.iter().flatten().enumerate() {
+            let t = self.get(name)?;
+            if i == 0 {
+                data.reserve_exact(t.data.len() * rows.iter().flatten().count());
+            }
+            data.extend_from_slice(&t.data);
         }
         let shape = [rows.len(), data.len() / rows.len().max(1)];
         Ok(self.backend.upload_weight(&data, &shape, dtype)?)
