@@ -141,8 +141,9 @@ impl<B: Backend> ModelRunner<B> {
     /// Captures the model's decode forward with `graphs` (every batch size it serves, now,
     /// as SGLang does at start-up); from then on [`forward`](Self::forward) replays the decode
     /// batches `graphs` can run and runs the rest eagerly. A forward that cannot be captured
-    /// (one that reads back to the host: the MLA decoder's host concatenation and MoE
-    /// routing) is the backend's typed error, and the runner stays eager.
+    /// (one that reads back to the host, as the MLA decoder's concatenation and MoE routing
+    /// do on a backend whose `concat_last` / `fused_moe` run through the host) is the
+    /// backend's typed error, and the runner stays eager.
     pub fn enable_decode_graphs(&mut self, mut graphs: Box<dyn DecodeGraphs<B>>) -> Result<()> {
         let pass = Pass {
             model: &self.model,
