@@ -170,6 +170,36 @@ fn emu_mla_head_counts_off_the_block_grid() {
     report(&outcomes);
 }
 
+/// Page sizes that are not powers of two (`PAGE_FAMILY 2`, the kernels' general page-table
+/// walk, which the quick suite's 1, 16 and 64 never take): every fifth MHA and MLA case with
+/// pages of 24 and of 3 and the store dtypes in turn, on both attention kernels.
+#[test]
+fn emu_attention_conformance_any_page_size() {
+    let mut outcomes = Vec::new();
+    for kernel in AttentionKernel::ALL {
+        let Some(b) = backend("emu_attention_any_page_size", with_kernel(kernel)) else {
+            return;
+        };
+        let cases = conformance::attention_cases(SuiteSize::Quick);
+        for (i, case) in cases
+            .iter()
+            .filter(|c| has_kernels(c))
+            .step_by(5)
+            .enumerate()
+        {
+            let case = AttentionCase {
+                page_size: [24, 3][i % 2],
+                dtype: KvDtype::ALL[i % KvDtype::ALL.len()],
+                ..case.clone()
+            };
+            assert_eq!(attention_cuda::kernels::page_family(case.page_size), 2);
+            outcomes.push(conformance::run_attention_case(&b, &case).unwrap());
+        }
+    }
+    assert!(outcomes.len() >= 8, "{} cases", outcomes.len());
+    report(&outcomes);
+}
+
 #[test]
 fn unsupported_stores_are_announced() {
     let Some(b) = backend("unsupported_stores_are_announced", CudaConfig::default()) else {
