@@ -78,13 +78,7 @@ impl<'a, B: Backend> Loader<'a, B> {
     /// (else f32): the routed experts' stacked `gate_up` and `down` ([`attention::MoeExperts`]).
     pub(crate) fn upload_stacked(&self, rows: &[Vec<String>]) -> Result<B::Tensor> {
         let mut data = Vec::new();
-        let mut dtypes = rows.iter().flatten().map(|name| self.dtype(name));
-        let first = dtypes.next().unwrap_or(TensorDtype::F32);
-        let dtype = if dtypes.all(|d| d == first) {
-            first
-        } else {
-            TensorDtype::F32
-        };
+        let dtype = self.common_dtype(rows.iter().flatten());
         for (i, name) in rows.iter().flatten().enumerate() {
             let t = self.get(name)?;
             if i == 0 {
@@ -94,6 +88,18 @@ impl<'a, B: Backend> Loader<'a, B> {
         }
         let shape = [rows.len(), data.len() / rows.len().max(1)];
         Ok(self.backend.upload_weight(&data, &shape, dtype)?)
+    }
+
+    /// The checkpoint's type shared by every tensor of `names` (f32 where they differ): what
+    /// a weight joined from them is kept in.
+    fn common_dtype<'n>(&self, names: impl IntoIterator<Item = &'n String>) -> TensorDtype {
+        let mut dtypes = names.into_iter().map(|name| self.dtype(name));
+        let first = dtypes.next().unwrap_or(TensorDtype::F32);
+        if dtypes.all(|d| d == first) {
+            first
+        } else {
+            TensorDtype::F32
+        }
     }
 
     /// Reads an expected matrix (a matmul weight or the embedding) and uploads it as a weight
@@ -209,10 +215,7 @@ impl<B: Backend> DenseMlp<B> {
         let mut data = gate.data;
         data.extend_from_slice(&up.data);
         // Both halves in 16 bits only when both are stored so.
-        let dtype = match (loader.dtype(&g), loader.dtype(&u)) {
-            (a, b) if a == b => a,
-            _ => TensorDtype::F32,
-        };
+        let dtype = loader.common_dtype([&g, &u]);
         Ok(DenseMlp {
             gate_up: loader.backend.upload_weight(&data, &shape, dtype)?,
             down: loader.upload_weight(&format!("{prefix}down_proj.weight"))?,
