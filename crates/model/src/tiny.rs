@@ -78,10 +78,17 @@ pub fn tiny_mla_config() -> ModelConfig {
     }
 }
 
+/// The half-width of the preset's uniform embedding weights. Small beside what attention and
+/// the MLPs add to the residual stream (their inputs are normalised), so a token's logits depend
+/// on its context and not mostly on itself: with tied embeddings and a scale of 1, the current
+/// token's own embedding dominated and greedy decoding repeated the last prompt token whatever
+/// came before, so no test could see wrong KV in its tokens.
+const EMBED_SCALE: f64 = 0.1;
+
 /// Seeded random weights for any supported `config` (Llama family or MLA), with every tensor
 /// the loader expects:
-/// matrices uniform in `±1/√fan_in`, embeddings uniform in `±1`, norm weights near 1, biases
-/// small. Deterministic in `(config, seed)`.
+/// matrices uniform in `±1/√fan_in`, embeddings uniform in `±`[`EMBED_SCALE`], norm weights
+/// near 1, biases small. Deterministic in `(config, seed)`.
 pub fn random_weights(config: &ModelConfig, seed: u64) -> TensorMap {
     let mut rng = SplitMix64::new(seed);
     let mut map = TensorMap::new();
@@ -102,7 +109,7 @@ pub fn random_weights(config: &ModelConfig, seed: u64) -> TensorMap {
         } else if name.ends_with(".bias") {
             uniform(0.1, 0.0)
         } else if name == "model.embed_tokens.weight" {
-            uniform(1.0, 0.0)
+            uniform(EMBED_SCALE, 0.0)
         } else {
             uniform(1.0 / (shape[1] as f64).sqrt(), 0.0)
         };
