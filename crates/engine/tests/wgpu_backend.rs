@@ -1,5 +1,6 @@
 //! `kvserve serve --backend wgpu`: the engine runs the tiny model on the wgpu backend (Mesa's
-//! lavapipe in CI) through the same scheduler, cache and HTTP API as on the CPU.
+//! lavapipe in CI) through the same scheduler, cache, PD disaggregation and HTTP API as on the
+//! CPU.
 //!
 //! Skips with a printed reason when no wgpu adapter exists, and fails instead when
 //! `KVSERVE_REQUIRE_WGPU=1` (CI).
@@ -7,6 +8,7 @@
 
 mod common;
 
+use common::pd::{assert_nothing_held, pair, send};
 use common::{post, start, wait_idle};
 use serde_json::json;
 
@@ -124,4 +126,84 @@ fn wgpu_hicache_loads_back_from_host_with_the_same_greedy_tokens() {
             "{policy} {layout}: {tiers}"
         );
     }
+}
+
+/// Prompts whose greedy tokens on wgpu equal the CPU's (no near tie): 40 and 70 tokens.
+fn pd_prompts() -> Vec<Vec<u32>> {
+    vec![
+        (0..40).map(|i| 1000 + 7 * i).collect(),
+        (0..70).map(|i| 20_000 + 13 * i).collect(),
+    ]
+}
+
+/// PD with a KV store on the device: a prefill and a decode server, each on `prefill_backend`
+/// / `decode_backend`, over `transfer`, give one CPU server's greedy tokens. A wgpu server moves
+/// its KV through a host mirror of its store (staged from the device before each send, copied
+/// to the device when a transfer lands), so the pair also mixes backends: the pages are the
+/// same bytes in the same layout. A repeat of the longer prompt hits the decode side's cache
+/// and moves only its last page, which must land next to the cached ones on the device.
+fn pd_pair_with_a_device_store(transfer: &str, prefill_backend: &str, decode_backend: &str) {
+    let prompts = pd_prompts();
+    let cpu = start(&["--backend", "cpu"]);
+    let want: Vec<Vec<u64>> = prompts.iter().map(|p| greedy(cpu.port, p, 3).0).collect();
+    drop(cpu);
+    let p = pair(
+        transfer,
+        &["--backend", prefill_backend],
+        &["--backend", decode_backend],
+    );
+    let what = format!("{transfer}: prefill on {prefill_backend}, decode on {decode_backend}");
+    let body = |ids: &[u32]| json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": true}});
+    let ids_of = |v: &serde_json::Value| -> Vec<u64> {
+        v["output_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    for (i, ids) in prompts.iter().enumerate() {
+        let ((ps, pr), (ds, dr)) = send(&p, "/generate", &body(ids), 500 + i as u64);
+        assert_eq!(ps, 200, "{what}: prefill: {pr}");
+        assert_eq!(ds, 200, "{what}: decode: {dr}");
+        assert_eq!(ids_of(&dr), want[i], "{what}: prompt {i}");
+        assert_eq!(
+            ids_of(&pr),
+            want[i][..1],
+            "{what}: prompt {i}, prefill's token"
+        );
+    }
+    let ((ps, pr), (ds, dr)) = send(&p, "/generate", &body(&prompts[1]), 600);
+    assert_eq!(ps, 200, "{what}: prefill: {pr}");
+    assert_eq!(ds, 200, "{what}: decode: {dr}");
+    assert_eq!(ids_of(&dr), want[1], "{what}: the repeat");
+    assert!(
+        dr["meta_info"]["cached_tokens"].as_u64().unwrap() >= 64,
+        "{what}: the repeat hits the decode side's cache: {dr}"
+    );
+    assert_nothing_held(&p);
+}
+
+#[test]
+fn wgpu_pd_pair_over_tcp_serves_the_cpu_greedy_tokens() {
+    if !has_adapter() {
+        return;
+    }
+    pd_pair_with_a_device_store("tcp", "wgpu", "wgpu");
+}
+
+#[test]
+fn wgpu_pd_decode_over_shm_lands_a_cpu_prefill_s_kv() {
+    if !has_adapter() {
+        return;
+    }
+    pd_pair_with_a_device_store("shm", "cpu", "wgpu");
+}
+
+#[test]
+fn wgpu_pd_prefill_sends_its_kv_to_a_cpu_decode() {
+    if !has_adapter() {
+        return;
+    }
+    pd_pair_with_a_device_store("tcp", "wgpu", "cpu");
 }

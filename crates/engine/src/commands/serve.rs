@@ -13,7 +13,7 @@ use crate::runtime::{async_runtime, bind};
 use crate::server::chat::ChatPrompt;
 use crate::server::AppState;
 use crate::setup::components::ModelForward;
-use crate::setup::{BackendKind, ModelSource};
+use crate::setup::ModelSource;
 
 /// `kvserve serve`: builds the engine, listens, serves until Ctrl-C, then shuts down cleanly.
 pub fn serve(args: &ServeArgs) -> Result<()> {
@@ -52,15 +52,6 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
     let mut setup = args.engine.setup(config.max_position_embeddings)?;
     setup.scheduler.max_queued_requests = args.max_queued_requests;
     let pd = PdOptions::from_args(&args.disaggregation, &args.host)?;
-    if pd.mode.is_disaggregated() && setup.backend != BackendKind::Cpu {
-        return Err(EngineError::arg(
-            "--disaggregation-mode",
-            format!(
-                "PD disaggregation moves KV from host memory; the {} backend keeps it on the device (use --backend cpu)",
-                setup.backend
-            ),
-        ));
-    }
     // Freed pages are handed out sorted (SGLang's `need_sort` in both PD modes), so a request's
     // pages tend to be consecutive and its transfer coalesces into few blocks.
     setup.scheduler.need_sort = pd.mode.is_disaggregated();
@@ -72,13 +63,13 @@ pub fn build_server_state(args: &ServeArgs) -> Result<Arc<AppState>> {
     setup.kv_events = kv_events.is_some();
     let context_len = setup.scheduler.context_len;
     let radix = !args.engine.disable_radix_cache;
-    let (sched, exec) = crate::setup::build(&setup, radix)?;
+    let (sched, mut exec) = crate::setup::build(&setup, radix)?;
     let local = LocalKv {
         model: &name,
         page_size: setup.scheduler.page_size,
         kv_dtype: setup.kv_dtype.name(),
     };
-    let pd_side = build_pd_side(&pd, local, &exec)?;
+    let pd_side = build_pd_side(&pd, local, &mut exec)?;
     if let Some(PdSide::Prefill(p)) = &pd_side {
         if let Some(addr) = p.bootstrap_addr() {
             eprintln!("kvserve: prefill bootstrap server on http://{addr}");

@@ -81,6 +81,8 @@ impl Bootstrap {
     }
 }
 
+mod host_mirror;
 mod options;
 
+pub use host_mirror::KvHostMirror;
 pub use options::{LocalKv, PdOptions};

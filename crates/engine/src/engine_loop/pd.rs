@@ -68,18 +68,27 @@ impl PdSide {
 
     /// Keeps a finished request whose KV is still being sent (`true`); it is finished later by
     /// [`after_step`](Self::after_step).
-    pub(crate) fn hold(&mut self, s: &mut Scheduler, f: &FinishedReq) -> bool {
+    pub(crate) fn hold(
+        &mut self,
+        s: &mut Scheduler,
+        exec: &mut ModelExecutor,
+        f: &FinishedReq,
+    ) -> bool {
         match self {
-            PdSide::Prefill(p) => p.hold(s, f),
+            PdSide::Prefill(p) => p.hold(s, exec, f),
             PdSide::Decode(_) => false,
         }
     }
 
     /// After a step: sends the pages that became ready and returns the held requests whose
     /// transfer ended.
-    pub(crate) fn after_step(&mut self, s: &mut Scheduler) -> Vec<FinishedReq> {
+    pub(crate) fn after_step(
+        &mut self,
+        s: &mut Scheduler,
+        exec: &mut ModelExecutor,
+    ) -> Vec<FinishedReq> {
         match self {
-            PdSide::Prefill(p) => p.after_step(s),
+            PdSide::Prefill(p) => p.after_step(s, exec),
             PdSide::Decode(d) => d.after_step(s),
         }
     }

@@ -9,11 +9,12 @@
 //! [`Inventory`] lists what this build has (`kvserve info`).
 
 use std::fmt;
+use std::sync::Arc;
 
 use attention::{Backend, CpuBackend, CpuConfig};
 use enum_dispatch::enum_dispatch;
 use kv_pool::tier::CacheController;
-use kv_pool::{AnyAllocator, HostKvStore, KvLayout, KvStore, MemoryRegion};
+use kv_pool::{AnyAllocator, DeviceKvRows, HostKvStore, KvLayout, KvStore, MemoryRegion};
 use model::{ForwardInput, LogitsOutput, Model, ModelRunner};
 use radix_cache::tiers::HiCacheConfig;
 use radix_cache::{AnyEvictionPolicy, AnyPrefixCache, ChunkCache, RadixCache};
@@ -112,6 +113,32 @@ impl fmt::Debug for AnyRunner {
 }
 
 impl AnyRunner {
+    /// The KV store's memory in host addresses: the `cpu` backend's store (`None` for a
+    /// backend whose KV lives on a device).
+    pub fn host_kv_store(&self) -> Option<&dyn KvStore> {
+        match self {
+            AnyRunner::Cpu(cpu) => Some(cpu.kv_store()),
+            _ => None,
+        }
+    }
+
+    /// A handle copying rows of the KV store through the device's queue or stream, ordered
+    /// with the forward passes (`WgpuKvRows`, `CudaKvRows`): what HiCache's controller and PD's
+    /// host mirror move a device store's KV through. `None` for the `cpu` backend (its store is
+    /// host memory: [`Self::host_kv_store`]) and for a backend not compiled in.
+    pub fn device_kv_rows(&self) -> Option<Arc<dyn DeviceKvRows>> {
+        match self {
+            #[cfg(feature = "wgpu")]
+            AnyRunner::Wgpu(wgpu) => Some(Arc::new(wgpu.kv_store().device_rows())),
+            #[cfg(any(feature = "cuda", feature = "cuda-13"))]
+            AnyRunner::Cuda(cuda) => Some(Arc::new(cuda.kv_store().device_rows())),
+            #[cfg(feature = "rocm")]
+            AnyRunner::Rocm(rocm) => Some(Arc::new(rocm.kv_store().device_rows())),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
     /// Builds the model of `setup` on `setup.backend` with a KV store of `capacity` slots.
     pub fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
         match setup.backend {

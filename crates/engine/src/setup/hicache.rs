@@ -40,41 +40,27 @@ enum StoreAccess<'a> {
     /// The store's memory, in host addresses (the `cpu` backend).
     Memory(&'a dyn KvStore),
     /// A handle copying through the device's queue or stream (`wgpu`, `cuda`, `rocm`).
-    #[cfg_attr(
-        not(any(
-            feature = "wgpu",
-            feature = "cuda",
-            feature = "cuda-13",
-            feature = "rocm"
-        )),
-        expect(
-            dead_code,
-            reason = "only the device backends hand out device rows, and none is compiled"
-        )
-    )]
     Rows(Arc<dyn DeviceKvRows>),
 }
 
 impl<'a> StoreAccess<'a> {
     /// The access `runner`'s backend gives, or an error naming `--backend`.
     fn of(runner: &'a AnyRunner, setup: &EngineSetup) -> Result<Self> {
-        match runner {
-            AnyRunner::Cpu(cpu) => Ok(StoreAccess::Memory(cpu.kv_store())),
-            #[cfg(feature = "wgpu")]
-            AnyRunner::Wgpu(wgpu) => Ok(StoreAccess::Rows(Arc::new(wgpu.kv_store().device_rows()))),
-            #[cfg(any(feature = "cuda", feature = "cuda-13"))]
-            AnyRunner::Cuda(cuda) => Ok(StoreAccess::Rows(Arc::new(cuda.kv_store().device_rows()))),
-            #[cfg(feature = "rocm")]
-            AnyRunner::Rocm(rocm) => Ok(StoreAccess::Rows(Arc::new(rocm.kv_store().device_rows()))),
-            #[allow(unreachable_patterns)]
-            _ => Err(EngineError::arg(
-                "--enable-hierarchical-cache",
-                format!(
+        if let Some(store) = runner.host_kv_store() {
+            return Ok(StoreAccess::Memory(store));
+        }
+        runner
+            .device_kv_rows()
+            .map(StoreAccess::Rows)
+            .ok_or_else(|| {
+                EngineError::arg(
+                    "--enable-hierarchical-cache",
+                    format!(
                     "the host tier needs --backend cpu, wgpu, cuda or rocm, compiled in (got {})",
                     setup.backend
                 ),
-            )),
-        }
+                )
+            })
     }
 
     fn layout(&self) -> &KvLayout {

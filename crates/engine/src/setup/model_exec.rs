@@ -12,10 +12,11 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use hicache::controller::{ControllerHandle, LoadGate};
-use kv_pool::{LayerWait, ReqToTokenPool};
+use kv_pool::{LayerWait, Page, ReqToTokenPool};
 use model::{AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Sampler, SamplingParams};
 
 use super::components::{AnyRunner, ModelForward};
+use crate::disagg::KvHostMirror;
 use scheduler::{BatchResult, Executor, ForwardBatch, ForwardMode, ReqId};
 
 struct ReqSampling {
@@ -32,6 +33,10 @@ pub struct ModelExecutor {
     /// store its IO thread copies from) is dropped.
     hicache: Option<ControllerHandle>,
     runner: AnyRunner,
+    /// PD on a device backend: the host mirror of the KV store that the transfer engine moves
+    /// (`None` on the `cpu` backend, whose store it moves directly, and without PD). Dropped
+    /// after the PD side, as the `cpu` store is.
+    kv_mirror: Option<KvHostMirror>,
     sampling: HashMap<ReqId, ReqSampling>,
     default_seed: u64,
 }
@@ -51,6 +56,7 @@ impl ModelExecutor {
         ModelExecutor {
             hicache: None,
             runner: runner.into(),
+            kv_mirror: None,
             sampling: HashMap::new(),
             default_seed,
         }
@@ -89,6 +95,36 @@ impl ModelExecutor {
 
     pub fn runner(&self) -> &AnyRunner {
         &self.runner
+    }
+
+    /// PD on a device backend: the transfer engine moves `mirror` (registered by the caller),
+    /// and [`Self::stage_for_send`] / [`Self::land_received`] keep its pages current.
+    pub fn set_kv_mirror(&mut self, mirror: KvHostMirror) {
+        self.kv_mirror = Some(mirror);
+    }
+
+    /// Before `pages` are sent (a PD prefill server): copies them from the device store into
+    /// the host mirror, after the forward passes that wrote them. Nothing to do when the
+    /// transfer reads the store itself (`cpu`).
+    pub fn stage_for_send(&mut self, pages: &[Page]) -> Result<(), String> {
+        match &mut self.kv_mirror {
+            Some(m) => m
+                .to_host(pages)
+                .map_err(|e| format!("staging KV pages from the device: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// After `pages` were received (a PD decode server): copies them from the host mirror
+    /// into the device store, ahead of any later forward pass. Nothing to do when the transfer
+    /// wrote the store itself (`cpu`).
+    pub fn land_received(&mut self, pages: &[Page]) -> Result<(), String> {
+        match &mut self.kv_mirror {
+            Some(m) => m
+                .to_device(pages)
+                .map_err(|e| format!("copying received KV pages to the device: {e}")),
+            None => Ok(()),
+        }
     }
 }
 

@@ -4,11 +4,12 @@
 
 use std::sync::Arc;
 
+use kv_pool::{HostMemory, MemoryRegion};
 use transfer::pd::{KvManager, PdConfig, PdRole, ServerCompat};
 use transfer::TransferConfig;
 
 use super::{DecodeSide, PdSide, PrefillSide};
-use crate::disagg::{DisaggregationMode, LocalKv, PdOptions};
+use crate::disagg::{DisaggregationMode, KvHostMirror, LocalKv, PdOptions};
 use crate::error::{EngineError, Result};
 use crate::setup::components::ModelForward;
 use crate::setup::ModelExecutor;
@@ -18,24 +19,15 @@ use crate::setup::ModelExecutor;
 pub fn build_pd_side(
     opts: &PdOptions,
     local: LocalKv<'_>,
-    exec: &ModelExecutor,
+    exec: &mut ModelExecutor,
 ) -> Result<Option<PdSide>> {
     let role = match opts.mode {
         DisaggregationMode::Null => return Ok(None),
         DisaggregationMode::Prefill => PdRole::Prefill,
         DisaggregationMode::Decode => PdRole::Decode,
     };
+    let regions = transfer_regions(opts, role, exec)?;
     let runner = exec.runner();
-    let regions = runner.kv_memory_regions();
-    if regions.is_empty() {
-        return Err(EngineError::arg(
-            "--disaggregation-mode",
-            format!(
-                "PD disaggregation moves KV from host memory; the {} backend keeps it on the device (use --backend cpu)",
-                runner.backend_name()
-            ),
-        ));
-    }
     let pd_err =
         |e: transfer::TransferError| EngineError::arg("--disaggregation-mode", e.to_string());
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -56,7 +48,8 @@ pub fn build_pd_side(
         let _guard = runtime.enter();
         transfer::new_engine(opts.backend, &cfg).map_err(pd_err)?
     };
-    // SAFETY: the regions are the KV store's buffers, which live as long as the executor, and
+    // SAFETY: the regions are the KV store's buffers (or its host mirror's, which the executor
+    // owns), which live as long as the executor, and
     // the executor outlives the PD side (both are owned by the engine loop, which drops the PD
     // side first). The scheduler keeps `register`'s promise: a request's pages belong to it
     // until its transfer ends (held on prefill, preallocated on decode), so the engine thread
@@ -97,4 +90,45 @@ pub fn build_pd_side(
         )),
         PdRole::Decode => PdSide::Decode(DecodeSide::new(manager, runtime)),
     }))
+}
+
+/// The host memory the transfer engine registers: the `cpu` store's buffers, or, for a store
+/// on a device, a [`KvHostMirror`] of it that the executor keeps (in a shared mapping on an
+/// `shm` decode server, where prefill servers on this host write into it).
+fn transfer_regions(
+    opts: &PdOptions,
+    role: PdRole,
+    exec: &mut ModelExecutor,
+) -> Result<Vec<MemoryRegion>> {
+    let runner = exec.runner();
+    let regions = runner.kv_memory_regions();
+    if !regions.is_empty() {
+        return Ok(regions);
+    }
+    let Some(rows) = runner.device_kv_rows() else {
+        return Err(EngineError::arg(
+            "--disaggregation-mode",
+            format!(
+                "the {} backend gives no access to its KV store for a transfer",
+                runner.backend_name()
+            ),
+        ));
+    };
+    let shared = opts.backend == transfer::BackendKind::Shm && role == PdRole::Decode;
+    let memory: Option<Box<dyn HostMemory>> = if shared {
+        let mem = transfer::shm::SharedMemory::create(rows.layout().total_bytes())
+            .map_err(|e| EngineError::arg("--disaggregation-transfer-backend", e.to_string()))?;
+        Some(Box::new(mem))
+    } else {
+        None
+    };
+    let mirror = KvHostMirror::new(rows, memory).map_err(|e| {
+        EngineError::arg(
+            "--disaggregation-mode",
+            format!("the KV store's host mirror: {e}"),
+        )
+    })?;
+    let regions = mirror.memory_regions();
+    exec.set_kv_mirror(mirror);
+    Ok(regions)
 }

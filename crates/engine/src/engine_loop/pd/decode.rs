@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 
+use kv_pool::Page;
 use scheduler::{FinishedReq, ReqId, Scheduler};
 use transfer::pd::{KvManager, KvPoll, KvReceiver};
 
@@ -24,12 +25,19 @@ struct Handshaking {
     sub: Submission,
 }
 
+/// A request in the scheduler's preallocation or transfer queue.
+struct Receiving {
+    receiver: KvReceiver,
+    /// The pages its KV lands in, once preallocated (empty before).
+    pages: Vec<Page>,
+}
+
 /// The decode half of the loop.
 pub struct DecodeSide {
     manager: KvManager,
     handshaking: Vec<Handshaking>,
     /// Requests in the scheduler's preallocation or transfer queue, by id.
-    receiving: HashMap<ReqId, KvReceiver>,
+    receiving: HashMap<ReqId, Receiving>,
     /// Aborted while KV may still arrive: freed once their receiver has failed.
     draining: HashMap<ReqId, (KvReceiver, String)>,
     /// Kept for its lifetime: the manager's tasks run on it.
@@ -86,10 +94,11 @@ impl DecodeSide {
             }
         };
         for p in admitted {
-            let Some(r) = self.receiving.get(&p.id) else {
+            let Some(r) = self.receiving.get_mut(&p.id) else {
                 continue;
             };
-            if let Err(e) = r.send_metadata(p.pages, p.prefix_len) {
+            r.pages = p.pages.clone();
+            if let Err(e) = r.receiver.send_metadata(p.pages, p.prefix_len) {
                 self.abort(s, p.id, &format!("{TRANSFER_FAILED}: {e}"));
             }
         }
@@ -99,20 +108,25 @@ impl DecodeSide {
                 // The scheduler ended it before preallocating (a request its pool can never
                 // hold): no pages of it exist, so only the prefill side needs telling.
                 let r = self.receiving.remove(&id).expect("listed");
-                r.abort("the decode server cannot hold this request");
+                r.receiver
+                    .abort("the decode server cannot hold this request");
                 continue;
             }
-            let r = &self.receiving[&id];
-            match r.poll() {
+            match self.receiving[&id].receiver.poll() {
                 KvPoll::Success => {
-                    let r = self.receiving.remove(&id).expect("listed");
+                    let Receiving { receiver: r, pages } =
+                        self.receiving.remove(&id).expect("listed");
                     let first = r.aux().map(|a| a.first_token_ids).unwrap_or_default();
-                    if let Err(e) = s.commit_transferred(id, &first) {
+                    // A store on a device: the KV landed in the host mirror.
+                    let landed = exec.land_received(&pages);
+                    if let Err(e) = landed
+                        .and_then(|()| s.commit_transferred(id, &first).map_err(|e| e.to_string()))
+                    {
                         let _ = s.abort(id, &format!("{TRANSFER_FAILED}: {e}"));
                     }
                 }
                 KvPoll::Failed => {
-                    let r = self.receiving.remove(&id).expect("listed");
+                    let r = self.receiving.remove(&id).expect("listed").receiver;
                     let why = format!(
                         "{TRANSFER_FAILED}: {}",
                         r.failure().unwrap_or_else(|| "failed".into())
@@ -176,7 +190,8 @@ impl DecodeSide {
                 Ok(id) => {
                     track(s, exec, live, id, sub);
                     if live.contains_key(&id) {
-                        self.receiving.insert(id, receiver);
+                        let pages = Vec::new();
+                        self.receiving.insert(id, Receiving { receiver, pages });
                     } else {
                         receiver.abort("the request was refused");
                     }
@@ -190,7 +205,7 @@ impl DecodeSide {
     }
 
     pub(super) fn abort(&mut self, s: &mut Scheduler, id: ReqId, why: &str) -> bool {
-        let Some(r) = self.receiving.remove(&id) else {
+        let Some(Receiving { receiver: r, .. }) = self.receiving.remove(&id) else {
             return self.draining.contains_key(&id);
         };
         r.abort(why);
@@ -209,7 +224,7 @@ impl DecodeSide {
             h.sub.reject("the server is shutting down");
         }
         for (id, r) in self.receiving.drain() {
-            r.abort("the server is shutting down");
+            r.receiver.abort("the server is shutting down");
             let _ = s.abort(id, "the server is shutting down");
         }
         for (id, (_, why)) in self.draining.drain() {

@@ -206,7 +206,12 @@ impl PrefillSide {
 
     /// A finished request whose KV is held: sends its last pages with the first token, and
     /// keeps it until the transfer ends.
-    pub(super) fn hold(&mut self, s: &mut Scheduler, f: &FinishedReq) -> bool {
+    pub(super) fn hold(
+        &mut self,
+        s: &mut Scheduler,
+        exec: &mut ModelExecutor,
+        f: &FinishedReq,
+    ) -> bool {
         if !f.kv_held {
             return false;
         }
@@ -220,7 +225,7 @@ impl PrefillSide {
             cached_tokens: f.cached_tokens,
             bootstrap_room: snd.room,
         };
-        let result = send_ready(s, self.page_size, f.id, snd, snd.end_page, Some(aux));
+        let result = send_ready(s, exec, self.page_size, f.id, snd, snd.end_page, Some(aux));
         snd.finished = Some(f.clone());
         if let Err(e) = result {
             snd.sender.abort(&e);
@@ -230,7 +235,11 @@ impl PrefillSide {
 
     /// Sends the whole pages that the last step computed; finishes the held requests whose
     /// transfer ended.
-    pub(super) fn after_step(&mut self, s: &mut Scheduler) -> Vec<FinishedReq> {
+    pub(super) fn after_step(
+        &mut self,
+        s: &mut Scheduler,
+        exec: &mut ModelExecutor,
+    ) -> Vec<FinishedReq> {
         let p = self.page_size;
         let mut done = Vec::new();
         let mut held_failed = Vec::new();
@@ -248,7 +257,7 @@ impl PrefillSide {
                 };
                 let ready = (r.committed_len / p).min(snd.end_page);
                 if ready > snd.next_page {
-                    if let Err(e) = send_ready(s, p, id, snd, ready, None) {
+                    if let Err(e) = send_ready(s, exec, p, id, snd, ready, None) {
                         snd.sender.abort(&e);
                     }
                 }
@@ -339,9 +348,11 @@ impl PrefillSide {
     }
 }
 
-/// Sends pages `snd.next_page..end` of request `id` (with `aux`: the last chunk).
+/// Sends pages `snd.next_page..end` of request `id` (with `aux`: the last chunk), first
+/// staging them into the host mirror when the KV store is on a device.
 fn send_ready(
     s: &Scheduler,
+    exec: &mut ModelExecutor,
     page_size: usize,
     id: ReqId,
     snd: &mut Sending,
@@ -360,6 +371,7 @@ fn send_ready(
         .step_by(page_size)
         .map(|slot| slot.page(page_size as u32))
         .collect();
+    exec.stage_for_send(&pages)?;
     snd.sender.send(&pages, aux).map_err(|e| e.to_string())?;
     snd.next_page = end;
     Ok(())
