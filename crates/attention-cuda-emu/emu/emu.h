@@ -105,6 +105,14 @@ inline T __shfl_sync(unsigned int /*mask*/, T v, int src_lane) {
 // The warp's barrier (every lane of the calling fiber's warp arrives before any goes on).
 #define __syncwarp() kvs_emu_warp_sync()
 
+// atomicAdd: fibers switch only at barriers, so a plain read-modify-write is atomic here.
+template <class T>
+inline T atomicAdd(T* p, T v) {
+    T old = *p;
+    *p = old + v;
+    return old;
+}
+
 namespace kvs_emu {
 
 using Entry = void (*)(void*);

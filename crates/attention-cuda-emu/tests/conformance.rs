@@ -1,6 +1,6 @@
 //! The shared conformance suite from `attention` on `CudaBackend<EmuDevice>`: attention-cuda's
-//! kernels, compiled for the CPU, against the f64 reference. Cases without kernels yet
-//! (DoubleSparse) are skipped with their reason through `Backend::kv_support`.
+//! kernels, compiled for the CPU, against the f64 reference; and DoubleSparse decode where
+//! label scores tie, against the reference and the CPU backend.
 
 use attention::conformance::{self, AttentionCase, CaseKind, SuiteSize};
 use attention::Backend;
@@ -45,7 +45,8 @@ fn emu_attention_conformance_quick() {
         println!("{kernel}:");
         let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
         report(&outcomes);
-        // Every MHA and MLA case has kernels (every store dtype), so it must have run.
+        // Every MHA, MLA and DoubleSparse case has kernels (every store dtype), so it must
+        // have run.
         let runnable = conformance::attention_cases(SuiteSize::Quick)
             .iter()
             .filter(|c| has_kernels(c))
@@ -57,11 +58,14 @@ fn emu_attention_conformance_quick() {
 }
 
 fn has_kernels(case: &AttentionCase) -> bool {
-    matches!(case.kind, CaseKind::Mha { .. } | CaseKind::Mla { .. })
+    matches!(
+        case.kind,
+        CaseKind::Mha { .. } | CaseKind::Mla { .. } | CaseKind::DoubleSparse { .. }
+    )
 }
 
 /// The quick suite gives each MHA shape and page size two dtypes in rotation (MLA one); here
-/// every MHA and MLA case runs over the other store dtypes too.
+/// every MHA, MLA and DoubleSparse case runs over the other store dtypes too.
 #[test]
 fn emu_attention_conformance_every_shape_and_dtype() {
     let Some(b) = backend("emu_attention_every_shape", CudaConfig::default()) else {
@@ -171,7 +175,7 @@ fn emu_mla_head_counts_off_the_block_grid() {
 }
 
 /// Page sizes that are not powers of two (`PAGE_FAMILY 2`, the kernels' general page-table
-/// walk, which the quick suite's 1, 16 and 64 never take): every fifth MHA and MLA case with
+/// walk, which the quick suite's 1, 16 and 64 never take): every fifth MHA, MLA and DoubleSparse case with
 /// pages of 24 and of 3 and the store dtypes in turn, on both attention kernels.
 #[test]
 fn emu_attention_conformance_any_page_size() {
@@ -209,8 +213,12 @@ fn unsupported_stores_are_announced() {
         let mha = kv_pool::KvShape::mha(2, 64, 64, 1, dtype).unwrap();
         assert_eq!(b.kv_support(&mha), Ok(()));
     }
-    let ds = kv_pool::KvShape::double_sparse(2, 64, 64, 8, 1, KvDtype::F16).unwrap();
-    assert!(b.kv_support(&ds).unwrap_err().contains("DoubleSparse"));
+    for dtype in KvDtype::ALL {
+        let ds = kv_pool::KvShape::double_sparse(2, 64, 64, 8, 1, dtype).unwrap();
+        assert_eq!(b.kv_support(&ds), Ok(()));
+    }
+    let ds = kv_pool::KvShape::double_sparse(2, 72, 72, 8, 1, KvDtype::F16).unwrap();
+    assert!(b.kv_support(&ds).unwrap_err().contains("head dims"));
     for (rank, rope) in attention_cuda::kernels::SPEC_MLA_DIMS {
         let mla = kv_pool::KvShape::mla(rank, rope, 1, KvDtype::Bf16).unwrap();
         assert_eq!(b.kv_support(&mla), Ok(()));
@@ -315,4 +323,190 @@ fn emu_fused_moe_rows_do_not_depend_on_the_batch() {
     );
     let err = conformance::relative_error(&b.download(&got).unwrap(), &want);
     assert!(err < 1e-6, "{err}");
+}
+
+/// DoubleSparse decode over 300 positions (three of `ds_decode`'s chunks) whose label rows
+/// take only three values, so the label scores tie in large groups: two positions score
+/// highest, then 99 positions tie for the next score, and `top_k` = 12 must keep the two and
+/// the ten earliest of the tie (the reference's and the CPU's rule). Every position's key
+/// differs outside the label channels and every value differs, so keeping other positions
+/// would change the output. Checked against the f64 reference over the stored rows, and
+/// against the CPU backend, for an f32 and a bf16 store and pages of 1 and 16.
+#[test]
+fn ds_decode_keeps_the_earliest_of_tied_label_scores() {
+    use attention::{
+        conformance::{nonzero_vec, relative_error},
+        reference, AttentionParams, BatchMetadata, CpuBackend, CpuConfig, DoubleSparseConfig,
+        RequestKv,
+    };
+    use kv_pool::{KvBuffer, KvLayout, KvShape, KvStore, Slot, SplitMix64};
+
+    let Some(emu) = backend("ds_decode_ties", CudaConfig::default()) else {
+        return;
+    };
+    let cpu = CpuBackend::new(CpuConfig::default()).unwrap();
+    let (q_heads, kv_heads, d, hc, top_k, kv_len) = (4, 2, 64, 4, 12, 300);
+    // Label channels per KV head, and the label value of every channel at each position.
+    let channels: Vec<u32> = vec![3, 17, 40, 62, 0, 9, 33, 51];
+    let level = |j: usize| match j {
+        250 | 280 => 3.0f32,
+        j if j % 3 == 0 => 2.0,
+        _ => 1.0,
+    };
+    let mut rng = SplitMix64::new(77);
+    let mut k = nonzero_vec(&mut rng, kv_len * kv_heads * d);
+    let v = nonzero_vec(&mut rng, kv_len * kv_heads * d);
+    for j in 0..kv_len {
+        for g in 0..kv_heads {
+            for c in 0..hc {
+                k[(j * kv_heads + g) * d + channels[g * hc + c] as usize] = level(j);
+            }
+        }
+    }
+    // Positive at the label channels, so a higher label level scores higher for every head.
+    let mut q = nonzero_vec(&mut rng, q_heads * d);
+    for h in 0..q_heads {
+        for c in 0..hc {
+            q[h * d + channels[(h / 2) * hc + c] as usize] = 0.5 + c as f32 * 0.25;
+        }
+    }
+    let params = AttentionParams {
+        scale: 1.0 / (d as f32).sqrt(),
+        double_sparse: Some(DoubleSparseConfig {
+            top_k,
+            channels: channels.clone(),
+        }),
+    };
+    let labels_of = |rows: &[f32]| -> Vec<f32> {
+        rows.chunks_exact(kv_heads * d)
+            .flat_map(|row| {
+                channels
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &c)| row[(i / hc) * d + c as usize])
+            })
+            .collect()
+    };
+    // One decode step of the last position over the 299 cached ones, on `b`.
+    fn decode<B: Backend>(
+        b: &B,
+        layout: KvLayout,
+        slots: &[Slot],
+        (k, v, labels, q): (&[f32], &[f32], &[f32], &[f32]),
+        params: &AttentionParams,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let shape = layout.shape;
+        let (kr, vr) = (
+            shape.row_elems(KvBuffer::Key),
+            shape.row_elems(KvBuffer::Value),
+        );
+        let lr = shape.row_elems(KvBuffer::Label);
+        let n = slots.len() - 1;
+        let mut store = b.new_kv_store(layout).unwrap();
+        store
+            .write_kv(1, &slots[..n], &k[..n * kr], &v[..n * vr])
+            .unwrap();
+        store
+            .write_labels(1, &slots[..n], &labels[..n * lr])
+            .unwrap();
+        let reqs = [RequestKv {
+            slots,
+            extend_len: 1,
+        }];
+        let meta = BatchMetadata::new_decode(layout.page_size, &reqs).unwrap();
+        let plan = b.plan(&meta).unwrap();
+        let kv_heads = kr / 64;
+        let out = b
+            .attention(
+                1,
+                &plan,
+                &mut store,
+                &b.upload(q, &[1, q.len() / 64, 64]).unwrap(),
+                &b.upload(&k[n * kr..], &[1, kv_heads, 64]).unwrap(),
+                &b.upload(&v[n * vr..], &[1, kv_heads, 64]).unwrap(),
+                params,
+            )
+            .unwrap();
+        let mut stored = vec![0.0; slots.len() * lr];
+        store
+            .read_f32(1, KvBuffer::Label, slots, &mut stored)
+            .unwrap();
+        (b.download(&out).unwrap(), stored)
+    }
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        for page_size in [1u32, 16] {
+            let shape =
+                KvShape::double_sparse(kv_heads as u32, d as u32, d as u32, hc as u32, 2, dtype)
+                    .unwrap();
+            let layout = KvLayout::new(shape, page_size, 1024).unwrap();
+            // Pages in reverse order, so positions and slots disagree.
+            let pages = kv_len.div_ceil(page_size as usize);
+            let slots: Vec<Slot> = (0..kv_len)
+                .map(|j| {
+                    let page = pages - j / page_size as usize;
+                    Slot((page * page_size as usize + j % page_size as usize) as u32)
+                })
+                .collect();
+            let labels = labels_of(&k);
+            let io = (&k[..], &v[..], &labels[..], &q[..]);
+            let (got, stored) = decode(&emu, layout, &slots, io, &params);
+            let (on_cpu, _) = decode(&cpu, layout, &slots, io, &params);
+            // The reference over what the store holds (bf16 rounds the rows).
+            let mut ks = vec![0.0; kv_len * kv_heads * d];
+            let mut vs = vec![0.0; kv_len * kv_heads * d];
+            {
+                let mut store = cpu.new_kv_store(layout).unwrap();
+                store.write_kv(1, &slots, &k, &v).unwrap();
+                store.read_f32(1, KvBuffer::Key, &slots, &mut ks).unwrap();
+                store.read_f32(1, KvBuffer::Value, &slots, &mut vs).unwrap();
+            }
+            let heads = reference::Heads {
+                q_heads,
+                kv_heads,
+                head_dim: d,
+                v_head_dim: d,
+            };
+            let want = reference::double_sparse_decode(
+                heads,
+                &q,
+                &ks,
+                &vs,
+                &stored,
+                &channels,
+                top_k,
+                params.scale,
+            );
+            let what = format!("{dtype:?} P={page_size}");
+            assert!(
+                relative_error(&got, &want) < 1e-5,
+                "{what}: emu vs reference"
+            );
+            let cpu_as_f64: Vec<f64> = on_cpu.iter().map(|&x| x as f64).collect();
+            assert!(
+                relative_error(&got, &cpu_as_f64) < 1e-5,
+                "{what}: emu vs cpu"
+            );
+            // Keeping the ten latest of the tie instead gives another output.
+            let mut late = stored.clone();
+            for j in (0..kv_len).filter(|j| j % 3 == 0).take(10) {
+                for x in &mut late[j * kv_heads * hc..(j + 1) * kv_heads * hc] {
+                    *x = 1.0;
+                }
+            }
+            let other = reference::double_sparse_decode(
+                heads,
+                &q,
+                &ks,
+                &vs,
+                &late,
+                &channels,
+                top_k,
+                params.scale,
+            );
+            assert!(
+                relative_error(&got, &other) > 1e-3,
+                "{what}: the test would see it"
+            );
+        }
+    }
 }

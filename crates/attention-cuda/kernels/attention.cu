@@ -73,11 +73,6 @@
 #define V_GROUPS (ATTN_THREADS / V_GROUP)
 #define V_VECS_PER_THREAD ((V_VECS + V_GROUP - 1) / V_GROUP)
 
-#define PLAN_TOK_REQ 0
-#define PLAN_TOK_POS 1
-#define PLAN_KV_INDPTR 2
-#define PLAN_KV_INDICES 3
-
 // The store row (slot) of position j of a request whose page list starts at `pages`.
 __device__ inline unsigned int kvs_slot(const unsigned int* pages, unsigned int j,
                                         unsigned int page_size, unsigned int page_shift) {

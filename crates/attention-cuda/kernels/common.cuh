@@ -36,6 +36,14 @@
 
 #define KVS_NEG_INF __int_as_float(0xff800000)
 
+// The attention page table (src/plan.rs, `page_table`): words 0..3 are the offsets of its
+// sections: each token's request, each token's position, FlashInfer's kv_indptr (each
+// request's first entry in the page list) and kv_indices (the page list).
+#define PLAN_TOK_REQ 0
+#define PLAN_TOK_POS 1
+#define PLAN_KV_INDPTR 2
+#define PLAN_KV_INDICES 3
+
 // Exact and branch-free: the exponent and mantissa bits moved to f32's places are the value
 // times 2^-112 (a subnormal half becomes an f32 subnormal), so one multiply by 2^112 rebiases
 // normal and subnormal halves alike; infinities and NaNs (exponent 31) take the f32 exponent
@@ -190,6 +198,21 @@ __device__ inline kv_t kv_from_f32(float f) {
 #else
 #error "KV_DTYPE must be 0 (f32), 1 (f16), 2 (bf16), 3 (fp8 e4m3) or 4 (fp8 e5m2)"
 #endif
+
+// One stored element as f32.
+__device__ inline float kv_to_f32(kv_t x) {
+#if KV_DTYPE == 0
+    return x;
+#elif KV_DTYPE == 1
+    return kvs_f16_to_f32(x);
+#elif KV_DTYPE == 2
+    return kvs_bf16_to_f32(x);
+#elif KV_DTYPE == 3
+    return kvs_e4m3_to_f32(x);
+#else
+    return kvs_f16_to_f32((unsigned short)((unsigned int)x << 8));
+#endif
+}
 
 // Bytes per stored element (a preprocessor constant, so kernels can check row sizes with #if)
 // and elements per 32-bit word.

@@ -6,9 +6,10 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use attention::check::{self, MhaGeometry};
 use attention::{
-    check, AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, MoeExperts,
-    MoeRouting, Result, RopeConfig, RopeStyle,
+    AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, MoeExperts, MoeRouting,
+    Result, RopeConfig, RopeStyle,
 };
 use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
 
@@ -263,8 +264,24 @@ impl<D: Device> CudaBackend<D> {
                 Ok((h, d, dv))
             }
             KvKind::Mla { .. } => Err("attention over an MLA store is attention_mla".into()),
-            KvKind::DoubleSparse { .. } => {
-                Err("DoubleSparse attention has no CUDA kernel yet".into())
+            // Dense extend runs the attention kernels over its K and V; decode, `ds_decode`.
+            KvKind::DoubleSparse {
+                kv_heads,
+                head_dim,
+                v_head_dim,
+                ..
+            } => {
+                let (h, d, dv) = (kv_heads as usize, head_dim as usize, v_head_dim as usize);
+                kernels::attention(shape.dtype, d, dv, 1, 1)?;
+                kernels::sparse(shape.dtype)?;
+                if d.max(dv) > geometry::DS_MAX_DIM {
+                    return Err(format!(
+                        "the DoubleSparse decode kernel takes heads of up to {} elements, not {}",
+                        geometry::DS_MAX_DIM,
+                        d.max(dv)
+                    ));
+                }
+                Ok((h, d, dv))
             }
         }
     }
@@ -322,6 +339,15 @@ struct PagedAttention<'a, D: Device> {
     v_scale: f32,
 }
 
+/// A DoubleSparse call's kernels, its label channels on the device, channels per KV head and
+/// positions kept per query head.
+struct DoubleSparse<D: Device> {
+    spec: kernels::Spec,
+    channels: Arc<D::Buffer>,
+    heavy: usize,
+    top_k: usize,
+}
+
 impl<D: Device> CudaBackend<D> {
     /// The scales the kernels divide by when storing and multiply by when reading: the
     /// layer's for fp8 stores, 1 otherwise (as the host store).
@@ -332,6 +358,16 @@ impl<D: Device> CudaBackend<D> {
         } else {
             (1.0, 1.0)
         })
+    }
+
+    /// The grid of a kernel over the plan's write list (`store_kv`, `store_labels`): under a
+    /// graph one block per token (the kernel reads the list's count, which padding rows
+    /// sharing the padding slot lower); eager, one per kept write.
+    fn write_list_blocks(&self, plan: &CudaPlan<D>) -> usize {
+        match self.graph_phase() {
+            Some(_) => plan.meta.num_tokens(),
+            None => plan.kept_writes,
+        }
     }
 
     /// Writes the batch's new rows `src` (one per token) into `buffer` of `layer` at the
@@ -345,12 +381,7 @@ impl<D: Device> CudaBackend<D> {
         src: &CudaTensor<D>,
         scale: f32,
     ) -> Result<()> {
-        // Under a graph the grid is one block per token (the write list's count, which padding
-        // rows sharing the padding slot lower, is read by the kernel); eager, one per write.
-        let blocks = match self.graph_phase() {
-            Some(_) => plan.meta.num_tokens(),
-            None => plan.kept_writes,
-        };
+        let blocks = self.write_list_blocks(plan);
         if blocks == 0 {
             return Ok(());
         }
@@ -367,6 +398,83 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::F32(scale),
             ],
         )
+    }
+
+    /// Writes the new tokens' DoubleSparse labels (their keys at the label channels) into the
+    /// label buffer of `layer` at the plan's `out_cache_loc`.
+    fn store_labels(
+        &self,
+        plan: &CudaPlan<D>,
+        store: &CudaKvStore<D>,
+        layer: usize,
+        k: &CudaTensor<D>,
+        geo: &MhaGeometry,
+        ds: &DoubleSparse<D>,
+    ) -> Result<()> {
+        let blocks = self.write_list_blocks(plan);
+        if blocks == 0 {
+            return Ok(());
+        }
+        self.launch(
+            &ds.spec,
+            "store_labels",
+            geometry::per_row("store_labels", blocks, ROW_THREADS)?,
+            &[
+                KernelArg::Buf(&k.buf),
+                KernelArg::Buf(&plan.writes),
+                KernelArg::Buf(&ds.channels),
+                KernelArg::Buf(store.buffer(layer, KvBuffer::Label)),
+                KernelArg::U32(dim("kv_heads", geo.kv_heads)?),
+                KernelArg::U32(dim("head_dim", geo.head_dim)?),
+                KernelArg::U32(dim("heavy_channels", ds.heavy)?),
+            ],
+        )
+    }
+
+    /// DoubleSparse decode: every (token, query head) attends over the `top_k` positions of its
+    /// request with the best label scores (all of them when there are at most `top_k`).
+    #[allow(clippy::too_many_arguments)]
+    fn ds_decode(
+        &self,
+        plan: &CudaPlan<D>,
+        store: &CudaKvStore<D>,
+        layer: usize,
+        q: &CudaTensor<D>,
+        geo: &MhaGeometry,
+        ds: &DoubleSparse<D>,
+        scale: f32,
+    ) -> Result<CudaTensor<D>> {
+        let n = plan.meta.num_tokens();
+        let out = self.zeros(&[n, geo.q_heads, geo.v_head_dim])?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let (k_scale, v_scale) = Self::kernel_scales(store, layer)?;
+        self.launch(
+            &ds.spec,
+            "ds_decode",
+            geometry::per_row("ds_decode", n * geo.q_heads, geometry::DS_THREADS)?,
+            &[
+                KernelArg::Buf(&q.buf),
+                KernelArg::Buf(store.buffer(layer, KvBuffer::Key)),
+                KernelArg::Buf(store.buffer(layer, KvBuffer::Value)),
+                KernelArg::Buf(store.buffer(layer, KvBuffer::Label)),
+                KernelArg::Buf(&plan.table),
+                KernelArg::Buf(&ds.channels),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("q_heads", geo.q_heads)?),
+                KernelArg::U32(dim("kv_heads", geo.kv_heads)?),
+                KernelArg::U32(dim("head_dim", geo.head_dim)?),
+                KernelArg::U32(dim("v_head_dim", geo.v_head_dim)?),
+                KernelArg::U32(dim("heavy_channels", ds.heavy)?),
+                KernelArg::U32(dim("top_k", ds.top_k.min(u32::MAX as usize))?),
+                KernelArg::U32(store.layout().page_size),
+                KernelArg::F32(scale),
+                KernelArg::F32(k_scale),
+                KernelArg::F32(v_scale),
+            ],
+        )?;
+        Ok(out)
     }
 
     /// Attention of every token of the plan over its request's positions `0..=pos`, read back
@@ -878,6 +986,19 @@ impl<D: Device> Backend for CudaBackend<D> {
         // 1. The new tokens' K and V at out_cache_loc, converted to the store dtype.
         self.store_new_rows(plan, store, layer, KvBuffer::Key, k, k_scale)?;
         self.store_new_rows(plan, store, layer, KvBuffer::Value, v, v_scale)?;
+        // DoubleSparse: the labels too, and decode batches attend over each head's top_k.
+        if let (Some(heavy), Some(ds)) = (geo.heavy_channels, &params.double_sparse) {
+            let sparse = DoubleSparse {
+                spec: kernels::sparse(layout.shape.dtype).map_err(AttentionError::Unsupported)?,
+                channels: self.buffer_from(bytemuck::cast_slice(&ds.channels))?,
+                heavy,
+                top_k: ds.top_k,
+            };
+            self.store_labels(plan, store, layer, k, &geo, &sparse)?;
+            if plan.meta.is_decode() {
+                return self.ds_decode(plan, store, layer, q, &geo, &sparse, params.scale);
+            }
+        }
         // 2. Attention over every position read back from the store.
         self.paged_attention(
             plan,

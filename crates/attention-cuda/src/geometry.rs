@@ -12,6 +12,10 @@ pub const THREADS: u32 = 256;
 pub const ATTN_THREADS: u32 = 128;
 /// Threads per store-row block.
 pub const ROW_THREADS: u32 = 128;
+/// Threads per DoubleSparse decode block (`DS_THREADS` in `sparse.cu`).
+pub const DS_THREADS: u32 = 128;
+/// `DS_MAX_DIM` in `sparse.cu`: the widest key or value head `ds_decode` takes.
+pub const DS_MAX_DIM: usize = 256;
 /// `MATMUL_TILE` in `dense.cu`: a matmul block computes a tile of this many rows and columns.
 pub const MATMUL_TILE: u32 = 16;
 

@@ -19,6 +19,7 @@ pub fn body(source: Source) -> &'static str {
         Source::Dense => include_str!("../kernels/dense.cu"),
         Source::Store => include_str!("../kernels/store.cu"),
         Source::Attention => include_str!("../kernels/attention.cu"),
+        Source::Sparse => include_str!("../kernels/sparse.cu"),
     }
 }
 
@@ -60,6 +61,14 @@ pub fn dense() -> Spec {
 pub fn store(dtype: KvDtype) -> Result<Spec, String> {
     Ok(Spec {
         source: Source::Store,
+        defines: vec![("KV_DTYPE", kv_dtype_define(dtype)?)],
+    })
+}
+
+/// The DoubleSparse kernels (label writes, top-k decode) for a store of `dtype`.
+pub fn sparse(dtype: KvDtype) -> Result<Spec, String> {
+    Ok(Spec {
+        source: Source::Sparse,
         defines: vec![("KV_DTYPE", kv_dtype_define(dtype)?)],
     })
 }
@@ -133,6 +142,7 @@ mod tests {
         assert!(all.contains(&dense()));
         for dtype in KvDtype::ALL {
             assert!(all.contains(&store(dtype).unwrap()));
+            assert!(all.contains(&sparse(dtype).unwrap()));
             for &d in &SPEC_HEAD_DIMS {
                 for p in [1, 2, 16, 64, 3, 48] {
                     for group in [1, 2, 4, 7, 8] {

@@ -50,7 +50,7 @@
 //!   plan's `out_cache_loc`, then reads every position back from the store.
 //! - Bad input is a typed error, checked on the host with [`attention::check`] and
 //!   [`kv_pool::store::check`] before anything is launched; attention kinds and shapes without
-//!   kernels (DoubleSparse, head dims outside [`kernels::SPEC_HEAD_DIMS`], MLA shapes outside
+//!   kernels (head dims outside [`kernels::SPEC_HEAD_DIMS`], MLA shapes outside
 //!   [`kernels::SPEC_MLA_DIMS`]) are typed `Unsupported` errors, announced by
 //!   [`Backend::kv_support`](attention::Backend::kv_support).
 //! - Stored bytes equal [`kv_pool::HostKvStore`]'s: the kernels round f32 to f16, bf16 and

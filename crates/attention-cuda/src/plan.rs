@@ -7,7 +7,7 @@ use std::fmt;
 use attention::{AttentionError, BatchMetadata, Result};
 use kv_pool::Slot;
 
-/// Entries of the page table's header (`attention.cu`'s `PLAN_*` offsets).
+/// Entries of the page table's header (`common.cuh`'s `PLAN_*` offsets).
 pub const PLAN_HEADER: usize = 4;
 
 fn to_u32(what: &'static str, x: usize) -> Result<u32> {

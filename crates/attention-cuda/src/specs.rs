@@ -13,11 +13,18 @@ pub enum Source {
     Store,
     /// `attention.cu`: paged attention and the split-KV merge.
     Attention,
+    /// `sparse.cu`: DoubleSparse label writes and top-k decode attention.
+    Sparse,
 }
 
 impl Source {
     /// Every source, in a stable order.
-    pub const ALL: [Source; 3] = [Source::Dense, Source::Store, Source::Attention];
+    pub const ALL: [Source; 4] = [
+        Source::Dense,
+        Source::Store,
+        Source::Attention,
+        Source::Sparse,
+    ];
 
     /// The file name under `kernels/`.
     pub const fn file(self) -> &'static str {
@@ -25,6 +32,7 @@ impl Source {
             Source::Dense => "dense.cu",
             Source::Store => "store.cu",
             Source::Attention => "attention.cu",
+            Source::Sparse => "sparse.cu",
         }
     }
 
@@ -50,6 +58,7 @@ impl Source {
                 "paged_attention_pipelined",
                 "merge_states",
             ],
+            Source::Sparse => &["store_labels", "ds_decode"],
         }
     }
 }
@@ -150,11 +159,13 @@ pub fn all_specs() -> Vec<Spec> {
         source: Source::Dense,
         defines: Vec::new(),
     }];
-    for kv in SPEC_KV_DTYPES {
-        specs.push(Spec {
-            source: Source::Store,
-            defines: vec![("KV_DTYPE", kv)],
-        });
+    for source in [Source::Store, Source::Sparse] {
+        for kv in SPEC_KV_DTYPES {
+            specs.push(Spec {
+                source,
+                defines: vec![("KV_DTYPE", kv)],
+            });
+        }
     }
     for kv in SPEC_KV_DTYPES {
         for hd in SPEC_HEAD_DIMS {
