@@ -19,13 +19,16 @@
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
 #      cuda` (batch 1 and 16), once more with --disable-cuda-graph, once with the chunked
 #      attention kernel (the default is the pipelined one), and a shared-prefix workload with HiCache on a small device pool;
-#   5. the attention conformance suite (both kernels) under compute-sanitizer's memcheck (out-of-bounds and
+#   5. PD disaggregation on the GPU (scripts/pd_pair_check.sh): a prefill and a decode server
+#      behind `kvserve router`, their KV moved through host mirrors of the device stores,
+#      greedy tokens against one server, then `kvserve bench --url` through the router;
+#   6. the attention conformance suite (both kernels) under compute-sanitizer's memcheck (out-of-bounds and
 #      misaligned accesses) and racecheck (shared-memory hazards: what emulation, which runs
 #      a block's threads in lockstep between barriers, cannot see), where the image has it.
 # Everything goes to $OUT/check.log, the benches' JSON beside it, a line per step to
-# $OUT/summary.txt as each step ends (seven files: the device returns at most eight); `run`
+# $OUT/summary.txt as each step ends (eight files: the device returns at most eight); `run`
 # exits non-zero when any step failed. The steps' limits add up to 600 s (each ends early;
-# the whole run took about 90 s on an H100).
+# the whole run took about 90 s on an H100 before the PD step was added).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GPU_DIR=.gpu
@@ -141,26 +144,28 @@ run() {
         for l in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libnvrtc.so.12 libcublas.so.12; do
             python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
                 2>/dev/null || echo "$l does not load"; done'
-    step gpu-tests 120 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
-    step bandwidth 130 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2
+    step gpu-tests 100 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
+    step bandwidth 110 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2
     local ck=/tmp/smollm2-shape-bf16
     step checkpoint 30 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
         --random-input-len 512 --random-output-len 128 --random-range-ratio 1
         --request-rate inf --quiet --plot /tmp/bench.png)
-    step bench-b1 40 "${bench[@]}" --num-prompts 1 --json "$out/bench-b1.json"
-    step bench-b16 40 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
-    step bench-b16-eager 40 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
+    step bench-b1 35 "${bench[@]}" --num-prompts 1 --json "$out/bench-b1.json"
+    step bench-b16 35 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
+    step bench-b16-eager 35 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
-    step bench-b16-chunked 40 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
+    step bench-b16-chunked 35 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
         --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
     # it, so prefixes are evicted to the host tier and loaded back through CudaKvRows.
-    step bench-hicache 50 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
+    step bench-hicache 40 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
         --workload gsp --gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 \
         --gsp-question-len 64 --gsp-output-len 16 --max-total-tokens 4096 \
         --enable-hierarchical-cache --quiet --plot /tmp/bench-hicache.png \
         --json "$out/bench-hicache.json"
+    step pd-pair 70 bash scripts/pd_pair_check.sh "$GPU_DIR/kvserve" cuda "$ck" \
+        "$out/bench-pd.json"
     local sanitizer
     sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
     if [ -n "$sanitizer" ]; then
