@@ -327,7 +327,7 @@ fn emu_fused_moe_rows_do_not_depend_on_the_batch() {
 
 /// DoubleSparse decode over 300 positions (three of `ds_decode`'s chunks) whose label rows
 /// take only three values, so the label scores tie in large groups: two positions score
-/// highest, then 99 positions tie for the next score, and `top_k` = 12 must keep the two and
+/// highest, then 100 positions (every third) tie for the next score, and `top_k` = 12 must keep the two and
 /// the ten earliest of the tie (the reference's and the CPU's rule). Every position's key
 /// differs outside the label channels and every value differs, so keeping other positions
 /// would change the output. Checked against the f64 reference over the stored rows, and

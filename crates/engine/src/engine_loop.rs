@@ -546,7 +546,7 @@ fn deliver(
     }
     let mut finished = s.take_finished();
     if let Some(p) = pd {
-        finished.retain(|f| !p.hold(s, exec, f));
+        finished.retain(|f| !p.hold(s, f));
         finished.extend(p.after_step(s, exec));
     }
     for f in finished {

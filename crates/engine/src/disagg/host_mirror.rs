@@ -225,18 +225,41 @@ mod tests {
         mirror.to_device(&[]).unwrap();
     }
 
+    /// What a transfer engine relies on: page `p` of a staged request lies at `addr + p ×
+    /// item_len` of each registered region, holding that layer's buffer rows of the page as the
+    /// device has them.
     #[test]
-    fn the_mirror_registers_the_regions_a_host_store_of_the_layout_would() {
-        let l = layout(shapes()[0]);
-        let mirror = KvHostMirror::new(Arc::new(device(l, 1)), None).unwrap();
-        let regions = mirror.memory_regions();
-        let want = HostKvStore::new(l).unwrap().memory_regions();
-        assert_eq!(regions.len(), want.len());
-        for (a, b) in regions.iter().zip(&want) {
+    fn registered_regions_hold_the_staged_pages_at_their_offsets() {
+        for shape in shapes() {
+            let l = layout(shape);
+            let dev = device(l, 3);
+            let mut mirror = KvHostMirror::new(Arc::new(dev.clone()), None).unwrap();
+            let staged = [Page(4), Page(11)];
+            mirror.to_host(&staged).unwrap();
+            let regions = mirror.memory_regions();
             assert_eq!(
-                (a.layer, a.buffer, a.len_bytes, a.item_len),
-                (b.layer, b.buffer, b.len_bytes, b.item_len)
+                regions.len(),
+                l.shape.layers as usize * l.shape.buffers().len()
             );
+            for r in &regions {
+                for page in staged {
+                    let slots: Vec<Slot> = page.slots(l.page_size).collect();
+                    let mut want = vec![0u8; r.item_len];
+                    dev.store()
+                        .read_raw(r.layer, r.buffer, &slots, &mut want)
+                        .unwrap();
+                    assert!(page.index() * r.item_len + r.item_len <= r.len_bytes);
+                    // SAFETY: the region is the mirror's buffer of `len_bytes` bytes (checked
+                    // in range just above), alive while `mirror` is, and nothing writes it now.
+                    let got = unsafe {
+                        std::slice::from_raw_parts(
+                            (r.addr + page.index() * r.item_len) as *const u8,
+                            r.item_len,
+                        )
+                    };
+                    assert_eq!(got, &want[..], "{shape:?} {:?} layer {}", r.buffer, r.layer);
+                }
+            }
         }
     }
 }

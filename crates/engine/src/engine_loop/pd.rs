@@ -68,14 +68,9 @@ impl PdSide {
 
     /// Keeps a finished request whose KV is still being sent (`true`); it is finished later by
     /// [`after_step`](Self::after_step).
-    pub(crate) fn hold(
-        &mut self,
-        s: &mut Scheduler,
-        exec: &mut ModelExecutor,
-        f: &FinishedReq,
-    ) -> bool {
+    pub(crate) fn hold(&mut self, s: &mut Scheduler, f: &FinishedReq) -> bool {
         match self {
-            PdSide::Prefill(p) => p.hold(s, exec, f),
+            PdSide::Prefill(p) => p.hold(s, f),
             PdSide::Decode(_) => false,
         }
     }

@@ -35,6 +35,15 @@ struct Sending {
     finished: Option<FinishedReq>,
 }
 
+/// A send queued for the end of this step: pages `next_page..end` of request `id` (with `aux`:
+/// its last chunk).
+struct Outgoing {
+    id: ReqId,
+    pages: Vec<Page>,
+    end: usize,
+    aux: Option<TransferAux>,
+}
+
 /// The prefill half of the loop.
 pub struct PrefillSide {
     manager: KvManager,
@@ -43,6 +52,9 @@ pub struct PrefillSide {
     page_bytes: usize,
     bootstrap: Vec<Bootstrapping>,
     sending: HashMap<ReqId, Sending>,
+    /// This step's sends, staged together (one copy from a device store) and sent by
+    /// [`Self::after_step`].
+    outbox: Vec<Outgoing>,
     /// Kept for its lifetime: the manager's tasks run on it.
     _runtime: tokio::runtime::Runtime,
 }
@@ -61,6 +73,7 @@ impl PrefillSide {
             page_bytes,
             bootstrap: Vec::new(),
             sending: HashMap::new(),
+            outbox: Vec::new(),
             _runtime: runtime,
         }
     }
@@ -204,14 +217,9 @@ impl PrefillSide {
         true
     }
 
-    /// A finished request whose KV is held: sends its last pages with the first token, and
-    /// keeps it until the transfer ends.
-    pub(super) fn hold(
-        &mut self,
-        s: &mut Scheduler,
-        exec: &mut ModelExecutor,
-        f: &FinishedReq,
-    ) -> bool {
+    /// A finished request whose KV is held: queues its last pages with the first token (sent
+    /// by [`Self::after_step`]), and keeps it until the transfer ends.
+    pub(super) fn hold(&mut self, s: &mut Scheduler, f: &FinishedReq) -> bool {
         if !f.kv_held {
             return false;
         }
@@ -225,16 +233,21 @@ impl PrefillSide {
             cached_tokens: f.cached_tokens,
             bootstrap_room: snd.room,
         };
-        let result = send_ready(s, exec, self.page_size, f.id, snd, snd.end_page, Some(aux));
         snd.finished = Some(f.clone());
-        if let Err(e) = result {
-            snd.sender.abort(&e);
+        match pages_to_send(s, self.page_size, f.id, snd, snd.end_page) {
+            Ok(pages) => self.outbox.push(Outgoing {
+                id: f.id,
+                pages,
+                end: snd.end_page,
+                aux: Some(aux),
+            }),
+            Err(e) => snd.sender.abort(&e),
         }
         true
     }
 
-    /// Sends the whole pages that the last step computed; finishes the held requests whose
-    /// transfer ended.
+    /// Sends the whole pages that the last step computed (and what [`Self::hold`] queued);
+    /// finishes the held requests whose transfer ended.
     pub(super) fn after_step(
         &mut self,
         s: &mut Scheduler,
@@ -257,8 +270,14 @@ impl PrefillSide {
                 };
                 let ready = (r.committed_len / p).min(snd.end_page);
                 if ready > snd.next_page {
-                    if let Err(e) = send_ready(s, exec, p, id, snd, ready, None) {
-                        snd.sender.abort(&e);
+                    match pages_to_send(s, p, id, snd, ready) {
+                        Ok(pages) => self.outbox.push(Outgoing {
+                            id,
+                            pages,
+                            end: ready,
+                            aux: None,
+                        }),
+                        Err(e) => snd.sender.abort(&e),
                     }
                 }
                 if snd.sender.poll() == KvPoll::Failed {
@@ -290,6 +309,7 @@ impl PrefillSide {
                 _ => {}
             }
         }
+        self.send_outbox(exec);
         // Requests aborted here: the scheduler reports them (a held one may already have
         // been reported when it finished; then its kept report, with the failure, goes out).
         done.extend(s.take_finished());
@@ -301,7 +321,37 @@ impl PrefillSide {
         done
     }
 
+    /// Sends this step's queued pages, of the requests still sending: all their pages
+    /// staged from a device store in one copy (nothing to do on the `cpu` backend), then each
+    /// request's send. A failure fails those transfers.
+    fn send_outbox(&mut self, exec: &mut ModelExecutor) {
+        let sending = &mut self.sending;
+        self.outbox.retain(|o| sending.contains_key(&o.id));
+        if self.outbox.is_empty() {
+            return;
+        }
+        let mut pages: Vec<Page> = self
+            .outbox
+            .iter()
+            .flat_map(|o| o.pages.iter().copied())
+            .collect();
+        pages.sort_unstable();
+        pages.dedup();
+        let staged = exec.stage_for_send(&pages);
+        for o in self.outbox.drain(..) {
+            let snd = sending.get_mut(&o.id).expect("kept above");
+            let sent = staged
+                .clone()
+                .and_then(|()| snd.sender.send(&o.pages, o.aux).map_err(|e| e.to_string()));
+            match sent {
+                Ok(()) => snd.next_page = o.end,
+                Err(e) => snd.sender.abort(&e),
+            }
+        }
+    }
+
     pub(super) fn shutdown(&mut self, s: &mut Scheduler) {
+        self.outbox.clear();
         for b in self.bootstrap.drain(..) {
             b.sender.abort("the server is shutting down");
             b.sub.reject("the server is shutting down");
@@ -348,17 +398,14 @@ impl PrefillSide {
     }
 }
 
-/// Sends pages `snd.next_page..end` of request `id` (with `aux`: the last chunk), first
-/// staging them into the host mirror when the KV store is on a device.
-fn send_ready(
+/// Pages `snd.next_page..end` of request `id`, in position order.
+fn pages_to_send(
     s: &Scheduler,
-    exec: &mut ModelExecutor,
     page_size: usize,
     id: ReqId,
-    snd: &mut Sending,
+    snd: &Sending,
     end: usize,
-    aux: Option<TransferAux>,
-) -> Result<(), String> {
+) -> Result<Vec<Page>, String> {
     let input_len = s.request(id).ok_or("the request is gone")?.input_len;
     let slots = s.committed_slots(id).map_err(|e| e.to_string())?;
     let start = snd.next_page * page_size;
@@ -371,8 +418,5 @@ fn send_ready(
         .step_by(page_size)
         .map(|slot| slot.page(page_size as u32))
         .collect();
-    exec.stage_for_send(&pages)?;
-    snd.sender.send(&pages, aux).map_err(|e| e.to_string())?;
-    snd.next_page = end;
-    Ok(())
+    Ok(pages)
 }
