@@ -1,6 +1,7 @@
-//! PD disaggregation in the engine: the server roles (SGLang's `--disaggregation-mode`) and
-//! what a request carries to find its peer (`bootstrap_host`, `bootstrap_port`,
-//! `bootstrap_room`, chosen by the router).
+//! PD disaggregation in the engine: the server roles (SGLang's `--disaggregation-mode`), what
+//! a request carries to find its peer (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`,
+//! chosen by the router), and [`KvHostMirror`], the host memory a PD server on a device backend
+//! gives its transfer engine in place of the device store.
 
 use std::fmt;
 
