@@ -7,12 +7,12 @@
 //! ids, same region offsets, so the pair's compatibility check and the page lists are the same
 //! as on the `cpu` backend), which it keeps current only where a transfer needs it:
 //!
-//! - prefill: [`KvHostMirror::to_host`] copies a request's pages from the device just before
-//!   they are sent (after the forward pass that computed them; the rows handle's read waits for
-//!   it);
-//! - decode: once a request's transfer has succeeded, [`KvHostMirror::to_device`] copies its
-//!   pages to the device ahead of the request's first decode pass (the rows handle queues the
-//!   copy before any later work).
+//! - prefill: [`KvHostMirror::to_host`] copies the pages a step sends from the device just
+//!   before they are sent (after the forward pass that computed them; the rows handle's read
+//!   waits for it), every sending request's in one call;
+//! - decode: once transfers have succeeded, [`KvHostMirror::to_device`] copies their pages to
+//!   the device ahead of the requests' first decode pass (the rows handle queues the copy
+//!   before any later work), every arrived request's in one call.
 //!
 //! Both go through the store's [`DeviceKvRows`] handle (HiCache's path): one read or write per
 //! layer and buffer of all the pages' rows. The mirror costs host memory equal to the device

@@ -103,6 +103,7 @@ impl DecodeSide {
             }
         }
         let ids: Vec<ReqId> = self.receiving.keys().copied().collect();
+        let mut arrived = Vec::new();
         for id in ids {
             if s.request(id).is_none() {
                 // The scheduler ended it before preallocating (a request its pool can never
@@ -117,13 +118,7 @@ impl DecodeSide {
                     let Receiving { receiver: r, pages } =
                         self.receiving.remove(&id).expect("listed");
                     let first = r.aux().map(|a| a.first_token_ids).unwrap_or_default();
-                    // A store on a device: the KV landed in the host mirror.
-                    let landed = exec.land_received(&pages);
-                    if let Err(e) = landed
-                        .and_then(|()| s.commit_transferred(id, &first).map_err(|e| e.to_string()))
-                    {
-                        let _ = s.abort(id, &format!("{TRANSFER_FAILED}: {e}"));
-                    }
+                    arrived.push((id, pages, first));
                 }
                 KvPoll::Failed => {
                     let r = self.receiving.remove(&id).expect("listed").receiver;
@@ -134,6 +129,18 @@ impl DecodeSide {
                     self.free_when_quiescent(s, id, r, why);
                 }
                 _ => {}
+            }
+        }
+        // The arrived requests' KV, on a device store still in the host mirror, is copied to
+        // the device in one go; then they join the running batch.
+        let pages: Vec<Page> = arrived.iter().flat_map(|a| a.1.iter().copied()).collect();
+        let landed = exec.land_received(&pages);
+        for (id, _, first) in arrived {
+            let committed = landed
+                .clone()
+                .and_then(|()| s.commit_transferred(id, &first).map_err(|e| e.to_string()));
+            if let Err(e) = committed {
+                let _ = s.abort(id, &format!("{TRANSFER_FAILED}: {e}"));
             }
         }
         self.draining.retain(|&id, (r, why)| {
