@@ -339,10 +339,12 @@ struct PagedAttention<'a, D: Device> {
     v_scale: f32,
 }
 
-/// A DoubleSparse call's kernels, its label channels on the device, channels per KV head and
-/// positions kept per query head.
+/// One DoubleSparse attention call: its kernels, geometry and softmax scale, its label
+/// channels on the device, channels per KV head and positions kept per query head.
 struct DoubleSparse<D: Device> {
     spec: kernels::Spec,
+    geo: MhaGeometry,
+    scale: f32,
     channels: Arc<D::Buffer>,
     heavy: usize,
     top_k: usize,
@@ -408,7 +410,6 @@ impl<D: Device> CudaBackend<D> {
         store: &CudaKvStore<D>,
         layer: usize,
         k: &CudaTensor<D>,
-        geo: &MhaGeometry,
         ds: &DoubleSparse<D>,
     ) -> Result<()> {
         let blocks = self.write_list_blocks(plan);
@@ -424,8 +425,8 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::Buf(&plan.writes),
                 KernelArg::Buf(&ds.channels),
                 KernelArg::Buf(store.buffer(layer, KvBuffer::Label)),
-                KernelArg::U32(dim("kv_heads", geo.kv_heads)?),
-                KernelArg::U32(dim("head_dim", geo.head_dim)?),
+                KernelArg::U32(dim("kv_heads", ds.geo.kv_heads)?),
+                KernelArg::U32(dim("head_dim", ds.geo.head_dim)?),
                 KernelArg::U32(dim("heavy_channels", ds.heavy)?),
             ],
         )
@@ -433,17 +434,15 @@ impl<D: Device> CudaBackend<D> {
 
     /// DoubleSparse decode: every (token, query head) attends over the `top_k` positions of its
     /// request with the best label scores (all of them when there are at most `top_k`).
-    #[allow(clippy::too_many_arguments)]
     fn ds_decode(
         &self,
         plan: &CudaPlan<D>,
         store: &CudaKvStore<D>,
         layer: usize,
         q: &CudaTensor<D>,
-        geo: &MhaGeometry,
         ds: &DoubleSparse<D>,
-        scale: f32,
     ) -> Result<CudaTensor<D>> {
+        let geo = &ds.geo;
         let n = plan.meta.num_tokens();
         let out = self.zeros(&[n, geo.q_heads, geo.v_head_dim])?;
         if n == 0 {
@@ -469,7 +468,7 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::U32(dim("heavy_channels", ds.heavy)?),
                 KernelArg::U32(dim("top_k", ds.top_k.min(u32::MAX as usize))?),
                 KernelArg::U32(store.layout().page_size),
-                KernelArg::F32(scale),
+                KernelArg::F32(ds.scale),
                 KernelArg::F32(k_scale),
                 KernelArg::F32(v_scale),
             ],
@@ -990,13 +989,15 @@ impl<D: Device> Backend for CudaBackend<D> {
         if let (Some(heavy), Some(ds)) = (geo.heavy_channels, &params.double_sparse) {
             let sparse = DoubleSparse {
                 spec: kernels::sparse(layout.shape.dtype).map_err(AttentionError::Unsupported)?,
+                geo,
+                scale: params.scale,
                 channels: self.buffer_from(bytemuck::cast_slice(&ds.channels))?,
                 heavy,
                 top_k: ds.top_k,
             };
-            self.store_labels(plan, store, layer, k, &geo, &sparse)?;
+            self.store_labels(plan, store, layer, k, &sparse)?;
             if plan.meta.is_decode() {
-                return self.ds_decode(plan, store, layer, q, &geo, &sparse, params.scale);
+                return self.ds_decode(plan, store, layer, q, &sparse);
             }
         }
         // 2. Attention over every position read back from the store.
