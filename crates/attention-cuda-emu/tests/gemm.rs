@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use attention::conformance;
 use attention::{Backend, Result};
-use attention_cuda::gemm::{sgemm_host, SgemmArgs};
+use attention_cuda::gemm::{gemm_host, GemmArgs, GemmInputs};
 use attention_cuda::{CudaBackend, CudaConfig, Device, GemmPath, KernelArg, LaunchConfig, Spec};
 use attention_cuda_emu::{emu_or_skip, EmuBuffer, EmuDevice};
 
@@ -17,7 +17,12 @@ struct FakeBlas {
     emu: EmuDevice,
     loaded: bool,
     blas_calls: AtomicUsize,
+    /// Of `blas_calls`, those with bf16 inputs (a bf16 weight).
+    bf16_calls: AtomicUsize,
+    /// Launches of the f32 or bf16-weight matmul kernel (what a loaded BLAS takes).
     kernel_calls: AtomicUsize,
+    /// Launches of the f16-weight matmul kernel (which no BLAS takes).
+    f16_kernel_calls: AtomicUsize,
 }
 
 impl FakeBlas {
@@ -26,11 +31,22 @@ impl FakeBlas {
             emu,
             loaded,
             blas_calls: AtomicUsize::new(0),
+            bf16_calls: AtomicUsize::new(0),
             kernel_calls: AtomicUsize::new(0),
+            f16_kernel_calls: AtomicUsize::new(0),
         })
     }
 
-    fn floats(&self, buf: &EmuBuffer, n: usize) -> Result<Vec<f32>> {
+    /// The first `n` elements of `buf`, of the GEMM's input type, as f32.
+    fn floats(&self, buf: &EmuBuffer, n: usize, inputs: GemmInputs) -> Result<Vec<f32>> {
+        if inputs == GemmInputs::Bf16 {
+            let mut v = vec![0u16; n];
+            self.emu.read(buf, 0, bytemuck::cast_slice_mut(&mut v))?;
+            return Ok(v
+                .into_iter()
+                .map(|b| f32::from_bits(u32::from(b) << 16))
+                .collect());
+        }
         let mut v = vec![0f32; n];
         self.emu.read(buf, 0, bytemuck::cast_slice_mut(&mut v))?;
         Ok(v)
@@ -66,9 +82,11 @@ impl Device for FakeBlas {
         cfg: LaunchConfig,
         args: &[KernelArg<'_, EmuBuffer>],
     ) -> Result<()> {
-        if kernel == "matmul" {
-            self.kernel_calls.fetch_add(1, Ordering::Relaxed);
-        }
+        match kernel {
+            "matmul" | "matmul_bf16" => self.kernel_calls.fetch_add(1, Ordering::Relaxed),
+            "matmul_f16" => self.f16_kernel_calls.fetch_add(1, Ordering::Relaxed),
+            _ => 0,
+        };
         self.emu.launch(spec, kernel, cfg, args)
     }
     fn blas(&self) -> std::result::Result<&str, String> {
@@ -78,21 +96,25 @@ impl Device for FakeBlas {
             Err("fake BLAS absent".into())
         }
     }
-    fn blas_sgemm(
+    fn blas_gemm(
         &self,
-        args: &SgemmArgs,
+        args: &GemmArgs,
+        inputs: GemmInputs,
         w: &EmuBuffer,
         x: &EmuBuffer,
         out: &mut EmuBuffer,
     ) -> Result<()> {
-        assert!(self.loaded, "blas_sgemm called with no BLAS loaded");
+        assert!(self.loaded, "blas_gemm called with no BLAS loaded");
         self.blas_calls.fetch_add(1, Ordering::Relaxed);
-        args.check_bytes(self.len(w), self.len(x), self.len(out))
+        if inputs == GemmInputs::Bf16 {
+            self.bf16_calls.fetch_add(1, Ordering::Relaxed);
+        }
+        args.check_bytes(inputs, self.len(w), self.len(x), self.len(out))
             .map_err(attention::AttentionError::Device)?;
         let (na, nb, nc) = args.elems();
-        let (a, b) = (self.floats(w, na)?, self.floats(x, nb)?);
+        let (a, b) = (self.floats(w, na, inputs)?, self.floats(x, nb, inputs)?);
         let mut c = vec![f32::NAN; nc];
-        sgemm_host(args, &a, &b, &mut c);
+        gemm_host(args, &a, &b, &mut c);
         self.emu.write(out, 0, bytemuck::cast_slice(&c))
     }
 }
@@ -104,7 +126,9 @@ fn config(enable_deterministic_inference: bool) -> CudaConfig {
     }
 }
 
-/// Runs the dense suite on `dev` and returns (BLAS calls, kernel matmuls).
+/// Runs the dense suite on `dev` (f32, f16 and bf16 weights) and returns (BLAS calls, f32 and
+/// bf16-weight kernel matmuls); asserts that f16 weights took the kernel and that bf16 ones
+/// reached the BLAS exactly when it took GEMMs.
 fn run(dev: FakeBlas, deterministic: bool, want: GemmPath) -> (usize, usize) {
     let b = CudaBackend::new(dev, config(deterministic));
     assert_eq!(b.gemm_choice().path, want, "{}", b.gemm_choice());
@@ -114,6 +138,9 @@ fn run(dev: FakeBlas, deterministic: bool, want: GemmPath) -> (usize, usize) {
     }
     conformance::assert_all_passed(&outcomes);
     let d = b.device();
+    assert!(d.f16_kernel_calls.load(Ordering::Relaxed) > 0);
+    let bf16 = d.bf16_calls.load(Ordering::Relaxed);
+    assert_eq!(bf16 > 0, want == GemmPath::Blas, "bf16 BLAS calls: {bf16}");
     (
         d.blas_calls.load(Ordering::Relaxed),
         d.kernel_calls.load(Ordering::Relaxed),

@@ -1,15 +1,50 @@
 // The dense ops of a decoder layer, on f32 tensors (row-major). Not specialised: shapes are
-// arguments. Launch geometry is chosen on the host (src/geometry.rs).
+// arguments. Launch geometry is chosen on the host (src/geometry.rs). A weight (a matmul's w,
+// an embedding table, stacked experts) may be kept in 16 bits: the kernels that read one come
+// in a variant per weight type (`matmul`, `matmul_f16`, `matmul_bf16`), each widening every
+// element exactly to f32 as it loads it, so a variant's results are bitwise those of the f32
+// kernel over the widened weight.
 
 #define MATMUL_TILE 16
+
+// How a kernel's weight is stored: W_F32 as floats, W_F16 and W_BF16 as 16-bit patterns.
+#define W_F32 0
+#define W_F16 1
+#define W_BF16 2
+
+// Element i of a weight stored as W, widened exactly to f32.
+template <int W>
+__device__ inline float kvs_weight(const void* w, size_t i);
+template <>
+__device__ inline float kvs_weight<W_F32>(const void* w, size_t i) {
+    return ((const float*)w)[i];
+}
+template <>
+__device__ inline float kvs_weight<W_F16>(const void* w, size_t i) {
+    return kvs_f16_to_f32(((const unsigned short*)w)[i]);
+}
+template <>
+__device__ inline float kvs_weight<W_BF16>(const void* w, size_t i) {
+    return kvs_bf16_to_f32(((const unsigned short*)w)[i]);
+}
+
+// One entry point per weight type for a kernel body templated on it: NAME (f32), NAME_f16 and
+// NAME_bf16, each taking PARAMS and calling BODY<W>(ARGS).
+#define KVS_WEIGHT_VARIANTS(NAME, BODY, PARAMS, ARGS)                                          \
+    KVS_KERNEL void NAME PARAMS { BODY<W_F32> ARGS; }                                          \
+    KVS_KERNEL void NAME##_f16 PARAMS { BODY<W_F16> ARGS; }                                    \
+    KVS_KERNEL void NAME##_bf16 PARAMS { BODY<W_BF16> ARGS; }
 
 // One output of a MATMUL_TILE² block's tile of rows × columns: thread (ty, tx) =
 // (threadIdx.x / MATMUL_TILE, threadIdx.x % MATMUL_TILE) gets the dot product of its row's x
 // (`xr`: the tile's row ty, nullptr past the rows) with the weight row of column tx, where each
-// thread passes the tile's weight row ty as `wr` (nullptr past the columns): both staged
-// through shared memory one MATMUL_TILE-wide slice of k at a time, summed in k order (so an
-// output's bits depend on its row and column alone). Every thread of the block calls it.
-__device__ inline float kvs_tile_dot(const float* xr, const float* wr, unsigned int k) {
+// thread passes the tile's weight row ty as element `wrow` of `w` (`has_w` false past the
+// columns): both staged through shared memory one MATMUL_TILE-wide slice of k at a time (the
+// weight widened to f32), summed in k order (so an output's bits depend on its row and column
+// alone). Every thread of the block calls it.
+template <int W>
+__device__ inline float kvs_tile_dot(const float* xr, const void* w, size_t wrow, bool has_w,
+                                     unsigned int k) {
     __shared__ float xs[MATMUL_TILE][MATMUL_TILE + 1];
     __shared__ float ws[MATMUL_TILE][MATMUL_TILE + 1];
     unsigned int tx = threadIdx.x % MATMUL_TILE;
@@ -18,7 +53,7 @@ __device__ inline float kvs_tile_dot(const float* xr, const float* wr, unsigned 
     for (unsigned int k0 = 0; k0 < k; k0 += MATMUL_TILE) {
         unsigned int kk = k0 + tx;
         xs[ty][tx] = (xr != nullptr && kk < k) ? xr[kk] : 0.0f;
-        ws[ty][tx] = (wr != nullptr && kk < k) ? wr[kk] : 0.0f;
+        ws[ty][tx] = (has_w && kk < k) ? kvs_weight<W>(w, wrow + kk) : 0.0f;
         __syncthreads();
         for (unsigned int i = 0; i < MATMUL_TILE; ++i) {
             acc += xs[ty][i] * ws[tx][i];
@@ -30,17 +65,31 @@ __device__ inline float kvs_tile_dot(const float* xr, const float* wr, unsigned 
 
 // out[m, n] = x[m, k] · w[n, k]ᵀ. One block of MATMUL_TILE² threads per MATMUL_TILE² output
 // tile (grid.x over n, grid.y over m), by kvs_tile_dot.
-KVS_KERNEL void matmul(const float* x, const float* w, float* out, unsigned int m, unsigned int k,
-                       unsigned int n) {
+template <int W>
+__device__ inline void matmul_body(const float* x, const void* w, float* out, unsigned int m,
+                                   unsigned int k, unsigned int n) {
     unsigned int tx = threadIdx.x % MATMUL_TILE;
     unsigned int ty = threadIdx.x / MATMUL_TILE;
     unsigned int row = blockIdx.y * MATMUL_TILE + ty;
     unsigned int col = blockIdx.x * MATMUL_TILE + tx;
     unsigned int wrow = blockIdx.x * MATMUL_TILE + ty;
-    float acc = kvs_tile_dot(row < m ? x + (size_t)row * k : nullptr,
-                             wrow < n ? w + (size_t)wrow * k : nullptr, k);
+    float acc = kvs_tile_dot<W>(row < m ? x + (size_t)row * k : nullptr, w, (size_t)wrow * k,
+                                wrow < n, k);
     if (row < m && col < n) {
         out[(size_t)row * n + col] = acc;
+    }
+}
+KVS_WEIGHT_VARIANTS(matmul, matmul_body,
+                    (const float* x, const void* w, float* out, unsigned int m, unsigned int k,
+                     unsigned int n),
+                    (x, w, out, m, k, n))
+
+// out[i] = x[i] rounded to bf16 (to nearest, ties to even): the activations a bf16 weight's
+// GEMM runs on when the vendor BLAS computes it.
+KVS_KERNEL void round_bf16(const float* x, unsigned short* out, unsigned int len) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) {
+        out[i] = kvs_f32_to_bf16(x[i]);
     }
 }
 
@@ -105,14 +154,19 @@ KVS_KERNEL void add_assign(float* x, const float* y, unsigned int len) {
     }
 }
 
-// out[i] = table[ids[i]]: one block per id (ids are checked against the table on the host).
-KVS_KERNEL void embedding(const float* table, const unsigned int* ids, float* out,
-                          unsigned int d) {
-    const float* src = table + (size_t)ids[blockIdx.x] * d;
+// out[i] = table[ids[i]] (widened to f32): one block per id (ids are checked against the table
+// on the host).
+template <int W>
+__device__ inline void embedding_body(const void* table, const unsigned int* ids, float* out,
+                                      unsigned int d) {
+    size_t src = (size_t)ids[blockIdx.x] * d;
     for (unsigned int i = threadIdx.x; i < d; i += blockDim.x) {
-        out[(size_t)blockIdx.x * d + i] = src[i];
+        out[(size_t)blockIdx.x * d + i] = kvs_weight<W>(table, src + i);
     }
 }
+KVS_WEIGHT_VARIANTS(embedding, embedding_body,
+                    (const void* table, const unsigned int* ids, float* out, unsigned int d),
+                    (table, ids, out, d))
 
 // Concatenation along the last dimension: out[r] = a[r] (da elements) then b[r] (db), one block
 // per row.
@@ -238,9 +292,10 @@ KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigne
 // tiles, grid.y over outputs), by kvs_tile_dot as `matmul`: an expert's weights are read once
 // per tile of its rows, not once per row. Each output is one dot product summed in k order,
 // whatever rows share its tile (batch-invariant, and the bits of `matmul` on that row).
-KVS_KERNEL void moe_matmul(const float* x, const float* w, const unsigned int* sorted,
-                           const unsigned int* tiles, float* out, unsigned int x_div,
-                           unsigned int kdim, unsigned int n) {
+template <int W>
+__device__ inline void moe_matmul_body(const float* x, const void* w, const unsigned int* sorted,
+                                       const unsigned int* tiles, float* out, unsigned int x_div,
+                                       unsigned int kdim, unsigned int n) {
     const unsigned int* tile = tiles + 3 * (size_t)blockIdx.x;
     unsigned int expert = tile[0];
     unsigned int first = tile[1];
@@ -253,13 +308,18 @@ KVS_KERNEL void moe_matmul(const float* x, const float* w, const unsigned int* s
     unsigned int col = blockIdx.y * MATMUL_TILE + tx;
     unsigned int wrow = blockIdx.y * MATMUL_TILE + ty;
     size_t row = ty < count ? sorted[first + ty] : 0;
-    const float* we = w + (size_t)expert * n * kdim;
-    float acc = kvs_tile_dot(ty < count ? x + (row / x_div) * kdim : nullptr,
-                             wrow < n ? we + (size_t)wrow * kdim : nullptr, kdim);
+    size_t we = (size_t)expert * n * kdim;
+    float acc = kvs_tile_dot<W>(ty < count ? x + (row / x_div) * kdim : nullptr, w,
+                                we + (size_t)wrow * kdim, wrow < n, kdim);
     if (ty < count && col < n) {
         out[row * n + col] = acc;
     }
 }
+KVS_WEIGHT_VARIANTS(moe_matmul, moe_matmul_body,
+                    (const float* x, const void* w, const unsigned int* sorted,
+                     const unsigned int* tiles, float* out, unsigned int x_div,
+                     unsigned int kdim, unsigned int n),
+                    (x, w, sorted, tiles, out, x_div, kdim, n))
 
 // out[t, c] = Σ_j weights[t, j] · y[t · k + j, c], j in rank order from 0 (as the host adds a
 // token's experts).

@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex};
 use attention::check::{self, MhaGeometry};
 use attention::{
     AttentionError, AttentionParams, Backend, BatchMetadata, DeviceTensor, MoeExperts, MoeRouting,
-    Result, RopeConfig, RopeStyle,
+    Result, RopeConfig, RopeStyle, TensorDtype,
 };
 use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
 
 use crate::device::{Device, KernelArg};
-use crate::gemm::{self, GemmChoice, GemmPath};
+use crate::gemm::{self, GemmChoice, GemmInputs, GemmPath};
 use crate::geometry::{self, ATTN_THREADS, ROW_THREADS, THREADS};
 use crate::graph::pool::{GraphPool, Phase};
 use crate::kernels;
@@ -225,6 +225,7 @@ impl<D: Device> CudaBackend<D> {
         Ok(CudaTensor {
             buf: self.alloc(n * 4)?,
             shape: shape.to_vec(),
+            dtype: TensorDtype::F32,
         })
     }
 
@@ -287,6 +288,33 @@ impl<D: Device> CudaBackend<D> {
     }
 }
 
+/// The dense kernels that read a weight, in a variant per weight type (`kernels/dense.cu`'s
+/// `KVS_WEIGHT_VARIANTS`).
+#[derive(Debug, Clone, Copy)]
+enum WeightKernel {
+    Matmul,
+    Embedding,
+    MoeMatmul,
+}
+
+impl WeightKernel {
+    /// The entry point reading a weight stored as `dtype`.
+    fn name(self, dtype: TensorDtype) -> &'static str {
+        use TensorDtype::{Bf16, F16, F32};
+        match (self, dtype) {
+            (WeightKernel::Matmul, F32) => "matmul",
+            (WeightKernel::Matmul, F16) => "matmul_f16",
+            (WeightKernel::Matmul, Bf16) => "matmul_bf16",
+            (WeightKernel::Embedding, F32) => "embedding",
+            (WeightKernel::Embedding, F16) => "embedding_f16",
+            (WeightKernel::Embedding, Bf16) => "embedding_bf16",
+            (WeightKernel::MoeMatmul, F32) => "moe_matmul",
+            (WeightKernel::MoeMatmul, F16) => "moe_matmul_f16",
+            (WeightKernel::MoeMatmul, Bf16) => "moe_matmul_bf16",
+        }
+    }
+}
+
 /// A batch's (token, rank) rows grouped by expert (`moe_align`'s output): the rows in expert
 /// order and the tile table `moe_matmul` walks.
 struct MoeGroups<'a, B> {
@@ -296,6 +324,22 @@ struct MoeGroups<'a, B> {
 }
 
 impl<D: Device> CudaBackend<D> {
+    /// The first `len` elements of `x` rounded to bf16 (a new buffer of 16-bit patterns): a
+    /// bf16 weight's BLAS GEMM input.
+    fn round_bf16(&self, x: &CudaTensor<D>, len: usize) -> Result<Arc<D::Buffer>> {
+        let out = self.alloc(len * 2)?;
+        self.dense(
+            "round_bf16",
+            geometry::elementwise("round_bf16", len)?,
+            &[
+                KernelArg::Buf(&x.buf),
+                KernelArg::Buf(&out),
+                KernelArg::U32(dim("len", len)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
     /// `moe_matmul` over `(x_div, kdim, n)`: for every grouped row `r`, `out[r] = x[r / x_div]
     /// · w[expert(r)]ᵀ` with `w` an expert's `[n, kdim]` matrix per row of the stack.
     fn moe_matmul(
@@ -307,7 +351,7 @@ impl<D: Device> CudaBackend<D> {
         (x_div, kdim, n): (usize, usize, usize),
     ) -> Result<()> {
         self.dense(
-            "moe_matmul",
+            WeightKernel::MoeMatmul.name(w.dtype),
             geometry::moe_matmul(groups.count, n)?,
             &[
                 KernelArg::Buf(&x.buf),
@@ -612,6 +656,19 @@ impl<D: Device> Backend for CudaBackend<D> {
     }
 
     fn upload(&self, data: &[f32], shape: &[usize]) -> Result<CudaTensor<D>> {
+        self.upload_weight(data, shape, TensorDtype::F32)
+    }
+
+    /// Keeps f16 and bf16 weights in 16 bits: half the memory, and half the bytes a matmul
+    /// reads. The kernels widen each element exactly as they load it; with the vendor BLAS a
+    /// bf16 weight's GEMM runs on activations rounded to bf16 (`round_bf16`, then a bf16 GEMM
+    /// accumulating in f32), as the trait allows. An f16 weight's GEMM always takes the kernel.
+    fn upload_weight(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        dtype: TensorDtype,
+    ) -> Result<CudaTensor<D>> {
         let n: usize = shape.iter().product();
         if data.len() != n {
             return Err(AttentionError::LengthMismatch {
@@ -620,9 +677,17 @@ impl<D: Device> Backend for CudaBackend<D> {
                 got: data.len(),
             });
         }
+        let buf = match dtype {
+            TensorDtype::F32 => self.buffer_from(bytemuck::cast_slice(data))?,
+            _ => {
+                let bits: Vec<u16> = data.iter().map(|&v| dtype.narrow(v)).collect();
+                self.buffer_from(bytemuck::cast_slice(&bits))?
+            }
+        };
         Ok(CudaTensor {
-            buf: self.buffer_from(bytemuck::cast_slice(data))?,
+            buf,
             shape: shape.to_vec(),
+            dtype,
         })
     }
 
@@ -635,10 +700,16 @@ impl<D: Device> Backend for CudaBackend<D> {
                 )));
             }
         }
-        let mut out = vec![0f32; t.numel()];
+        if t.dtype == TensorDtype::F32 {
+            let mut out = vec![0f32; t.numel()];
+            self.device
+                .read(&t.buf, 0, bytemuck::cast_slice_mut(&mut out))?;
+            return Ok(out);
+        }
+        let mut bits = vec![0u16; t.numel()];
         self.device
-            .read(&t.buf, 0, bytemuck::cast_slice_mut(&mut out))?;
-        Ok(out)
+            .read(&t.buf, 0, bytemuck::cast_slice_mut(&mut bits))?;
+        Ok(bits.into_iter().map(|b| t.dtype.widen(b)).collect())
     }
 
     fn reshape(&self, t: CudaTensor<D>, shape: &[usize]) -> Result<CudaTensor<D>> {
@@ -646,37 +717,49 @@ impl<D: Device> Backend for CudaBackend<D> {
         Ok(CudaTensor {
             buf: t.buf,
             shape: shape.to_vec(),
+            dtype: t.dtype,
         })
     }
 
     fn matmul(&self, x: &CudaTensor<D>, w: &CudaTensor<D>) -> Result<CudaTensor<D>> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
+        check::f32_tensor("matmul's x", x.dtype)?;
         let mut out = self.zeros(&[m, n])?;
         if m * n == 0 {
             return Ok(out);
         }
         // Under a graph, GEMMs take the tiled kernel: cuBLAS allocates its workspace on first
-        // use, which a capture refuses, and a pooled output is shared with the pool.
-        let blas = match (self.gemm.path, self.graph_phase()) {
-            (GemmPath::Blas, None) => gemm::sgemm_args(m, k, n).ok(),
+        // use, which a capture refuses, and a pooled output is shared with the pool. An f16
+        // weight takes it too ([`crate::gemm`]).
+        let blas = match (self.gemm.path, self.graph_phase(), w.dtype) {
+            (GemmPath::Blas, None, TensorDtype::F32) => Some(GemmInputs::F32),
+            (GemmPath::Blas, None, TensorDtype::Bf16) => Some(GemmInputs::Bf16),
             _ => None,
-        };
-        if let (Some(args), Some(out_buf)) = (blas, Arc::get_mut(&mut out.buf)) {
-            self.device.blas_sgemm(&args, &w.buf, &x.buf, out_buf)?;
-        } else {
-            self.dense(
-                "matmul",
-                geometry::matmul(m, n)?,
-                &[
-                    KernelArg::Buf(&x.buf),
-                    KernelArg::Buf(&w.buf),
-                    KernelArg::Buf(&out.buf),
-                    KernelArg::U32(dim("m", m)?),
-                    KernelArg::U32(dim("k", k)?),
-                    KernelArg::U32(dim("n", n)?),
-                ],
-            )?;
         }
+        .and_then(|inputs| Some((gemm::gemm_args(m, k, n).ok()?, inputs)));
+        if let Some((args, inputs)) = blas {
+            let rounded = match inputs {
+                GemmInputs::Bf16 if m * k > 0 => Some(self.round_bf16(x, m * k)?),
+                _ => None,
+            };
+            if let Some(out_buf) = Arc::get_mut(&mut out.buf) {
+                let xb = rounded.as_ref().unwrap_or(&x.buf);
+                self.device.blas_gemm(&args, inputs, &w.buf, xb, out_buf)?;
+                return Ok(out);
+            }
+        }
+        self.dense(
+            WeightKernel::Matmul.name(w.dtype),
+            geometry::matmul(m, n)?,
+            &[
+                KernelArg::Buf(&x.buf),
+                KernelArg::Buf(&w.buf),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("m", m)?),
+                KernelArg::U32(dim("k", k)?),
+                KernelArg::U32(dim("n", n)?),
+            ],
+        )?;
         Ok(out)
     }
 
@@ -687,6 +770,8 @@ impl<D: Device> Backend for CudaBackend<D> {
         eps: f32,
     ) -> Result<CudaTensor<D>> {
         let (m, d) = check::rms_norm(&x.shape, &weight.shape)?;
+        check::f32_tensor("rms_norm", x.dtype)?;
+        check::f32_tensor("rms_norm's weight", weight.dtype)?;
         let out = self.zeros(&[m, d])?;
         if m * d > 0 {
             self.dense(
@@ -706,6 +791,7 @@ impl<D: Device> Backend for CudaBackend<D> {
 
     fn rotary(&self, x: &mut CudaTensor<D>, positions: &[u32], cfg: &RopeConfig) -> Result<()> {
         let inv = check::rotary(&x.shape, positions.len(), cfg)?;
+        check::f32_tensor("rotary", x.dtype)?;
         let (n, heads) = (x.shape[0], x.shape[1]);
         if n == 0 || heads == 0 || inv.is_empty() {
             return Ok(());
@@ -736,6 +822,7 @@ impl<D: Device> Backend for CudaBackend<D> {
 
     fn silu_mul(&self, x: &CudaTensor<D>) -> Result<CudaTensor<D>> {
         let (m, d) = check::silu_mul(&x.shape)?;
+        check::f32_tensor("silu_mul", x.dtype)?;
         let out = self.zeros(&[m, d])?;
         if m * d > 0 {
             self.dense(
@@ -754,6 +841,8 @@ impl<D: Device> Backend for CudaBackend<D> {
 
     fn add_assign(&self, x: &mut CudaTensor<D>, y: &CudaTensor<D>) -> Result<()> {
         check::add_assign(&x.shape, &y.shape)?;
+        check::f32_tensor("add_assign", x.dtype)?;
+        check::f32_tensor("add_assign", y.dtype)?;
         let n = x.numel();
         if n == 0 {
             return Ok(());
@@ -777,7 +866,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         }
         let idx = self.buffer_from(bytemuck::cast_slice(ids))?;
         self.dense(
-            "embedding",
+            WeightKernel::Embedding.name(table.dtype),
             geometry::per_row("embedding", ids.len(), THREADS)?,
             &[
                 KernelArg::Buf(&table.buf),
@@ -793,6 +882,8 @@ impl<D: Device> Backend for CudaBackend<D> {
     /// impossible inside a captured graph).
     fn concat_last(&self, a: &CudaTensor<D>, b: &CudaTensor<D>) -> Result<CudaTensor<D>> {
         let (rows, da, db) = check::concat_last(&a.shape, &b.shape)?;
+        check::f32_tensor("concat_last", a.dtype)?;
+        check::f32_tensor("concat_last", b.dtype)?;
         let mut shape = a.shape.clone();
         *shape
             .last_mut()
@@ -832,6 +923,8 @@ impl<D: Device> Backend for CudaBackend<D> {
         routing: &MoeRouting,
     ) -> Result<CudaTensor<D>> {
         let dims = attention::moe::check(h, router_logits, experts, routing)?;
+        check::f32_tensor("fused_moe's hidden states", h.dtype)?;
+        check::f32_tensor("fused_moe's router logits", router_logits.dtype)?;
         let (n, d, e, i, k) = (
             dims.tokens,
             dims.hidden,
@@ -965,6 +1058,9 @@ impl<D: Device> Backend for CudaBackend<D> {
         params: &AttentionParams,
     ) -> Result<CudaTensor<D>> {
         let layout = *store.layout();
+        for t in [q, k, v] {
+            check::f32_tensor("attention", t.dtype)?;
+        }
         let geo = check::attention(
             layer,
             &plan.meta,
@@ -1029,6 +1125,8 @@ impl<D: Device> Backend for CudaBackend<D> {
         params: &AttentionParams,
     ) -> Result<CudaTensor<D>> {
         let layout = *store.layout();
+        check::f32_tensor("attention_mla", q.dtype)?;
+        check::f32_tensor("attention_mla", latent.dtype)?;
         let (heads, d, dv) =
             check::attention_mla(layer, &plan.meta, &layout, &q.shape, &latent.shape, params)?;
         let spec = kernels::attention_mla(layout.shape.dtype, dv, d - dv, layout.page_size)

@@ -23,7 +23,7 @@ use cudarc::driver::{
 };
 
 use crate::device::{check_range, Device, KernelArg, LaunchConfig};
-use crate::gemm::{Op, SgemmArgs};
+use crate::gemm::{GemmArgs, GemmInputs, Op};
 use crate::kernel_cache::KernelCache;
 use crate::nvrtc;
 use crate::specs::Spec;
@@ -299,9 +299,10 @@ impl Device for CudarcDevice {
         self.blas.as_ref().map(|_| "cuBLAS").map_err(Clone::clone)
     }
 
-    fn blas_sgemm(
+    fn blas_gemm(
         &self,
-        args: &SgemmArgs,
+        args: &GemmArgs,
+        inputs: GemmInputs,
         w: &CudaSlice<u8>,
         x: &CudaSlice<u8>,
         out: &mut CudaSlice<u8>,
@@ -310,36 +311,78 @@ impl Device for CudarcDevice {
             .blas
             .as_ref()
             .map_err(|e| AttentionError::Device(e.clone()))?;
-        args.check_bytes(w.len(), x.len(), out.len())
+        args.check_bytes(inputs, w.len(), x.len(), out.len())
             .map_err(AttentionError::Device)?;
-        let (a_len, b_len, c_len) = args.elems();
-        let short = || AttentionError::Device("sgemm: a buffer is shorter than its view".into());
-        // SAFETY: the buffers hold f32 tensors the backend wrote (cuMemAlloc aligns them to
-        // 256 bytes), and check_bytes verified they hold the elements viewed.
-        let (a, b) = unsafe { (w.transmute::<f32>(a_len), x.transmute::<f32>(b_len)) };
-        let (a, b) = (a.ok_or_else(short)?, b.ok_or_else(short)?);
-        // SAFETY: as above, for the output.
-        let mut c = unsafe { out.transmute_mut::<f32>(c_len) }.ok_or_else(short)?;
         let op = |o: Op| match o {
             Op::N => cublasOperation_t::CUBLAS_OP_N,
             Op::T => cublasOperation_t::CUBLAS_OP_T,
         };
-        let cfg = GemmConfig {
-            transa: op(args.transa),
-            transb: op(args.transb),
-            m: args.m,
-            n: args.n,
-            k: args.k,
-            alpha: 1.0f32,
-            lda: args.lda,
-            ldb: args.ldb,
-            beta: 0.0f32,
-            ldc: args.ldc,
-        };
-        // SAFETY: `args` come from `gemm::sgemm_args`, whose mapping the host SGEMM
-        // (`gemm::sgemm_host`) checks, and the views hold every element those dimensions and
-        // leading dimensions reach (check_bytes); the call is queued on the device's stream.
-        unsafe { blas.gemm(cfg, &a, &b, &mut c) }
-            .map_err(|e| AttentionError::Device(format!("cuBLAS sgemm: {e}")))
+        let (a_len, b_len, c_len) = args.elems();
+        let short = || AttentionError::Device("gemm: a buffer is shorter than its view".into());
+        // SAFETY: cuMemAlloc aligns every buffer to 256 bytes, and check_bytes verified that
+        // each holds the elements viewed (of the input type for A and B, f32 for C).
+        let mut c = unsafe { out.transmute_mut::<f32>(c_len) }.ok_or_else(short)?;
+        match inputs {
+            GemmInputs::F32 => {
+                // SAFETY: as above: the backend wrote f32 tensors into `w` and `x`.
+                let (a, b) = unsafe { (w.transmute::<f32>(a_len), x.transmute::<f32>(b_len)) };
+                let (a, b) = (a.ok_or_else(short)?, b.ok_or_else(short)?);
+                let cfg = GemmConfig {
+                    transa: op(args.transa),
+                    transb: op(args.transb),
+                    m: args.m,
+                    n: args.n,
+                    k: args.k,
+                    alpha: 1.0f32,
+                    lda: args.lda,
+                    ldb: args.ldb,
+                    beta: 0.0f32,
+                    ldc: args.ldc,
+                };
+                // SAFETY: `args` come from `gemm::gemm_args`, whose mapping the host GEMM
+                // (`gemm::gemm_host`) checks, and the views hold every element those
+                // dimensions and leading dimensions reach (check_bytes); the call is queued
+                // on the device's stream.
+                unsafe { blas.gemm(cfg, &a, &b, &mut c) }
+                    .map_err(|e| AttentionError::Device(format!("cuBLAS sgemm: {e}")))
+            }
+            GemmInputs::Bf16 => {
+                use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+                use cudarc::driver::{DevicePtr, DevicePtrMut};
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                let (a, _record_a) = w.device_ptr(&self.stream);
+                let (b, _record_b) = x.device_ptr(&self.stream);
+                let (c, _record_c) = c.device_ptr_mut(&self.stream);
+                // SAFETY: A and B hold bf16 bit patterns the backend wrote (`upload_weight`,
+                // `round_bf16`) and C room for the f32 output, each at least the bytes the
+                // dimensions and leading dimensions reach (check_bytes); alpha and beta are
+                // host f32 scalars (the handle's default pointer mode, CUBLAS_COMPUTE_32F's
+                // scale type) that outlive the call, which is queued on the device's stream.
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *blas.handle(),
+                        op(args.transa),
+                        op(args.transb),
+                        args.m,
+                        args.n,
+                        args.k,
+                        (&alpha) as *const f32 as *const _,
+                        a as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        args.lda,
+                        b as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        args.ldb,
+                        (&beta) as *const f32 as *const _,
+                        c as *mut _,
+                        cudaDataType_t::CUDA_R_32F,
+                        args.ldc,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|e| AttentionError::Device(format!("cuBLAS bf16 gemm: {e}")))
+            }
+        }
     }
 }

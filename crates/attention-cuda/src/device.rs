@@ -7,7 +7,7 @@
 
 use attention::{AttentionError, Result};
 
-use crate::gemm::SgemmArgs;
+use crate::gemm::{GemmArgs, GemmInputs};
 use crate::specs::Spec;
 
 /// A launch's geometry: `grid` blocks (x, y, z) of `block` threads (1-D blocks only).
@@ -121,23 +121,24 @@ pub trait Device: Send + Sync {
         Ok(())
     }
 
-    /// The vendor BLAS this device runs f32 GEMMs through (`"cuBLAS"`), or why there is none
+    /// The vendor BLAS this device runs GEMMs through (`"cuBLAS"`), or why there is none
     /// (its library did not load, or the device has none). The default: none.
     fn blas(&self) -> std::result::Result<&str, String> {
         Err(format!("no vendor BLAS on {}", self.name()))
     }
 
-    /// Runs `args` through the vendor BLAS with A = `w`, B = `x`, C = `out` (see
-    /// [`SgemmArgs`]), ordered after every earlier launch and copy. The backend calls it only
-    /// when [`blas`](Device::blas) is `Ok`; the default refuses with `blas`'s reason.
-    fn blas_sgemm(
+    /// Runs `args` through the vendor BLAS with A = `w` and B = `x` of type `inputs`, C = `out`
+    /// (f32; see [`GemmArgs`]), ordered after every earlier launch and copy. The backend calls
+    /// it only when [`blas`](Device::blas) is `Ok`; the default refuses with `blas`'s reason.
+    fn blas_gemm(
         &self,
-        args: &SgemmArgs,
+        args: &GemmArgs,
+        inputs: GemmInputs,
         w: &Self::Buffer,
         x: &Self::Buffer,
         out: &mut Self::Buffer,
     ) -> Result<()> {
-        let _ = (args, w, x, out);
+        let _ = (args, inputs, w, x, out);
         Err(AttentionError::Device(
             self.blas().err().unwrap_or_else(|| "vendor BLAS".into()),
         ))

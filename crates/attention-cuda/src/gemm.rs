@@ -1,7 +1,7 @@
 //! Which GEMM path [`Backend::matmul`](attention::Backend::matmul) takes: the vendor BLAS
 //! (cuBLAS on NVIDIA, hipBLAS on AMD) when the device has it loaded, or the crate's own tiled
 //! `matmul` kernel (`kernels/dense.cu`). The choice is made once per backend by [`choose`] and
-//! reported by `kvserve info`; a call whose shape the BLAS cannot take ([`sgemm_args`]) uses
+//! reported by `kvserve info`; a call whose shape the BLAS cannot take ([`gemm_args`]) uses
 //! the kernel.
 //!
 //! The trade-off is batch invariance. The tiled kernel sums each output element over `k` in
@@ -11,8 +11,11 @@
 //! in SGLang, `--enable-deterministic-inference` (`CudaConfig::enable_deterministic_inference`)
 //! asks for batch-invariant ops: it selects the kernel even where the BLAS is loaded.
 //!
-//! Only f32 GEMMs exist here (the backend's tensors are f32), and the BLAS runs them as plain
-//! SGEMM in the library's default math mode (no TF32).
+//! Activations are f32. A weight is f32, which the BLAS runs as plain SGEMM in the library's
+//! default math mode (no TF32), or bf16, which it runs as a GEMM of bf16 inputs (the
+//! activations rounded to bf16 first, as the `Backend::upload_weight` contract allows) with
+//! f32 accumulation and output, on the tensor cores ([`GemmInputs::Bf16`]). An f16 weight
+//! always takes the kernel: that contract lets only a bf16 weight's activations be rounded.
 
 use std::fmt;
 
@@ -25,14 +28,33 @@ pub enum Op {
     T,
 }
 
-/// The column-major SGEMM call `C = op(A) · op(B)` (alpha 1, beta 0) that computes the
+/// The type of a BLAS GEMM's inputs A (the weight) and B (the activations); C is f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmInputs {
+    /// f32 inputs: SGEMM.
+    F32,
+    /// bf16 inputs, f32 accumulation (`cublasGemmEx` with `CUBLAS_COMPUTE_32F`).
+    Bf16,
+}
+
+impl GemmInputs {
+    /// Bytes of one input element.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            GemmInputs::F32 => 4,
+            GemmInputs::Bf16 => 2,
+        }
+    }
+}
+
+/// The column-major GEMM call `C = op(A) · op(B)` (alpha 1, beta 0) that computes the
 /// backend's row-major `out[m, n] = x[m, k] · w[n, k]ᵀ`, with A = `w`, B = `x`, C = `out`.
 ///
 /// Row-major `out` is the column-major `n × m` matrix `outᵀ = w · xᵀ`; row-major `w [n, k]`
 /// read column-major is `wᵀ` (`k × n`, leading dimension `k`), so A is transposed; row-major
 /// `x [m, k]` read column-major is `xᵀ` (`k × m`, leading dimension `k`), taken as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SgemmArgs {
+pub struct GemmArgs {
     /// How A (`w`) is applied.
     pub transa: Op,
     /// How B (`x`) is applied.
@@ -51,22 +73,28 @@ pub struct SgemmArgs {
     pub ldc: i32,
 }
 
-impl SgemmArgs {
+impl GemmArgs {
     /// Elements of A, B and C the call touches (`w`, `x`, `out`).
     pub fn elems(&self) -> (usize, usize, usize) {
         let (m, n, k) = (self.m as usize, self.n as usize, self.k as usize);
         (m * k, n * k, m * n)
     }
 
-    /// Checks that buffers of `a`, `b` and `c` bytes hold what the call reads and writes, so a
-    /// device never hands the library a short buffer.
-    pub fn check_bytes(&self, a: usize, b: usize, c: usize) -> Result<(), String> {
+    /// Checks that buffers of `a`, `b` and `c` bytes hold what the call reads and writes
+    /// (`inputs` A and B, f32 C), so a device never hands the library a short buffer.
+    pub fn check_bytes(
+        &self,
+        inputs: GemmInputs,
+        a: usize,
+        b: usize,
+        c: usize,
+    ) -> Result<(), String> {
         let (ea, eb, ec) = self.elems();
-        for (what, have, need) in [("w", a, ea), ("x", b, eb), ("out", c, ec)] {
-            if have < need * 4 {
+        let size = inputs.elem_bytes();
+        for (what, have, need) in [("w", a, ea * size), ("x", b, eb * size), ("out", c, ec * 4)] {
+            if have < need {
                 return Err(format!(
-                    "sgemm: {what} has {have} bytes, the call needs {}",
-                    need * 4
+                    "gemm ({inputs:?}): {what} has {have} bytes, the call needs {need}"
                 ));
             }
         }
@@ -74,15 +102,15 @@ impl SgemmArgs {
     }
 }
 
-/// The SGEMM arguments for `x [m, k] · w [n, k]ᵀ`, or why the BLAS cannot take the shape (a
+/// The GEMM arguments for `x [m, k] · w [n, k]ᵀ`, or why the BLAS cannot take the shape (a
 /// dimension over `i32::MAX`, the BLAS's `int`; the kernel takes up to `u32::MAX`). Leading
 /// dimensions are at least 1, as the BLAS requires even for `k = 0` (then C is zeroed).
-pub fn sgemm_args(m: usize, k: usize, n: usize) -> Result<SgemmArgs, String> {
+pub fn gemm_args(m: usize, k: usize, n: usize) -> Result<GemmArgs, String> {
     let int = |what: &str, x: usize| {
         i32::try_from(x).map_err(|_| format!("{what} = {x} exceeds the BLAS's 32-bit int"))
     };
     let (m, k, n) = (int("m", m)?, int("k", k)?, int("n", n)?);
-    Ok(SgemmArgs {
+    Ok(GemmArgs {
         transa: Op::T,
         transb: Op::N,
         m: n,
@@ -95,9 +123,9 @@ pub fn sgemm_args(m: usize, k: usize, n: usize) -> Result<SgemmArgs, String> {
 }
 
 /// What the BLAS computes for `args` (alpha 1, beta 0), on the host, indexing A, B and C
-/// column-major exactly as SGEMM does: the stand-in for cuBLAS/hipBLAS in tests (this machine
+/// column-major exactly as the BLAS does: the stand-in for cuBLAS/hipBLAS in tests (this machine
 /// has neither), so the argument mapping above is checked by executing it.
-pub fn sgemm_host(args: &SgemmArgs, a: &[f32], b: &[f32], c: &mut [f32]) {
+pub fn gemm_host(args: &GemmArgs, a: &[f32], b: &[f32], c: &mut [f32]) {
     let (m, n, k) = (args.m as usize, args.n as usize, args.k as usize);
     let (lda, ldb, ldc) = (args.lda as usize, args.ldb as usize, args.ldc as usize);
     let at = |i: usize, p: usize| match args.transa {
@@ -173,7 +201,7 @@ mod tests {
     proptest! {
         /// The arguments make the BLAS compute the backend's row-major `x · wᵀ`.
         #[test]
-        fn sgemm_args_compute_x_times_w_transposed(
+        fn gemm_args_compute_x_times_w_transposed(
             m in 1usize..6, k in 0usize..6, n in 1usize..6, seed in any::<u64>()
         ) {
             let mut s = seed;
@@ -183,10 +211,10 @@ mod tests {
             };
             let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
-            let args = sgemm_args(m, k, n).unwrap();
-            prop_assert_eq!(args.check_bytes(w.len() * 4, x.len() * 4, m * n * 4), Ok(()));
+            let args = gemm_args(m, k, n).unwrap();
+            prop_assert_eq!(args.check_bytes(GemmInputs::F32, w.len() * 4, x.len() * 4, m * n * 4), Ok(()));
             let mut out = vec![f32::NAN; m * n];
-            sgemm_host(&args, &w, &x, &mut out);
+            gemm_host(&args, &w, &x, &mut out);
             for r in 0..m {
                 for c in 0..n {
                     let want: f32 = (0..k).map(|p| x[r * k + p] * w[c * k + p]).sum();
@@ -199,15 +227,22 @@ mod tests {
     #[test]
     fn oversized_shapes_and_short_buffers_are_refused() {
         let big = i32::MAX as usize + 1;
-        let e = sgemm_args(big, 4, 4).unwrap_err();
+        let e = gemm_args(big, 4, 4).unwrap_err();
         assert!(e.contains("m = 2147483648"), "{e}");
-        assert!(sgemm_args(4, big, 4).is_err() && sgemm_args(4, 4, big).is_err());
-        let args = sgemm_args(2, 3, 4).unwrap();
+        assert!(gemm_args(4, big, 4).is_err() && gemm_args(4, 4, big).is_err());
+        let args = gemm_args(2, 3, 4).unwrap();
         assert_eq!(args.elems(), (12, 6, 8));
-        assert_eq!(args.check_bytes(48, 24, 32), Ok(()));
-        let e = args.check_bytes(48, 23, 32).unwrap_err();
-        assert_eq!(e, "sgemm: x has 23 bytes, the call needs 24");
-        assert!(args.check_bytes(47, 24, 32).is_err() && args.check_bytes(48, 24, 31).is_err());
+        let f32 = |a, b, c| args.check_bytes(GemmInputs::F32, a, b, c);
+        assert_eq!(f32(48, 24, 32), Ok(()));
+        let e = f32(48, 23, 32).unwrap_err();
+        assert_eq!(e, "gemm (F32): x has 23 bytes, the call needs 24");
+        assert!(f32(47, 24, 32).is_err() && f32(48, 24, 31).is_err());
+        // bf16 inputs are half the bytes; the f32 output is not.
+        let bf16 = |a, b, c| args.check_bytes(GemmInputs::Bf16, a, b, c);
+        assert_eq!(bf16(24, 12, 32), Ok(()));
+        let e = bf16(24, 12, 16).unwrap_err();
+        assert_eq!(e, "gemm (Bf16): out has 16 bytes, the call needs 32");
+        assert!(bf16(23, 12, 32).is_err() && bf16(24, 11, 32).is_err());
     }
 
     #[test]

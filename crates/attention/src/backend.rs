@@ -22,6 +22,36 @@ pub enum TensorDtype {
     Bf16,
 }
 
+impl TensorDtype {
+    /// `v` rounded to this type (to nearest, ties to even), as f32: the value a tensor of
+    /// this type holds for it.
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            TensorDtype::F32 => v,
+            _ => self.widen(self.narrow(v)),
+        }
+    }
+
+    /// The 16-bit pattern of `v` rounded to this type (to nearest, ties to even); f32 has none
+    /// and gives 0. What a backend keeping a weight in 16 bits stores.
+    pub fn narrow(self, v: f32) -> u16 {
+        match self {
+            TensorDtype::F32 => 0,
+            TensorDtype::F16 => half::f16::from_f32(v).to_bits(),
+            TensorDtype::Bf16 => half::bf16::from_f32(v).to_bits(),
+        }
+    }
+
+    /// The exact f32 value of a 16-bit pattern of this type (f32: 0).
+    pub fn widen(self, bits: u16) -> f32 {
+        match self {
+            TensorDtype::F32 => 0.0,
+            TensorDtype::F16 => half::f16::from_bits(bits).to_f32(),
+            TensorDtype::Bf16 => half::bf16::from_bits(bits).to_f32(),
+        }
+    }
+}
+
 /// A tensor owned by a backend: a row-major array with a shape and an element type. Data moves
 /// in and out only through [`Backend::upload`] and [`Backend::download`].
 pub trait DeviceTensor {

@@ -6,6 +6,7 @@
 use kv_pool::store::check as store_check;
 use kv_pool::{KvKind, KvLayout};
 
+use crate::backend::TensorDtype;
 use crate::error::{AttentionError, Result};
 use crate::metadata::BatchMetadata;
 use crate::params::AttentionParams;
@@ -16,6 +17,18 @@ fn shape_err(what: &'static str, expected: &[usize], got: &[usize]) -> Attention
         what,
         expected: expected.to_vec(),
         got: got.to_vec(),
+    }
+}
+
+/// Refuses a weight kept in 16 bits ([`Backend::upload_weight`](crate::Backend::upload_weight))
+/// where `op` takes f32 tensors (everything but a matmul's weight, an embedding table and a
+/// mixture of experts' stacked experts).
+pub fn f32_tensor(op: &str, dtype: TensorDtype) -> Result<()> {
+    match dtype {
+        TensorDtype::F32 => Ok(()),
+        _ => Err(AttentionError::Unsupported(format!(
+            "{op} takes f32 tensors, not a {dtype:?} weight"
+        ))),
     }
 }
 

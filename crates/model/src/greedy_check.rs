@@ -4,7 +4,8 @@
 //!
 //! The schedule: four prompts (4, 37, 1 and 20 tokens) prefilled as one extend batch, then
 //! [`STEPS`] batched decode steps, each request on its own pages, through [`ModelRunner`] with
-//! last-token logits. Backends sum in different orders, so every logit row must agree with the
+//! last-token logits; the weights in f32 or, as a checkpoint stores them, in bf16 or f16
+//! ([`Backend::upload_weight`]). Backends sum in different orders, so every logit row must agree with the
 //! CPU's within a relative L2 bound and the greedy tokens must be equal.
 //!
 //! The configs are the tiny presets with a 512-token vocabulary, an untied LM head (tied random
@@ -12,10 +13,11 @@
 //! kernels are commonly specialised for: head dim 64 ([`llama_config`]); latent rows of
 //! 32 + 16 ([`mla_config`]).
 
-use attention::{Backend, CpuBackend};
+use attention::{Backend, CpuBackend, TensorDtype};
 use kv_pool::{KvDtype, KvLayout, Slot};
 
 use crate::tiny::{random_weights, tiny_config, tiny_mla_config};
+use crate::weights::{HostTensor, TensorMap, TensorSource};
 use crate::{
     AttentionMode, ForwardInput, ForwardRequest, LogitsMode, MlaConfig, Model, ModelConfig,
     ModelRunner, Result,
@@ -76,10 +78,54 @@ pub struct GreedyRun {
     pub logits: Vec<Vec<Vec<f32>>>,
 }
 
-/// Runs the schedule on `backend` with the tiny model of `config` (seeded random weights) over
-/// a store of `dtype`.
-pub fn greedy<B: Backend>(backend: B, config: &ModelConfig, dtype: KvDtype) -> Result<GreedyRun> {
-    let model = Model::load(&backend, config.clone(), &random_weights(config, 0x5eed))?;
+/// Seeded random weights stored as `dtype`, as a checkpoint of that type would hold them: each
+/// value rounded to it, and the type reported, so the loader keeps matrices in it.
+struct StoredAs {
+    weights: TensorMap,
+    dtype: TensorDtype,
+}
+
+impl StoredAs {
+    /// The safetensors name of the type.
+    fn name(&self) -> &'static str {
+        match self.dtype {
+            TensorDtype::F32 => "F32",
+            TensorDtype::F16 => "F16",
+            TensorDtype::Bf16 => "BF16",
+        }
+    }
+}
+
+impl TensorSource for StoredAs {
+    fn names(&self) -> Vec<String> {
+        self.weights.names()
+    }
+    fn info(&self, name: &str) -> Option<(Vec<usize>, String)> {
+        let (shape, _) = self.weights.info(name)?;
+        Some((shape, self.name().to_string()))
+    }
+    fn load(&self, name: &str) -> Result<HostTensor> {
+        let mut t = self.weights.load(name)?;
+        for v in &mut t.data {
+            *v = self.dtype.round(*v);
+        }
+        Ok(t)
+    }
+}
+
+/// Runs the schedule on `backend` with the tiny model of `config` (seeded random weights,
+/// stored as `weights`) over a store of `dtype`.
+pub fn greedy<B: Backend>(
+    backend: B,
+    config: &ModelConfig,
+    dtype: KvDtype,
+    weights: TensorDtype,
+) -> Result<GreedyRun> {
+    let source = StoredAs {
+        weights: random_weights(config, 0x5eed),
+        dtype: weights,
+    };
+    let model = Model::load(&backend, config.clone(), &source)?;
     let n = prompts().len();
     let layout = KvLayout::new(
         config.kv_shape(dtype)?,
@@ -129,37 +175,40 @@ pub fn greedy<B: Backend>(backend: B, config: &ModelConfig, dtype: KvDtype) -> R
     Ok(run)
 }
 
-/// Runs the schedule on `backend` and on the CPU backend and compares them: `Err` names the
-/// first request and step whose logits differ by more than `bound` (relative L2), or the
-/// tokens when they differ. `Ok` describes the tokens decoded.
+/// Runs the schedule on `backend` and on the CPU backend (KV in `dtype`, weights stored as
+/// `weights`) and compares them: `Err` names the first request and step whose logits differ by
+/// more than `bound` (relative L2), or the tokens when they differ. `Ok` describes the tokens
+/// decoded.
 pub fn check_against_cpu<B: Backend>(
     backend: B,
     config: &ModelConfig,
     dtype: KvDtype,
+    weights: TensorDtype,
     bound: f64,
 ) -> Result<std::result::Result<String, String>> {
-    let want = greedy(CpuBackend::default(), config, dtype)?;
-    let got = greedy(backend, config, dtype)?;
+    let want = greedy(CpuBackend::default(), config, dtype, weights)?;
+    let got = greedy(backend, config, dtype, weights)?;
     for (r, (w, g)) in want.logits.iter().zip(&got.logits).enumerate() {
         for (step, (w, g)) in w.iter().zip(g).enumerate() {
             let err = relative_l2(w, g);
             // A NaN distance fails too.
             if err.is_nan() || err > bound {
                 return Ok(Err(format!(
-                    "{dtype} request {r} step {step}: logits differ by {err:.2e} (bound {bound:.0e})"
+                    "{dtype} KV, {weights:?} weights, request {r} step {step}: logits differ by \
+                     {err:.2e} (bound {bound:.0e})"
                 )));
             }
         }
     }
     if got.tokens != want.tokens {
         return Ok(Err(format!(
-            "{dtype}: greedy tokens differ: {:?} vs the CPU's {:?}",
+            "{dtype} KV, {weights:?} weights: greedy tokens differ: {:?} vs the CPU's {:?}",
             got.tokens, want.tokens
         )));
     }
     let distinct: std::collections::HashSet<u32> = want.tokens.iter().flatten().copied().collect();
     Ok(Ok(format!(
-        "{dtype}: tokens {:?} ({} distinct)",
+        "{dtype} KV, {weights:?} weights: tokens {:?} ({} distinct)",
         got.tokens,
         distinct.len()
     )))
@@ -183,12 +232,25 @@ mod tests {
     #[test]
     fn the_cpu_agrees_with_itself_and_a_wrong_bound_is_caught() {
         let config = llama_config();
-        let same = check_against_cpu(CpuBackend::default(), &config, KvDtype::F32, 0.0).unwrap();
+        let same = check_against_cpu(
+            CpuBackend::default(),
+            &config,
+            KvDtype::F32,
+            TensorDtype::F32,
+            0.0,
+        )
+        .unwrap();
         assert!(same.is_ok(), "{same:?}");
         // A negative bound fails on the first row, naming it.
-        let err = check_against_cpu(CpuBackend::default(), &config, KvDtype::F32, -1.0)
-            .unwrap()
-            .unwrap_err();
+        let err = check_against_cpu(
+            CpuBackend::default(),
+            &config,
+            KvDtype::F32,
+            TensorDtype::F32,
+            -1.0,
+        )
+        .unwrap()
+        .unwrap_err();
         assert!(err.contains("request 0 step 0"), "{err}");
         assert_eq!(relative_l2(&[1.0, 0.0], &[1.0, 0.0]), 0.0);
         assert!(relative_l2(&[1.0], &[f32::NAN]).is_nan());

@@ -3,7 +3,7 @@
 
 use kv_pool::rng::SplitMix64;
 
-use crate::backend::{Backend, DeviceTensor};
+use crate::backend::{Backend, DeviceTensor, TensorDtype};
 use crate::error::Result;
 use crate::moe::{MoeExperts, MoeRouting};
 use crate::reference;
@@ -15,8 +15,15 @@ use super::outcome::{relative_error, Outcome};
 /// Bound for the f32 dense ops.
 const DENSE_BOUND: f64 = 1e-5;
 
+/// Bound for a matmul over a bf16 weight: [`Backend::upload_weight`] lets a backend round the
+/// activations to bf16, each off by at most `2⁻⁹` relative, so an output moves by at most
+/// `2⁻⁹ Σ|xᵢwᵢ|`. Over our inputs (independent, symmetric) `Σ|xᵢwᵢ|` is within a few times
+/// `|Σ xᵢwᵢ|` in norm, and `2⁻⁷` bounds the whole output's relative error with margin.
+const BF16_WEIGHT_BOUND: f64 = 1.0 / 128.0;
+
 /// Runs the dense-op checks (matmul, RMSNorm, rotary variants, SiLU-and-mul, residual add,
-/// embedding, concat_last, logits, fused_moe) against the f64 reference.
+/// embedding, concat_last, logits, fused_moe; and matmul, logits, embedding and fused_moe over
+/// weights kept in f16 and bf16) against the f64 reference.
 pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
     let mut rng = SplitMix64::new(0xD15E);
     let mut out = Vec::new();
@@ -194,27 +201,141 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
             renormalize,
             routed_scaling_factor: 2.5,
         };
-        let h = nonzero_vec(&mut rng, n * d);
-        let logits = nonzero_vec(&mut rng, n * e);
-        let gate_up = nonzero_vec(&mut rng, e * 2 * i * d);
-        let down = nonzero_vec(&mut rng, e * d * i);
-        let experts = MoeExperts {
-            gate_up: backend.upload(&gate_up, &[e, 2 * i * d])?,
-            down: backend.upload(&down, &[e, d * i])?,
-            intermediate: i,
-        };
-        let got = backend.fused_moe(
-            &backend.upload(&h, &[n, d])?,
-            &backend.upload(&logits, &[n, e])?,
-            &experts,
-            &routing,
-        )?;
-        let want = reference::fused_moe(&h, &logits, &gate_up, &down, (n, d, e, i), &routing);
+        let dims = (n, d, e, i);
         push(
             format!("fused_moe {n}x{d} top {top_k} of {e} experts of {i}"),
-            relative_error(&backend.download(&got)?, &want),
+            moe_case(backend, &mut rng, dims, &routing, TensorDtype::F32)?,
             DENSE_BOUND,
         );
     }
+    for dtype in [TensorDtype::F16, TensorDtype::Bf16] {
+        half_weights(backend, &mut rng, dtype, &mut push)?;
+    }
     Ok(out)
+}
+
+/// `v` rounded to `dtype` (to nearest, ties to even): values a weight of that type holds.
+fn rounded(v: Vec<f32>, dtype: TensorDtype) -> Vec<f32> {
+    v.into_iter().map(|x| dtype.round(x)).collect()
+}
+
+/// One fused_moe case: random hidden states, router logits and experts of
+/// `(tokens, hidden, experts, intermediate)` (the experts' values rounded to and kept in
+/// `dtype`), routed by `routing`; the relative error against the reference.
+fn moe_case<B: Backend>(
+    backend: &B,
+    rng: &mut SplitMix64,
+    (n, d, e, i): (usize, usize, usize, usize),
+    routing: &MoeRouting,
+    dtype: TensorDtype,
+) -> Result<f64> {
+    let h = nonzero_vec(rng, n * d);
+    let logits = nonzero_vec(rng, n * e);
+    let gate_up = rounded(nonzero_vec(rng, e * 2 * i * d), dtype);
+    let down = rounded(nonzero_vec(rng, e * d * i), dtype);
+    let experts = MoeExperts {
+        gate_up: backend.upload_weight(&gate_up, &[e, 2 * i * d], dtype)?,
+        down: backend.upload_weight(&down, &[e, d * i], dtype)?,
+        intermediate: i,
+    };
+    let got = backend.fused_moe(
+        &backend.upload(&h, &[n, d])?,
+        &backend.upload(&logits, &[n, e])?,
+        &experts,
+        routing,
+    )?;
+    let want = reference::fused_moe(&h, &logits, &gate_up, &down, (n, d, e, i), routing);
+    Ok(relative_error(&backend.download(&got)?, &want))
+}
+
+/// Weights kept in `dtype` ([`Backend::upload_weight`]) whose values are exactly that type's:
+/// read back exactly; matmul, logits, embedding and fused_moe against the reference over those
+/// values (exact widening for f16, [`BF16_WEIGHT_BOUND`] for bf16); and refused with a typed
+/// error where an op takes f32 tensors.
+fn half_weights<B: Backend>(
+    backend: &B,
+    rng: &mut SplitMix64,
+    dtype: TensorDtype,
+    push: &mut impl FnMut(String, f64, f64),
+) -> Result<()> {
+    let bound = match dtype {
+        TensorDtype::Bf16 => BF16_WEIGHT_BOUND,
+        _ => DENSE_BOUND,
+    };
+    let exact = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    for &(m, k, n) in &[(1, 64, 48), (7, 67, 33), (33, 128, 96)] {
+        let x = nonzero_vec(rng, m * k);
+        let w = rounded(nonzero_vec(rng, n * k), dtype);
+        let wt = backend.upload_weight(&w, &[n, k], dtype)?;
+        push(
+            format!("{dtype:?} weight {n}x{k} read back"),
+            relative_error(&backend.download(&wt)?, &exact(&w)),
+            0.0,
+        );
+        let want = reference::matmul(&x, &w, m, k, n);
+        let got = backend.matmul(&backend.upload(&x, &[m, k])?, &wt)?;
+        push(
+            format!("matmul {m}x{k}·({n}x{k} {dtype:?})ᵀ"),
+            relative_error(&backend.download(&got)?, &want),
+            bound,
+        );
+        let got = backend.logits(&backend.upload(&x, &[m, k])?, &wt)?;
+        push(
+            format!("logits {m}x{k}·({n}x{k} {dtype:?})ᵀ"),
+            relative_error(&backend.download(&got)?, &want),
+            bound,
+        );
+    }
+    {
+        let table = rounded(nonzero_vec(rng, 10 * 8), dtype);
+        let ids = [3u32, 0, 9, 3];
+        let got = backend.embedding(&backend.upload_weight(&table, &[10, 8], dtype)?, &ids)?;
+        let want: Vec<f64> = ids
+            .iter()
+            .flat_map(|&i| exact(&table[i as usize * 8..][..8]))
+            .collect();
+        push(
+            format!("embedding 10x8 {dtype:?} [3,0,9,3]"),
+            relative_error(&backend.download(&got)?, &want),
+            0.0,
+        );
+    }
+    // Experts in 16 bits: two matmuls with SiLU between them, so twice the matmul's bound.
+    for &(n, d, e, i, top_k) in &[(1, 64, 8, 32, 2), (40, 40, 4, 20, 2)] {
+        let routing = MoeRouting {
+            top_k,
+            renormalize: true,
+            routed_scaling_factor: 1.0,
+        };
+        push(
+            format!("fused_moe {n}x{d} top {top_k} of {e} {dtype:?} experts of {i}"),
+            moe_case(backend, rng, (n, d, e, i), &routing, dtype)?,
+            2.0 * bound,
+        );
+    }
+    // A 16-bit weight where an op takes f32 (a backend that keeps weights in f32 has nothing
+    // to refuse): a typed error, not a silent misreading of its bits.
+    let w = backend.upload_weight(&rounded(nonzero_vec(rng, 4 * 8), dtype), &[4, 8], dtype)?;
+    if w.dtype() != TensorDtype::F32 {
+        let f32_ones = backend.upload(&[1.0; 8], &[8])?;
+        let refused = [
+            ("rms_norm", backend.rms_norm(&w, &f32_ones, 1e-6).err()),
+            ("silu_mul", backend.silu_mul(&w).err()),
+            (
+                "matmul's x",
+                backend
+                    .matmul(&w, &backend.upload(&[1.0; 32], &[4, 8])?)
+                    .err(),
+            ),
+        ];
+        for (op, err) in refused {
+            let ok = matches!(err, Some(crate::AttentionError::Unsupported(_)));
+            push(
+                format!("{op} refuses a {dtype:?} weight"),
+                if ok { 0.0 } else { f64::INFINITY },
+                0.0,
+            );
+        }
+    }
+    Ok(())
 }

@@ -98,12 +98,8 @@ impl CpuTensor {
 
     /// The f32 elements an op computes on; a 16-bit weight is refused with a typed error.
     fn f32s(&self, op: &str) -> Result<&[f32]> {
-        match &self.half {
-            None => Ok(&self.data),
-            Some((dtype, _)) => Err(AttentionError::Unsupported(format!(
-                "{op} takes f32 tensors, not a {dtype:?} weight"
-            ))),
-        }
+        check::f32_tensor(op, self.dtype())?;
+        Ok(&self.data)
     }
 
     /// The matmul's view of this tensor as its weight.
@@ -294,22 +290,14 @@ impl Backend for CpuBackend {
         shape: &[usize],
         dtype: TensorDtype,
     ) -> Result<CpuTensor> {
+        if dtype == TensorDtype::F32 {
+            return self.upload(data, shape);
+        }
         CpuTensor::check_len(shape, data.len())?;
-        let bits: Vec<u16> = match dtype {
-            TensorDtype::F32 => return self.upload(data, shape),
-            TensorDtype::F16 => data
-                .iter()
-                .map(|&v| half::f16::from_f32(v).to_bits())
-                .collect(),
-            TensorDtype::Bf16 => data
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect(),
-        };
         Ok(CpuTensor {
             shape: shape.to_vec(),
             data: Vec::new(),
-            half: Some((dtype, bits)),
+            half: Some((dtype, data.iter().map(|&v| dtype.narrow(v)).collect())),
         })
     }
 
