@@ -149,6 +149,9 @@ impl EmuDevice {
     }
 }
 
+/// The byte [`EmuDevice`] fills an uninitialised allocation with.
+pub const UNINIT_BYTE: u8 = 0xff;
+
 impl Device for EmuDevice {
     type Buffer = EmuBuffer;
     type Graph = EmuGraph;
@@ -199,6 +202,15 @@ impl Device for EmuDevice {
             len: bytes,
             layout,
         })
+    }
+
+    /// Poisoned, not zeroed: every byte 0xff (an f32 NaN, a u32 past any index), so an output
+    /// element a kernel leaves unwritten shows in the results.
+    fn alloc_uninit(&self, bytes: usize) -> Result<EmuBuffer> {
+        let buf = self.alloc_zeroed(bytes)?;
+        // SAFETY: `buf` owns `layout.size()` bytes at `ptr`, which nothing else references yet.
+        unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), UNINIT_BYTE, buf.layout.size()) };
+        Ok(buf)
     }
 
     fn write(&self, dst: &mut EmuBuffer, offset: usize, src: &[u8]) -> Result<()> {

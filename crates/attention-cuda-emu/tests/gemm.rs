@@ -63,6 +63,9 @@ impl Device for FakeBlas {
     fn alloc_zeroed(&self, bytes: usize) -> Result<EmuBuffer> {
         self.emu.alloc_zeroed(bytes)
     }
+    fn alloc_uninit(&self, bytes: usize) -> Result<EmuBuffer> {
+        self.emu.alloc_uninit(bytes)
+    }
     fn write(&self, dst: &mut EmuBuffer, offset: usize, src: &[u8]) -> Result<()> {
         self.emu.write(dst, offset, src)
     }

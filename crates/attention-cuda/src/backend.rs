@@ -218,9 +218,9 @@ impl<D: Device> CudaBackend<D> {
         &self.gemm
     }
 
-    /// An f32 tensor of `shape`: zeroed when eager, a pool buffer under a graph (which the
-    /// op's kernel overwrites whole).
-    fn zeros(&self, shape: &[usize]) -> Result<CudaTensor<D>> {
+    /// An op's f32 output of `shape`, which the op's kernels overwrite whole: uninitialised
+    /// when eager, a pool buffer under a graph ([`Self::alloc`]).
+    fn output(&self, shape: &[usize]) -> Result<CudaTensor<D>> {
         let n: usize = shape.iter().product();
         Ok(CudaTensor {
             buf: self.alloc(n * 4)?,
@@ -488,7 +488,7 @@ impl<D: Device> CudaBackend<D> {
     ) -> Result<CudaTensor<D>> {
         let geo = &ds.geo;
         let n = plan.meta.num_tokens();
-        let out = self.zeros(&[n, geo.q_heads, geo.v_head_dim])?;
+        let out = self.output(&[n, geo.q_heads, geo.v_head_dim])?;
         if n == 0 {
             return Ok(out);
         }
@@ -522,14 +522,17 @@ impl<D: Device> CudaBackend<D> {
 
     /// Attention of every token of the plan over its request's positions `0..=pos`, read back
     /// from the store: the KV range split across blocks by a [`SplitPlan`], then the splits
-    /// merged by their log-sum-exp. Returns `[tokens, q_heads, v_head_dim]`.
+    /// merged by their log-sum-exp. Returns `[tokens, q_heads, v_head_dim]`. A plan of one
+    /// split has nothing to merge: its partial outputs, laid out `[tokens, q_heads, 1,
+    /// v_head_dim]`, are the output (normalised by the kernel, bitwise what `merge_states`
+    /// would copy), so the kernel writes them there and no merge is launched.
     fn paged_attention(
         &self,
         plan: &CudaPlan<D>,
         a: &PagedAttention<'_, D>,
     ) -> Result<CudaTensor<D>> {
         let n = plan.meta.num_tokens();
-        let out = self.zeros(&[n, a.q_heads, a.v_head_dim])?;
+        let out = self.output(&[n, a.q_heads, a.v_head_dim])?;
         if n == 0 {
             return Ok(out);
         }
@@ -565,8 +568,14 @@ impl<D: Device> CudaBackend<D> {
                 }
             }
         };
+        let unsplit = split.num_splits == 1;
         let partials = split.num_splits as usize * n * a.q_heads;
-        let (o_bytes, lse_bytes) = (partials * a.v_head_dim * 4, partials * 4);
+        let o_bytes = if unsplit {
+            0
+        } else {
+            partials * a.v_head_dim * 4
+        };
+        let lse_bytes = partials * 4;
         let mut slot = plan
             .scratch
             .lock()
@@ -583,7 +592,8 @@ impl<D: Device> CudaBackend<D> {
                 }
             }
         };
-        let (partial_o, partial_lse) = (&*scratch.o, &*scratch.lse);
+        let partial_lse = &*scratch.lse;
+        let partial_o = if unsplit { &*out.buf } else { &*scratch.o };
         self.launch(
             &a.spec,
             entry,
@@ -605,6 +615,10 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::F32(a.v_scale),
             ],
         )?;
+        if unsplit {
+            *slot = Some(scratch);
+            return Ok(out);
+        }
         self.launch(
             &a.spec,
             "merge_states",
@@ -724,7 +738,7 @@ impl<D: Device> Backend for CudaBackend<D> {
     fn matmul(&self, x: &CudaTensor<D>, w: &CudaTensor<D>) -> Result<CudaTensor<D>> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
         check::f32_tensor("matmul's x", x.dtype)?;
-        let mut out = self.zeros(&[m, n])?;
+        let mut out = self.output(&[m, n])?;
         if m * n == 0 {
             return Ok(out);
         }
@@ -772,7 +786,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         let (m, d) = check::rms_norm(&x.shape, &weight.shape)?;
         check::f32_tensor("rms_norm", x.dtype)?;
         check::f32_tensor("rms_norm's weight", weight.dtype)?;
-        let out = self.zeros(&[m, d])?;
+        let out = self.output(&[m, d])?;
         if m * d > 0 {
             self.dense(
                 "rms_norm",
@@ -823,7 +837,7 @@ impl<D: Device> Backend for CudaBackend<D> {
     fn silu_mul(&self, x: &CudaTensor<D>) -> Result<CudaTensor<D>> {
         let (m, d) = check::silu_mul(&x.shape)?;
         check::f32_tensor("silu_mul", x.dtype)?;
-        let out = self.zeros(&[m, d])?;
+        let out = self.output(&[m, d])?;
         if m * d > 0 {
             self.dense(
                 "silu_mul",
@@ -860,7 +874,7 @@ impl<D: Device> Backend for CudaBackend<D> {
 
     fn embedding(&self, table: &CudaTensor<D>, ids: &[u32]) -> Result<CudaTensor<D>> {
         let (_, d) = check::embedding(&table.shape, ids)?;
-        let out = self.zeros(&[ids.len(), d])?;
+        let out = self.output(&[ids.len(), d])?;
         if ids.is_empty() || d == 0 {
             return Ok(out);
         }
@@ -888,7 +902,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         *shape
             .last_mut()
             .expect("rank checked by check::concat_last") = da + db;
-        let out = self.zeros(&shape)?;
+        let out = self.output(&shape)?;
         if rows == 0 || da + db == 0 {
             return Ok(out);
         }
@@ -949,14 +963,14 @@ impl<D: Device> Backend for CudaBackend<D> {
                 geometry::MOE_MAX_EXPERTS
             )));
         }
-        let out = self.zeros(&[n, d])?;
+        let out = self.output(&[n, d])?;
         if n == 0 {
             return Ok(out);
         }
         let rows = n * k;
         let tiles = geometry::moe_tiles(rows, e);
         let ids = self.alloc(rows * 4)?;
-        let weights = self.zeros(&[n, k])?;
+        let weights = self.output(&[n, k])?;
         self.dense(
             "moe_topk",
             geometry::elementwise("moe_topk", n)?,
@@ -990,10 +1004,10 @@ impl<D: Device> Backend for CudaBackend<D> {
             tiles: &tile_table,
             count: tiles,
         };
-        let gate_up = self.zeros(&[rows, 2 * i])?;
+        let gate_up = self.output(&[rows, 2 * i])?;
         self.moe_matmul(h, &experts.gate_up, &grouped, &gate_up, (k, d, 2 * i))?;
         let act = self.silu_mul(&gate_up)?;
-        let down = self.zeros(&[rows, d])?;
+        let down = self.output(&[rows, d])?;
         self.moe_matmul(&act, &experts.down, &grouped, &down, (1, i, d))?;
         self.dense(
             "moe_combine",

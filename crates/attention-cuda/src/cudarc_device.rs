@@ -225,6 +225,14 @@ impl Device for CudarcDevice {
         self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)
     }
 
+    fn alloc_uninit(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        // SAFETY: the bytes are device memory, reached only by kernels and copies, never as
+        // Rust values, and every u8 pattern is valid. The backend takes such buffers only for
+        // what it overwrites whole before reading: the emulated device fills them with 0xff
+        // (f32 NaN), so a kernel that leaves an output element unwritten fails its tests.
+        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(driver)
+    }
+
     fn write(&self, dst: &mut CudaSlice<u8>, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", dst.len(), offset, src.len())?;
         if src.is_empty() {

@@ -44,6 +44,14 @@ pub trait Device: Send + Sync {
     /// Allocates `bytes` zeroed bytes (at least one, so every buffer has an address).
     fn alloc_zeroed(&self, bytes: usize) -> Result<Self::Buffer>;
 
+    /// Allocates `bytes` bytes (at least one) whose contents are unspecified: for a buffer its
+    /// user overwrites whole before anything reads it (an op's output, an upload), without the
+    /// zeroing [`alloc_zeroed`](Device::alloc_zeroed) costs (a memset launch on a GPU). The
+    /// default zeroes anyway.
+    fn alloc_uninit(&self, bytes: usize) -> Result<Self::Buffer> {
+        self.alloc_zeroed(bytes)
+    }
+
     /// Copies `src` into `dst` at byte `offset` (must fit).
     fn write(&self, dst: &mut Self::Buffer, offset: usize, src: &[u8]) -> Result<()>;
 

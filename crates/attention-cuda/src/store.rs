@@ -162,7 +162,7 @@ impl<D: Device> StoreBuffers<D> {
     }
 
     fn upload(&self, bytes: &[u8]) -> attention::Result<D::Buffer> {
-        let mut buf = self.device.alloc_zeroed(bytes.len())?;
+        let mut buf = self.device.alloc_uninit(bytes.len())?;
         self.device.write(&mut buf, 0, bytes)?;
         Ok(buf)
     }
@@ -201,7 +201,7 @@ impl<D: Device> StoreBuffers<D> {
         let ids: Vec<u32> = slots.iter().map(|s| s.0).collect();
         let run = |out: &mut [u8]| -> attention::Result<()> {
             let idx = self.upload(u32_bytes(&ids))?;
-            let dst = self.device.alloc_zeroed(out.len())?;
+            let dst = self.device.alloc_uninit(out.len())?;
             self.device.launch(
                 &self.spec,
                 "gather_rows",

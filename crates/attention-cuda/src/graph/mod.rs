@@ -27,8 +27,8 @@
 //! total at start-up. Before the pool was shared, every size kept one buffer per allocation
 //! of its forward. For a 7B-shaped Llama (Llama-2-7B: hidden 4096, 32 layers, 32 heads of
 //! 128, intermediate 11008, vocabulary 32000; f32 activations, context 4096, page 16) at the
-//! default 23 sizes (1 … 160) that was 13.56 GiB; one pool shared by every size holds
-//! 59.87 MiB in 77 buffers: the largest size's forward asks for 1.29 GiB over 392
+//! default 23 sizes (1 … 160) that was 13.54 GiB; one pool shared by every size holds
+//! 57.37 MiB in 77 buffers: the largest size's forward asks for 1.28 GiB over 392
 //! allocations, which the pool serves with buffers freed by the forward's dropped tensors,
 //! and no smaller size adds a byte. Computed from the pool's recorded allocations on a device
 //! that only counts bytes (no GPU; the figures are exact for this host logic, not a

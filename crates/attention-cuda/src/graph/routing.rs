@@ -47,7 +47,7 @@ impl<D: Device> CudaBackend<D> {
         if let Some(pool) = self.graph_slot().as_mut() {
             return pool.upload(&*self.device, bytes, capacity);
         }
-        let mut buf = self.device.alloc_zeroed(bytes.len())?;
+        let mut buf = self.device.alloc_uninit(bytes.len())?;
         self.device.write(&mut buf, 0, bytes)?;
         Ok(Arc::new(buf))
     }
@@ -56,11 +56,13 @@ impl<D: Device> CudaBackend<D> {
         self.upload_bytes(bytes, bytes.len())
     }
 
-    /// `bytes` of device memory: zeroed when eager, from the graph pool otherwise.
+    /// `bytes` of device memory whose contents are unspecified, for what the caller's kernels
+    /// overwrite whole: uninitialised when eager ([`Device::alloc_uninit`]), from the graph
+    /// pool otherwise (holding what an earlier op left).
     pub(crate) fn alloc(&self, bytes: usize) -> Result<Arc<D::Buffer>> {
         if let Some(pool) = self.graph_slot().as_mut() {
             return pool.alloc(&*self.device, bytes);
         }
-        Ok(Arc::new(self.device.alloc_zeroed(bytes)?))
+        Ok(Arc::new(self.device.alloc_uninit(bytes)?))
     }
 }
