@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use attention::conformance;
-use attention::{Backend, Result};
+use attention::{Backend, Result, TensorDtype};
 use attention_cuda::gemm::{gemm_host, GemmArgs, GemmInputs};
 use attention_cuda::{CudaBackend, CudaConfig, Device, GemmPath, KernelArg, LaunchConfig, Spec};
 use attention_cuda_emu::{emu_or_skip, EmuBuffer, EmuDevice};
@@ -183,34 +183,43 @@ fn no_blas_takes_the_kernel_and_says_why() {
     assert!(blas == 0 && kernel > 0, "blas {blas}, kernel {kernel}");
 }
 
-/// A row's product is bitwise the same alone and inside batches of other rows: the tiled
-/// kernel's sum over k does not depend on m.
+/// A row's product is bitwise the same alone and inside batches of other rows: the kernel's sum
+/// over k does not depend on m. For f32, bf16 and f16 weights, with k a multiple of the
+/// kernel's 16-byte chunks (vector loads) and not, and batches spanning several blocks of rows.
 #[test]
 fn the_kernel_gemm_is_batch_invariant() {
     let Some(emu) = emu_or_skip("the_kernel_gemm_is_batch_invariant") else {
         return;
     };
     let b = CudaBackend::new(emu, config(true));
-    let (k, n) = (300, 70);
     let val = |i: usize| ((i * 2654435761) % 1000) as f32 / 997.0 - 0.5;
-    let w: Vec<f32> = (0..n * k).map(|i| val(i + 7)).collect();
-    let w = b.upload(&w, &[n, k]).unwrap();
-    let row: Vec<f32> = (0..k).map(val).collect();
-    let alone = b
-        .download(&b.matmul(&b.upload(&row, &[1, k]).unwrap(), &w).unwrap())
-        .unwrap();
-    for (m, at) in [(5, 0), (33, 17), (64, 63)] {
-        let mut x: Vec<f32> = (0..m * k).map(|i| val(i * 31 + 5)).collect();
-        x[at * k..(at + 1) * k].copy_from_slice(&row);
-        let out = b
-            .download(&b.matmul(&b.upload(&x, &[m, k]).unwrap(), &w).unwrap())
+    let n = 70;
+    for (k, dtype) in [
+        (300, TensorDtype::F32),
+        (301, TensorDtype::F32),
+        (304, TensorDtype::Bf16),
+        (300, TensorDtype::Bf16),
+        (304, TensorDtype::F16),
+    ] {
+        let w: Vec<f32> = (0..n * k).map(|i| dtype.round(val(i + 7))).collect();
+        let w = b.upload_weight(&w, &[n, k], dtype).unwrap();
+        let row: Vec<f32> = (0..k).map(val).collect();
+        let alone = b
+            .download(&b.matmul(&b.upload(&row, &[1, k]).unwrap(), &w).unwrap())
             .unwrap();
-        let got = &out[at * n..(at + 1) * n];
-        assert!(
-            got.iter()
-                .zip(&alone)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "row {at} of a batch of {m} differs from the row alone"
-        );
+        for (m, at) in [(5, 0), (33, 17), (64, 63), (130, 129)] {
+            let mut x: Vec<f32> = (0..m * k).map(|i| val(i * 31 + 5)).collect();
+            x[at * k..(at + 1) * k].copy_from_slice(&row);
+            let out = b
+                .download(&b.matmul(&b.upload(&x, &[m, k]).unwrap(), &w).unwrap())
+                .unwrap();
+            let got = &out[at * n..(at + 1) * n];
+            assert!(
+                got.iter()
+                    .zip(&alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype:?} k {k}: row {at} of a batch of {m} differs from the row alone"
+            );
+        }
     }
 }

@@ -176,6 +176,17 @@ __device__ inline unsigned char kvs_f32_to_fp8(float f, float max, int e4m3) {
     return (unsigned char)(res | sign);
 }
 
+// Four consecutive 32-bit words, 16-byte aligned, so one load instruction reads them all
+// (`ld.global.v4.u32` on NVIDIA, `global_load_dwordx4` on AMD).
+struct alignas(16) kvs_vec16 {
+    unsigned int w[4];
+};
+
+// The 16 bytes at p (which must be 16-byte aligned), read in one load.
+__device__ inline kvs_vec16 kvs_load16(const void* p) {
+    return *reinterpret_cast<const kvs_vec16*>(p);
+}
+
 #if defined(KV_DTYPE)
 #if KV_DTYPE == 0
 typedef float kv_t;
@@ -243,18 +254,12 @@ __device__ inline float kv_word_elem(unsigned int w, int e) {
 #endif
 }
 
-// Four consecutive 32-bit words, 16-byte aligned, so one load instruction reads them all
-// (`ld.global.v4.u32` on NVIDIA, `global_load_dwordx4` on AMD).
-struct alignas(16) kvs_vec16 {
-    unsigned int w[4];
-};
-
 // Elements per 16-byte vector of the store.
 #define KV_PER_VEC (4 * KV_PER_WORD)
 
 // The 16 bytes at p (which must be 16-byte aligned), read in one load.
 __device__ inline kvs_vec16 kv_load_raw16(const kv_t* p) {
-    return *reinterpret_cast<const kvs_vec16*>(p);
+    return kvs_load16(p);
 }
 
 // The KV_PER_VEC elements of a 16-byte vector of the store, decoded into out.

@@ -63,20 +63,115 @@ __device__ inline float kvs_tile_dot(const float* xr, const void* w, size_t wrow
     return acc;
 }
 
-// out[m, n] = x[m, k] · w[n, k]ᵀ. One block of MATMUL_TILE² threads per MATMUL_TILE² output
-// tile (grid.x over n, grid.y over m), by kvs_tile_dot.
+// matmul's launch: MATMUL_WARPS warps (output columns) per block, MATMUL_BLOCK_ROWS rows of x
+// per block along grid.y, MATMUL_ROWS rows summed at once by a warp (accumulators per lane).
+#define MATMUL_WARPS 4
+#define MATMUL_BLOCK_ROWS 64
+#define MATMUL_ROWS 4
+
+// Elements of a weight of type W in 16 bytes: a chunk, what one lane reads at a time.
+template <int W>
+struct kvs_wchunk {
+    enum { N = 8 };
+};
+template <>
+struct kvs_wchunk<W_F32> {
+    enum { N = 4 };
+};
+
+// The `count` (≤ N) elements of `base` from element i (f32 activations, or a weight stored as
+// W) widened into out: one 16-byte load when `vec` (then count is N and the elements are
+// 16-byte aligned), else one element at a time. Elements past count are 0.
+template <int W>
+__device__ inline void kvs_weight_chunk(const void* base, size_t i, bool vec, unsigned int count,
+                                        float* out) {
+    constexpr int N = kvs_wchunk<W>::N;
+    if (vec) {
+        const kvs_vec16 v = kvs_load16((const unsigned short*)base + i * (W == W_F32 ? 2 : 1));
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+            const unsigned int word = v.w[e * 4 / N];
+            out[e] = W == W_F32 ? __uint_as_float(word)
+                     : W == W_F16
+                         ? kvs_f16_to_f32((unsigned short)(word >> (16 * (e % 2))))
+                         : kvs_bf16_to_f32((unsigned short)(word >> (16 * (e % 2))));
+        }
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+        out[e] = (unsigned int)e < count ? kvs_weight<W>(base, i + e) : 0.0f;
+    }
+}
+
+// out[m, n] = x[m, k] · w[n, k]ᵀ, one warp per output column (grid.x over columns in blocks of
+// MATMUL_WARPS, grid.y over rows in blocks of MATMUL_BLOCK_ROWS). Lane l reads the chunks of
+// k (16 bytes of the weight each: kvs_wchunk) numbered l, l + WARP_SIZE, …, and sums
+// x[r, e] · w[col, e] over its elements in increasing e with fused multiply-adds, for
+// MATMUL_ROWS rows at a time; then lane r adds row r's 32 lane sums in lane order (through
+// shared memory: one warp barrier, where a butterfly of shuffles takes five per row). So an
+// output's bits depend on its row of x, its column of w and k alone: not on m, the rows beside
+// it or whether the chunks were read as vectors (when k is a multiple of a chunk, every row
+// starts 16-byte aligned), and a row's product is the same in every batch (batch invariance).
+// A decode step's few rows read each weight row once, every lane's loads 16 bytes wide.
 template <int W>
 __device__ inline void matmul_body(const float* x, const void* w, float* out, unsigned int m,
                                    unsigned int k, unsigned int n) {
-    unsigned int tx = threadIdx.x % MATMUL_TILE;
-    unsigned int ty = threadIdx.x / MATMUL_TILE;
-    unsigned int row = blockIdx.y * MATMUL_TILE + ty;
-    unsigned int col = blockIdx.x * MATMUL_TILE + tx;
-    unsigned int wrow = blockIdx.x * MATMUL_TILE + ty;
-    float acc = kvs_tile_dot<W>(row < m ? x + (size_t)row * k : nullptr, w, (size_t)wrow * k,
-                                wrow < n, k);
-    if (row < m && col < n) {
-        out[(size_t)row * n + col] = acc;
+    constexpr unsigned int N = kvs_wchunk<W>::N;
+    const unsigned int lane = threadIdx.x % WARP_SIZE;
+    const unsigned int col = blockIdx.x * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
+    if (col >= n) {
+        return; // the whole warp
+    }
+    __shared__ float parts[MATMUL_WARPS][MATMUL_ROWS][WARP_SIZE + 1];
+    float(*part)[WARP_SIZE + 1] = parts[threadIdx.x / WARP_SIZE];
+    const bool vec = k % N == 0;
+    const size_t wrow = (size_t)col * k;
+    const unsigned int first = blockIdx.y * MATMUL_BLOCK_ROWS;
+    const unsigned int end = m - first < MATMUL_BLOCK_ROWS ? m : first + MATMUL_BLOCK_ROWS;
+    for (unsigned int r0 = first; r0 < end; r0 += MATMUL_ROWS) {
+        const unsigned int rows = end - r0 < MATMUL_ROWS ? end - r0 : MATMUL_ROWS;
+        float acc[MATMUL_ROWS];
+#pragma unroll
+        for (int r = 0; r < MATMUL_ROWS; ++r) {
+            acc[r] = 0.0f;
+        }
+        for (unsigned int c = lane * N; c < k; c += WARP_SIZE * N) {
+            const unsigned int count = k - c < N ? k - c : N;
+            float wv[N];
+            kvs_weight_chunk<W>(w, wrow + c, vec, count, wv);
+#pragma unroll
+            for (unsigned int r = 0; r < MATMUL_ROWS; ++r) {
+                if (r < rows) {
+                    const size_t xi = (size_t)(r0 + r) * k + c;
+                    float xv[N];
+                    kvs_weight_chunk<W_F32>(x, xi, vec, count, xv);
+                    if (N == 8) {
+                        kvs_weight_chunk<W_F32>(x, xi + 4, vec, count < 4 ? 0 : count - 4,
+                                                xv + 4);
+                    }
+#pragma unroll
+                    for (unsigned int e = 0; e < N; ++e) {
+                        if (e < count) {
+                            acc[r] = fmaf(xv[e], wv[e], acc[r]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (unsigned int r = 0; r < MATMUL_ROWS; ++r) {
+            part[r][lane] = acc[r];
+        }
+        KVS_SYNCWARP();
+        if (lane < rows) {
+            float sum = 0.0f;
+            for (unsigned int l = 0; l < WARP_SIZE; ++l) {
+                sum += part[lane][l];
+            }
+            out[(size_t)(r0 + lane) * n + col] = sum;
+        }
+        KVS_SYNCWARP(); // part is rewritten for the next rows
     }
 }
 KVS_WEIGHT_VARIANTS(matmul, matmul_body,
@@ -289,9 +384,9 @@ KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigne
 // rows r of a tile of expert e, w stacked as [experts, n, kdim]; x_div is top-k for the
 // gate/up projection (each of a token's rows reads its hidden row) and 1 for the down
 // projection. One block of MOE_TILE² threads per tile and MOE_TILE outputs (grid.x over
-// tiles, grid.y over outputs), by kvs_tile_dot as `matmul`: an expert's weights are read once
+// tiles, grid.y over outputs), by kvs_tile_dot: an expert's weights are read once
 // per tile of its rows, not once per row. Each output is one dot product summed in k order,
-// whatever rows share its tile (batch-invariant, and the bits of `matmul` on that row).
+// whatever rows share its tile (batch-invariant).
 template <int W>
 __device__ inline void moe_matmul_body(const float* x, const void* w, const unsigned int* sorted,
                                        const unsigned int* tiles, float* out, unsigned int x_div,

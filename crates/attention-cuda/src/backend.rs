@@ -31,7 +31,7 @@ pub struct CudaConfig {
     /// every SM's loads in flight; two per SM left an H100 at 9 % of its bandwidth there).
     pub split_kv_target_blocks: usize,
     /// SGLang's `--enable-deterministic-inference`: batch-invariant ops, so GEMMs take the
-    /// crate's tiled kernel even where the vendor BLAS is loaded ([`crate::gemm`]).
+    /// crate's own kernel even where the vendor BLAS is loaded ([`crate::gemm`]).
     pub enable_deterministic_inference: bool,
     /// The kernel paged attention (MHA, GQA and MLA; extend and decode) runs.
     pub attention_kernel: AttentionKernel,
@@ -742,7 +742,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         if m * n == 0 {
             return Ok(out);
         }
-        // Under a graph, GEMMs take the tiled kernel: cuBLAS allocates its workspace on first
+        // Under a graph, GEMMs take the own kernel: cuBLAS allocates its workspace on first
         // use, which a capture refuses, and a pooled output is shared with the pool. An f16
         // weight takes it too ([`crate::gemm`]).
         let blas = match (self.gemm.path, self.graph_phase(), w.dtype) {

@@ -1,10 +1,10 @@
 //! Which GEMM path [`Backend::matmul`](attention::Backend::matmul) takes: the vendor BLAS
-//! (cuBLAS on NVIDIA, hipBLAS on AMD) when the device has it loaded, or the crate's own tiled
+//! (cuBLAS on NVIDIA, hipBLAS on AMD) when the device has it loaded, or the crate's own
 //! `matmul` kernel (`kernels/dense.cu`). The choice is made once per backend by [`choose`] and
 //! reported by `kvserve info`; a call whose shape the BLAS cannot take ([`gemm_args`]) uses
 //! the kernel.
 //!
-//! The trade-off is batch invariance. The tiled kernel sums each output element over `k` in
+//! The trade-off is batch invariance. The kernel sums each output element over `k` in
 //! one fixed order whatever the number of rows `m` is, so a request's logits are bitwise the
 //! same whichever batch it rides in. cuBLAS picks its algorithm (tile shape, split-K) by the
 //! problem size, so the same row can round differently in a batch of 1 and a batch of 64. As
@@ -148,7 +148,7 @@ pub fn gemm_host(args: &GemmArgs, a: &[f32], b: &[f32], c: &mut [f32]) {
 pub enum GemmPath {
     /// The device's vendor BLAS.
     Blas,
-    /// The crate's tiled `matmul` kernel.
+    /// The crate's own `matmul` kernel.
     Kernel,
 }
 
@@ -177,7 +177,7 @@ pub fn choose(enable_deterministic_inference: bool, blas: Result<&str, String>) 
     match (enable_deterministic_inference, blas) {
         (true, _) => GemmChoice {
             path: GemmPath::Kernel,
-            why: "--enable-deterministic-inference: the tiled kernel is batch-invariant".into(),
+            why: "--enable-deterministic-inference: the own kernel is batch-invariant".into(),
         },
         (false, Ok(name)) => GemmChoice {
             path: GemmPath::Blas,
@@ -259,7 +259,7 @@ mod tests {
                 .join("\n"),
             @r"
         vendor BLAS (cuBLAS loaded; not batch-invariant (its algorithm depends on the batch size), --enable-deterministic-inference selects the kernel)
-        own kernel (--enable-deterministic-inference: the tiled kernel is batch-invariant)
+        own kernel (--enable-deterministic-inference: the own kernel is batch-invariant)
         own kernel (libcublas not found)
         "
         );

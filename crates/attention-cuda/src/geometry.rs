@@ -16,8 +16,10 @@ pub const ROW_THREADS: u32 = 128;
 pub const DS_THREADS: u32 = 128;
 /// `DS_MAX_DIM` in `sparse.cu`: the widest key or value head `ds_decode` takes.
 pub const DS_MAX_DIM: usize = 256;
-/// `MATMUL_TILE` in `dense.cu`: a matmul block computes a tile of this many rows and columns.
-pub const MATMUL_TILE: u32 = 16;
+/// `MATMUL_WARPS` in `dense.cu`: output columns (one warp each) of a `matmul` block.
+pub const MATMUL_WARPS: u32 = 4;
+/// `MATMUL_BLOCK_ROWS` in `dense.cu`: rows of x a `matmul` block computes.
+pub const MATMUL_BLOCK_ROWS: u32 = 64;
 
 /// `MOE_TILE` in `dense.cu`: rows of one expert (and outputs) a `moe_matmul` block computes.
 pub const MOE_TILE: u32 = 16;
@@ -55,12 +57,16 @@ pub fn per_row(what: &'static str, rows: usize, threads: u32) -> Result<LaunchCo
     })
 }
 
-/// `matmul` for `[m, k] · [n, k]ᵀ`: one block per output tile, x over `n`, y over `m`.
+/// `matmul` for `[m, k] · [n, k]ᵀ`: a warp per output column, [`MATMUL_WARPS`] to a block
+/// (x over `n`), and blocks of [`MATMUL_BLOCK_ROWS`] rows (y over `m`).
 pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
-    let t = MATMUL_TILE as u64;
     Ok(LaunchConfig {
-        grid: grid("matmul", (n as u64).div_ceil(t), (m as u64).div_ceil(t))?,
-        block: MATMUL_TILE * MATMUL_TILE,
+        grid: grid(
+            "matmul",
+            (n as u64).div_ceil(MATMUL_WARPS as u64),
+            (m as u64).div_ceil(MATMUL_BLOCK_ROWS as u64),
+        )?,
+        block: MATMUL_WARPS * 32,
     })
 }
 
@@ -174,7 +180,7 @@ mod tests {
             Err(AttentionError::InvalidConfig { .. })
         ));
         assert!(matches!(
-            matmul(16 * 70_000, 1),
+            matmul(64 * 70_000, 1),
             Err(AttentionError::InvalidConfig { .. })
         ));
     }

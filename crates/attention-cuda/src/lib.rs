@@ -1,7 +1,7 @@
 //! # attention-cuda — the CUDA compute backend for kvserve
 //!
 //! [`CudaBackend`] implements [`attention::Backend`] with CUDA C++ kernels: the dense ops of a
-//! decoder layer (a tiled matmul, RMSNorm, rotary, SiLU-and-mul, residual add, embedding), KV
+//! decoder layer (a batch-invariant matmul, RMSNorm, rotary, SiLU-and-mul, residual add, embedding), KV
 //! writes at `out_cache_loc`, and paged attention (MHA / GQA / MQA and absorbed MLA, causal
 //! over each request's cached prefix plus its new tokens, the KV range split across blocks and
 //! merged by log-sum-exp) over [`CudaKvStore`], kv-pool's store trait in device memory.
@@ -26,7 +26,7 @@
 //! - [`plan`] and [`geometry`]: host-side planning (page-table packing, write lists, split-KV
 //!   plans) and launch geometry, plain functions unit-tested on their own.
 //! - [`gemm`]: the GEMM path, chosen once per backend: the device's vendor BLAS (cuBLAS when
-//!   libcublas loads) by default, the tiled kernel (batch-invariant) when there is none or with
+//!   libcublas loads) by default, the own kernel (batch-invariant) when there is none or with
 //!   [`CudaConfig::enable_deterministic_inference`] (SGLang's
 //!   `--enable-deterministic-inference`).
 //! - [`graph`]: CUDA graphs for decode, as SGLang's `CudaGraphRunner`: [`CudaGraphRunner`]

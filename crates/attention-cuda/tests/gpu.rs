@@ -71,7 +71,7 @@ fn gpu_tiny_decoders_greedy_match_cpu() {
         model::greedy_check::mla_config(),
     ] {
         // bf16 weights: the CPU rounds their activations to bf16, as cuBLAS's bf16 GEMM does,
-        // but the tiled kernel (under graphs) does not; both within the same bound.
+        // but the own kernel (under graphs) does not; both within the same bound.
         for (dtype, weights, bound) in [
             (kv_pool::KvDtype::F32, TensorDtype::F32, 1e-4),
             (kv_pool::KvDtype::Bf16, TensorDtype::F32, 1e-3),

@@ -18,7 +18,7 @@
 //! token id is 0.
 //!
 //! Differences from eager, by design: the split-KV plan is made for
-//! [`CudaGraphConfig::max_context_len`] (the grid is fixed) and GEMMs take the tiled kernel.
+//! [`CudaGraphConfig::max_context_len`] (the grid is fixed) and GEMMs take the own kernel.
 //!
 //! ## Graph memory
 //! Sharing is sound because replays never overlap (one stream, one replay at a time, its
