@@ -5,8 +5,6 @@
 // element exactly to f32 as it loads it, so a variant's results are bitwise those of the f32
 // kernel over the widened weight.
 
-#define MATMUL_TILE 16
-
 // How a kernel's weight is stored: W_F32 as floats, W_F16 and W_BF16 as 16-bit patterns.
 #define W_F32 0
 #define W_F16 1
@@ -34,34 +32,6 @@ __device__ inline float kvs_weight<W_BF16>(const void* w, size_t i) {
     KVS_KERNEL void NAME PARAMS { BODY<W_F32> ARGS; }                                          \
     KVS_KERNEL void NAME##_f16 PARAMS { BODY<W_F16> ARGS; }                                    \
     KVS_KERNEL void NAME##_bf16 PARAMS { BODY<W_BF16> ARGS; }
-
-// One output of a MATMUL_TILE² block's tile of rows × columns: thread (ty, tx) =
-// (threadIdx.x / MATMUL_TILE, threadIdx.x % MATMUL_TILE) gets the dot product of its row's x
-// (`xr`: the tile's row ty, nullptr past the rows) with the weight row of column tx, where each
-// thread passes the tile's weight row ty as element `wrow` of `w` (`has_w` false past the
-// columns): both staged through shared memory one MATMUL_TILE-wide slice of k at a time (the
-// weight widened to f32), summed in k order (so an output's bits depend on its row and column
-// alone). Every thread of the block calls it.
-template <int W>
-__device__ inline float kvs_tile_dot(const float* xr, const void* w, size_t wrow, bool has_w,
-                                     unsigned int k) {
-    __shared__ float xs[MATMUL_TILE][MATMUL_TILE + 1];
-    __shared__ float ws[MATMUL_TILE][MATMUL_TILE + 1];
-    unsigned int tx = threadIdx.x % MATMUL_TILE;
-    unsigned int ty = threadIdx.x / MATMUL_TILE;
-    float acc = 0.0f;
-    for (unsigned int k0 = 0; k0 < k; k0 += MATMUL_TILE) {
-        unsigned int kk = k0 + tx;
-        xs[ty][tx] = (xr != nullptr && kk < k) ? xr[kk] : 0.0f;
-        ws[ty][tx] = (has_w && kk < k) ? kvs_weight<W>(w, wrow + kk) : 0.0f;
-        __syncthreads();
-        for (unsigned int i = 0; i < MATMUL_TILE; ++i) {
-            acc += xs[ty][i] * ws[tx][i];
-        }
-        __syncthreads();
-    }
-    return acc;
-}
 
 // matmul's launch: MATMUL_WARPS warps (output columns) per block, MATMUL_BLOCK_ROWS rows of x
 // per block along grid.y, MATMUL_ROWS rows summed at once by a warp (accumulators per lane).
@@ -104,55 +74,65 @@ __device__ inline void kvs_weight_chunk(const void* base, size_t i, bool vec, un
     }
 }
 
-// out[m, n] = x[m, k] · w[n, k]ᵀ, one warp per output column (grid.x over columns in blocks of
-// MATMUL_WARPS, grid.y over rows in blocks of MATMUL_BLOCK_ROWS). Lane l reads the chunks of
-// k (16 bytes of the weight each: kvs_wchunk) numbered l, l + WARP_SIZE, …, and sums
-// x[r, e] · w[col, e] over its elements in increasing e with fused multiply-adds, for
-// MATMUL_ROWS rows at a time; then lane r adds row r's 32 lane sums in lane order (through
-// shared memory: one warp barrier, where a butterfly of shuffles takes five per row). So an
-// output's bits depend on its row of x, its column of w and k alone: not on m, the rows beside
-// it or whether the chunks were read as vectors (when k is a multiple of a chunk, every row
-// starts 16-byte aligned), and a row's product is the same in every batch (batch invariance).
-// A decode step's few rows read each weight row once, every lane's loads 16 bytes wide.
-template <int W>
-__device__ inline void matmul_body(const float* x, const void* w, float* out, unsigned int m,
-                                   unsigned int k, unsigned int n) {
-    constexpr unsigned int N = kvs_wchunk<W>::N;
-    const unsigned int lane = threadIdx.x % WARP_SIZE;
-    const unsigned int col = blockIdx.x * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
-    if (col >= n) {
-        return; // the whole warp
-    }
+// The rows a kvs_gemv call computes, row i of `count`: x's row x(i) into out's row out(i).
+// Consecutive rows from `first` (matmul).
+struct kvs_rows_direct {
+    unsigned int first;
+    __device__ unsigned int x(unsigned int i) const { return first + i; }
+    __device__ unsigned int out(unsigned int i) const { return first + i; }
+};
+// moe_align's rows sorted[first + i] of (token, rank) pairs, reading hidden row row / x_div.
+struct kvs_rows_sorted {
+    const unsigned int* sorted;
+    unsigned int first;
+    unsigned int x_div;
+    __device__ unsigned int x(unsigned int i) const { return sorted[first + i] / x_div; }
+    __device__ unsigned int out(unsigned int i) const { return sorted[first + i]; }
+};
+
+// One warp's output column `col` of `count` rows (`rows`): out[rows.out(i), col] =
+// x[rows.x(i)] · the weight row at element `wrow` of w (k elements each). Lane l reads the
+// chunks of k (16 bytes of the weight each: kvs_wchunk) numbered l, l + WARP_SIZE, …, and sums
+// x[r, e] · w[e] over its elements in increasing e with fused multiply-adds, for MATMUL_ROWS
+// rows at a time; then lane r adds row r's 32 lane sums in lane order (through shared memory:
+// one warp barrier, where a butterfly of shuffles takes five per row). So an output's bits
+// depend on its row of x, its weight row and k alone: not on how many rows the call has, the
+// rows beside it or whether the chunks were read as vectors (when k is a multiple of a chunk,
+// every row starts 16-byte aligned), and a row's product is the same in every batch (batch
+// invariance), through matmul and moe_matmul alike. A decode step's few rows read each weight
+// row once, every lane's loads 16 bytes wide.
+template <int W, class Rows>
+__device__ inline void kvs_gemv(const float* x, const void* w, size_t wrow, float* out,
+                                unsigned int k, unsigned int n, unsigned int col,
+                                unsigned int count, const Rows& rows) {
     __shared__ float parts[MATMUL_WARPS][MATMUL_ROWS][WARP_SIZE + 1];
     float(*part)[WARP_SIZE + 1] = parts[threadIdx.x / WARP_SIZE];
+    constexpr unsigned int N = kvs_wchunk<W>::N;
+    const unsigned int lane = threadIdx.x % WARP_SIZE;
     const bool vec = k % N == 0;
-    const size_t wrow = (size_t)col * k;
-    const unsigned int first = blockIdx.y * MATMUL_BLOCK_ROWS;
-    const unsigned int end = m - first < MATMUL_BLOCK_ROWS ? m : first + MATMUL_BLOCK_ROWS;
-    for (unsigned int r0 = first; r0 < end; r0 += MATMUL_ROWS) {
-        const unsigned int rows = end - r0 < MATMUL_ROWS ? end - r0 : MATMUL_ROWS;
+    for (unsigned int r0 = 0; r0 < count; r0 += MATMUL_ROWS) {
+        const unsigned int nrows = count - r0 < MATMUL_ROWS ? count - r0 : MATMUL_ROWS;
         float acc[MATMUL_ROWS];
 #pragma unroll
         for (int r = 0; r < MATMUL_ROWS; ++r) {
             acc[r] = 0.0f;
         }
         for (unsigned int c = lane * N; c < k; c += WARP_SIZE * N) {
-            const unsigned int count = k - c < N ? k - c : N;
+            const unsigned int cnt = k - c < N ? k - c : N;
             float wv[N];
-            kvs_weight_chunk<W>(w, wrow + c, vec, count, wv);
+            kvs_weight_chunk<W>(w, wrow + c, vec, cnt, wv);
 #pragma unroll
             for (unsigned int r = 0; r < MATMUL_ROWS; ++r) {
-                if (r < rows) {
-                    const size_t xi = (size_t)(r0 + r) * k + c;
+                if (r < nrows) {
+                    const size_t xi = (size_t)rows.x(r0 + r) * k + c;
                     float xv[N];
-                    kvs_weight_chunk<W_F32>(x, xi, vec, count, xv);
+                    kvs_weight_chunk<W_F32>(x, xi, vec, cnt, xv);
                     if (N == 8) {
-                        kvs_weight_chunk<W_F32>(x, xi + 4, vec, count < 4 ? 0 : count - 4,
-                                                xv + 4);
+                        kvs_weight_chunk<W_F32>(x, xi + 4, vec, cnt < 4 ? 0 : cnt - 4, xv + 4);
                     }
 #pragma unroll
                     for (unsigned int e = 0; e < N; ++e) {
-                        if (e < count) {
+                        if (e < cnt) {
                             acc[r] = fmaf(xv[e], wv[e], acc[r]);
                         }
                     }
@@ -164,15 +144,29 @@ __device__ inline void matmul_body(const float* x, const void* w, float* out, un
             part[r][lane] = acc[r];
         }
         KVS_SYNCWARP();
-        if (lane < rows) {
+        if (lane < nrows) {
             float sum = 0.0f;
             for (unsigned int l = 0; l < WARP_SIZE; ++l) {
                 sum += part[lane][l];
             }
-            out[(size_t)(r0 + lane) * n + col] = sum;
+            out[(size_t)rows.out(r0 + lane) * n + col] = sum;
         }
         KVS_SYNCWARP(); // part is rewritten for the next rows
     }
+}
+
+// out[m, n] = x[m, k] · w[n, k]ᵀ: a warp per output column (grid.x over columns in blocks of
+// MATMUL_WARPS), blocks of MATMUL_BLOCK_ROWS rows (grid.y), by kvs_gemv.
+template <int W>
+__device__ inline void matmul_body(const float* x, const void* w, float* out, unsigned int m,
+                                   unsigned int k, unsigned int n) {
+    const unsigned int col = blockIdx.x * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
+    const unsigned int first = blockIdx.y * MATMUL_BLOCK_ROWS;
+    if (col >= n || first >= m) {
+        return; // the whole warp
+    }
+    const unsigned int count = m - first < MATMUL_BLOCK_ROWS ? m - first : MATMUL_BLOCK_ROWS;
+    kvs_gemv<W>(x, w, (size_t)col * k, out, k, n, col, count, kvs_rows_direct{first});
 }
 KVS_WEIGHT_VARIANTS(matmul, matmul_body,
                     (const float* x, const void* w, float* out, unsigned int m, unsigned int k,
@@ -275,9 +269,8 @@ KVS_KERNEL void concat_last(const float* a, const float* b, float* out, unsigned
 
 // Mixture of experts (SGLang's FusedMoE): kernels that keep the routing on the device.
 
-// Rows of one expert a moe_matmul block computes (and its outputs per block): its tiles are
-// kvs_tile_dot's.
-#define MOE_TILE MATMUL_TILE
+// Rows of one expert a moe_matmul block computes (a tile of moe_align's).
+#define MOE_TILE 16
 // The most experts moe_align groups rows for (its shared-memory tables).
 #define MOE_MAX_EXPERTS 512
 
@@ -383,32 +376,21 @@ KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigne
 // The experts' matmuls over moe_align's tiles: out[r, c] = x[r / x_div] · w[e][c, :] for the
 // rows r of a tile of expert e, w stacked as [experts, n, kdim]; x_div is top-k for the
 // gate/up projection (each of a token's rows reads its hidden row) and 1 for the down
-// projection. One block of MOE_TILE² threads per tile and MOE_TILE outputs (grid.x over
-// tiles, grid.y over outputs), by kvs_tile_dot: an expert's weights are read once
-// per tile of its rows, not once per row. Each output is one dot product summed in k order,
-// whatever rows share its tile (batch-invariant).
+// projection. A block per tile and MATMUL_WARPS outputs (grid.x over tiles, grid.y over
+// outputs), a warp per output by kvs_gemv: an expert's weight row is read once per tile of
+// its rows, not once per row, and each output's bits are matmul's on that row (batch-invariant).
 template <int W>
 __device__ inline void moe_matmul_body(const float* x, const void* w, const unsigned int* sorted,
                                        const unsigned int* tiles, float* out, unsigned int x_div,
                                        unsigned int kdim, unsigned int n) {
     const unsigned int* tile = tiles + 3 * (size_t)blockIdx.x;
-    unsigned int expert = tile[0];
-    unsigned int first = tile[1];
-    unsigned int count = tile[2];
-    if (count == 0) {
-        return;  // the whole block: an unused tile
+    const unsigned int col = blockIdx.y * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
+    const unsigned int count = tile[2];
+    if (count == 0 || col >= n) {
+        return; // the whole warp (an unused tile: the whole block)
     }
-    unsigned int tx = threadIdx.x % MATMUL_TILE;
-    unsigned int ty = threadIdx.x / MATMUL_TILE;
-    unsigned int col = blockIdx.y * MATMUL_TILE + tx;
-    unsigned int wrow = blockIdx.y * MATMUL_TILE + ty;
-    size_t row = ty < count ? sorted[first + ty] : 0;
-    size_t we = (size_t)expert * n * kdim;
-    float acc = kvs_tile_dot<W>(ty < count ? x + (row / x_div) * kdim : nullptr, w,
-                                we + (size_t)wrow * kdim, wrow < n, kdim);
-    if (ty < count && col < n) {
-        out[row * n + col] = acc;
-    }
+    const size_t wrow = ((size_t)tile[0] * n + col) * kdim;
+    kvs_gemv<W>(x, w, wrow, out, kdim, n, col, count, kvs_rows_sorted{sorted, tile[1], x_div});
 }
 KVS_WEIGHT_VARIANTS(moe_matmul, moe_matmul_body,
                     (const float* x, const void* w, const unsigned int* sorted,

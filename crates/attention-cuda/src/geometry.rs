@@ -78,13 +78,16 @@ pub fn moe_tiles(rows: usize, experts: usize) -> usize {
     (rows.div_ceil(MOE_TILE as usize) + experts).min(rows)
 }
 
-/// `moe_matmul` over `tiles` tiles of `n` outputs: one block of [`MOE_TILE`]² threads per
-/// tile and [`MOE_TILE`] outputs (x over tiles, y over outputs).
+/// `moe_matmul` over `tiles` tiles of `n` outputs: a block per tile and [`MATMUL_WARPS`]
+/// outputs (a warp each), x over tiles, y over outputs.
 pub fn moe_matmul(tiles: usize, n: usize) -> Result<LaunchConfig> {
-    let t = MOE_TILE as u64;
     Ok(LaunchConfig {
-        grid: grid("moe_matmul", tiles as u64, (n as u64).div_ceil(t))?,
-        block: MOE_TILE * MOE_TILE,
+        grid: grid(
+            "moe_matmul",
+            tiles as u64,
+            (n as u64).div_ceil(MATMUL_WARPS as u64),
+        )?,
+        block: MATMUL_WARPS * 32,
     })
 }
 
