@@ -1028,6 +1028,10 @@ impl<D: Device> Backend for CudaBackend<D> {
         self.device.synchronize()
     }
 
+    fn device_memory(&self) -> Result<Option<attention::DeviceMemory>> {
+        self.device.memory_info()
+    }
+
     fn plan(&self, meta: &BatchMetadata) -> Result<CudaPlan<D>> {
         let table = page_table(meta)?;
         let writes = write_list(meta.out_cache_loc());

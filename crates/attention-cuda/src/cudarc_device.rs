@@ -303,6 +303,14 @@ impl Device for CudarcDevice {
         Ok(Some(per_sm as usize * self.sm_count))
     }
 
+    fn memory_info(&self) -> Result<Option<attention::DeviceMemory>> {
+        let (free, total) = self.ctx.mem_get_info().map_err(driver)?;
+        Ok(Some(attention::DeviceMemory {
+            free_bytes: free as u64,
+            total_bytes: total as u64,
+        }))
+    }
+
     fn blas(&self) -> std::result::Result<&str, String> {
         self.blas.as_ref().map(|_| "cuBLAS").map_err(Clone::clone)
     }

@@ -123,6 +123,12 @@ pub trait Device: Send + Sync {
         Ok(None)
     }
 
+    /// The device's free and total memory (`cuMemGetInfo`, `hipMemGetInfo`). The default:
+    /// `None`, the device cannot tell (the emulation).
+    fn memory_info(&self) -> Result<Option<attention::DeviceMemory>> {
+        Ok(None)
+    }
+
     /// Waits until every launch and copy submitted so far has finished. The default (a device
     /// that runs each launch to completion when called): nothing to wait for.
     fn synchronize(&self) -> Result<()> {

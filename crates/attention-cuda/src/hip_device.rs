@@ -304,6 +304,17 @@ impl Device for HipDevice {
         Ok(Some(per_cu.max(0) as usize * self.compute_units))
     }
 
+    fn memory_info(&self) -> Result<Option<attention::DeviceMemory>> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two valid out-pointers, on the device bound above.
+        check(unsafe { hip::hipMemGetInfo(&mut free, &mut total) })?;
+        Ok(Some(attention::DeviceMemory {
+            free_bytes: free as u64,
+            total_bytes: total as u64,
+        }))
+    }
+
     fn alloc_zeroed(&self, bytes: usize) -> Result<HipBuffer> {
         self.bind()?;
         let len = bytes.max(1);

@@ -52,6 +52,16 @@ impl TensorDtype {
     }
 }
 
+/// A device's memory as its driver reports it (`cuMemGetInfo`, `hipMemGetInfo`): what SGLang's
+/// `--mem-fraction-static` sizes the KV pool from once the weights are loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes no allocation holds.
+    pub free_bytes: u64,
+    /// The device's memory.
+    pub total_bytes: u64,
+}
+
 /// A tensor owned by a backend: a row-major array with a shape and an element type. Data moves
 /// in and out only through [`Backend::upload`] and [`Backend::download`].
 pub trait DeviceTensor {
@@ -216,6 +226,13 @@ pub trait Backend {
     /// returns from an op once it is queued). A no-op where ops run to completion when called.
     fn synchronize(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// The memory of the device the backend computes on, as its driver reports it now, or
+    /// `None` where the backend cannot tell (the default: the CPU, whose memory is the host's,
+    /// and wgpu, which exposes none).
+    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        Ok(None)
     }
 
     /// MHA / GQA / MQA (and DoubleSparse) attention for one layer.

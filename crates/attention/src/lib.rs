@@ -44,7 +44,7 @@ pub mod params;
 pub mod reference;
 pub mod rope;
 
-pub use backend::{Backend, DeviceTensor, TensorDtype};
+pub use backend::{Backend, DeviceMemory, DeviceTensor, TensorDtype};
 pub use cpu::{CpuBackend, CpuConfig, CpuPlan, CpuTensor};
 pub use error::{AttentionError, Result};
 pub use graphs::{DecodeForward, DecodeGraphs};

@@ -685,6 +685,18 @@ fn engine_flags_are_validated_naming_the_flag() {
         &["bench", "--mem-fraction-static", "1.5", "--quiet"],
         &["--mem-fraction-static", "(0, 1]"],
     );
+    // wgpu cannot tell its adapter's memory: refused before anything loads.
+    assert_fails(
+        &[
+            "bench",
+            "--backend",
+            "wgpu",
+            "--mem-fraction-static",
+            "0.5",
+            "--quiet",
+        ],
+        &["--mem-fraction-static", "--max-total-tokens"],
+    );
     assert_fails(&["bench", "--max-concurrency", "0"], &["--max-concurrency"]);
     assert_fails(
         &[

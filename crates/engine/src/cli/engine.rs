@@ -36,11 +36,12 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Engine")]
     pub page_size: u32,
     /// KV pool size in tokens (default 131072, or with --mem-fraction-static the pool that
-    /// fraction of host memory holds, capped by this flag when both are given).
+    /// fraction of the backend's memory holds, capped by this flag when both are given).
     #[arg(long, value_name = "N", help_heading = "Engine")]
     pub max_total_tokens: Option<usize>,
     /// Fraction of memory that weights plus the KV pool may use, in (0, 1] (SGLang's sizing
-    /// rule, over host memory for the CPU backend).
+    /// rule: over host memory for the CPU backend, over the GPU's memory measured once the
+    /// weights are on it for cuda and rocm; wgpu takes --max-total-tokens).
     #[arg(long, value_name = "F", help_heading = "Engine")]
     pub mem_fraction_static: Option<f64>,
     /// Request limit.

@@ -24,6 +24,7 @@ use serde::Serialize;
 use super::backend::BackendKind;
 use super::cuda_graph::CudaGraphSetup;
 use super::engine_setup::EngineSetup;
+use super::pool;
 use super::source::ModelSource;
 use crate::error::{EngineError, Result};
 
@@ -44,6 +45,8 @@ pub trait ModelForward: Send {
     fn kv_page_bytes(&self) -> usize {
         0
     }
+    /// The KV store's allocatable slots: the pool the scheduler's allocator gets.
+    fn kv_capacity(&self) -> usize;
     /// The decode batch sizes captured as graphs, ascending (empty: every pass is eager).
     fn cuda_graph_bs(&self) -> Vec<usize> {
         Vec::new()
@@ -78,6 +81,10 @@ where
 
     fn kv_page_bytes(&self) -> usize {
         self.kv_store().layout().page_bytes()
+    }
+
+    fn kv_capacity(&self) -> usize {
+        self.kv_store().layout().size
     }
 
     fn cuda_graph_bs(&self) -> Vec<usize> {
@@ -139,8 +146,8 @@ impl AnyRunner {
         }
     }
 
-    /// Builds the model of `setup` on `setup.backend` with a KV store of `capacity` slots.
-    pub fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+    /// Builds the model of `setup` on `setup.backend` with a KV store of `size`.
+    pub fn build(setup: &EngineSetup, size: PoolSize) -> Result<Self> {
         match setup.backend {
             BackendKind::Cpu => {
                 let backend = CpuBackend::new(CpuConfig {
@@ -149,11 +156,11 @@ impl AnyRunner {
                 })
                 .map_err(|e| EngineError::arg("--threads", e.to_string()))?;
                 if !setup.shared_kv {
-                    return Ok(runner_on(backend, setup, capacity)?.into());
+                    return Ok(runner_on(backend, setup, size)?.into());
                 }
                 // PD's shm transfer: the KV store lives in a shared mapping that prefill
                 // servers on this host write into.
-                let (model, layout) = model_on(&backend, setup, capacity)?;
+                let (model, layout) = model_on(&backend, setup, size)?;
                 let mem =
                     transfer::shm::SharedMemory::create(layout.total_bytes()).map_err(|e| {
                         EngineError::arg("--disaggregation-transfer-backend", e.to_string())
@@ -163,9 +170,9 @@ impl AnyRunner {
                     .map_err(|e| EngineError::Model(e.to_string()))?
                     .into())
             }
-            BackendKind::Wgpu => Ok(WgpuRunner::build(setup, capacity)?.into()),
-            BackendKind::Cuda => Ok(CudaRunner::build(setup, capacity)?.into()),
-            BackendKind::Rocm => Ok(RocmRunner::build(setup, capacity)?.into()),
+            BackendKind::Wgpu => Ok(WgpuRunner::build(setup, size)?.into()),
+            BackendKind::Cuda => Ok(CudaRunner::build(setup, size)?.into()),
+            BackendKind::Rocm => Ok(RocmRunner::build(setup, size)?.into()),
         }
     }
 }
@@ -229,8 +236,8 @@ pub fn build_scheduler_with(
 /// How each backend variant's runner is built. Implemented by the real runner of a compiled
 /// backend and by the [`crate::error::NotCompiled`] stand-in of one whose feature is off.
 pub trait BuildRunner: Sized {
-    /// Builds the model of `setup` on this backend with a KV store of `capacity` slots.
-    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self>;
+    /// Builds the model of `setup` on this backend with a KV store of `size`.
+    fn build(setup: &EngineSetup, size: PoolSize) -> Result<Self>;
     /// Opens the backend's device and describes it (with the GEMM path it would take under
     /// `--enable-deterministic-inference` = `deterministic`), or says why it cannot (`None`
     /// for a backend with nothing to open).
@@ -240,22 +247,38 @@ pub trait BuildRunner: Sized {
     }
 }
 
+/// How large a KV store to build.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PoolSize {
+    /// This many slots (a whole number of pages).
+    Slots(usize),
+    /// SGLang's `--mem-fraction-static` of the device's memory, measured once the weights are
+    /// on it ([`Backend::device_memory`], [`pool::device_pool_plan`]), at most `cap` tokens.
+    DeviceFraction {
+        /// `--mem-fraction-static`.
+        fraction: f64,
+        /// `--max-total-tokens`, if given.
+        cap: Option<usize>,
+    },
+}
+
 /// Loads `setup`'s model onto `backend` and sizes its KV store: the one path every backend's
 /// runner is built through.
 pub fn runner_on<B: Backend>(
     backend: B,
     setup: &EngineSetup,
-    capacity: usize,
+    size: PoolSize,
 ) -> Result<ModelRunner<B>> {
-    let (model, layout) = model_on(&backend, setup, capacity)?;
+    let (model, layout) = model_on(&backend, setup, size)?;
     ModelRunner::new(backend, model, layout).map_err(|e| EngineError::Model(e.to_string()))
 }
 
-/// Loads `setup`'s model onto `backend` and lays out a KV pool of `capacity` slots for it.
+/// Loads `setup`'s model onto `backend` and lays out a KV pool of `size` for it (a device
+/// fraction is measured after the weights load, as SGLang's `profile_max_num_token`).
 fn model_on<B: Backend>(
     backend: &B,
     setup: &EngineSetup,
-    capacity: usize,
+    size: PoolSize,
 ) -> Result<(Model<B>, KvLayout)> {
     let model_err = |e: model::ModelError| EngineError::Model(e.to_string());
     let model: Model<B> = match &setup.model {
@@ -266,7 +289,34 @@ fn model_on<B: Backend>(
         .config()
         .kv_shape(setup.kv_dtype)
         .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
-    let layout = KvLayout::new(shape, setup.scheduler.page_size, capacity)?;
+    let page = setup.scheduler.page_size;
+    let capacity = match size {
+        PoolSize::Slots(slots) => slots,
+        PoolSize::DeviceFraction { fraction, cap } => {
+            let memory = backend
+                .device_memory()
+                .map_err(|e| EngineError::arg("--mem-fraction-static", e.to_string()))?
+                .ok_or_else(|| {
+                    EngineError::arg(
+                        "--mem-fraction-static",
+                        format!(
+                            "{} does not report its memory; give --max-total-tokens",
+                            backend.name()
+                        ),
+                    )
+                })?;
+            let plan = pool::device_pool_plan(
+                fraction,
+                memory,
+                shape,
+                page,
+                setup.scheduler.context_len,
+                cap,
+            )?;
+            pool::whole_pages(plan.max_total_num_tokens(), page)?
+        }
+    };
+    let layout = KvLayout::new(shape, page, capacity)?;
     Ok((model, layout))
 }
 
@@ -281,7 +331,7 @@ macro_rules! not_compiled_backend {
         pub struct $name(());
 
         impl BuildRunner for $name {
-            fn build(_setup: &EngineSetup, _capacity: usize) -> Result<Self> {
+            fn build(_setup: &EngineSetup, _size: PoolSize) -> Result<Self> {
                 Err($kind.not_compiled().into())
             }
         }
@@ -294,6 +344,10 @@ macro_rules! not_compiled_backend {
             fn backend_name(&self) -> String {
                 format!("{} (not compiled)", $kind.name())
             }
+
+            fn kv_capacity(&self) -> usize {
+                0
+            }
         }
     };
 }
@@ -304,10 +358,10 @@ pub type WgpuRunner = ModelRunner<attention_wgpu::WgpuBackend>;
 
 #[cfg(feature = "wgpu")]
 impl BuildRunner for WgpuRunner {
-    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+    fn build(setup: &EngineSetup, size: PoolSize) -> Result<Self> {
         let backend = attention_wgpu::WgpuBackend::new(attention_wgpu::WgpuConfig::default())
             .map_err(|e| EngineError::arg("--backend", format!("wgpu: {e}")))?;
-        runner_on(backend, setup, capacity)
+        runner_on(backend, setup, size)
     }
 
     fn probe(_deterministic: bool) -> Option<String> {
@@ -387,11 +441,11 @@ pub type CudaRunner = ModelRunner<attention_cuda::CudaBackend<attention_cuda::Cu
 
 #[cfg(any(feature = "cuda", feature = "cuda-13"))]
 impl BuildRunner for CudaRunner {
-    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+    fn build(setup: &EngineSetup, size: PoolSize) -> Result<Self> {
         let device = attention_cuda::CudarcDevice::new(0)
             .map_err(|e| EngineError::arg("--backend", format!("cuda: {e}")))?;
         let backend = attention_cuda::CudaBackend::new(device, cuda_config(setup));
-        let mut runner = runner_on(backend, setup, capacity)?;
+        let mut runner = runner_on(backend, setup, size)?;
         enable_cuda_graphs(&mut runner, setup)?;
         Ok(runner)
     }
@@ -413,11 +467,11 @@ pub type RocmRunner = ModelRunner<attention_cuda::CudaBackend<attention_cuda::Hi
 
 #[cfg(feature = "rocm")]
 impl BuildRunner for RocmRunner {
-    fn build(setup: &EngineSetup, capacity: usize) -> Result<Self> {
+    fn build(setup: &EngineSetup, size: PoolSize) -> Result<Self> {
         let device = attention_cuda::HipDevice::new(0)
             .map_err(|e| EngineError::arg("--backend", format!("rocm: {e}")))?;
         let backend = attention_cuda::CudaBackend::new(device, cuda_config(setup));
-        runner_on(backend, setup, capacity)
+        runner_on(backend, setup, size)
     }
 
     fn probe(deterministic: bool) -> Option<String> {

@@ -26,7 +26,7 @@ pub mod source;
 use scheduler::Scheduler;
 
 pub use backend::BackendKind;
-pub use components::{build_scheduler, AnyRunner, Inventory};
+pub use components::{build_scheduler, AnyRunner, Inventory, PoolSize};
 pub use cuda_graph::{CudaGraphSetup, GraphsOff};
 pub use engine_setup::{
     default_setup, parse_policy, CudaAttentionKernel, EngineSetup, HiCacheSetup,
@@ -46,29 +46,32 @@ pub fn build(setup: &EngineSetup, radix: bool) -> Result<(Scheduler, ModelExecut
     config
         .check_context_len(setup.scheduler.context_len)
         .map_err(|e| EngineError::arg("--context-length", e.to_string()))?;
-    let tokens = match setup.mem_fraction_static {
-        None => setup.capacity_tokens,
-        Some(_) if setup.backend != BackendKind::Cpu => {
-            return Err(EngineError::arg(
-                "--mem-fraction-static",
-                format!(
-                    "sizes the pool from host memory, which only the cpu backend computes in; \
-                     give --max-total-tokens for --backend {}",
-                    setup.backend
-                ),
-            ))
-        }
-        Some(f) => {
+    let cap = (setup.capacity_tokens != usize::MAX).then_some(setup.capacity_tokens);
+    let size = match (setup.mem_fraction_static, setup.backend) {
+        (None, _) => PoolSize::Slots(pool::whole_pages(setup.capacity_tokens, p)?),
+        // The CPU computes in host memory, measured before the weights load.
+        (Some(f), BackendKind::Cpu) => {
             let shape = config
                 .kv_shape(setup.kv_dtype)
                 .map_err(|e| EngineError::arg("--kv-cache-dtype", e.to_string()))?;
-            let cap = (setup.capacity_tokens != usize::MAX).then_some(setup.capacity_tokens);
-            pool::pool_tokens(f, &setup.model, shape, p, setup.scheduler.context_len, cap)?
-                .max_total_num_tokens()
+            let plan =
+                pool::pool_tokens(f, &setup.model, shape, p, setup.scheduler.context_len, cap)?;
+            PoolSize::Slots(pool::whole_pages(plan.max_total_num_tokens(), p)?)
+        }
+        (Some(_), BackendKind::Wgpu) => {
+            return Err(EngineError::arg(
+                "--mem-fraction-static",
+                "wgpu does not report its adapter's memory; give --max-total-tokens for \
+                 --backend wgpu",
+            ))
+        }
+        // A GPU reports its memory, measured once the weights are on it.
+        (Some(fraction), BackendKind::Cuda | BackendKind::Rocm) => {
+            PoolSize::DeviceFraction { fraction, cap }
         }
     };
-    let capacity = pool::whole_pages(tokens, p)?;
-    let mut exec = ModelExecutor::new(AnyRunner::build(setup, capacity)?, setup.seed);
+    let mut exec = ModelExecutor::new(AnyRunner::build(setup, size)?, setup.seed);
+    let capacity = components::ModelForward::kv_capacity(exec.runner());
     let tier = match &setup.hicache {
         Some(h) if radix => {
             let parts = hicache::build_hicache(h, setup, exec.runner(), capacity)?;

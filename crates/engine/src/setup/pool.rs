@@ -1,9 +1,11 @@
 //! KV pool sizing: every pool size and default request limit the engine uses comes from SGLang's
 //! rule, [`kv_pool::MemoryPlan`], never from a formula of its own.
-//! - `bench` and `serve` with `--mem-fraction-static` ([`pool_tokens`]): over the memory the
-//!   backend computes in. The CPU backend (and wgpu on a software adapter) computes in host
-//!   memory, measured from `/proc/meminfo`; the weights are counted by their checkpoint size
-//!   (the built-in tiny preset's by its parameter count).
+//! - `bench` and `serve` with `--mem-fraction-static`: over the memory the backend computes in.
+//!   The CPU backend computes in host memory ([`pool_tokens`]), measured from `/proc/meminfo`
+//!   before the weights load, which are counted by their checkpoint size (the built-in tiny
+//!   preset's by its parameter count). A GPU backend (cuda, rocm) reports its device's memory,
+//!   measured once the weights are on it, as SGLang's `profile_max_num_token` does
+//!   ([`device_pool_plan`]).
 //! - `sim` ([`simulated_plan`], [`given_pool_plan`]): over the cost model's accelerators, or
 //!   for a pool size given on the command line.
 
@@ -78,9 +80,54 @@ pub fn pool_tokens(
 ) -> Result<MemoryPlan> {
     let (total, available) = host_memory()?;
     let weights = weight_bytes(model)?;
-    let plan = MemoryPlan::compute(MemoryPlanInput {
+    plan_after_weights(
+        total,
+        available.saturating_sub(weights).min(total),
+        mem_fraction_static,
+        shape,
+        page_size,
+        context_len,
+        max_total_tokens,
+    )
+}
+
+/// SGLang's memory plan for `mem_fraction_static` of a device's memory, `memory` measured once
+/// the weights are on it (`profile_max_num_token`: the pool takes what is free beyond the
+/// `1 − mem_fraction_static` of the device left for activations and graphs), capped by
+/// `max_total_tokens` when given.
+pub fn device_pool_plan(
+    mem_fraction_static: f64,
+    memory: attention::DeviceMemory,
+    shape: KvShape,
+    page_size: u32,
+    context_len: usize,
+    max_total_tokens: Option<usize>,
+) -> Result<MemoryPlan> {
+    plan_after_weights(
+        memory.total_bytes,
+        memory.free_bytes.min(memory.total_bytes),
+        mem_fraction_static,
+        shape,
+        page_size,
+        context_len,
+        max_total_tokens,
+    )
+}
+
+/// [`MemoryPlan::compute`] over `total` bytes of which `free_after_weights` are free once the
+/// weights are loaded; an error names `--mem-fraction-static`.
+fn plan_after_weights(
+    total: u64,
+    free_after_weights: u64,
+    mem_fraction_static: f64,
+    shape: KvShape,
+    page_size: u32,
+    context_len: usize,
+    max_total_tokens: Option<usize>,
+) -> Result<MemoryPlan> {
+    MemoryPlan::compute(MemoryPlanInput {
         total_device_bytes: total,
-        free_after_weights_bytes: available.saturating_sub(weights).min(total),
+        free_after_weights_bytes: free_after_weights,
         mem_fraction_static,
         shape,
         page_size,
@@ -88,8 +135,7 @@ pub fn pool_tokens(
         max_total_tokens,
         max_running_requests: None,
     })
-    .map_err(|e| EngineError::arg("--mem-fraction-static", e.to_string()))?;
-    Ok(plan)
+    .map_err(|e| EngineError::arg("--mem-fraction-static", e.to_string()))
 }
 
 /// `tokens` in whole pages of `page_size`: the pool the allocator gets. Less than one page is an
@@ -235,6 +281,29 @@ mod tests {
             (992, 496)
         );
         assert!(given_pool_plan(llama3_8b(), 8, 16, 8192, None).is_err());
+    }
+
+    #[test]
+    fn a_device_pool_is_what_the_fraction_leaves_free_after_the_weights() {
+        // An 80 GiB device with 64 GiB free once the weights are loaded, at 0.88: the pool
+        // takes 64 − 80 · 0.12 = 54.4 GiB, 445,644 tokens of Llama-3-8B's 128 KiB.
+        let gib = 1u64 << 30;
+        let memory = attention::DeviceMemory {
+            free_bytes: 64 * gib,
+            total_bytes: 80 * gib,
+        };
+        let p = device_pool_plan(0.88, memory, llama3_8b(), 16, 8192, None).unwrap();
+        let want = ((64.0 - 80.0 * 0.12) * gib as f64 / (128.0 * 1024.0)) as usize;
+        assert!(
+            p.max_total_num_tokens().abs_diff(want) < 16,
+            "{} vs {want}",
+            p.max_total_num_tokens()
+        );
+        // A cap wins; a fraction that leaves nothing for the pool is an error naming the flag.
+        let capped = device_pool_plan(0.88, memory, llama3_8b(), 16, 8192, Some(1000)).unwrap();
+        assert_eq!(capped.max_total_num_tokens(), 992);
+        let e = device_pool_plan(0.1, memory, llama3_8b(), 16, 8192, None).unwrap_err();
+        assert!(e.to_string().contains("--mem-fraction-static"), "{e}");
     }
 
     #[test]
