@@ -17,7 +17,8 @@
 #      3350 GB/s, H200 4800 GB/s, by its name);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
-#      cuda` (batch 1 and 16), once more with --disable-cuda-graph, once with the chunked
+#      cuda` (batch 1, its pool sized by --mem-fraction-static from the GPU's memory, and
+#      batch 16), once more with --disable-cuda-graph, once with the chunked
 #      attention kernel (the default is the pipelined one), and a shared-prefix workload with HiCache on a small device pool;
 #   5. PD disaggregation on the GPU (scripts/pd_pair_check.sh): a prefill and a decode server
 #      behind `kvserve router`, their KV moved through host mirrors of the device stores,
@@ -151,7 +152,9 @@ run() {
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
         --random-input-len 512 --random-output-len 128 --random-range-ratio 1
         --request-rate inf --quiet --plot /tmp/bench.png)
-    step bench-b1 35 "${bench[@]}" --num-prompts 1 --json "$out/bench-b1.json"
+    # Batch 1 sizes its pool as SGLang does on a GPU: 85 % of the device after the weights.
+    step bench-b1 35 "${bench[@]}" --num-prompts 1 --mem-fraction-static 0.85 \
+        --json "$out/bench-b1.json"
     step bench-b16 35 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
     step bench-b16-eager 35 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
