@@ -12,8 +12,9 @@
 #   2. attention-cuda's tests/gpu.rs with KVSERVE_REQUIRE_CUDA=1: the dense and attention
 #      conformance suites against the f64 reference, and the tiny Llama and MLA decoders' greedy
 #      schedule against the CPU backend (model::greedy_check);
-#   3. examples/decode_bandwidth.rs: decode attention's KV GB/s per kernel (chunked and
-#      pipelined), KV dtype, page size and context length, against the GPU's peak (H100
+#   3. examples/decode_bandwidth.rs: decode attention's KV GB/s per kernel (chunked,
+#      pipelined, and pipelined with the split merge in the kernel: `+merge`), KV dtype, page
+#      size and context length, against the GPU's peak (H100
 #      3350 GB/s, H200 4800 GB/s, by its name);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend

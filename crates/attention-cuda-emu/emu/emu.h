@@ -105,6 +105,10 @@ inline T __shfl_sync(unsigned int /*mask*/, T v, int src_lane) {
 // The warp's barrier (every lane of the calling fiber's warp arrives before any goes on).
 #define __syncwarp() kvs_emu_warp_sync()
 
+// __threadfence: blocks run one after another and a block's fibers share one OS thread, so
+// every write is already visible to every later read.
+inline void __threadfence() {}
+
 // atomicAdd: fibers switch only at barriers, so a plain read-modify-write is atomic here.
 template <class T>
 inline T atomicAdd(T* p, T v) {

@@ -97,13 +97,20 @@ fn emu_attention_conformance_every_shape_and_dtype() {
 
 /// No split (one block per query over its whole range) and the most splits (one chunk of
 /// keys per block, empty splits for the shorter requests), so both the single-split path and
-/// the log-sum-exp merge meet the reference, on both attention kernels.
+/// the log-sum-exp merge meet the reference, on both attention kernels; the most splits again
+/// with the merge in the attention kernel (`fuse_split_merge`).
 #[test]
 fn emu_attention_conformance_split_extremes() {
     for kernel in AttentionKernel::ALL {
-        for (name, target) in [("no split", 1), ("max split", 1 << 20)] {
+        // (name, split target, merge in the kernel, every n-th case)
+        for (name, target, fuse_split_merge, every) in [
+            ("no split", 1, false, 3),
+            ("max split", 1 << 20, false, 3),
+            ("max split, merged in the kernel", 1 << 20, true, 7),
+        ] {
             let config = CudaConfig {
                 split_kv_target_blocks: target,
+                fuse_split_merge,
                 ..with_kernel(kernel)
             };
             let Some(b) = backend("emu_attention_split_extremes", config) else {
@@ -112,7 +119,7 @@ fn emu_attention_conformance_split_extremes() {
             let outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
                 .iter()
                 .filter(|c| has_kernels(c))
-                .step_by(3)
+                .step_by(every)
                 .map(|c| conformance::run_attention_case(&b, c).unwrap())
                 .collect();
             println!("{kernel}, {name}:");

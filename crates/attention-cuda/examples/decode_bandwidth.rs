@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! cargo run --release -p attention-cuda --features cuda-13 --example decode_bandwidth -- \
-//!     [PEAK_GBPS] [MIN_GIB] [SPLIT_TARGET] [KERNEL]
+//!     [PEAK_GBPS] [MIN_GIB] [SPLIT_TARGET] [KERNEL] [MERGE]
 //! ```
 //!
 //! Llama-3-8B-shaped attention (8 KV heads, 32 query heads, head dim 128), as many requests as
@@ -18,8 +18,11 @@
 //! device's memory bandwidth in GB/s (default 3350, H100 SXM; 4800 for an H200);
 //! `SPLIT_TARGET` the backend's `split_kv_target_blocks` (default: `CudaConfig`'s); `KERNEL`
 //! the paged-attention kernel, `chunked`, `pipelined` or `both` (the default: a row each, the
-//! same case one after the other). KV dtypes f16, bf16 and fp8 e4m3. Prints a Markdown table;
-//! a case the device refuses (memory) is a row with the error.
+//! same case one after the other); `MERGE` where a split call's partial states are merged,
+//! `launch` (a `merge_states` launch, the default `CudaConfig`), `kernel` (in the attention
+//! kernel, `fuse_split_merge`) or `both` (the default: the pipelined kernel's rows once more
+//! with the merge in the kernel, labelled `+merge`). KV dtypes f16, bf16 and fp8 e4m3. Prints a
+//! Markdown table; a case the device refuses (memory) is a row with the error.
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 fn main() -> std::process::ExitCode {
@@ -44,6 +47,22 @@ fn main() -> std::process::ExitCode {
             }
         },
     };
+    let merges: Vec<bool> = match args.next().as_deref() {
+        None | Some("both") => vec![false, true],
+        Some("launch") => vec![false],
+        Some("kernel") => vec![true],
+        Some(m) => {
+            eprintln!("decode_bandwidth: MERGE is launch, kernel or both, not {m}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    // Each kernel with each merge, but the chunked kernel's only with the default one when
+    // both are asked for.
+    let variants: Vec<(AttentionKernel, bool)> = kernels
+        .iter()
+        .flat_map(|&k| merges.iter().map(move |&m| (k, m)))
+        .filter(|&(k, m)| !(merges.len() > 1 && m && k == AttentionKernel::Chunked))
+        .collect();
     let device = match CudarcDevice::new(0) {
         Ok(d) => d,
         Err(e) => {
@@ -67,10 +86,13 @@ fn main() -> std::process::ExitCode {
         for page in [1u32, 16, 64] {
             for context in [1024usize, 4096, 16384, 32768] {
                 let case = DecodeCase::llama3_8b(page, context, dtype, min_bytes);
-                for &kernel in &kernels {
-                    let b = b.with_attention_kernel(kernel);
+                for &(kernel, fuse) in &variants {
+                    let b = b
+                        .with_attention_kernel(kernel)
+                        .with_split_merge_in_kernel(fuse);
+                    let label = format!("{kernel}{}", if fuse { "+merge" } else { "" });
                     let lead = format!(
-                        "| {kernel} | {dtype} | {page} | {context} | {} | {:.2} |",
+                        "| {label} | {dtype} | {page} | {context} | {} | {:.2} |",
                         case.requests,
                         case.kv_bytes() as f64 / (1u64 << 30) as f64
                     );

@@ -92,7 +92,8 @@ __device__ inline unsigned int kvs_slot(const unsigned int* pages, unsigned int 
     const float *q, const kv_t *k_cache, const kv_t *v_cache, const unsigned int *plan,        \
         float *partial_o, float *partial_lse, unsigned int q_heads, unsigned int kv_heads,     \
         unsigned int page_size, unsigned int page_shift, unsigned int split_size, float scale, \
-        float k_scale, float v_scale
+        float k_scale, float v_scale, float *out, unsigned int *counters,                      \
+        unsigned int merge_in_kernel
 
 // The work of one attention block (the grid of paged_attention, below): its token, its KV
 // head kvh and query heads head0 .. head0 + nheads - 1 (all in kvh's group), its split of
@@ -124,6 +125,77 @@ __device__ inline kvs_attn_block kvs_attn_block_of(const unsigned int* plan, uns
     b.begin = b.split * split_size;
     b.end = b.begin + split_size < kv_end ? b.begin + split_size : kv_end;
     return b;
+}
+
+// A partial state, read from L2 when `fresh` (volatile: past this SM's L1, which another
+// block's writes during the same launch do not update).
+template <bool fresh>
+__device__ inline float kvs_partial(const float* p) {
+    return fresh ? *(const volatile float*)p : *p;
+}
+
+// Merges the num_splits partial states of row `row` (a token's query head) by their
+// log-sum-exp (SGLang's merge_state) into out_row: out = Σ_s exp(lse_s − M) · o_s /
+// Σ_s exp(lse_s − M), elements d = t, t + stride, ….
+template <bool fresh>
+__device__ inline void kvs_merge_row(const float* partial_o, const float* partial_lse, size_t row,
+                                     unsigned int num_splits, float* out_row, unsigned int t,
+                                     unsigned int stride) {
+    const size_t base = row * num_splits;
+    float mx = KVS_NEG_INF;
+    for (unsigned int s = 0; s < num_splits; ++s) {
+        mx = fmaxf(mx, kvs_partial<fresh>(partial_lse + base + s));
+    }
+    float wsum = 0.0f;
+    for (unsigned int s = 0; s < num_splits; ++s) {
+        const float lse = kvs_partial<fresh>(partial_lse + base + s);
+        wsum += lse == KVS_NEG_INF ? 0.0f : expf(lse - mx);
+    }
+    for (unsigned int d = t; d < V_HEAD_DIM; d += stride) {
+        float o = 0.0f;
+        for (unsigned int s = 0; s < num_splits; ++s) {
+            const float lse = kvs_partial<fresh>(partial_lse + base + s);
+            if (lse != KVS_NEG_INF) {
+                o += expf(lse - mx) * kvs_partial<fresh>(partial_o + (base + s) * V_HEAD_DIM + d);
+            }
+        }
+        out_row[d] = o / wsum;
+    }
+}
+
+// The end of every attention block, after it wrote its partial states. With merge_in_kernel
+// (the host's CudaConfig::fuse_split_merge, for a grid of more than one split), the block that
+// finishes a (token, head group)'s last split merges all of them into `out`, as merge_states
+// would (kvs_merge_row, so the same bits), and no merge launch follows: each block fences its
+// partial states, then counts itself in counters[blockIdx.x]; the one that brings the count
+// to num_splits reads every split's state (past L1) and resets the counter to 0 for the next
+// launch (the host zeroes the counters once per plan). Every thread of the block calls it.
+__device__ inline void kvs_attn_finish(const kvs_attn_block& b, unsigned int q_heads,
+                                       const float* partial_o, const float* partial_lse,
+                                       float* out, unsigned int* counters,
+                                       unsigned int merge_in_kernel) {
+    if (!merge_in_kernel) {
+        return; // the whole grid: merge_states follows
+    }
+    __shared__ unsigned int s_last;
+    __threadfence(); // this thread's partial state, before the count
+    __syncthreads(); // every thread's
+    if (threadIdx.x == 0) {
+        s_last = atomicAdd(counters + blockIdx.x, 1u) == b.num_splits - 1 ? 1u : 0u;
+    }
+    __syncthreads();
+    if (!s_last) {
+        return; // the whole block
+    }
+    __threadfence(); // the other splits' states, counted before this block's count
+    for (unsigned int h = 0; h < b.nheads; ++h) {
+        const size_t row = (size_t)b.tok * q_heads + b.head0 + h;
+        kvs_merge_row<true>(partial_o, partial_lse, row, b.num_splits, out + row * V_HEAD_DIM,
+                            threadIdx.x, blockDim.x);
+    }
+    if (threadIdx.x == 0) {
+        counters[blockIdx.x] = 0;
+    }
 }
 
 // part[k] (k < N, N a power of two ≤ WARP_SIZE) is this lane's partial sum for the k-th key
@@ -417,20 +489,21 @@ KVS_KERNEL void ATTN_BOUNDS paged_attention(KVS_ATTN_PARAMS) {
         }
         __syncthreads();
         if (h < nheads) {
-            const size_t out = ((size_t)tok * q_heads + head0 + h) * num_splits + split;
+            const size_t o_row = ((size_t)tok * q_heads + head0 + h) * num_splits + split;
             for (unsigned int d = t; d < V_HEAD_DIM; d += ATTN_THREADS) {
                 float o = 0.0f;
                 for (unsigned int g = 0; g < V_GROUPS; ++g) {
                     o += s_o[g * V_HEAD_DIM + d];
                 }
-                partial_o[out * V_HEAD_DIM + d] = l[h] > 0.0f ? o / l[h] * v_scale : 0.0f;
+                partial_o[o_row * V_HEAD_DIM + d] = l[h] > 0.0f ? o / l[h] * v_scale : 0.0f;
             }
             if (t == 0) {
-                partial_lse[out] = l[h] > 0.0f ? m[h] + logf(l[h]) : KVS_NEG_INF;
+                partial_lse[o_row] = l[h] > 0.0f ? m[h] + logf(l[h]) : KVS_NEG_INF;
             }
         }
         __syncthreads(); // s_o is rewritten for the next head
     }
+    kvs_attn_finish(b, q_heads, partial_o, partial_lse, out, counters, merge_in_kernel);
 }
 
 // Head h of block b's output from its warps' states, merged in warp order (a fixed order, so
@@ -1211,6 +1284,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
                        HEADS_PER_BLOCK * PM_SCRATCH, partial_o, partial_lse,
                        v_scale * PM_FP8_UNSCALE);
     }
+    kvs_attn_finish(b, q_heads, partial_o, partial_lse, out, counters, merge_in_kernel);
 }
 #else // the lanes' form
 KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
@@ -1408,32 +1482,22 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         }
         __syncthreads(); // s_o is rewritten for the next head
     }
+    kvs_attn_finish(b, q_heads, partial_o, partial_lse, out, counters, merge_in_kernel);
 }
 
 #endif // PL_MMA
 
-// Merges the splits of every (token, query head) by their log-sum-exp (SGLang's merge_state):
-// out = Σ_s exp(lse_s − M) · o_s / Σ_s exp(lse_s − M). One block per (token, head).
+// counters[i] = 0 for i < n: the in-kernel merge's counters (kvs_attn_finish), once per plan.
+KVS_KERNEL void zero_counters(unsigned int* counters, unsigned int n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        counters[i] = 0;
+    }
+}
+
+// Merges the splits of every (token, query head): one block per (token, head).
 KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, float* out,
                              unsigned int num_splits) {
-    const size_t base = (size_t)blockIdx.x * num_splits;
-    float mx = KVS_NEG_INF;
-    for (unsigned int s = 0; s < num_splits; ++s) {
-        mx = fmaxf(mx, partial_lse[base + s]);
-    }
-    float wsum = 0.0f;
-    for (unsigned int s = 0; s < num_splits; ++s) {
-        const float lse = partial_lse[base + s];
-        wsum += lse == KVS_NEG_INF ? 0.0f : expf(lse - mx);
-    }
-    for (unsigned int d = threadIdx.x; d < V_HEAD_DIM; d += blockDim.x) {
-        float o = 0.0f;
-        for (unsigned int s = 0; s < num_splits; ++s) {
-            const float lse = partial_lse[base + s];
-            if (lse != KVS_NEG_INF) {
-                o += expf(lse - mx) * partial_o[(base + s) * V_HEAD_DIM + d];
-            }
-        }
-        out[(size_t)blockIdx.x * V_HEAD_DIM + d] = o / wsum;
-    }
+    kvs_merge_row<false>(partial_o, partial_lse, blockIdx.x, num_splits,
+                         out + (size_t)blockIdx.x * V_HEAD_DIM, threadIdx.x, blockDim.x);
 }

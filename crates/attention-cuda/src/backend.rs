@@ -35,6 +35,11 @@ pub struct CudaConfig {
     pub enable_deterministic_inference: bool,
     /// The kernel paged attention (MHA, GQA and MLA; extend and decode) runs.
     pub attention_kernel: AttentionKernel,
+    /// Merge a split (token, head group)'s partial states inside the attention kernel, in the
+    /// block that finishes its last split, instead of in a `merge_states` launch after it
+    /// (`kvs_attn_finish`): one launch less per split call, the same results bitwise. Off by
+    /// default until a GPU has timed it (`examples/decode_bandwidth.rs` reports both).
+    pub fuse_split_merge: bool,
 }
 
 impl Default for CudaConfig {
@@ -43,6 +48,7 @@ impl Default for CudaConfig {
             split_kv_target_blocks: 1056,
             enable_deterministic_inference: false,
             attention_kernel: AttentionKernel::default(),
+            fuse_split_merge: false,
         }
     }
 }
@@ -157,10 +163,13 @@ struct SplitKey {
 /// attends with the plan and reused by every later one (replaced by a larger pair when a call
 /// needs more), so a layer allocates nothing but its output. Launches run in order on the
 /// device, so a layer's kernels overwrite the scratch only after the previous layer's merge
-/// has read it.
+/// has read it. With the merge in the kernel ([`CudaConfig::fuse_split_merge`]) also its
+/// counters, one per attention block of a split: zeroed when allocated, and left at zero by
+/// every launch (the merging block resets its counter).
 struct SplitScratch<B> {
     o: Arc<B>,
     lse: Arc<B>,
+    counters: Option<Arc<B>>,
 }
 
 impl<D: Device> fmt::Debug for CudaPlan<D> {
@@ -202,6 +211,18 @@ impl<D: Device> CudaBackend<D> {
         CudaBackend {
             config: CudaConfig {
                 attention_kernel: kernel,
+                ..self.config
+            },
+            ..self.clone()
+        }
+    }
+
+    /// A clone (the same device, memory and graphs) that merges split attention's partial
+    /// states in the attention kernel when `fuse` ([`CudaConfig::fuse_split_merge`]).
+    pub fn with_split_merge_in_kernel(&self, fuse: bool) -> Self {
+        CudaBackend {
+            config: CudaConfig {
+                fuse_split_merge: fuse,
                 ..self.config
             },
             ..self.clone()
@@ -569,6 +590,8 @@ impl<D: Device> CudaBackend<D> {
             }
         };
         let unsplit = split.num_splits == 1;
+        let fuse = self.config.fuse_split_merge && !unsplit;
+        let counter_bytes = if fuse { n * head_groups * 4 } else { 0 };
         let partials = split.num_splits as usize * n * a.q_heads;
         let o_bytes = if unsplit {
             0
@@ -580,7 +603,7 @@ impl<D: Device> CudaBackend<D> {
             .scratch
             .lock()
             .map_err(|_| AttentionError::Device("split scratch poisoned".into()))?;
-        let scratch = match slot.take() {
+        let mut scratch = match slot.take() {
             Some(s) if self.device.len(&s.o) >= o_bytes && self.device.len(&s.lse) >= lse_bytes => {
                 s
             }
@@ -589,9 +612,28 @@ impl<D: Device> CudaBackend<D> {
                 SplitScratch {
                     o: self.alloc(o_bytes)?,
                     lse: self.alloc(lse_bytes)?,
+                    counters: None,
                 }
             }
         };
+        if fuse
+            && scratch
+                .counters
+                .as_ref()
+                .is_none_or(|c| self.device.len(c) < counter_bytes)
+        {
+            let counters = self.alloc(counter_bytes)?;
+            self.launch(
+                &a.spec,
+                "zero_counters",
+                geometry::elementwise("zero_counters", n * head_groups)?,
+                &[
+                    KernelArg::Buf(&counters),
+                    KernelArg::U32(dim("counters", n * head_groups)?),
+                ],
+            )?;
+            scratch.counters = Some(counters);
+        }
         let partial_lse = &*scratch.lse;
         let partial_o = if unsplit { &*out.buf } else { &*scratch.o };
         self.launch(
@@ -613,9 +655,13 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::F32(a.scale),
                 KernelArg::F32(a.k_scale),
                 KernelArg::F32(a.v_scale),
+                KernelArg::Buf(&out.buf),
+                // Unused without the merge in the kernel: any buffer.
+                KernelArg::Buf(scratch.counters.as_deref().unwrap_or(partial_lse)),
+                KernelArg::U32(u32::from(fuse)),
             ],
         )?;
-        if unsplit {
+        if unsplit || fuse {
             *slot = Some(scratch);
             return Ok(out);
         }

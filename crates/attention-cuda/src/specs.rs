@@ -64,6 +64,7 @@ impl Source {
                 "paged_attention",
                 "paged_attention_pipelined",
                 "merge_states",
+                "zero_counters",
             ],
             Source::Sparse => &["store_labels", "ds_decode"],
         }

@@ -38,18 +38,31 @@ fn gpu_dense_conformance() {
     conformance::assert_all_passed(&outcomes);
 }
 
-/// The quick attention suite on both paged-attention kernels.
+/// The quick attention suite on both paged-attention kernels, and on the pipelined one with
+/// the split merge in the kernel and the most splits (every block of a long range counts
+/// itself in, the last merges: the memory ordering the emulation cannot check).
 #[test]
 fn gpu_attention_conformance_quick() {
-    for kernel in AttentionKernel::ALL {
-        let config = CudaConfig {
+    let configs = AttentionKernel::ALL
+        .iter()
+        .map(|&kernel| CudaConfig {
             attention_kernel: kernel,
             ..CudaConfig::default()
-        };
+        })
+        .chain([CudaConfig {
+            fuse_split_merge: true,
+            split_kv_target_blocks: 1 << 20,
+            ..CudaConfig::default()
+        }]);
+    for config in configs {
+        let kernel = config.attention_kernel;
         let Some(b) = gpu_with_or_skip("gpu_attention_conformance_quick", config) else {
             return;
         };
-        println!("{kernel}:");
+        println!(
+            "{kernel} (merge in the kernel: {}):",
+            config.fuse_split_merge
+        );
         let outcomes = conformance::run_attention_suite(&b, SuiteSize::Quick);
         for o in &outcomes {
             println!("{o}");
