@@ -21,8 +21,10 @@ struct FakeBlas {
     bf16_calls: AtomicUsize,
     /// Launches of the f32 or bf16-weight matmul kernel (what a loaded BLAS takes).
     kernel_calls: AtomicUsize,
-    /// Launches of the f16-weight matmul kernel (which no BLAS takes).
+    /// Launches of the f16-weight matmul kernel (a batch of one row block or fewer).
     f16_kernel_calls: AtomicUsize,
+    /// f16 weights widened to f32 for the BLAS (a larger batch).
+    widen_calls: AtomicUsize,
 }
 
 impl FakeBlas {
@@ -34,6 +36,7 @@ impl FakeBlas {
             bf16_calls: AtomicUsize::new(0),
             kernel_calls: AtomicUsize::new(0),
             f16_kernel_calls: AtomicUsize::new(0),
+            widen_calls: AtomicUsize::new(0),
         })
     }
 
@@ -88,6 +91,7 @@ impl Device for FakeBlas {
         match kernel {
             "matmul" | "matmul_bf16" => self.kernel_calls.fetch_add(1, Ordering::Relaxed),
             "matmul_f16" => self.f16_kernel_calls.fetch_add(1, Ordering::Relaxed),
+            "widen_f16" => self.widen_calls.fetch_add(1, Ordering::Relaxed),
             _ => 0,
         };
         self.emu.launch(spec, kernel, cfg, args)
@@ -130,8 +134,9 @@ fn config(enable_deterministic_inference: bool) -> CudaConfig {
 }
 
 /// Runs the dense suite on `dev` (f32, f16 and bf16 weights) and returns (BLAS calls, f32 and
-/// bf16-weight kernel matmuls); asserts that f16 weights took the kernel and that bf16 ones
-/// reached the BLAS exactly when it took GEMMs.
+/// bf16-weight kernel matmuls); asserts that small batches over f16 weights took the kernel,
+/// and that bf16 weights (as bf16) and large batches over f16 ones (widened) reached the BLAS
+/// exactly when it took GEMMs.
 fn run(dev: FakeBlas, deterministic: bool, want: GemmPath) -> (usize, usize) {
     let b = CudaBackend::new(dev, config(deterministic));
     assert_eq!(b.gemm_choice().path, want, "{}", b.gemm_choice());
@@ -144,6 +149,12 @@ fn run(dev: FakeBlas, deterministic: bool, want: GemmPath) -> (usize, usize) {
     assert!(d.f16_kernel_calls.load(Ordering::Relaxed) > 0);
     let bf16 = d.bf16_calls.load(Ordering::Relaxed);
     assert_eq!(bf16 > 0, want == GemmPath::Blas, "bf16 BLAS calls: {bf16}");
+    let widened = d.widen_calls.load(Ordering::Relaxed);
+    assert_eq!(
+        widened > 0,
+        want == GemmPath::Blas,
+        "f16 weights widened: {widened}"
+    );
     (
         d.blas_calls.load(Ordering::Relaxed),
         d.kernel_calls.load(Ordering::Relaxed),

@@ -173,6 +173,15 @@ KVS_WEIGHT_VARIANTS(matmul, matmul_body,
                      unsigned int n),
                     (x, w, out, m, k, n))
 
+// out[i] = w[i], an f16 weight widened exactly to f32: what the vendor BLAS multiplies a large
+// batch by (it has no f16 × f32 GEMM).
+KVS_KERNEL void widen_f16(const unsigned short* w, float* out, unsigned int len) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) {
+        out[i] = kvs_f16_to_f32(w[i]);
+    }
+}
+
 // out[i] = x[i] rounded to bf16 (to nearest, ties to even): the activations a bf16 weight's
 // GEMM runs on when the vendor BLAS computes it.
 KVS_KERNEL void round_bf16(const float* x, unsigned short* out, unsigned int len) {

@@ -345,15 +345,22 @@ struct MoeGroups<'a, B> {
 }
 
 impl<D: Device> CudaBackend<D> {
-    /// The first `len` elements of `x` rounded to bf16 (a new buffer of 16-bit patterns): a
-    /// bf16 weight's BLAS GEMM input.
-    fn round_bf16(&self, x: &CudaTensor<D>, len: usize) -> Result<Arc<D::Buffer>> {
-        let out = self.alloc(len * 2)?;
+    /// The first `len` elements of `t` converted by the elementwise dense kernel `kernel`
+    /// into a new buffer of `bytes` per element: `round_bf16` (f32 activations to bf16, a bf16
+    /// weight's BLAS GEMM input) or `widen_f16` (an f16 weight to f32, for SGEMM).
+    fn convert(
+        &self,
+        t: &CudaTensor<D>,
+        kernel: &'static str,
+        len: usize,
+        bytes: usize,
+    ) -> Result<Arc<D::Buffer>> {
+        let out = self.alloc(len * bytes)?;
         self.dense(
-            "round_bf16",
-            geometry::elementwise("round_bf16", len)?,
+            kernel,
+            geometry::elementwise(kernel, len)?,
             &[
-                KernelArg::Buf(&x.buf),
+                KernelArg::Buf(&t.buf),
                 KernelArg::Buf(&out),
                 KernelArg::U32(dim("len", len)?),
             ],
@@ -546,7 +553,9 @@ impl<D: Device> CudaBackend<D> {
     /// merged by their log-sum-exp. Returns `[tokens, q_heads, v_head_dim]`. A plan of one
     /// split has nothing to merge: its partial outputs, laid out `[tokens, q_heads, 1,
     /// v_head_dim]`, are the output (normalised by the kernel, bitwise what `merge_states`
-    /// would copy), so the kernel writes them there and no merge is launched.
+    /// would copy; only a row without a single key, which causal attention never has, would
+    /// read 0 where the merge gave NaN), so the kernel writes them there and no merge is
+    /// launched.
     fn paged_attention(
         &self,
         plan: &CudaPlan<D>,
@@ -789,22 +798,36 @@ impl<D: Device> Backend for CudaBackend<D> {
             return Ok(out);
         }
         // Under a graph, GEMMs take the own kernel: cuBLAS allocates its workspace on first
-        // use, which a capture refuses, and a pooled output is shared with the pool. An f16
-        // weight takes it too ([`crate::gemm`]).
+        // use, which a capture refuses, and a pooled output is shared with the pool. So does
+        // k = 0 (the kernel writes the zeros itself). An f16 weight reaches the BLAS only as
+        // f32 (its activations may not be rounded, and no BLAS multiplies f16 by f32): widened
+        // per call for a batch of more than one row block (prefill, where the GEMM's work
+        // dwarfs the widening), the kernel reading its 16 bits otherwise ([`crate::gemm`]).
         let blas = match (self.gemm.path, self.graph_phase(), w.dtype) {
+            _ if k == 0 => None,
             (GemmPath::Blas, None, TensorDtype::F32) => Some(GemmInputs::F32),
             (GemmPath::Blas, None, TensorDtype::Bf16) => Some(GemmInputs::Bf16),
+            (GemmPath::Blas, None, TensorDtype::F16)
+                if m > geometry::MATMUL_BLOCK_ROWS as usize =>
+            {
+                Some(GemmInputs::F32)
+            }
             _ => None,
         }
         .and_then(|inputs| Some((gemm::gemm_args(m, k, n).ok()?, inputs)));
         if let Some((args, inputs)) = blas {
             let rounded = match inputs {
-                GemmInputs::Bf16 if m * k > 0 => Some(self.round_bf16(x, m * k)?),
+                GemmInputs::Bf16 => Some(self.convert(x, "round_bf16", m * k, 2)?),
+                GemmInputs::F32 => None,
+            };
+            let widened = match w.dtype {
+                TensorDtype::F16 => Some(self.convert(w, "widen_f16", n * k, 4)?),
                 _ => None,
             };
             if let Some(out_buf) = Arc::get_mut(&mut out.buf) {
                 let xb = rounded.as_ref().unwrap_or(&x.buf);
-                self.device.blas_gemm(&args, inputs, &w.buf, xb, out_buf)?;
+                let wb = widened.as_ref().unwrap_or(&w.buf);
+                self.device.blas_gemm(&args, inputs, wb, xb, out_buf)?;
                 return Ok(out);
             }
         }

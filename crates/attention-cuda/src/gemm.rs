@@ -14,8 +14,10 @@
 //! Activations are f32. A weight is f32, which the BLAS runs as plain SGEMM in the library's
 //! default math mode (no TF32), or bf16, which it runs as a GEMM of bf16 inputs (the
 //! activations rounded to bf16 first, as the `Backend::upload_weight` contract allows) with
-//! f32 accumulation and output, on the tensor cores ([`GemmInputs::Bf16`]). An f16 weight
-//! always takes the kernel: that contract lets only a bf16 weight's activations be rounded.
+//! f32 accumulation and output, on the tensor cores ([`GemmInputs::Bf16`]). That contract lets
+//! only a bf16 weight's activations be rounded, and no BLAS multiplies f16 by f32, so an f16
+//! weight is widened to f32 for SGEMM per call when the batch has more rows than one of the
+//! kernel's row blocks (prefill), and takes the kernel otherwise (decode).
 
 use std::fmt;
 

@@ -327,6 +327,17 @@ impl Device for HipDevice {
         Ok(buf)
     }
 
+    fn alloc_uninit(&self, bytes: usize) -> Result<HipBuffer> {
+        self.bind()?;
+        let len = bytes.max(1);
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the allocation is owned by the returned buffer. Its
+        // bytes are device memory, reached only by kernels and copies; the backend takes such
+        // buffers only for what it overwrites whole (see `CudarcDevice::alloc_uninit`).
+        check(unsafe { hip::hipMalloc(&mut ptr, len) })?;
+        Ok(HipBuffer { ptr, len: bytes })
+    }
+
     fn write(&self, dst: &mut HipBuffer, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", dst.len, offset, src.len())?;
         if src.is_empty() {

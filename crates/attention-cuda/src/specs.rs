@@ -44,6 +44,7 @@ impl Source {
                 "matmul_f16",
                 "matmul_bf16",
                 "round_bf16",
+                "widen_f16",
                 "rms_norm",
                 "rotary",
                 "silu_mul",

@@ -16,9 +16,12 @@ use super::outcome::{relative_error, Outcome};
 const DENSE_BOUND: f64 = 1e-5;
 
 /// Bound for a matmul over a bf16 weight: [`Backend::upload_weight`] lets a backend round the
-/// activations to bf16, each off by at most `2⁻⁹` relative, so an output moves by at most
-/// `2⁻⁹ Σ|xᵢwᵢ|`. Over our inputs (independent, symmetric) `Σ|xᵢwᵢ|` is within a few times
-/// `|Σ xᵢwᵢ|` in norm, and `2⁻⁷` bounds the whole output's relative error with margin.
+/// activations to bf16, each off by at most `u = 2⁻⁸` relative. A worst case (every rounding
+/// the same way) would move an output by `u Σ|xᵢwᵢ|`, which for random signs is about `√k`
+/// times `|Σ xᵢwᵢ|`; but over our inputs (independent, symmetric, random signs) the roundings
+/// are independent too, so the output's relative L2 error is about `u/√3` ≈ 2.3e-3 (the CPU
+/// measures 1.5e-3). `2⁻⁷` bounds that with a margin of three to five: a statistical bound
+/// for these inputs, not a worst case.
 const BF16_WEIGHT_BOUND: f64 = 1.0 / 128.0;
 
 /// Runs the dense-op checks (matmul, RMSNorm, rotary variants, SiLU-and-mul, residual add,
@@ -263,7 +266,8 @@ fn half_weights<B: Backend>(
         _ => DENSE_BOUND,
     };
     let exact = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-    for &(m, k, n) in &[(1, 64, 48), (7, 67, 33), (33, 128, 96)] {
+    // 70 rows: more than one of the CUDA kernel's row blocks, where a BLAS takes f16 weights.
+    for &(m, k, n) in &[(1, 64, 48), (7, 67, 33), (33, 128, 96), (70, 64, 40)] {
         let x = nonzero_vec(rng, m * k);
         let w = rounded(nonzero_vec(rng, n * k), dtype);
         let wt = backend.upload_weight(&w, &[n, k], dtype)?;

@@ -293,6 +293,10 @@ fn model_on<B: Backend>(
     let capacity = match size {
         PoolSize::Slots(slots) => slots,
         PoolSize::DeviceFraction { fraction, cap } => {
+            // Freed load-time temporaries go back to the device once its queue drains.
+            backend
+                .synchronize()
+                .map_err(|e| EngineError::Model(e.to_string()))?;
             let memory = backend
                 .device_memory()
                 .map_err(|e| EngineError::arg("--mem-fraction-static", e.to_string()))?
