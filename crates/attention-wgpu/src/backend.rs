@@ -12,7 +12,7 @@ use kv_pool::{KvBuffer, KvKind, KvLayout, KvShape, KvStore};
 use crate::device::{DeviceReport, Gpu, WgpuConfig, WgpuError};
 use crate::dispatch::{Dispatch, Runner};
 use crate::kernels::attention::{heads_per_wg, AttnSpec, ATTN_WG};
-use crate::kernels::dense::MM_TILE;
+use crate::kernels::dense::{MM_ROWS_MAX, MM_TILE};
 use crate::kernels::{self, grid};
 use crate::plan::{self, WgpuPlan};
 use crate::store::{store_elem, WgpuKvStore};
@@ -285,16 +285,23 @@ impl Backend for WgpuBackend {
         if m == 0 || n == 0 || k == 0 {
             return Ok(out);
         }
-        let kernel = kernels::dense::matmul(dim("k", k)?);
         let params = self.params(&[dim("m", m)?, dim("n", n)?])?;
-        self.run(&[Dispatch {
-            kernel: &kernel,
-            buffers: vec![&x.buf, &w.buf, &out.buf, &params],
-            groups: [
+        let (kernel, groups) = if m <= MM_ROWS_MAX as usize {
+            let kernel = kernels::dense::matmul_rows(dim("k", k)?);
+            (kernel, grid(n as u64))
+        } else {
+            let kernel = kernels::dense::matmul(dim("k", k)?);
+            let groups = [
                 dim("n", n.div_ceil(MM_TILE as usize))?,
                 dim("m", m.div_ceil(MM_TILE as usize))?,
                 1,
-            ],
+            ];
+            (kernel, groups)
+        };
+        self.run(&[Dispatch {
+            kernel: &kernel,
+            buffers: vec![&x.buf, &w.buf, &out.buf, &params],
+            groups,
         }])?;
         Ok(out)
     }

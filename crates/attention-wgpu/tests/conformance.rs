@@ -3,6 +3,8 @@
 //! DoubleSparse) are skipped with a printed reason through `Backend::kv_support`.
 
 use attention::conformance::{self, AttentionCase, CaseKind, SuiteSize};
+use attention::Backend;
+use attention_wgpu::kernels::dense::MM_ROWS_MAX;
 use attention_wgpu::test_support::{self, backend_or_skip, backend_or_skip_with};
 use attention_wgpu::WgpuConfig;
 use kv_pool::KvDtype;
@@ -17,6 +19,41 @@ fn wgpu_dense_conformance() {
         println!("{o}");
     }
     conformance::assert_all_passed(&outcomes);
+}
+
+/// A matmul row is bitwise the same whatever the batch around it: batches of up to
+/// `MM_ROWS_MAX` rows take the thread-per-column kernel, larger ones the tiled kernel, and both
+/// sum each dot product in `k` order.
+#[test]
+fn wgpu_matmul_rows_do_not_depend_on_the_batch() {
+    let Some(backend) = backend_or_skip("wgpu_matmul_rows_do_not_depend_on_the_batch") else {
+        return;
+    };
+    let (k, n) = (67, 300);
+    let mut rng = kv_pool::rng::SplitMix64::new(7);
+    let mut values = |len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| (rng.below(2001) as f32 - 1000.0) / 997.0)
+            .collect()
+    };
+    let x = values(40 * k);
+    let w = backend.upload(&values(n * k), &[n, k]).unwrap();
+    let rows_of = |m: usize| -> Vec<f32> {
+        let xs = backend.upload(&x[..m * k], &[m, k]).unwrap();
+        backend.download(&backend.matmul(&xs, &w).unwrap()).unwrap()
+    };
+    let all = rows_of(40);
+    for m in [1, 3, MM_ROWS_MAX as usize, MM_ROWS_MAX as usize + 1] {
+        let got = rows_of(m);
+        let same = got
+            .iter()
+            .zip(&all)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "the first {m} rows differ from the same rows in a batch of 40"
+        );
+    }
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! it (f16 ones only when the adapter has f16 shaders).
 
 use attention_wgpu::kernels::attention::{attention, heads_per_wg, merge, AttnSpec};
-use attention_wgpu::kernels::dense::{matmul, rms_norm, rotary};
+use attention_wgpu::kernels::dense::{matmul, matmul_rows, rms_norm, rotary};
 use attention_wgpu::kernels::store::{gather_raw, scatter_raw, write_rows};
 use attention_wgpu::kernels::{Kernel, StoreElem, StoreView};
 use attention_wgpu::test_support::backend_or_skip;
@@ -44,6 +44,7 @@ fn view(elem: StoreElem, row_elems: u32, chunks: u32) -> StoreView {
 #[test]
 fn dense_kernels() {
     snap!("matmul_k64", matmul(64));
+    snap!("matmul_rows_k64", matmul_rows(64));
     snap!("rms_norm_d4096", rms_norm(4096));
     snap!("rotary_neox_128", rotary(128, 128, true));
     snap!("rotary_gptj_partial", rotary(64, 16, false));

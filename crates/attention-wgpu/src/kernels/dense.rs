@@ -1,4 +1,4 @@
-//! The dense ops of a decoder layer: tiled matmul, RMSNorm, rotary, SiLU-and-mul, add, row
+//! The dense ops of a decoder layer: tiled matmul (and a thread per column for few rows), RMSNorm, rotary, SiLU-and-mul, add, row
 //! gather (embedding) and concatenation. All f32.
 
 use super::{Access, Kernel, Wgsl, LINEAR_INDEX, MAIN_1D};
@@ -72,6 +72,48 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 }
 ",
     );
+    w.finish()
+}
+
+/// Rows at most this many go to [`matmul_rows`] instead of [`matmul`]: a decode step's batch.
+pub const MM_ROWS_MAX: u32 = 8;
+
+/// `out[m, n] = x[m, K] · w[n, K]ᵀ` for few rows (`m` ≤ [`MM_ROWS_MAX`]): a thread per output
+/// column reads its row of `w` once per 4 rows of `x` and accumulates each dot product in `k`
+/// order with the same expression as [`matmul`], so the outputs are bitwise [`matmul`]'s. No
+/// workgroup memory and no barriers: where the tiled kernel would spend its work on 31 padding
+/// rows per tile (and a software rasteriser on its barriers), this one reads `w` once. Params
+/// `[m, n]`; grid [`super::grid`]`(n)`.
+pub fn matmul_rows(k: u32) -> Kernel {
+    let mut w = Wgsl::new(
+        "matmul_rows",
+        &format!("x[m, {k}] · w[n, {k}]ᵀ, a thread per column"),
+    );
+    w.buffer("x", "f32", Access::Read);
+    w.buffer("wt", "f32", Access::Read);
+    w.buffer("out", "f32", Access::ReadWrite);
+    w.buffer("params", "u32", Access::Read);
+    w.const_u32("K", k);
+    w.push(MAIN_1D);
+    w.push(&format!(
+        "    let m = params[0];
+    let n = params[1];
+    let col = {LINEAR_INDEX};
+    if col >= n {{
+        return;
+    }}
+    let wrow = col * K;
+    for (var r = 0u; r < m; r++) {{
+        let xrow = r * K;
+        var a = 0.0;
+        for (var kk = 0u; kk < K; kk++) {{
+            a += x[xrow + kk] * wt[wrow + kk];
+        }}
+        out[r * n + col] = a;
+    }}
+}}
+"
+    ));
     w.finish()
 }
 
