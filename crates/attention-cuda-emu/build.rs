@@ -96,10 +96,10 @@ fn main() {
     .unwrap();
     // The emulator's own test kernels, as one more specialisation named "selftest".
     let selftest = format!(
-        "#include <mutex>\n#include \"emu.h\"\nnamespace kvs_selftest {{\n#include \"{}\"\n#include \"{}\"\n}}\n\
+        "#include \"emu.h\"\nnamespace kvs_selftest {{\n#include \"{}\"\n#include \"{}\"\n}}\n\
          #include <string.h>\nextern \"C\" int kvs_emu_selftest(const char* \
          kernel, const unsigned int* grid, unsigned int block, void** params, unsigned int \
-         nparams) {{\n    static std::mutex m;\n    std::lock_guard<std::mutex> lock(m);\n{}    \
+         nparams) {{\n    static pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;\n    kvs_emu::LaunchLock lock(&m);\n{}    \
          return -1;\n}}\n",
         kernels.join("common.cuh").display(),
         emu.join("selftest.cu").display(),
@@ -146,7 +146,7 @@ fn emulated(spec: &specs::Spec) -> bool {
 /// The translation unit of one specialisation.
 fn unit(spec: &specs::Spec, kernels: &Path) -> String {
     let name = spec.name();
-    let mut s = String::from("#include <mutex>\n#include \"emu.h\"\n");
+    let mut s = String::from("#include \"emu.h\"\n");
     writeln!(s, "namespace kvs_spec_{name} {{").unwrap();
     s.push_str(&spec.prelude());
     writeln!(s, "#include \"{}\"", kernels.join("common.cuh").display()).unwrap();
@@ -161,8 +161,8 @@ fn unit(spec: &specs::Spec, kernels: &Path) -> String {
         s,
         "int kvs_emu_launch_{name}(const char* kernel, const unsigned int* grid, unsigned int \
          block, void** params, unsigned int nparams) {{\n    // The specialisation's __shared__ \
-         arrays are static: one launch at a time.\n    static std::mutex m;\n    \
-         std::lock_guard<std::mutex> lock(m);"
+         arrays are static: one launch at a time.\n    static pthread_mutex_t m = \
+         PTHREAD_MUTEX_INITIALIZER;\n    kvs_emu::LaunchLock lock(&m);"
     )
     .unwrap();
     for kernel in spec.source.kernels() {

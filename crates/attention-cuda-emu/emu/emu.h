@@ -16,6 +16,7 @@
 #pragma once
 
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -118,6 +119,16 @@ inline T atomicAdd(T* p, T v) {
 }
 
 namespace kvs_emu {
+
+// Holds a specialisation's launch mutex for a scope (see the top of this file). pthread's, not
+// std::mutex: <mutex> takes g++ half a second to parse, in each of the ~100 translation units.
+struct LaunchLock {
+    pthread_mutex_t* m;
+    explicit LaunchLock(pthread_mutex_t* m) : m(m) { pthread_mutex_lock(m); }
+    ~LaunchLock() { pthread_mutex_unlock(m); }
+    LaunchLock(const LaunchLock&) = delete;
+    LaunchLock& operator=(const LaunchLock&) = delete;
+};
 
 using Entry = void (*)(void*);
 
