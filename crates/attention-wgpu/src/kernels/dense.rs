@@ -1,5 +1,5 @@
-//! The dense ops of a decoder layer: tiled matmul (and a thread per column for few rows), RMSNorm, rotary, SiLU-and-mul, add, row
-//! gather (embedding) and concatenation. All f32.
+//! The dense ops of a decoder layer: tiled matmul (and a thread per column for few rows),
+//! RMSNorm, rotary, SiLU-and-mul, add, row gather (embedding) and concatenation. All f32.
 
 use super::{Access, Kernel, Wgsl, LINEAR_INDEX, MAIN_1D};
 
@@ -79,11 +79,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 pub const MM_ROWS_MAX: u32 = 8;
 
 /// `out[m, n] = x[m, K] · w[n, K]ᵀ` for few rows (`m` ≤ [`MM_ROWS_MAX`]): a thread per output
-/// column reads its row of `w` once per 4 rows of `x` and accumulates each dot product in `k`
-/// order with the same expression as [`matmul`], so the outputs are bitwise [`matmul`]'s. No
-/// workgroup memory and no barriers: where the tiled kernel would spend its work on 31 padding
-/// rows per tile (and a software rasteriser on its barriers), this one reads `w` once. Params
-/// `[m, n]`; grid [`super::grid`]`(n)`.
+/// column walks its row of `w` once per row of `x` (again from cache after the first) and
+/// accumulates each dot product in `k` order with the same expression as [`matmul`], so the
+/// outputs are bitwise [`matmul`]'s. No workgroup memory and no barriers: the tiled kernel
+/// spends a decode step's work on 31 padding rows per tile, and a software rasteriser
+/// (lavapipe, llvmpipe) most of its time on the barriers. Params `[m, n]`; grid
+/// [`super::grid`]`(n)`.
 pub fn matmul_rows(k: u32) -> Kernel {
     let mut w = Wgsl::new(
         "matmul_rows",
