@@ -95,12 +95,37 @@ kvs_emu_start:
 
 namespace {
 
-void to_scheduler(Block* b) {
-    Fiber& f = b->fibers[b->current];
+// The first live fiber after `from` (from + 1 .. n - 1), or n when there is none.
+unsigned int next_live(const Block* b, unsigned int from) {
+    for (unsigned int j = from + 1; j < b->n; ++j) {
+        if (!b->fibers[j].done) {
+            return j;
+        }
+    }
+    return b->n;
+}
+
+// Hands the OS thread on from the current fiber: to the next live fiber of the pass directly
+// (one switch, where going through the scheduler takes two), or back to the scheduler after
+// the pass's last one. Returns when the fiber is resumed.
+void yield_fiber(Block* b) {
+    unsigned int i = b->current;
+    unsigned int next = next_live(b, i);
+    Fiber& f = b->fibers[i];
+    if (next == b->n) {
 #if defined(__x86_64__)
-    kvs_emu_switch(&f.sp, b->sched_sp);
+        kvs_emu_switch(&f.sp, b->sched_sp);
 #else
-    swapcontext(&f.ctx, &b->sched);
+        swapcontext(&f.ctx, &b->sched);
+#endif
+        return;
+    }
+    b->current = next;
+    kvs_emu_thread_idx = dim3{next, 0, 0};
+#if defined(__x86_64__)
+    kvs_emu_switch(&f.sp, b->fibers[next].sp);
+#else
+    swapcontext(&f.ctx, &b->fibers[next].ctx);
 #endif
 }
 
@@ -132,7 +157,7 @@ extern "C" void kvs_emu_fiber_main(void* arg) {
     --w.alive;
     warp_check(b, w);
     block_check(b);
-    to_scheduler(b);
+    yield_fiber(b);
     abort();  // never resumed
 }
 
@@ -189,7 +214,7 @@ void kvs_emu_syncthreads() {
     ++b->arrived;
     block_check(b);
     while (b->gen == gen) {
-        to_scheduler(b);
+        yield_fiber(b);
     }
 }
 
@@ -200,7 +225,7 @@ void kvs_emu_warp_sync() {
     ++w.arrived;
     warp_check(b, w);
     while (w.gen == gen) {
-        to_scheduler(b);
+        yield_fiber(b);
     }
 }
 
@@ -251,13 +276,11 @@ int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx) {
                 for (unsigned int i = 0; i < block; ++i) {
                     init_fiber(&b, i);
                 }
+                // A pass resumes the first live fiber; each hands on to the next live one at
+                // its barrier (yield_fiber), the last back here.
                 while (b.alive > 0) {
                     b.progress = false;
-                    for (unsigned int i = 0; i < block; ++i) {
-                        if (!b.fibers[i].done) {
-                            resume(&b, i);
-                        }
-                    }
+                    resume(&b, next_live(&b, UINT32_MAX));
                     if (!b.progress) {
                         rc = -3;  // every live thread waits on a barrier that cannot complete
                         break;
