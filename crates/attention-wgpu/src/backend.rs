@@ -69,6 +69,17 @@ impl WgpuBackend {
         &self.config
     }
 
+    /// Matmuls of at most this many rows take the thread-per-column kernel
+    /// ([`WgpuConfig::matmul_rows_max`], by default by the adapter's type).
+    pub fn matmul_rows_max(&self) -> usize {
+        let auto = if self.runner.gpu.info.device_type == wgpu::DeviceType::Cpu {
+            MM_ROWS_MAX
+        } else {
+            0
+        };
+        self.config.matmul_rows_max.unwrap_or(auto) as usize
+    }
+
     /// Pipelines compiled so far (one per kernel specialisation used).
     pub fn cached_pipelines(&self) -> usize {
         self.runner.cached_pipelines()
@@ -286,7 +297,7 @@ impl Backend for WgpuBackend {
             return Ok(out);
         }
         let params = self.params(&[dim("m", m)?, dim("n", n)?])?;
-        let (kernel, groups) = if m <= MM_ROWS_MAX as usize {
+        let (kernel, groups) = if m <= self.matmul_rows_max() {
             let kernel = kernels::dense::matmul_rows(dim("k", k)?);
             (kernel, grid(n as u64))
         } else {

@@ -106,6 +106,14 @@ pub struct WgpuConfig {
     /// least this many workgroups (or the splits would be shorter than one key block); `1`
     /// disables split-KV. Default 256.
     pub split_kv_target_workgroups: u32,
+    /// Matmuls of at most this many rows take the thread-per-column kernel (`matmul_rows`),
+    /// larger ones the tiled kernel; a row's values are bitwise the same either way. Default
+    /// `None`: [`crate::kernels::dense::MM_ROWS_MAX`] (8, a decode batch) on a CPU adapter
+    /// (lavapipe, llvmpipe, SwiftShader), where the tiled kernel's barriers took most of a
+    /// decode step (its ITL 650 → 32 ms on lavapipe), and 0 on a GPU, where a thread per
+    /// column would leave most of a large device idle on layers of a few thousand columns
+    /// (neither kernel is timed on a GPU).
+    pub matmul_rows_max: Option<u32>,
 }
 
 impl Default for WgpuConfig {
@@ -120,6 +128,7 @@ impl Default for WgpuConfig {
             allow_f16: true,
             max_binding_bytes: None,
             split_kv_target_workgroups: 256,
+            matmul_rows_max: None,
         }
     }
 }

@@ -21,14 +21,12 @@ fn wgpu_dense_conformance() {
     conformance::assert_all_passed(&outcomes);
 }
 
-/// A matmul row is bitwise the same whatever the batch around it: batches of up to
-/// `MM_ROWS_MAX` rows take the thread-per-column kernel, larger ones the tiled kernel, and both
-/// sum each dot product in `k` order.
+/// A matmul row is bitwise the same whatever the batch around it and whichever kernel runs
+/// it: batches of up to `matmul_rows_max` rows take the thread-per-column kernel, larger ones
+/// the tiled kernel, and both sum each dot product in `k` order. Checked with the adapter's
+/// default and with each kernel forced.
 #[test]
 fn wgpu_matmul_rows_do_not_depend_on_the_batch() {
-    let Some(backend) = backend_or_skip("wgpu_matmul_rows_do_not_depend_on_the_batch") else {
-        return;
-    };
     let (k, n) = (67, 300);
     let mut rng = kv_pool::rng::SplitMix64::new(7);
     let mut values = |len: usize| -> Vec<f32> {
@@ -37,22 +35,39 @@ fn wgpu_matmul_rows_do_not_depend_on_the_batch() {
             .collect()
     };
     let x = values(40 * k);
-    let w = backend.upload(&values(n * k), &[n, k]).unwrap();
-    let rows_of = |m: usize| -> Vec<f32> {
-        let xs = backend.upload(&x[..m * k], &[m, k]).unwrap();
-        backend.download(&backend.matmul(&xs, &w).unwrap()).unwrap()
-    };
-    let all = rows_of(40);
-    for m in [1, 3, MM_ROWS_MAX as usize, MM_ROWS_MAX as usize + 1] {
-        let got = rows_of(m);
-        let same = got
-            .iter()
-            .zip(&all)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(
-            same,
-            "the first {m} rows differ from the same rows in a batch of 40"
-        );
+    let w = values(n * k);
+    let mut batch_of_40: Option<Vec<f32>> = None;
+    for rows_max in [None, Some(0), Some(MM_ROWS_MAX)] {
+        let config = WgpuConfig {
+            matmul_rows_max: rows_max,
+            ..WgpuConfig::default()
+        };
+        let Some(backend) =
+            backend_or_skip_with("wgpu_matmul_rows_do_not_depend_on_the_batch", config)
+        else {
+            return;
+        };
+        let wt = backend.upload(&w, &[n, k]).unwrap();
+        let rows_of = |m: usize| -> Vec<f32> {
+            let xs = backend.upload(&x[..m * k], &[m, k]).unwrap();
+            backend
+                .download(&backend.matmul(&xs, &wt).unwrap())
+                .unwrap()
+        };
+        let all = batch_of_40.get_or_insert_with(|| rows_of(40)).clone();
+        for m in [1, 3, MM_ROWS_MAX as usize, MM_ROWS_MAX as usize + 1, 40] {
+            let got = rows_of(m);
+            let same = got
+                .iter()
+                .zip(&all)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "matmul_rows_max {rows_max:?} ({} here): the first {m} rows differ from the \
+                 same rows in a batch of 40",
+                backend.matmul_rows_max()
+            );
+        }
     }
 }
 

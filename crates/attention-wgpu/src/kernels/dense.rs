@@ -75,10 +75,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     w.finish()
 }
 
-/// Rows at most this many go to [`matmul_rows`] instead of [`matmul`]: a decode step's batch.
+/// On a CPU adapter, matmuls of at most this many rows (a decode step's batch) take
+/// [`matmul_rows`] instead of [`matmul`] (`WgpuConfig::matmul_rows_max`'s default there).
 pub const MM_ROWS_MAX: u32 = 8;
 
-/// `out[m, n] = x[m, K] · w[n, K]ᵀ` for few rows (`m` ≤ [`MM_ROWS_MAX`]): a thread per output
+/// `out[m, n] = x[m, K] · w[n, K]ᵀ` for few rows (see [`MM_ROWS_MAX`]): a thread per output
 /// column walks its row of `w` once per row of `x` (again from cache after the first) and
 /// accumulates each dot product in `k` order with the same expression as [`matmul`], so the
 /// outputs are bitwise [`matmul`]'s. No workgroup memory and no barriers: the tiled kernel
