@@ -7,6 +7,9 @@
 //!   reached.
 //! - `decoder_layer`: one Llama-shaped decoder layer (norms, projections, rotary, attention,
 //!   MLP) for a decode batch, as tokens/s.
+//! - `wgpu_decode_matmul`: a decode step's matmuls (the tiny preset's logits, 1 × 64 · 50,257ᵀ,
+//!   and a 4-row 512 → 1536 projection) on the tiled kernel (`tiled`, `matmul_rows_max` 0)
+//!   and on the thread-per-column kernel (`rows`, 8), each on its own backend, in one run.
 //!
 //! Shapes are kept small so a run on the Vulkan software driver (lavapipe) takes seconds; on
 //! lavapipe the figures only prove the kernels run.
@@ -15,8 +18,9 @@ use std::time::{Duration, Instant};
 
 use attention::bandwidth::{measure_decode, DecodeCase};
 use attention::{Backend, BatchMetadata, RequestKv};
-use attention_wgpu::test_support::backend_or_skip;
-use attention_wgpu::WgpuBackend;
+use attention_wgpu::kernels::dense::MM_ROWS_MAX;
+use attention_wgpu::test_support::{backend_or_skip, backend_or_skip_with};
+use attention_wgpu::{WgpuBackend, WgpuConfig};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kv_pool::{KvDtype, KvLayout, KvShape, Slot};
 use model::tiny::random_weights;
@@ -156,6 +160,34 @@ fn decoder_layer(c: &mut Criterion, b: &WgpuBackend) {
     g.finish();
 }
 
+fn decode_matmul(c: &mut Criterion) {
+    let mut g = c.benchmark_group("wgpu_decode_matmul");
+    g.sample_size(10);
+    g.measurement_time(Duration::from_secs(3));
+    for (kernel, rows_max) in [("tiled", 0), ("rows", MM_ROWS_MAX)] {
+        let config = WgpuConfig {
+            matmul_rows_max: Some(rows_max),
+            ..WgpuConfig::default()
+        };
+        let Some(b) = backend_or_skip_with("wgpu bench decode_matmul", config) else {
+            return;
+        };
+        for (m, k, n) in [(1usize, 64usize, 50_257usize), (4, 512, 1536)] {
+            let x = b.upload(&values(m * k), &[m, k]).unwrap();
+            let w = b.upload(&values(n * k), &[n, k]).unwrap();
+            g.throughput(Throughput::Elements((m * k * n) as u64));
+            g.bench_function(format!("{kernel}/{m}x{k}x{n}"), |bench| {
+                bench.iter(|| {
+                    let out = b.matmul(&x, &w).unwrap();
+                    b.synchronize().unwrap();
+                    out
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let Some(b) = backend_or_skip("wgpu bench") else {
         return;
@@ -163,6 +195,7 @@ fn benches(c: &mut Criterion) {
     println!("adapter: {}", b.report());
     decode_attention(&b);
     decoder_layer(c, &b);
+    decode_matmul(c);
 }
 
 criterion_group!(wgpu_benches, benches);
