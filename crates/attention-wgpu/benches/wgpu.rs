@@ -8,8 +8,10 @@
 //! - `decoder_layer`: one Llama-shaped decoder layer (norms, projections, rotary, attention,
 //!   MLP) for a decode batch, as tokens/s.
 //! - `wgpu_decode_matmul`: a decode step's matmuls (the tiny preset's logits, 1 × 64 · 50,257ᵀ,
-//!   and a 4-row 512 → 1536 projection) on the tiled kernel (`tiled`, `matmul_rows_max` 0)
-//!   and on the thread-per-column kernel (`rows`, 8), each on its own backend, in one run.
+//!   and a 512 → 1536 projection of 4, 16 and 32 rows, where the kernels cross over) on the
+//!   tiled kernel (`tiled`, `matmul_rows_max` 0)
+//!   and on the thread-per-column kernel (`rows`, every batch), each on its own backend, in
+//!   one run.
 //!
 //! Shapes are kept small so a run on the Vulkan software driver (lavapipe) takes seconds; on
 //! lavapipe the figures only prove the kernels run.
@@ -18,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use attention::bandwidth::{measure_decode, DecodeCase};
 use attention::{Backend, BatchMetadata, RequestKv};
-use attention_wgpu::kernels::dense::MM_ROWS_MAX;
 use attention_wgpu::test_support::{backend_or_skip, backend_or_skip_with};
 use attention_wgpu::{WgpuBackend, WgpuConfig};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -164,7 +165,7 @@ fn decode_matmul(c: &mut Criterion) {
     let mut g = c.benchmark_group("wgpu_decode_matmul");
     g.sample_size(10);
     g.measurement_time(Duration::from_secs(3));
-    for (kernel, rows_max) in [("tiled", 0), ("rows", MM_ROWS_MAX)] {
+    for (kernel, rows_max) in [("tiled", 0), ("rows", u32::MAX)] {
         let config = WgpuConfig {
             matmul_rows_max: Some(rows_max),
             ..WgpuConfig::default()
@@ -172,7 +173,12 @@ fn decode_matmul(c: &mut Criterion) {
         let Some(b) = backend_or_skip_with("wgpu bench decode_matmul", config) else {
             return;
         };
-        for (m, k, n) in [(1usize, 64usize, 50_257usize), (4, 512, 1536)] {
+        for (m, k, n) in [
+            (1usize, 64usize, 50_257usize),
+            (4, 512, 1536),
+            (16, 512, 1536),
+            (32, 512, 1536),
+        ] {
             let x = b.upload(&values(m * k), &[m, k]).unwrap();
             let w = b.upload(&values(n * k), &[n, k]).unwrap();
             g.throughput(Throughput::Elements((m * k * n) as u64));
