@@ -15,7 +15,8 @@
 #   3. examples/decode_bandwidth.rs: decode attention's KV GB/s per kernel (chunked,
 #      pipelined, and pipelined with the split merge in the kernel: `+merge`), KV dtype, page
 #      size and context length, against the GPU's peak (H100
-#      3350 GB/s, H200 4800 GB/s, by its name);
+#      3350 GB/s, H200 4800 GB/s, by its name); then its MLA table (DeepSeek-V3's latent rows,
+#      16 and 128 heads; the pipelined kernel's tensor-core MLA form as `+mma`);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
 #      cuda` (batch 1, its pool sized by --mem-fraction-static from the GPU's memory, and
@@ -24,7 +25,7 @@
 #   5. PD disaggregation on the GPU (scripts/pd_pair_check.sh): a prefill and a decode server
 #      behind `kvserve router`, their KV moved through host mirrors of the device stores,
 #      greedy tokens against one server, then `kvserve bench --url` through the router;
-#   6. the attention conformance suite (both kernels) under compute-sanitizer's memcheck (out-of-bounds and
+#   6. the attention conformance suite (both kernels; the tensor-core MLA form) under compute-sanitizer's memcheck (out-of-bounds and
 #      misaligned accesses) and racecheck (shared-memory hazards: what emulation, which runs
 #      a block's threads in lockstep between barriers, cannot see), where the image has it.
 # Everything goes to $OUT/check.log, the benches' JSON beside it, a line per step to
@@ -147,7 +148,8 @@ run() {
             python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
                 2>/dev/null || echo "$l does not load"; done'
     step gpu-tests 100 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
-    step bandwidth 110 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2
+    step bandwidth 90 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
+    step bandwidth-mla 40 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
     local ck=/tmp/smollm2-shape-bf16
     step checkpoint 30 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
@@ -174,8 +176,9 @@ run() {
     sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
     if [ -n "$sanitizer" ]; then
         for tool in memcheck racecheck; do
-            step "sanitizer-$tool" 45 env KVSERVE_REQUIRE_CUDA=1 "$sanitizer" --tool "$tool" \
-                --error-exitcode 3 "$GPU_DIR/gpu-tests" gpu_attention_conformance_quick --nocapture
+            step "sanitizer-$tool" 35 env KVSERVE_REQUIRE_CUDA=1 "$sanitizer" --tool "$tool" \
+                --error-exitcode 3 "$GPU_DIR/gpu-tests" gpu_attention_conformance_quick \
+                gpu_mla_tensor_cores --nocapture
         done
     else
         echo "sanitizer: compute-sanitizer not found: skipped" >>"$out/summary.txt"

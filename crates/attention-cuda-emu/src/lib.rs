@@ -70,6 +70,9 @@ impl std::fmt::Debug for EmuBuffer {
 pub struct EmuDevice {
     /// The launches recorded since `begin_capture`, or `None` outside a capture.
     capture: std::sync::Mutex<Option<Vec<Recorded>>>,
+    /// Launches run (or recorded) so far, by specialisation and kernel: what tests check to
+    /// know which specialisation a backend chose.
+    counts: std::sync::Mutex<std::collections::HashMap<(Spec, String), usize>>,
 }
 
 /// One recorded launch: what `launch_compiled` takes, argument values included.
@@ -121,7 +124,19 @@ impl EmuDevice {
         #[cfg(not(kvs_emu_missing))]
         Ok(EmuDevice {
             capture: std::sync::Mutex::new(None),
+            counts: std::sync::Mutex::default(),
         })
+    }
+
+    /// How many launches of `kernel` this device has run or recorded so far from the
+    /// specialisations `spec` accepts.
+    pub fn launch_count(&self, kernel: &str, spec: impl Fn(&Spec) -> bool) -> usize {
+        let counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        counts
+            .iter()
+            .filter(|((s, k), _)| k == kernel && spec(s))
+            .map(|(_, n)| n)
+            .sum()
     }
 
     fn recording(&self) -> std::sync::MutexGuard<'_, Option<Vec<Recorded>>> {
@@ -190,6 +205,12 @@ impl Device for EmuDevice {
         "cuda-emu"
     }
 
+    /// The kernels' tensor-core forms run here on their portable stand-ins, in the fragment
+    /// layouts the GPU uses.
+    fn tensor_cores(&self) -> bool {
+        true
+    }
+
     fn alloc_zeroed(&self, bytes: usize) -> Result<EmuBuffer> {
         self.outside_capture("an allocation")?;
         let layout = Layout::from_size_align(bytes.max(1), 16)
@@ -250,6 +271,12 @@ impl Device for EmuDevice {
         cfg: LaunchConfig,
         args: &[KernelArg<'_, EmuBuffer>],
     ) -> Result<()> {
+        *self
+            .counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((spec.clone(), kernel.to_string()))
+            .or_default() += 1;
         if let Some(rec) = self.recording().as_mut() {
             rec.push(Recorded {
                 spec: spec.clone(),

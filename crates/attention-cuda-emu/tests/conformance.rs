@@ -197,6 +197,80 @@ fn emu_mla_head_counts_off_the_block_grid() {
     report(&outcomes);
 }
 
+/// The tensor-core MLA form (`CudaConfig::mla_tensor_cores`: f16/bf16 stores, `MLA_MMA_HEADS`
+/// heads a block in the pipelined kernel, warps splitting the head dims): both MLA shapes of the
+/// quick suite (DeepSeek's 512 + 64 at 16 heads, and 32 + 16 at 4) over f16 and bf16, every
+/// page size, extend and decode, with no split, the most splits, and the most splits merged in
+/// the kernel; the chunked kernel on the same specialisations (its own block size); then the
+/// small shape at head counts off the form's block grid (6: one block with idle heads; 20: a
+/// full block and one of 4). Each backend must have launched the tensor-core specialisations.
+#[test]
+fn emu_mla_tensor_cores() {
+    let mma = |spec: &attention_cuda::Spec| spec.defines.iter().any(|(k, _)| *k == "MMA_HEADS");
+    let mla_cases = |heads: Option<usize>| -> Vec<AttentionCase> {
+        let mut cases = Vec::new();
+        for case in conformance::attention_cases(SuiteSize::Quick) {
+            let CaseKind::Mla {
+                heads: h,
+                kv_lora_rank,
+                rope_dim,
+            } = case.kind
+            else {
+                continue;
+            };
+            if heads.is_some() && kv_lora_rank != 32 {
+                continue;
+            }
+            for dtype in [KvDtype::F16, KvDtype::Bf16] {
+                cases.push(AttentionCase {
+                    kind: CaseKind::Mla {
+                        heads: heads.unwrap_or(h),
+                        kv_lora_rank,
+                        rope_dim,
+                    },
+                    dtype,
+                    ..case.clone()
+                });
+            }
+        }
+        cases
+    };
+    // (kernel, split target, merge in the kernel, head count: None the suite's)
+    let runs = [
+        (AttentionKernel::Pipelined, 1, false, None),
+        (AttentionKernel::Pipelined, 1 << 20, false, None),
+        (AttentionKernel::Pipelined, 1 << 20, true, None),
+        (AttentionKernel::Chunked, 1 << 20, false, None),
+        (AttentionKernel::Pipelined, 1 << 20, false, Some(6)),
+        (AttentionKernel::Pipelined, 1 << 20, true, Some(20)),
+    ];
+    for (kernel, target, fuse_split_merge, heads) in runs {
+        let config = CudaConfig {
+            split_kv_target_blocks: target,
+            fuse_split_merge,
+            mla_tensor_cores: true,
+            ..with_kernel(kernel)
+        };
+        let Some(b) = backend("emu_mla_tensor_cores", config) else {
+            return;
+        };
+        let cases = mla_cases(heads);
+        let outcomes: Vec<_> = cases
+            .iter()
+            .map(|c| conformance::run_attention_case(&b, c).unwrap())
+            .collect();
+        println!("{kernel}, split target {target}, merged {fuse_split_merge}, heads {heads:?}:");
+        report(&outcomes);
+        assert!(outcomes.iter().all(|o| o.skipped.is_none()));
+        let launched = b.device().launch_count(kernel.entry_point(), mma);
+        assert!(
+            launched >= cases.len(),
+            "{launched} launches of the tensor-core specialisations for {} cases",
+            cases.len()
+        );
+    }
+}
+
 /// Page sizes that are not powers of two (`PAGE_FAMILY 2`, the kernels' general page-table
 /// walk, which the quick suite's 1, 16 and 64 never take): every fifth MHA, MLA and DoubleSparse case with
 /// pages of 24 and of 3 and the store dtypes in turn, on both attention kernels.
@@ -254,7 +328,7 @@ fn unsupported_stores_are_announced() {
 
 /// `attention::bandwidth::measure_decode`, what `examples/decode_bandwidth.rs` times on a GPU,
 /// runs the emulated split-KV decode kernels (both) at every page family (1, a power of two,
-/// other).
+/// other), over an MHA store and an MLA one (the pipelined kernel's MLA in both forms).
 #[test]
 fn emu_decode_bandwidth_measures_every_page_family() {
     use attention::bandwidth::{measure_decode, DecodeCase};
@@ -262,20 +336,41 @@ fn emu_decode_bandwidth_measures_every_page_family() {
         .into_iter()
         .flat_map(|k| [1, 16, 24].map(|p| (k, p)))
     {
-        let Some(b) = backend("emu_decode_bandwidth", with_kernel(kernel)) else {
-            return;
-        };
-        let case = DecodeCase {
-            requests: 2,
-            kv_len: 40,
-            page_size,
-            kv_heads: 1,
-            q_heads: 2,
-            head_dim: 64,
-            dtype: KvDtype::F16,
-        };
-        let t = measure_decode(&b, &case, 1).unwrap();
-        assert!(t.seconds > 0.0 && t.gbps() > 0.0, "{t:?}");
+        for mla_tensor_cores in [false, true] {
+            let config = CudaConfig {
+                mla_tensor_cores,
+                ..with_kernel(kernel)
+            };
+            let Some(b) = backend("emu_decode_bandwidth", config) else {
+                return;
+            };
+            let mha = DecodeCase {
+                requests: 2,
+                kv_len: 40,
+                page_size,
+                kv_heads: 1,
+                q_heads: 2,
+                head_dim: 64,
+                dtype: KvDtype::F16,
+                mla_rope_dim: None,
+            };
+            let mla = DecodeCase {
+                q_heads: 6,
+                head_dim: 48,
+                dtype: KvDtype::Bf16,
+                mla_rope_dim: Some(16),
+                ..mha
+            };
+            let cases = if mla_tensor_cores {
+                vec![mla]
+            } else {
+                vec![mha, mla]
+            };
+            for case in cases {
+                let t = measure_decode(&b, &case, 1).unwrap();
+                assert!(t.seconds > 0.0 && t.gbps() > 0.0, "{t:?}");
+            }
+        }
     }
 }
 

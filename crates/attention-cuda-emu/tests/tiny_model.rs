@@ -29,6 +29,27 @@ fn tiny_mla_decoder_greedy_matches_cpu() {
     greedy_matches_cpu("tiny_mla_decoder_greedy_matches_cpu", &common::mla_config());
 }
 
+/// The MLA decoder over a bf16 store with the tensor-core MLA form
+/// (`CudaConfig::mla_tensor_cores`), which its attention launches must have taken.
+#[test]
+fn tiny_mla_decoder_on_the_tensor_core_form_greedy_matches_cpu() {
+    let Some(device) = emu_or_skip("tiny_mla_decoder_on_the_tensor_core_form") else {
+        return;
+    };
+    let config = CudaConfig {
+        mla_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let emu = CudaBackend::new(device, config);
+    let model = common::mla_config();
+    match check_against_cpu(emu.clone(), &model, KvDtype::Bf16, TensorDtype::F32, 1e-3).unwrap() {
+        Ok(tokens) => println!("{tokens}"),
+        Err(mismatch) => panic!("{mismatch}"),
+    }
+    let mma = |spec: &attention_cuda::Spec| spec.defines.iter().any(|(k, _)| *k == "MMA_HEADS");
+    assert!(emu.device().launch_count("paged_attention_pipelined", mma) > 0);
+}
+
 fn greedy_matches_cpu(test: &str, config: &ModelConfig) {
     let Some(device) = emu_or_skip(test) else {
         return;

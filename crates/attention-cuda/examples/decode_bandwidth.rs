@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! cargo run --release -p attention-cuda --features cuda-13 --example decode_bandwidth -- \
-//!     [PEAK_GBPS] [MIN_GIB] [SPLIT_TARGET] [KERNEL] [MERGE]
+//!     [PEAK_GBPS] [MIN_GIB] [SPLIT_TARGET] [KERNEL] [MERGE] [TABLES]
 //! ```
 //!
 //! Llama-3-8B-shaped attention (8 KV heads, 32 query heads, head dim 128), as many requests as
@@ -21,8 +21,12 @@
 //! same case one after the other); `MERGE` where a split call's partial states are merged,
 //! `launch` (a `merge_states` launch, the default `CudaConfig`), `kernel` (in the attention
 //! kernel, `fuse_split_merge`) or `both` (the default: the pipelined kernel's rows once more
-//! with the merge in the kernel, labelled `+merge`). KV dtypes f16, bf16 and fp8 e4m3. Prints a
-//! Markdown table; a case the device refuses (memory) is a row with the error.
+//! with the merge in the kernel, labelled `+merge`). KV dtypes f16, bf16 and fp8 e4m3. Then
+//! absorbed MLA, DeepSeek-V3-shaped (latent rows of 512 + 64, 16 and 128 query heads; bf16 and
+//! fp8; 32768 positions), on each kernel asked for, the pipelined one's bf16 rows once more in
+//! the tensor-core form (`CudaConfig::mla_tensor_cores`, labelled `+mma`). `TABLES`: `mha`,
+//! `mla` or `both` (the default). Prints Markdown tables; a case the device refuses (memory)
+//! is a row with the error.
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 fn main() -> std::process::ExitCode {
@@ -56,6 +60,15 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    let (mha_table, mla_table) = match args.next().as_deref() {
+        None | Some("both") => (true, true),
+        Some("mha") => (true, false),
+        Some("mla") => (false, true),
+        Some(t) => {
+            eprintln!("decode_bandwidth: TABLES is mha, mla or both, not {t}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     // Each kernel with each merge, but the chunked kernel's only with the default one when
     // both are asked for.
     let variants: Vec<(AttentionKernel, bool)> = kernels
@@ -76,13 +89,45 @@ fn main() -> std::process::ExitCode {
         config.split_kv_target_blocks
     );
     let b = CudaBackend::new(device, config);
-    println!(
-        "| kernel | KV dtype | page size | context | requests | KV read (GiB) | ms alone | \
-         of peak alone | ms per call back to back | GB/s | of peak |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let min_bytes = (min_gib * (1u64 << 30) as f64) as u64;
-    for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8E4m3] {
+    // One row: the case timed alone and back to back on `b`.
+    let row = |b: &CudaBackend<CudarcDevice>, label: &str, case: &DecodeCase| {
+        let lead = format!(
+            "| {label} | {} | {} | {} | {} | {:.2} |",
+            case.dtype,
+            case.page_size,
+            case.kv_len,
+            case.requests,
+            case.kv_bytes() as f64 / (1u64 << 30) as f64
+        );
+        let timings = measure_decode(b, case, 20)
+            .and_then(|alone| Ok((alone, measure_decode_back_to_back(b, case, 20, 8)?)));
+        match timings {
+            Ok((alone, t)) => println!(
+                "{lead} {:.3} | {:.1} % | {:.3} | {:.0} | {:.1} % |",
+                alone.seconds * 1e3,
+                100.0 * alone.gbps() / peak,
+                t.seconds * 1e3,
+                t.gbps(),
+                100.0 * t.gbps() / peak
+            ),
+            Err(e) => println!("{lead} error: {e} | | | | |"),
+        }
+    };
+    let header = |first: &str| {
+        println!(
+            "| {first} | KV dtype | page size | context | requests | KV read (GiB) | ms alone | \
+             of peak alone | ms per call back to back | GB/s | of peak |"
+        );
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    };
+    if mha_table {
+        header("kernel");
+    }
+    for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8E4m3]
+        .into_iter()
+        .filter(|_| mha_table)
+    {
         for page in [1u32, 16, 64] {
             for context in [1024usize, 4096, 16384, 32768] {
                 let case = DecodeCase::llama3_8b(page, context, dtype, min_bytes);
@@ -90,25 +135,40 @@ fn main() -> std::process::ExitCode {
                     let b = b
                         .with_attention_kernel(kernel)
                         .with_split_merge_in_kernel(fuse);
-                    let label = format!("{kernel}{}", if fuse { "+merge" } else { "" });
-                    let lead = format!(
-                        "| {label} | {dtype} | {page} | {context} | {} | {:.2} |",
-                        case.requests,
-                        case.kv_bytes() as f64 / (1u64 << 30) as f64
+                    row(
+                        &b,
+                        &format!("{kernel}{}", if fuse { "+merge" } else { "" }),
+                        &case,
                     );
-                    let timings = measure_decode(&b, &case, 20).and_then(|alone| {
-                        Ok((alone, measure_decode_back_to_back(&b, &case, 20, 8)?))
-                    });
-                    match timings {
-                        Ok((alone, t)) => println!(
-                            "{lead} {:.3} | {:.1} % | {:.3} | {:.0} | {:.1} % |",
-                            alone.seconds * 1e3,
-                            100.0 * alone.gbps() / peak,
-                            t.seconds * 1e3,
-                            t.gbps(),
-                            100.0 * t.gbps() / peak
-                        ),
-                        Err(e) => println!("{lead} error: {e} | | | | |"),
+                }
+            }
+        }
+    }
+    // Absorbed MLA, DeepSeek-V3-shaped (latent rows of 512 + 64; 16 heads, a GPU's share at
+    // tensor parallelism 8, and all 128): the chunked and pipelined kernels, the latter's
+    // tensor-core form (`CudaConfig::mla_tensor_cores`, bf16 only) labelled `+mma`.
+    if mla_table {
+        println!();
+        header("MLA heads, kernel");
+    }
+    for heads in [16usize, 128].into_iter().filter(|_| mla_table) {
+        for dtype in [KvDtype::Bf16, KvDtype::Fp8E4m3] {
+            for page in [1u32, 64] {
+                for context in [32768usize] {
+                    let case = DecodeCase::deepseek_v3(heads, page, context, dtype, min_bytes);
+                    for &kernel in &kernels {
+                        let mma: &[bool] = match (kernel, dtype) {
+                            (AttentionKernel::Pipelined, KvDtype::Bf16) => &[false, true],
+                            _ => &[false],
+                        };
+                        for &on in mma {
+                            let b = b.with_attention_kernel(kernel).with_mla_tensor_cores(on);
+                            row(
+                                &b,
+                                &format!("{heads}, {kernel}{}", if on { "+mma" } else { "" }),
+                                &case,
+                            );
+                        }
                     }
                 }
             }

@@ -104,18 +104,21 @@ struct kvs_attn_block {
     const unsigned int* pages;
 };
 
+// The block's work when a block serves up to hpb query heads of a group (HEADS_PER_BLOCK; the
+// tensor-core MLA form MMA_HEADS): the host's grid counts blocks the same way
+// (geometry::attention_head_groups of Spec::heads_per_block_of the kernel).
 __device__ inline kvs_attn_block kvs_attn_block_of(const unsigned int* plan, unsigned int q_heads,
-                                                   unsigned int kv_heads,
-                                                   unsigned int split_size) {
+                                                   unsigned int kv_heads, unsigned int split_size,
+                                                   unsigned int hpb = HEADS_PER_BLOCK) {
     kvs_attn_block b;
     const unsigned int group_size = q_heads / kv_heads;
-    const unsigned int blocks_per_kv = (group_size + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
+    const unsigned int blocks_per_kv = (group_size + hpb - 1) / hpb;
     const unsigned int per_token = kv_heads * blocks_per_kv;
     b.tok = blockIdx.x / per_token;
     b.kvh = blockIdx.x % per_token / blocks_per_kv;
-    const unsigned int first = blockIdx.x % blocks_per_kv * HEADS_PER_BLOCK; // in the group
+    const unsigned int first = blockIdx.x % blocks_per_kv * hpb; // in the group
     b.head0 = b.kvh * group_size + first;
-    b.nheads = group_size - first < HEADS_PER_BLOCK ? group_size - first : HEADS_PER_BLOCK;
+    b.nheads = group_size - first < hpb ? group_size - first : hpb;
     b.split = blockIdx.y;
     b.num_splits = gridDim.y;
     const unsigned int req = plan[plan[PLAN_TOK_REQ] + b.tok];
@@ -623,14 +626,26 @@ struct alignas(8) pl_unit {
 // PL_MMA: the tensor-core form of the kernel (below), where it applies: NVIDIA GPUs from sm_80
 // (mma.sync with bf16) and the emulation, which checks its layouts. HIP and older NVIDIA GPUs
 // would run its portable stand-ins, slower than the lanes' form, so they take the latter.
+// For MLA the host chooses (the block's head count depends on it): MMA_HEADS defined (16, by
+// Spec for f16/bf16 stores where the device has mma: CudaConfig::mla_tensor_cores) selects the
+// tensor-core MLA form below, whose blocks serve MMA_HEADS heads.
 #ifndef PL_MMA
-#if KV_BYTES <= 2 && !MLA && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128) &&  \
+#if MLA
+#ifdef MMA_HEADS
+#define PL_MMA 1
+#else
+#define PL_MMA 0
+#endif
+#elif KV_BYTES <= 2 && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128) &&         \
     HEADS_PER_BLOCK <= 8 && !defined(__HIP__) && !defined(__HIP_PLATFORM_AMD__) &&              \
     !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
 #define PL_MMA 1
 #else
 #define PL_MMA 0
 #endif
+#endif
+#if MLA && PL_MMA && !defined(MMA_HEADS)
+#error "PL_MMA with MLA: the host defines MMA_HEADS (the heads a block serves)"
 #endif
 // 4 blocks per SM (at most 128 registers a thread: no specialisation spills on sm_90), MLA 2
 // (its wide rows spill 500-600 bytes at 128 registers; 250 without spilling at 2), PL_MMA 3
@@ -777,18 +792,21 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 // checks the layouts the GPU uses.
 
 #if PL_MMA
-#if KV_BYTES > 2 || MLA || HEAD_DIM != V_HEAD_DIM || HEAD_DIM % 64 != 0 || HEADS_PER_BLOCK > 8
+#if MLA
+#if KV_BYTES != 2 || HEAD_DIM % 16 != 0 || V_HEAD_DIM % 8 != 0 || MMA_HEADS != 16 ||           \
+    WARP_SIZE != 32 || defined(__HIP__) || defined(__HIP_PLATFORM_AMD__)
+#error "PL_MMA with MLA: f16/bf16 rows of 16k elements, 8n values, 16 heads, 32-lane warps"
+#endif
+#elif KV_BYTES > 2 || HEAD_DIM != V_HEAD_DIM || HEAD_DIM % 64 != 0 || HEADS_PER_BLOCK > 8
 #error "PL_MMA: f16/bf16/fp8 keys and values of one head dim (a multiple of 64), at most 8 heads"
 #endif
 #define PM_EPU (16 / KV_BYTES)                // elements per 16-byte unit
 #define PM_UNITS (HEAD_DIM / PM_EPU)          // 16-byte units of a key (or value) row
-#define PM_ROW_UNITS (2 * PM_UNITS)           // a staged row: its key's units, then its value's
-#define PM_WARP_STAGE (8 * PM_ROW_UNITS)      // units of one warp's step (8 rows)
-#define PM_STEP (8 * ATTN_WARPS)              // positions one step of the block covers
-#define PM_NT (HEAD_DIM / 8)                  // n-tiles of the values mma (8 dims each)
+#define PM_ROW_UNITS (MLA ? PM_UNITS : 2 * PM_UNITS) // a staged row: key units, then value's
 #define PM_FP8 (KV_BYTES == 1)
 // PL_MMA_SMEM_BYTES (a tuning define): the stages' shared memory (48 KiB, static shared
-// memory's limit: 3 stages at head dim 128, PL_MMA_MAX_STAGES at 64 and for fp8).
+// memory's limit: 3 stages at head dim 128, PL_MMA_MAX_STAGES at 64 and for fp8; MLA at
+// 576/512: 2 stages of 16 rows and the scores' scratch).
 #ifndef PL_MMA_SMEM_BYTES
 #define PL_MMA_SMEM_BYTES 49152
 #endif
@@ -797,6 +815,10 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 #ifndef PL_MMA_MAX_STAGES
 #define PL_MMA_MAX_STAGES (PM_FP8 ? 6 : PL_MAX_STAGES)
 #endif
+#if !MLA
+#define PM_WARP_STAGE (8 * PM_ROW_UNITS)      // units of one warp's step (8 rows)
+#define PM_STEP (8 * ATTN_WARPS)              // positions one step of the block covers
+#define PM_NT (HEAD_DIM / 8)                  // n-tiles of the values mma (8 dims each)
 #define PM_FIT_STAGES (PL_MMA_SMEM_BYTES / (ATTN_WARPS * PM_WARP_STAGE * 16))
 #define PM_STAGES (PM_FIT_STAGES < PL_MMA_MAX_STAGES ? PM_FIT_STAGES : PL_MMA_MAX_STAGES)
 #if PM_STAGES < 2
@@ -805,6 +827,7 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 #define PM_SCRATCH (HEAD_DIM + 2) // a warp's head at the end: its output row, m, l
 #if ATTN_WARPS * HEADS_PER_BLOCK * PM_SCRATCH * 4 > PM_STAGES * ATTN_WARPS * PM_WARP_STAGE * 16
 #error "PL_MMA: the end's scratch exceeds the stages"
+#endif
 #endif
 // The mmas' element type: the store's for f16 and bf16; f16 for fp8, whose values convert to
 // f16 exactly (e4m3 scaled by 2^-8, which PM_FP8_UNSCALE undoes on the scores and the output).
@@ -830,13 +853,23 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 // reads of whole units (scores: 2 rows a quarter-warp, 4 lanes each; values: 4 rows, 2 lanes
 // each). Rows of 8 units (fp8 at head dim 64) need their own pattern: rows 2r and 2r + 1 take
 // opposite halves of the bank groups, and rows 0, 2, 4, 6 (and 1, 3, 5, 7) differ in bits 1-2.
-#if PM_ROW_UNITS >= 16
+#if MLA
+// MLA: steps of 16 rows, whose ldmatrix tiles are rows 0-7 and 8-15 of a unit (rows of
+// 1152 bytes all start in bank 0); rows of fewer than 8 units (the small test shape) are not
+// swizzled.
+#if PM_ROW_UNITS % 8 == 0
+#define PM_SWIZZLE(row) ((row) & 7u)
+#else
+#define PM_SWIZZLE(row) 0u
+#endif
+#elif PM_ROW_UNITS >= 16
 #define PM_SWIZZLE(row) (row)
 #else
 #define PM_SWIZZLE(row) ((((row) & 1u) << 2) ^ (((row) >> 1) << 1))
 #endif
 
-// Unit u of row `row` (< 8) of a warp's stage, key part 0 or value part 1, swizzled.
+// Unit u of row `row` of a stage (GQA: a warp's, rows < 8; MLA: the block's, rows < 16), key
+// part 0 or value part 1 (GQA), swizzled.
 __device__ inline unsigned int pm_unit(unsigned int row, unsigned int part, unsigned int u) {
     return row * PM_ROW_UNITS + ((part * PM_UNITS + u) ^ PM_SWIZZLE(row));
 }
@@ -978,16 +1011,29 @@ __device__ inline void pm_mma_k8(float (&c)[4], unsigned int a0, unsigned int a1
 #endif
 }
 
-// Four 8×8 tiles of a warp's stage (rows 0-7, units u0 … u0 + 3 of one part) as ldmatrix.x4
-// gives them: r[j] holds tile j's elements (row g, columns 2t, 2t + 1), or with TRANS its
-// elements (rows 2t, 2t + 1, column g).
-template <bool TRANS>
-__device__ inline void pm_ldsm(const kvs_vec16* st, unsigned int part, unsigned int u0,
-                               unsigned int (&r)[4]) {
+// Which four 8×8 tiles of a stage one ldmatrix.x4 reads: tile j is rows row0(j) … row0(j) + 7
+// of unit unit(j) (key units first; a GQA value unit is PM_UNITS + u).
+struct pm_tiles_row {  // GQA: rows 0-7, units u0 … u0 + 3
+    unsigned int u0;
+    __device__ unsigned int row0(unsigned int) const { return 0; }
+    __device__ unsigned int unit(unsigned int j) const { return u0 + j; }
+};
+struct pm_tiles_pair { // MLA: units ua, ub of rows 0-7, then of rows 8-15
+    unsigned int ua, ub;
+    __device__ unsigned int row0(unsigned int j) const { return (j & 2u) * 4u; }
+    __device__ unsigned int unit(unsigned int j) const { return (j & 1u) ? ub : ua; }
+};
+
+// The four tiles of `tiles` as ldmatrix.x4 gives them: r[j] holds tile j's elements (row g,
+// columns 2t, 2t + 1), or with TRANS its elements (rows 2t, 2t + 1, column g).
+template <bool TRANS, class Tiles>
+__device__ inline void pm_ldsm_tiles(const kvs_vec16* st, const Tiles& tiles,
+                                     unsigned int (&r)[4]) {
     const unsigned int lane = threadIdx.x % WARP_SIZE;
 #if PM_ASM
     // Lane i gives the address of row i % 8 of tile i / 8.
-    const kvs_vec16* p = st + pm_unit(lane & 7, part, u0 + (lane >> 3));
+    const unsigned int j = lane >> 3;
+    const kvs_vec16* p = st + pm_unit(tiles.row0(j) + (lane & 7), 0, tiles.unit(j));
     unsigned int addr;
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
                  : "=r"(addr)
@@ -1007,17 +1053,25 @@ __device__ inline void pm_ldsm(const kvs_vec16* st, unsigned int part, unsigned 
     const unsigned int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (unsigned int j = 0; j < 4; ++j) {
+        const unsigned int row0 = tiles.row0(j), u = tiles.unit(j);
         if (TRANS) {
             const unsigned short* r0 =
-                reinterpret_cast<const unsigned short*>(st + pm_unit(2 * t, part, u0 + j));
+                reinterpret_cast<const unsigned short*>(st + pm_unit(row0 + 2 * t, 0, u));
             const unsigned short* r1 =
-                reinterpret_cast<const unsigned short*>(st + pm_unit(2 * t + 1, part, u0 + j));
+                reinterpret_cast<const unsigned short*>(st + pm_unit(row0 + 2 * t + 1, 0, u));
             r[j] = (unsigned int)r0[g] | (unsigned int)r1[g] << 16;
         } else {
-            r[j] = reinterpret_cast<const unsigned int*>(st + pm_unit(g, part, u0 + j))[t];
+            r[j] = reinterpret_cast<const unsigned int*>(st + pm_unit(row0 + g, 0, u))[t];
         }
     }
 #endif
+}
+
+// Four 8×8 tiles of a warp's stage (rows 0-7, units u0 … u0 + 3 of one part).
+template <bool TRANS>
+__device__ inline void pm_ldsm(const kvs_vec16* st, unsigned int part, unsigned int u0,
+                               unsigned int (&r)[4]) {
+    pm_ldsm_tiles<TRANS>(st, pm_tiles_row{part * PM_UNITS + u0}, r);
 }
 
 // The unit at src into dst, or zeros where !live (src is then not read).
@@ -1044,6 +1098,7 @@ __device__ inline void pm_copy(kvs_vec16* dst, const kv_t* src, bool live) {
 #endif
 }
 
+#if !MLA
 // Issues the copies of one warp's step: the 8 rows from position row0 (each row's slot in lane
 // row of `slot`), lane i the units i, i + 32, … of the step in row-major order (a copy
 // instruction of the warp reads whole rows' keys and values).
@@ -1286,6 +1341,254 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     }
     kvs_attn_finish(b, q_heads, partial_o, partial_lse, out, counters, merge_in_kernel);
 }
+#else  // MLA
+// The tensor-core form for absorbed MLA (f16/bf16 stores; MMA_HEADS, defined by the host where
+// the device has mma, CudaConfig::mla_tensor_cores): a block serves 16 query heads, which all
+// read the one latent row, so each row it stages feeds 16 heads' scores and outputs (the lanes'
+// form serves MLA_HEADS_PER_BLOCK, 4). The GQA form's per-warp rows cannot hold MLA's state: a
+// warp's output for 16 heads × 512 value dims would take 256 accumulators a lane, so here the
+// warps split the head dims instead of the rows (as FlashMLA's warp groups split the values).
+// - Steps of PM_ROWS (16) positions, staged for the whole block by cp.async PM_STAGES − 1 steps
+//   ahead (rows past the end zero-filled); each thread copies whole units, every warp reads
+//   every row, so a step costs two block barriers (its copies visible; the scores' partial
+//   sums visible).
+// - Scores: S (16 heads × 16 rows) = Q · Kᵀ by mma.m16n8k16, two n-tiles (rows 0-7, 8-15);
+//   warp w takes k-tiles w, w + 4, … of the row (PM_WKT of them), so each warp's sums are
+//   partial; they meet in shared memory and every warp adds the four in warp order (the same
+//   bits in every warp, so every warp keeps the same softmax state). The query is f32: hi =
+//   round(q·scale) and lo = round(q·scale − hi) are two A operands into the same accumulators
+//   (16 heads fill the mma's 16 rows, so the parts cannot share one as in the GQA form).
+// - Softmax: lane (g, t) holds heads g and g + 8, rows 2t, 2t + 1 of each n-tile (the C
+//   layout); the maxima take two shuffles.
+// - Values: warp w owns n-tiles w·PM_WNT … of the value dims (128 dims at rank 512: 64
+//   accumulators a lane); O += P · V by mma.m16n8k16 over the step's 16 rows, P's C layout from
+//   the scores being this mma's A layout (hi and lo parts again), V by ldmatrix.trans from the
+//   head of the staged row.
+// - The end: every warp has the whole softmax state, so each writes its own dims of every
+//   head's normalised output; no merge between warps.
+// Without mma (the emulation) the portable stand-ins run the same layouts, as for GQA.
+#define PM_ROWS 16                                             // positions a step covers
+#define PM_KT (HEAD_DIM / 16)                                  // k-tiles of a key row
+#define PM_WKT ((PM_KT + ATTN_WARPS - 1) / ATTN_WARPS)         // a warp's k-tiles, at most
+#define PM_VNT (V_HEAD_DIM / 8)                                // n-tiles of the value dims
+#define PM_WNT ((PM_VNT + ATTN_WARPS - 1) / ATTN_WARPS)        // a warp's n-tiles, at most
+#define PM_STEP_UNITS (PM_ROWS * PM_ROW_UNITS)                 // units of a step
+#define PM_COPIES ((PM_STEP_UNITS + ATTN_THREADS - 1) / ATTN_THREADS) // a thread's, at most
+#define PM_PART_BYTES (ATTN_WARPS * WARP_SIZE * 8 * 4)         // the scores' partial sums
+#define PM_FIT_STAGES ((PL_MMA_SMEM_BYTES - PM_PART_BYTES) / (PM_STEP_UNITS * 16))
+#define PM_STAGES (PM_FIT_STAGES < PL_MMA_MAX_STAGES ? PM_FIT_STAGES : PL_MMA_MAX_STAGES)
+#if PM_STAGES < 2
+#error "PL_MMA with MLA: two stages exceed PL_MMA_SMEM_BYTES"
+#endif
+
+// Issues the copies of a step: the PM_ROWS rows from position row0 (row r's slot in lane r of
+// `slot`), thread i the units i, i + ATTN_THREADS, … of the step in row-major order.
+__device__ inline void pm_mla_issue(kvs_vec16* st, unsigned int slot, unsigned int row0,
+                                    unsigned int end, const kv_t* k_cache, unsigned int kv_heads,
+                                    unsigned int kvh) {
+#pragma unroll
+    for (unsigned int c = 0; c < PM_COPIES; ++c) {
+        const unsigned int flat = c * ATTN_THREADS + threadIdx.x;
+        const unsigned int row = flat / PM_ROW_UNITS;
+        const unsigned int u = flat % PM_ROW_UNITS;
+        // Every lane shuffles (a row past the step's reads lane 0's slot, unused).
+        const unsigned int s = KVS_SHFL(slot, (int)(row < PM_ROWS ? row : 0));
+        if (PM_STEP_UNITS % ATTN_THREADS == 0 || flat < PM_STEP_UNITS) {
+            pm_copy(st + pm_unit(row, 0, u), k_cache + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU,
+                    row0 + row < end);
+        }
+    }
+}
+
+// The slot of row lane % PM_ROWS of the step from position row0 (0 past the end: not read).
+__device__ inline unsigned int pm_mla_slot(const kvs_attn_block& b, unsigned int row0,
+                                           unsigned int page_size, unsigned int page_shift) {
+    const unsigned int j = row0 + threadIdx.x % WARP_SIZE % PM_ROWS;
+    return j < b.end ? kvs_slot(b.pages, j, page_size, page_shift) : 0;
+}
+
+KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
+    __shared__ kvs_vec16 s_stage[PM_STAGES][PM_STEP_UNITS];
+    __shared__ float s_part[ATTN_WARPS][WARP_SIZE][8];
+
+    const unsigned int lane = threadIdx.x % WARP_SIZE;
+    const unsigned int warp = threadIdx.x / WARP_SIZE;
+    const unsigned int g = lane >> 2; // heads g and g + 8 of the block: this lane's A and C rows
+    const unsigned int tq = lane & 3; // its place in g's 4 lanes
+    const kvs_attn_block b = kvs_attn_block_of(plan, q_heads, kv_heads, split_size, MMA_HEADS);
+
+    // The scaled query of heads g (hh 0) and g + 8 (hh 1), zero past nheads, as the A registers
+    // of this warp's k-tiles warp + i·ATTN_WARPS: qh the rounding, ql the rest.
+    unsigned int qh[PM_WKT][4], ql[PM_WKT][4];
+#pragma unroll
+    for (int i = 0; i < PM_WKT; ++i) {
+        const unsigned int kt = warp + i * ATTN_WARPS;
+#pragma unroll
+        for (unsigned int hh = 0; hh < 2; ++hh) {
+            const unsigned int h = g + 8 * hh;
+            const bool live = kt < PM_KT && h < b.nheads;
+            const float* qrow = q + ((size_t)b.tok * q_heads + b.head0 + (live ? h : 0)) * HEAD_DIM;
+#pragma unroll
+            for (unsigned int half = 0; half < 2; ++half) {
+                const unsigned int d = 16 * kt + 8 * half + 2 * tq;
+                const float x0 = live ? qrow[d] * scale : 0.0f;
+                const float x1 = live ? qrow[d + 1] * scale : 0.0f;
+                const unsigned int hi = pm_pack(x0, x1);
+                qh[i][2 * half + hh] = hi;
+                ql[i][2 * half + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
+            }
+        }
+    }
+    // Heads g ([0], [1]) and g + 8 ([2], [3]) at dims 8nt + 2tq, + 1 of this warp's n-tiles
+    // nt = warp·PM_WNT + j.
+    float acc[PM_WNT][4];
+#pragma unroll
+    for (int j = 0; j < PM_WNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            acc[j][e] = 0.0f;
+        }
+    }
+    float m[2] = {KVS_NEG_INF, KVS_NEG_INF}; // heads g, g + 8: running maxima (all g's lanes)
+    float l[2] = {0.0f, 0.0f};               // this lane's share of their running sums
+
+    const unsigned int steps = b.begin < b.end ? (b.end - b.begin + PM_ROWS - 1) / PM_ROWS : 0;
+    unsigned int slot = pm_mla_slot(b, b.begin, page_size, page_shift); // of the next issue
+#pragma unroll
+    for (int s = 0; s < PM_STAGES - 1; ++s) {
+        if ((unsigned int)s < steps) {
+            pm_mla_issue(s_stage[s], slot, b.begin + s * PM_ROWS, b.end, k_cache, kv_heads, b.kvh);
+        }
+        pl_commit();
+        slot = pm_mla_slot(b, b.begin + (s + 1) * PM_ROWS, page_size, page_shift);
+    }
+    for (unsigned int it = 0; it < steps; ++it) {
+        pl_wait<PM_STAGES - 2>(); // this thread's copies of step it have landed
+        __syncthreads();          // and every thread's; every warp is done with step it - 1
+        // Step it + PM_STAGES - 1 into the stage step it - 1 used.
+        const unsigned int ahead = it + PM_STAGES - 1;
+        if (ahead < steps) {
+            pm_mla_issue(s_stage[ahead % PM_STAGES], slot, b.begin + ahead * PM_ROWS, b.end,
+                         k_cache, kv_heads, b.kvh);
+        }
+        pl_commit();
+        slot = pm_mla_slot(b, b.begin + (ahead + 1) * PM_ROWS, page_size, page_shift);
+        const kvs_vec16* st = s_stage[it % PM_STAGES];
+        const unsigned int row0 = b.begin + it * PM_ROWS;
+
+        // This warp's part of the scores: c[n] rows 8n + 2tq, + 1 (n-tile n) of heads g
+        // ([0], [1]) and g + 8 ([2], [3]).
+        float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int i = 0; i < PM_WKT; ++i) {
+            const unsigned int kt = warp + i * ATTN_WARPS;
+            if (kt < PM_KT) {
+                unsigned int kb[4];
+                pm_ldsm_tiles<false>(st, pm_tiles_pair{2 * kt, 2 * kt + 1}, kb);
+                pm_mma_k16(c[0], qh[i], kb[0], kb[1]);
+                pm_mma_k16(c[0], ql[i], kb[0], kb[1]);
+                pm_mma_k16(c[1], qh[i], kb[2], kb[3]);
+                pm_mma_k16(c[1], ql[i], kb[2], kb[3]);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            s_part[warp][lane][e] = c[e / 4][e % 4];
+        }
+        __syncthreads();
+        float sc[2][4]; // heads g, g + 8: rows 2tq, 2tq + 1, 8 + 2tq, 9 + 2tq
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float x = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                x += s_part[w][lane][e];
+            }
+            const unsigned int n = e / 4, hh = e % 4 / 2, r = 8 * n + 2 * tq + e % 2;
+            sc[hh][2 * n + e % 2] = row0 + r < b.end ? x * k_scale : KVS_NEG_INF;
+        }
+        float p[2][4];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float mt = fmaxf(fmaxf(sc[hh][0], sc[hh][1]), fmaxf(sc[hh][2], sc[hh][3]));
+            mt = fmaxf(mt, KVS_SHFL_XOR(mt, 1));
+            mt = fmaxf(mt, KVS_SHFL_XOR(mt, 2));
+            const float nm = fmaxf(m[hh], mt);
+            const float alpha = m[hh] == KVS_NEG_INF ? 0.0f : expf(m[hh] - nm);
+            float sum = 0.0f;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                p[hh][r] = sc[hh][r] == KVS_NEG_INF ? 0.0f : expf(sc[hh][r] - nm);
+                sum += p[hh][r];
+            }
+            l[hh] = l[hh] * alpha + sum;
+            m[hh] = nm;
+#pragma unroll
+            for (int j = 0; j < PM_WNT; ++j) {
+                acc[j][2 * hh] *= alpha;
+                acc[j][2 * hh + 1] *= alpha;
+            }
+        }
+        // P as A registers (k = the step's rows): [0] head g's rows 2tq, 2tq + 1, [1] head
+        // g + 8's, [2] and [3] rows 8 + 2tq, 9 + 2tq; ph the rounding, pl the rest.
+        unsigned int ph[4], pl[4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float x0 = p[hh][2 * n], x1 = p[hh][2 * n + 1];
+                const unsigned int hi = pm_pack(x0, x1);
+                ph[2 * n + hh] = hi;
+                pl[2 * n + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PM_WNT; j += 2) {
+            const unsigned int nt = warp * PM_WNT + j;
+            if (nt < PM_VNT) {
+                // V rows 2tq, 2tq + 1 (tiles 0, 1) and 8 + 2tq, 9 + 2tq (tiles 2, 3) at dims
+                // 8nt + g and 8(nt + 1) + g: the B registers of n-tiles nt and nt + 1 (a unit
+                // of the row's rope part, or the next warp's, when nt + 1 is not this warp's).
+                unsigned int vb[4];
+                pm_ldsm_tiles<true>(st, pm_tiles_pair{nt, nt + 1}, vb);
+                pm_mma_k16(acc[j], ph, vb[0], vb[2]);
+                pm_mma_k16(acc[j], pl, vb[0], vb[2]);
+                if (j + 1 < PM_WNT && nt + 1 < PM_VNT) {
+                    pm_mma_k16(acc[j + 1], ph, vb[1], vb[3]);
+                    pm_mma_k16(acc[j + 1], pl, vb[1], vb[3]);
+                }
+            }
+        }
+    }
+    pl_wait<0>();
+
+    // Every warp holds every head's state: each writes its own dims.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float total = l[hh];
+        total += KVS_SHFL_XOR(total, 1);
+        total += KVS_SHFL_XOR(total, 2);
+        const unsigned int h = g + 8 * hh;
+        if (h < b.nheads) {
+            const size_t out_row = ((size_t)b.tok * q_heads + b.head0 + h) * b.num_splits + b.split;
+            float* o = partial_o + out_row * V_HEAD_DIM;
+#pragma unroll
+            for (int j = 0; j < PM_WNT; ++j) {
+                const unsigned int nt = warp * PM_WNT + j;
+                if (nt < PM_VNT) {
+                    o[8 * nt + 2 * tq] = total > 0.0f ? acc[j][2 * hh] / total * v_scale : 0.0f;
+                    o[8 * nt + 2 * tq + 1] =
+                        total > 0.0f ? acc[j][2 * hh + 1] / total * v_scale : 0.0f;
+                }
+            }
+            if (warp == 0 && tq == 0) {
+                partial_lse[out_row] = total > 0.0f ? m[hh] + logf(total) : KVS_NEG_INF;
+            }
+        }
+    }
+    kvs_attn_finish(b, q_heads, partial_o, partial_lse, out, counters, merge_in_kernel);
+}
+#endif // MLA
 #else // the lanes' form
 KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     __shared__ pl_unit s_stage[PL_STAGES][PL_TILE][PL_ROW_UNITS];

@@ -40,6 +40,11 @@ pub struct CudaConfig {
     /// (`kvs_attn_finish`): one launch less per split call, the same results bitwise. Off by
     /// default until a GPU has timed it (`examples/decode_bandwidth.rs` reports both).
     pub fuse_split_merge: bool,
+    /// Absorbed MLA over f16/bf16 stores in the pipelined kernel's tensor-core form, where the
+    /// device has one ([`Device::tensor_cores`]): 16 heads a block on `mma.sync` (the lanes'
+    /// form serves 4 with FMAs). Off by default until a GPU has checked and timed it; the
+    /// emulated conformance suite runs it (`examples/decode_bandwidth.rs` reports both forms).
+    pub mla_tensor_cores: bool,
 }
 
 impl Default for CudaConfig {
@@ -49,6 +54,7 @@ impl Default for CudaConfig {
             enable_deterministic_inference: false,
             attention_kernel: AttentionKernel::default(),
             fuse_split_merge: false,
+            mla_tensor_cores: false,
         }
     }
 }
@@ -208,23 +214,34 @@ impl<D: Device> CudaBackend<D> {
 
     /// A clone (the same device, memory and graphs) whose paged attention runs `kernel`.
     pub fn with_attention_kernel(&self, kernel: AttentionKernel) -> Self {
-        CudaBackend {
-            config: CudaConfig {
-                attention_kernel: kernel,
-                ..self.config
-            },
-            ..self.clone()
-        }
+        self.with_config(CudaConfig {
+            attention_kernel: kernel,
+            ..self.config
+        })
     }
 
     /// A clone (the same device, memory and graphs) that merges split attention's partial
     /// states in the attention kernel when `fuse` ([`CudaConfig::fuse_split_merge`]).
     pub fn with_split_merge_in_kernel(&self, fuse: bool) -> Self {
+        self.with_config(CudaConfig {
+            fuse_split_merge: fuse,
+            ..self.config
+        })
+    }
+
+    /// A clone (the same device, memory and graphs) that runs absorbed MLA in the tensor-core
+    /// form where it applies ([`CudaConfig::mla_tensor_cores`]).
+    pub fn with_mla_tensor_cores(&self, on: bool) -> Self {
+        self.with_config(CudaConfig {
+            mla_tensor_cores: on,
+            ..self.config
+        })
+    }
+
+    /// A clone (the same device, memory and graphs) with `config`.
+    pub fn with_config(&self, config: CudaConfig) -> Self {
         CudaBackend {
-            config: CudaConfig {
-                fuse_split_merge: fuse,
-                ..self.config
-            },
+            config,
             ..self.clone()
         }
     }
@@ -568,9 +585,12 @@ impl<D: Device> CudaBackend<D> {
         }
         // One block per KV head and group of up to heads_per_block of its query heads (GQA's
         // and MLA's share the KV rows the block reads).
-        let head_groups =
-            geometry::attention_head_groups(a.q_heads, a.kv_heads, a.spec.heads_per_block());
         let entry = self.config.attention_kernel.entry_point();
+        let head_groups = geometry::attention_head_groups(
+            a.q_heads,
+            a.kv_heads,
+            a.spec.heads_per_block_of(entry),
+        );
         let key = SplitKey {
             spec: a.spec.clone(),
             entry,
@@ -718,6 +738,7 @@ impl<D: Device> Backend for CudaBackend<D> {
                 kv_lora_rank as usize,
                 qk_rope_head_dim as usize,
                 1,
+                false,
             )
             .map(|_| ()),
             _ => Self::mha_dims(shape).map(|_| ()),
@@ -1216,8 +1237,15 @@ impl<D: Device> Backend for CudaBackend<D> {
         check::f32_tensor("attention_mla", latent.dtype)?;
         let (heads, d, dv) =
             check::attention_mla(layer, &plan.meta, &layout, &q.shape, &latent.shape, params)?;
-        let spec = kernels::attention_mla(layout.shape.dtype, dv, d - dv, layout.page_size)
-            .map_err(AttentionError::Unsupported)?;
+        let tensor_cores = self.config.mla_tensor_cores && self.device.tensor_cores();
+        let spec = kernels::attention_mla(
+            layout.shape.dtype,
+            dv,
+            d - dv,
+            layout.page_size,
+            tensor_cores,
+        )
+        .map_err(AttentionError::Unsupported)?;
         let (k_scale, _) = Self::kernel_scales(store, layer)?;
         // 1. The new tokens' latent rows at out_cache_loc.
         self.store_new_rows(plan, store, layer, KvBuffer::Key, latent, k_scale)?;

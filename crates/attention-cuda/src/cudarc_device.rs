@@ -221,6 +221,10 @@ impl Device for CudarcDevice {
         "cuda"
     }
 
+    fn tensor_cores(&self) -> bool {
+        self.report.compute_capability.0 >= 8
+    }
+
     fn alloc_zeroed(&self, bytes: usize) -> Result<CudaSlice<u8>> {
         self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)
     }

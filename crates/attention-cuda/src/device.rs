@@ -123,6 +123,14 @@ pub trait Device: Send + Sync {
         Ok(None)
     }
 
+    /// Whether the kernels' tensor-core forms that need 32-lane warps and `mma.sync` (NVIDIA
+    /// GPUs from sm_80) run on this device: the backend then selects specialisations that use
+    /// them ([`crate::CudaConfig::mla_tensor_cores`]). The emulation runs their portable
+    /// stand-ins. The default: no.
+    fn tensor_cores(&self) -> bool {
+        false
+    }
+
     /// The device's free and total memory (`cuMemGetInfo`, `hipMemGetInfo`). The default:
     /// `None`, the device cannot tell (the emulation).
     fn memory_info(&self) -> Result<Option<attention::DeviceMemory>> {

@@ -4,11 +4,11 @@
 
 use kv_pool::KvDtype;
 
-use crate::specs::attention_spec;
 pub use crate::specs::{
-    all_specs, Source, Spec, GQA_HEADS_PER_BLOCK, MLA_HEADS_PER_BLOCK, SPEC_HEAD_DIMS,
-    SPEC_MLA_DIMS,
+    all_specs, Source, Spec, GQA_HEADS_PER_BLOCK, MLA_HEADS_PER_BLOCK, MLA_MMA_HEADS,
+    SPEC_HEAD_DIMS, SPEC_MLA_DIMS,
 };
+use crate::specs::{attention_mla_spec, attention_spec};
 
 /// `kernels/common.cuh`: dtype conversions and block reductions, prepended to every source.
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
@@ -104,13 +104,15 @@ pub fn attention(
 }
 
 /// The absorbed-MLA attention kernels for a store of `dtype` whose rows are `kv_lora_rank`
-/// latent elements then `rope_dim` rotary-key elements, pages of `page_size`; `Err(reason)`
-/// when no specialisation exists.
+/// latent elements then `rope_dim` rotary-key elements, pages of `page_size`, with the
+/// pipelined kernel's tensor-core form where `tensor_cores` and the store is f16 or bf16
+/// ([`attention_mla_spec`]); `Err(reason)` when no specialisation exists.
 pub fn attention_mla(
     dtype: KvDtype,
     kv_lora_rank: usize,
     rope_dim: usize,
     page_size: u32,
+    tensor_cores: bool,
 ) -> Result<Spec, String> {
     let kv = kv_dtype_define(dtype)?;
     let Some(&(rank, rope)) = SPEC_MLA_DIMS
@@ -122,13 +124,12 @@ pub fn attention_mla(
              {SPEC_MLA_DIMS:?}, not ({kv_lora_rank}, {rope_dim})"
         ));
     };
-    Ok(attention_spec(
+    Ok(attention_mla_spec(
         kv,
-        rank + rope,
         rank,
+        rope,
         page_family(page_size),
-        MLA_HEADS_PER_BLOCK,
-        true,
+        tensor_cores,
     ))
 }
 
@@ -153,12 +154,31 @@ mod tests {
             }
             for (r, rope) in SPEC_MLA_DIMS {
                 for p in [1, 16, 48] {
-                    let spec = attention_mla(dtype, r as usize, rope as usize, p).unwrap();
-                    assert!(all.contains(&spec), "{}", spec.name());
+                    for tensor_cores in [false, true] {
+                        let spec = attention_mla(dtype, r as usize, rope as usize, p, tensor_cores)
+                            .unwrap();
+                        assert!(all.contains(&spec), "{}", spec.name());
+                        // The tensor-core form exactly for f16/bf16 stores, with its own
+                        // block size for the pipelined kernel only.
+                        let mma = tensor_cores && matches!(dtype, KvDtype::F16 | KvDtype::Bf16);
+                        let pipelined = spec.heads_per_block_of("paged_attention_pipelined");
+                        assert_eq!(
+                            pipelined,
+                            if mma {
+                                MLA_MMA_HEADS
+                            } else {
+                                MLA_HEADS_PER_BLOCK
+                            }
+                        );
+                        assert_eq!(
+                            spec.heads_per_block_of("paged_attention"),
+                            MLA_HEADS_PER_BLOCK
+                        );
+                    }
                 }
             }
         }
-        assert!(attention_mla(KvDtype::F16, 512, 32, 1).is_err());
+        assert!(attention_mla(KvDtype::F16, 512, 32, 1, true).is_err());
         assert!(attention(KvDtype::F16, 72, 72, 1, 1).is_err());
         assert!(attention(KvDtype::F16, 64, 128, 1, 1).is_err());
     }
@@ -182,7 +202,7 @@ mod tests {
             }
             checked += 1;
         }
-        assert_eq!(checked, 150);
+        assert_eq!(checked, 162);
     }
 
     #[test]

@@ -94,6 +94,10 @@ pub const SPEC_MLA_DIMS: [(u32, u32); 2] = [(512, 64), (32, 16)];
 /// Query heads one MLA attention block serves (`HEADS_PER_BLOCK`): they share the one latent
 /// head, whose rows the block reads once for all of them.
 pub const MLA_HEADS_PER_BLOCK: u32 = 4;
+/// Query heads one block of the tensor-core MLA form of `paged_attention_pipelined` serves
+/// (`MMA_HEADS`, defined only in the specialisations that select that form: f16/bf16 stores on
+/// devices with `mma.sync`): the 16 rows of an `mma.m16n8k16`.
+pub const MLA_MMA_HEADS: u32 = 16;
 /// Query heads one GQA attention block serves (`HEADS_PER_BLOCK`) when several share a KV
 /// head: the block reads each key and value row once for up to this many of them (a group of
 /// 8 takes two blocks, one of 7 a block of 4 and one of 3). MHA (a group of 1) compiles with 1.
@@ -120,6 +124,17 @@ impl Spec {
             .iter()
             .find(|(k, _)| *k == "HEADS_PER_BLOCK")
             .map_or(1, |&(_, v)| v)
+    }
+
+    /// The query heads one block of attention kernel `kernel` serves: `MMA_HEADS` for
+    /// `paged_attention_pipelined` where it is defined (the tensor-core MLA form), else
+    /// [`Spec::heads_per_block`]. The host's grid and the kernel's block mapping both follow it.
+    pub fn heads_per_block_of(&self, kernel: &str) -> u32 {
+        let mma = self.defines.iter().find(|(k, _)| *k == "MMA_HEADS");
+        match mma {
+            Some(&(_, heads)) if kernel == "paged_attention_pipelined" => heads,
+            _ => self.heads_per_block(),
+        }
     }
 
     /// The `#define` lines that specialise the source.
@@ -161,6 +176,31 @@ pub fn attention_spec(
     }
 }
 
+/// The absorbed-MLA attention source for a store of dtype `kv` whose rows are `rank` latent
+/// then `rope` rotary-key elements, a page-size family, and with `tensor_cores`, where the
+/// store is f16 or bf16 (`KV_DTYPE` 1 or 2), `MMA_HEADS` [`MLA_MMA_HEADS`]: the pipelined
+/// kernel's tensor-core form (NVIDIA GPUs from sm_80, and the emulation).
+pub fn attention_mla_spec(
+    kv: u32,
+    rank: u32,
+    rope: u32,
+    page_family: u32,
+    tensor_cores: bool,
+) -> Spec {
+    let mut spec = attention_spec(
+        kv,
+        rank + rope,
+        rank,
+        page_family,
+        MLA_HEADS_PER_BLOCK,
+        true,
+    );
+    if tensor_cores && matches!(kv, 1 | 2) {
+        spec.defines.push(("MMA_HEADS", MLA_MMA_HEADS));
+    }
+    spec
+}
+
 /// Every specialisation of every source: what CI compiles with NVRTC and the emulation
 /// compiles for the CPU.
 pub fn all_specs() -> Vec<Spec> {
@@ -188,14 +228,10 @@ pub fn all_specs() -> Vec<Spec> {
     for kv in SPEC_KV_DTYPES {
         for (rank, rope) in SPEC_MLA_DIMS {
             for pf in SPEC_PAGE_FAMILIES {
-                specs.push(attention_spec(
-                    kv,
-                    rank + rope,
-                    rank,
-                    pf,
-                    MLA_HEADS_PER_BLOCK,
-                    true,
-                ));
+                specs.push(attention_mla_spec(kv, rank, rope, pf, false));
+                if matches!(kv, 1 | 2) {
+                    specs.push(attention_mla_spec(kv, rank, rope, pf, true));
+                }
             }
         }
     }

@@ -71,6 +71,54 @@ fn gpu_attention_conformance_quick() {
     }
 }
 
+/// The tensor-core MLA form (`CudaConfig::mla_tensor_cores`, off by default until this has
+/// run): the quick suite's MLA cases over f16 and bf16 stores, with the default split and the
+/// most splits merged in the kernel, then the tiny MLA decoder's greedy schedule on it. Each
+/// backend must have the form (an sm_80 or later GPU) or the test fails.
+#[test]
+fn gpu_mla_tensor_cores() {
+    use attention::conformance::{AttentionCase, CaseKind};
+    use attention_cuda::Device;
+    for split_kv_target_blocks in [CudaConfig::default().split_kv_target_blocks, 1 << 20] {
+        let config = CudaConfig {
+            mla_tensor_cores: true,
+            fuse_split_merge: split_kv_target_blocks == 1 << 20,
+            split_kv_target_blocks,
+            ..CudaConfig::default()
+        };
+        let Some(b) = gpu_with_or_skip("gpu_mla_tensor_cores", config) else {
+            return;
+        };
+        assert!(b.device().tensor_cores(), "no tensor-core form on this GPU");
+        let outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
+            .into_iter()
+            .filter(|c| matches!(c.kind, CaseKind::Mla { .. }))
+            .flat_map(|c| {
+                [kv_pool::KvDtype::F16, kv_pool::KvDtype::Bf16]
+                    .map(|dtype| AttentionCase { dtype, ..c.clone() })
+            })
+            .map(|c| conformance::run_attention_case(&b, &c).unwrap())
+            .collect();
+        for o in &outcomes {
+            println!("{o}");
+        }
+        conformance::assert_all_passed(&outcomes);
+        let config = model::greedy_check::mla_config();
+        let check = model::greedy_check::check_against_cpu(
+            b.clone(),
+            &config,
+            kv_pool::KvDtype::Bf16,
+            TensorDtype::F32,
+            1e-3,
+        )
+        .unwrap();
+        match check {
+            Ok(tokens) => println!("{:?} {tokens}", config.architecture),
+            Err(mismatch) => panic!("{:?} {mismatch}", config.architecture),
+        }
+    }
+}
+
 /// The tiny Llama and MLA decoders' greedy schedule on the GPU against the CPU backend
 /// (`model::greedy_check`, the schedule the emulated device runs in `attention-cuda-emu`):
 /// logits within the store dtype's bound, greedy tokens equal.

@@ -81,6 +81,7 @@ fn decode_attention(b: &WgpuBackend) {
             q_heads: 32,
             head_dim: 128,
             dtype,
+            mla_rope_dim: None,
         };
         let shape = KvShape::mha(8, 128, 128, 1, dtype).unwrap();
         if let Err(reason) = b.kv_support(&shape) {

@@ -25,7 +25,8 @@ use kv_pool::{KvDtype, KvLayout, KvShape, Slot};
 use crate::{AttentionParams, Backend, BatchMetadata, RequestKv, Result};
 
 /// One decode attention shape: `requests` requests of `kv_len` cached positions each (the
-/// last one written by the call itself).
+/// last one written by the call itself), over an MHA/GQA store or, with `mla_rope_dim`, an
+/// absorbed-MLA one ([`Backend::attention_mla`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeCase {
     /// Requests in the batch (one query token each).
@@ -38,10 +39,13 @@ pub struct DecodeCase {
     pub kv_heads: usize,
     /// Query heads (a multiple of `kv_heads`).
     pub q_heads: usize,
-    /// K and V head dim.
+    /// K and V head dim; for MLA the latent row (`kv_lora_rank` + rope dim).
     pub head_dim: usize,
     /// The store's KV dtype.
     pub dtype: KvDtype,
+    /// `Some(rope dim)`: absorbed MLA, one latent row of `head_dim` elements per position
+    /// (`kv_heads` 1), whose first `head_dim − rope dim` are the values.
+    pub mla_rope_dim: Option<usize>,
 }
 
 impl DecodeCase {
@@ -56,16 +60,46 @@ impl DecodeCase {
             q_heads: 32,
             head_dim: 128,
             dtype,
+            mla_rope_dim: None,
         };
+        one.with_requests_for(min_bytes)
+    }
+
+    /// A DeepSeek-V3-shaped absorbed-MLA case (latent rows of 512 + 64, `q_heads` heads: 128,
+    /// or 16 a GPU at tensor parallelism 8) with as many requests as it takes for the call to
+    /// read at least `min_bytes` of KV (at least one).
+    pub fn deepseek_v3(
+        q_heads: usize,
+        page_size: u32,
+        kv_len: usize,
+        dtype: KvDtype,
+        min_bytes: u64,
+    ) -> Self {
+        let one = DecodeCase {
+            requests: 1,
+            kv_len,
+            page_size,
+            kv_heads: 1,
+            q_heads,
+            head_dim: 576,
+            dtype,
+            mla_rope_dim: Some(64),
+        };
+        one.with_requests_for(min_bytes)
+    }
+
+    fn with_requests_for(self, min_bytes: u64) -> Self {
         DecodeCase {
-            requests: min_bytes.div_ceil(one.kv_bytes().max(1)).max(1) as usize,
-            ..one
+            requests: min_bytes.div_ceil(self.kv_bytes().max(1)).max(1) as usize,
+            ..self
         }
     }
 
-    /// The KV bytes one call reads: every K and V row of every request once.
+    /// The KV bytes one call reads: every K and V row of every request once (MLA: the one
+    /// latent row a position).
     pub fn kv_bytes(&self) -> u64 {
-        (self.requests * self.kv_len * 2 * self.kv_heads * self.head_dim) as u64
+        let rows = if self.mla_rope_dim.is_some() { 1 } else { 2 };
+        (self.requests * self.kv_len * rows * self.kv_heads * self.head_dim) as u64
             * self.dtype.bytes() as u64
     }
 
@@ -110,13 +144,28 @@ pub fn measure_decode_back_to_back<B: Backend>(
 ) -> Result<DecodeTiming> {
     let calls = calls.max(1);
     let c = case;
-    let shape = KvShape::mha(
-        c.kv_heads as u32,
-        c.head_dim as u32,
-        c.head_dim as u32,
-        1,
-        c.dtype,
-    )?;
+    let shape = match c.mla_rope_dim {
+        Some(rope) => {
+            if c.kv_heads != 1 || rope >= c.head_dim {
+                return Err(crate::AttentionError::InvalidConfig {
+                    field: "mla_rope_dim",
+                    reason: format!(
+                        "an MLA decode case has one KV head and a latent row longer than its \
+                         rope dim, not {} heads of {} with rope {rope}",
+                        c.kv_heads, c.head_dim
+                    ),
+                });
+            }
+            KvShape::mla((c.head_dim - rope) as u32, rope as u32, 1, c.dtype)?
+        }
+        None => KvShape::mha(
+            c.kv_heads as u32,
+            c.head_dim as u32,
+            c.head_dim as u32,
+            1,
+            c.dtype,
+        )?,
+    };
     let layout = KvLayout::new(shape, c.page_size, c.pages() * c.page_size as usize)?;
     let mut store = b.new_kv_store(layout)?;
     let page = c.page_size as usize;
@@ -143,12 +192,20 @@ pub fn measure_decode_back_to_back<B: Backend>(
             .collect()
     };
     let q = b.upload(&row(c.q_heads), &[c.requests, c.q_heads, c.head_dim])?;
-    let kv = b.upload(&row(c.kv_heads), &[c.requests, c.kv_heads, c.head_dim])?;
+    let kv = if c.mla_rope_dim.is_some() {
+        b.upload(&row(1), &[c.requests, c.head_dim])? // the new latent rows
+    } else {
+        b.upload(&row(c.kv_heads), &[c.requests, c.kv_heads, c.head_dim])?
+    };
     let params = AttentionParams::dense(1.0 / (c.head_dim as f32).sqrt());
     let mut sample = |calls: usize| -> Result<f64> {
         let t = Instant::now();
         for _ in 0..calls {
-            b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
+            if c.mla_rope_dim.is_some() {
+                b.attention_mla(0, &plan, &mut store, &q, &kv, &params)?;
+            } else {
+                b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
+            }
         }
         b.synchronize()?;
         Ok(t.elapsed().as_secs_f64() / calls as f64)
@@ -179,6 +236,54 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_v3_cases_read_one_latent_row_a_position() {
+        let c = DecodeCase::deepseek_v3(16, 64, 1024, KvDtype::Bf16, 1 << 30);
+        // 1024 positions x one row of 576 elements x 2 bytes per request.
+        assert_eq!(c.kv_bytes() / c.requests as u64, 1024 * 576 * 2);
+        assert_eq!(c.requests, (1u64 << 30).div_ceil(1024 * 576 * 2) as usize);
+    }
+
+    #[test]
+    fn the_cpu_backend_is_measured_over_an_mla_store_and_bad_mla_cases_are_refused() {
+        let b = crate::CpuBackend::default();
+        let case = DecodeCase {
+            requests: 2,
+            kv_len: 50,
+            page_size: 16,
+            kv_heads: 1,
+            q_heads: 4,
+            head_dim: 48,
+            dtype: KvDtype::Bf16,
+            mla_rope_dim: Some(16),
+        };
+        let t = measure_decode(&b, &case, 2).unwrap();
+        assert!(t.seconds > 0.0 && t.gbps().is_finite(), "{t:?}");
+        assert_eq!(t.case.kv_bytes(), 2 * 50 * 48 * 2);
+        for bad in [
+            DecodeCase {
+                kv_heads: 2,
+                ..case
+            },
+            DecodeCase {
+                mla_rope_dim: Some(48),
+                ..case
+            },
+        ] {
+            let err = measure_decode(&b, &bad, 1).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    crate::AttentionError::InvalidConfig {
+                        field: "mla_rope_dim",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
     fn the_cpu_backend_is_measured_over_every_page_size() {
         let b = crate::CpuBackend::default();
         for page_size in [1, 16, 64] {
@@ -190,6 +295,7 @@ mod tests {
                 q_heads: 4,
                 head_dim: 64,
                 dtype: KvDtype::F16,
+                mla_rope_dim: None,
             };
             let t = measure_decode(&b, &case, 3).unwrap();
             assert!(t.seconds > 0.0 && t.gbps().is_finite(), "{t:?}");

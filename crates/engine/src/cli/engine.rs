@@ -104,6 +104,11 @@ pub struct EngineArgs {
         help_heading = "Engine"
     )]
     pub cuda_attention_kernel: CudaAttentionKernel,
+    /// Absorbed MLA (DeepSeek) over an f16/bf16 KV cache on the tensor cores in the pipelined
+    /// kernel: 16 heads a block on `mma.sync` (NVIDIA GPUs from sm_80), against 4 on the
+    /// lanes' FMAs. Off by default until a GPU has checked and timed it; ignored elsewhere.
+    #[arg(long, help_heading = "Engine")]
+    pub cuda_mla_tensor_cores: bool,
     #[command(flatten)]
     pub hicache: HiCacheArgs,
 }
@@ -235,6 +240,7 @@ impl EngineArgs {
         setup.scheduler.enable_mixed_chunk = self.enable_mixed_chunk;
         setup.enable_deterministic_inference = self.enable_deterministic_inference;
         setup.cuda_attention_kernel = self.cuda_attention_kernel;
+        setup.cuda_mla_tensor_cores = self.cuda_mla_tensor_cores;
         setup.threads = self
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

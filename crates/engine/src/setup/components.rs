@@ -390,6 +390,7 @@ fn cuda_config(setup: &EngineSetup) -> attention_cuda::CudaConfig {
             CudaAttentionKernel::Chunked => attention_cuda::AttentionKernel::Chunked,
             CudaAttentionKernel::Pipelined => attention_cuda::AttentionKernel::Pipelined,
         },
+        mla_tensor_cores: setup.cuda_mla_tensor_cores,
         ..Default::default()
     }
 }

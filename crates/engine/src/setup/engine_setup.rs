@@ -44,6 +44,9 @@ pub struct EngineSetup {
     pub cuda_graph: CudaGraphSetup,
     /// `--cuda-attention-kernel`: the cuda and rocm backends' paged-attention kernel.
     pub cuda_attention_kernel: CudaAttentionKernel,
+    /// `--cuda-mla-tensor-cores`: the cuda backend's tensor-core MLA form
+    /// (`attention_cuda::CudaConfig::mla_tensor_cores`).
+    pub cuda_mla_tensor_cores: bool,
 }
 
 /// The cuda and rocm backends' paged-attention kernel (`attention_cuda::AttentionKernel`, named
@@ -91,6 +94,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         enable_deterministic_inference: false,
         cuda_graph: CudaGraphSetup::default(),
         cuda_attention_kernel: CudaAttentionKernel::default(),
+        cuda_mla_tensor_cores: false,
     }
 }
 
