@@ -107,6 +107,7 @@ fn main() {
             "shfl_xor_table",
             "block_reduce",
             "decode_tables",
+            "syncthreads_or",
             "mismatched_barriers"
         ]
         .iter()

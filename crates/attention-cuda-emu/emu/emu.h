@@ -110,6 +110,23 @@ inline T __shfl_sync(unsigned int /*mask*/, T v, int src_lane) {
 // every write is already visible to every later read.
 inline void __threadfence() {}
 
+// __syncthreads_or: a block barrier that returns non-zero in every thread when any thread's
+// predicate is non-zero. A block's fibers share one OS thread (and its blocks run one after
+// another), so they OR into one thread-local word between two barriers and each clears it
+// after a third: every fiber has cleared it before any passes the next call's first barrier.
+inline int __syncthreads_or(int predicate) {
+    static thread_local int any = 0;
+    kvs_emu_syncthreads();
+    if (predicate) {
+        any = 1;
+    }
+    kvs_emu_syncthreads();
+    const int result = any;
+    kvs_emu_syncthreads();
+    any = 0;
+    return result;
+}
+
 // atomicAdd: fibers switch only at barriers, so a plain read-modify-write is atomic here.
 template <class T>
 inline T atomicAdd(T* p, T v) {

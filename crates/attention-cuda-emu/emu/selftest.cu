@@ -36,6 +36,28 @@ KVS_KERNEL void decode_tables(const float* in, float* out) {
     }
 }
 
+// out[3·b + r] = __syncthreads_or of round r of block b, every thread's result: round 0 where
+// thread in[b] alone (none when in[b] < 0) has a non-zero predicate, round 1 where none has,
+// round 2 where all have (three calls in a row, so one call's answer must not leak into the
+// next). Each thread adds its result in turn, so out[3·b + r] is blockDim.x or 0 exactly when
+// every thread agreed.
+KVS_KERNEL void syncthreads_or(const float* in, float* out) {
+    const int chosen = (int)in[blockIdx.x];
+    const int results[3] = {
+        __syncthreads_or((int)threadIdx.x == chosen),
+        __syncthreads_or(0),
+        __syncthreads_or(1),
+    };
+    for (unsigned int t = 0; t < blockDim.x; ++t) {
+        if (t == threadIdx.x) {
+            for (int r = 0; r < 3; ++r) {
+                out[3 * blockIdx.x + r] += results[r] != 0 ? 1.0f : 0.0f;
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // Lane 0 waits at the block barrier while the rest of its warp waits on a shuffle that needs
 // lane 0: no barrier can ever complete (undefined on a GPU; the emulator must say so).
 KVS_KERNEL void mismatched_barriers(float* out) {

@@ -1,7 +1,7 @@
 //! The emulator itself, on its own test kernels (`emu/selftest.cu`): warp shuffles equal their
 //! definition for every lane mask, block reductions across warps are exact, the portable f16
-//! and fp8 e4m3 decoders equal the host's for every bit pattern, and a barrier mismatch is
-//! reported as a typed error instead of hanging.
+//! and fp8 e4m3 decoders equal the host's for every bit pattern, `__syncthreads_or` agrees in
+//! every thread, and a barrier mismatch is reported as a typed error instead of hanging.
 
 use attention::AttentionError;
 use attention_cuda::{Device, KernelArg, LaunchConfig};
@@ -96,6 +96,33 @@ fn block_reductions_are_exact() {
                 row.iter().copied().fold(f32::MIN, f32::max)
             );
         }
+    }
+}
+
+/// `__syncthreads_or` (what the attention kernels' in-kernel split merge tells every thread
+/// with) is non-zero in every thread exactly when some thread's predicate is: one thread's
+/// (the first, the last, one in the middle), none, all; three calls in a row per block.
+#[test]
+fn syncthreads_or_tells_every_thread_whether_any_predicate_held() {
+    let Some(dev) = emu_or_skip("syncthreads_or_tells_every_thread") else {
+        return;
+    };
+    let threads = 96usize;
+    let chosen = [0.0f32, 95.0, 40.0, -1.0];
+    let got = run(
+        &dev,
+        "syncthreads_or",
+        (chosen.len(), threads),
+        &chosen,
+        3 * chosen.len(),
+    );
+    for (b, &c) in chosen.iter().enumerate() {
+        let any = if c >= 0.0 { threads as f32 } else { 0.0 };
+        assert_eq!(
+            &got[3 * b..3 * b + 3],
+            &[any, 0.0, threads as f32],
+            "block {b}"
+        );
     }
 }
 

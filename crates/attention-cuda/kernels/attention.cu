@@ -180,14 +180,16 @@ __device__ inline void kvs_attn_finish(const kvs_attn_block& b, unsigned int q_h
     if (!merge_in_kernel) {
         return; // the whole grid: merge_states follows
     }
-    __shared__ unsigned int s_last;
     __threadfence(); // this thread's partial state, before the count
     __syncthreads(); // every thread's
+    // Whether this block is the last of its (token, head group), told to every thread by
+    // __syncthreads_or: no shared variable, whose 4 bytes would take the tensor-core form's
+    // static shared memory past 48 KiB (its stages fill it).
+    int last = 0;
     if (threadIdx.x == 0) {
-        s_last = atomicAdd(counters + blockIdx.x, 1u) == b.num_splits - 1 ? 1u : 0u;
+        last = atomicAdd(counters + blockIdx.x, 1u) == b.num_splits - 1;
     }
-    __syncthreads();
-    if (!s_last) {
+    if (!__syncthreads_or(last)) {
         return; // the whole block
     }
     __threadfence(); // the other splits' states, counted before this block's count

@@ -10,8 +10,10 @@
 //!   (store dtype f32/f16/bf16/fp8, head dim or MLA shape, page-size family, query heads per
 //!   attention block: [`specs::GQA_HEADS_PER_BLOCK`] of a GQA group, or
 //!   [`specs::MLA_HEADS_PER_BLOCK`] MLA heads, share each KV read) into the [`Spec`]s of
-//!   [`specs`]; every specialisation is compiled to PTX by NVRTC and for gfx90a by hipRTC in
-//!   CI (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`). Paged attention has two kernels
+//!   [`specs`]; every specialisation is compiled by NVRTC in CI (the serving family's all the
+//!   way to sm_90 machine code by NVRTC's ptxas, whose report [`ptxas`] reads: registers,
+//!   spills, static shared memory; the rest to PTX) and every branch for gfx90a by hipRTC
+//!   (features `cuda-13`, `rocm`; [`nvrtc`], `hiprtc`). Paged attention has two kernels
 //!   with one contract, chosen by [`CudaConfig::attention_kernel`] ([`AttentionKernel`]):
 //!   `paged_attention_pipelined` (the default: keys and values staged in shared memory by
 //!   `cp.async` several tiles ahead, FlashInfer's decode schedule, f16/bf16/fp8 on the tensor
@@ -89,6 +91,7 @@ pub mod kernels;
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub mod nvrtc;
 pub mod plan;
+pub mod ptxas;
 /// The kernel specialisations (plain data, shared with the emulation's build script).
 pub mod specs;
 pub mod store;

@@ -1,8 +1,12 @@
-//! Run-time compilation of the kernel sources to PTX with NVRTC (cudarc, dynamically loaded).
-//! [`available`] must say yes before [`compile`] is called: cudarc's loader panics when
-//! `libnvrtc` cannot be opened.
+//! Run-time compilation of the kernel sources to PTX with NVRTC (cudarc, dynamically loaded),
+//! and [`assemble`]: the same compile carried on through NVRTC's ptxas to a real architecture's
+//! machine code, with ptxas's report per kernel ([`crate::ptxas`]), for tests that check
+//! what only the assembler sees (inline assembly, static shared memory, registers, spills)
+//! without a GPU. [`available`] must say yes before either is called: cudarc's loader panics
+//! when `libnvrtc` cannot be opened.
 
 use crate::kernels::source_text;
+use crate::ptxas::{self, KernelResources};
 use crate::specs::Spec;
 
 /// Whether `libnvrtc` can be loaded (`Err` says why not).
@@ -59,17 +63,85 @@ pub fn tuning_defines(value: Option<&str>) -> Result<Vec<(String, u64)>, String>
 /// NVRTC's log or the malformed define. Checks [`available`] first.
 pub fn compile(spec: &Spec, arch: &str) -> Result<cudarc::nvrtc::Ptx, String> {
     available()?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec!["--std=c++17".into(), format!("--gpu-architecture={arch}")],
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(compiled_text(spec)?, opts)
+        .map_err(|e| format!("{}: {e:?}", spec.name()))
+}
+
+/// What NVRTC compiles for `spec`: the [`tuning_defines`] of the environment, then the
+/// specialised source.
+fn compiled_text(spec: &Spec) -> Result<String, String> {
     let tuning = tuning_defines(std::env::var(TUNING_DEFINES_VAR).ok().as_deref())?;
     let mut text: String = tuning
         .iter()
         .map(|(name, v)| format!("#define {name} {v}\n"))
         .collect();
     text.push_str(&source_text(spec));
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec!["--std=c++17".into(), format!("--gpu-architecture={arch}")],
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(text, opts).map_err(|e| format!("{}: {e:?}", spec.name()))
+    Ok(text)
+}
+
+/// Compiles `spec` for the real architecture `arch` (`"sm_90"`): NVRTC's PTX assembled by the
+/// ptxas inside NVRTC into the machine code a GPU of that architecture loads, so that what
+/// only the assembler checks fails here as it would when a GPU loads the module (a malformed
+/// inline `asm`, static shared memory beyond 48 KiB, a launch bound the registers cannot
+/// meet). Returns ptxas's report of every kernel ([`ptxas::parse_ptxas_report`]); `Err` carries
+/// NVRTC's log.
+pub fn assemble(spec: &Spec, arch: &str) -> Result<Vec<KernelResources>, String> {
+    use cudarc::nvrtc::result;
+    available()?;
+    let src = std::ffi::CString::new(compiled_text(spec)?)
+        .map_err(|_| format!("{}: the source holds a NUL byte", spec.name()))?;
+    let prog = result::create_program(&src, None).map_err(|e| format!("{}: {e:?}", spec.name()))?;
+    let options = [
+        "--std=c++17".to_string(),
+        format!("--gpu-architecture={arch}"),
+        "--ptxas-options=-v".to_string(),
+    ];
+    // SAFETY: `prog` was created just above from `src`, which outlives it, and is destroyed
+    // only at the end of this function.
+    let compiled = unsafe { result::compile_program(prog, &options) };
+    // SAFETY: as above; the log exists after a compile, failed or not.
+    let log = unsafe { result::get_program_log(prog) }.map(|raw| {
+        let bytes: Vec<u8> = raw
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    });
+    // SAFETY: `prog` is live and not used again.
+    let destroyed = unsafe { result::destroy_program(prog) };
+    let log = log.map_err(|e| format!("{}: no NVRTC log: {e:?}", spec.name()))?;
+    compiled.map_err(|e| {
+        // NVRTC's log leaves out ptxas's error line; the one limit it can be told from the
+        // report is static shared memory's.
+        let over: Vec<String> = ptxas::parse_report(&log, false)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|k| k.shared_bytes > ptxas::STATIC_SHARED_LIMIT)
+            .map(|k| {
+                format!(
+                    "{} uses {} bytes of static shared memory",
+                    k.kernel, k.shared_bytes
+                )
+            })
+            .collect();
+        let hint = if over.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " ({}; at most {})",
+                over.join(", "),
+                ptxas::STATIC_SHARED_LIMIT
+            )
+        };
+        format!("{}: {e:?}{hint}\n{log}", spec.name())
+    })?;
+    destroyed.map_err(|e| format!("{}: {e:?}", spec.name()))?;
+    ptxas::parse_ptxas_report(&log).map_err(|e| format!("{}: {e}\n{log}", spec.name()))
 }
 
 #[cfg(test)]

@@ -81,6 +81,12 @@ pub fn compile_every_spec<C>(
                 if !text.contains(&format!("share {share}: ")) {
                     failures.push(format!("share {share} compiled nothing:\n{text}"));
                 }
+                // What the checks printed (libtest's own lines left out).
+                text.lines()
+                    .filter(|l| {
+                        !(l.is_empty() || l.starts_with("running ") || l.starts_with("test "))
+                    })
+                    .for_each(|l| println!("{l}"));
             }
             Ok(out) => failures.push(format!(
                 "share {share}: {}\n{}{}",
