@@ -40,6 +40,8 @@ struct Block {
     std::vector<Fiber> fibers;
     std::vector<Warp> warps;
     std::vector<char> stacks;
+    // The pass's order: order[k] is the k-th fiber to run, pos[i] fiber i's place in it.
+    std::vector<unsigned int> order, pos;
     unsigned int n, alive, arrived, gen, current;
     bool progress;
 #if defined(__x86_64__)
@@ -53,7 +55,45 @@ struct Block {
 
 thread_local Block* block_state;
 
+// The order fibers run in within a pass (between two barriers), set by kvs_emu_set_schedule
+// for the calling OS thread's launches: 0 in thread order, 1 in reverse, 2 a new permutation
+// every pass (SplitMix64 from the seed). A race-free kernel gives the same bits under every
+// order; one that reads what another thread writes without a barrier between them does not.
+thread_local unsigned int schedule_mode = 0;
+thread_local uint64_t schedule_state = 0;
+
+uint64_t splitmix64(uint64_t& s) {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Sets b's order for the next pass.
+void order_pass(Block* b) {
+    const unsigned int n = b->n;
+    for (unsigned int k = 0; k < n; ++k) {
+        b->order[k] = schedule_mode == 1 ? n - 1 - k : k;
+    }
+    if (schedule_mode == 2) {
+        for (unsigned int k = n - 1; k > 0; --k) {
+            const unsigned int j = (unsigned int)(splitmix64(schedule_state) % (k + 1));
+            const unsigned int t = b->order[k];
+            b->order[k] = b->order[j];
+            b->order[j] = t;
+        }
+    }
+    for (unsigned int k = 0; k < n; ++k) {
+        b->pos[b->order[k]] = k;
+    }
+}
+
 }  // namespace
+
+extern "C" void kvs_emu_set_schedule(unsigned int mode, uint64_t seed) {
+    schedule_mode = mode;
+    schedule_state = seed;
+}
 
 #if defined(__x86_64__)
 extern "C" void kvs_emu_switch(void** save_sp, void* to_sp);
@@ -95,11 +135,12 @@ kvs_emu_start:
 
 namespace {
 
-// The first live fiber after `from` (from + 1 .. n - 1), or n when there is none.
+// The first live fiber after place `from` of the pass's order (places from + 1 .. n - 1), or
+// n when there is none.
 unsigned int next_live(const Block* b, unsigned int from) {
-    for (unsigned int j = from + 1; j < b->n; ++j) {
-        if (!b->fibers[j].done) {
-            return j;
+    for (unsigned int k = from + 1; k < b->n; ++k) {
+        if (!b->fibers[b->order[k]].done) {
+            return b->order[k];
         }
     }
     return b->n;
@@ -110,7 +151,7 @@ unsigned int next_live(const Block* b, unsigned int from) {
 // the pass's last one. Returns when the fiber is resumed.
 void yield_fiber(Block* b) {
     unsigned int i = b->current;
-    unsigned int next = next_live(b, i);
+    unsigned int next = next_live(b, b->pos[i]);
     Fiber& f = b->fibers[i];
     if (next == b->n) {
 #if defined(__x86_64__)
@@ -247,6 +288,8 @@ int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx) {
     if (b.fibers.size() < block) {
         b.fibers.resize(block);
         b.stacks.resize((size_t)block * STACK_BYTES);
+        b.order.resize(block);
+        b.pos.resize(block);
     }
     unsigned int nwarps = (block + WARP_SIZE - 1) / WARP_SIZE;
     if (b.warps.size() < nwarps) {
@@ -280,6 +323,7 @@ int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx) {
                 // its barrier (yield_fiber), the last back here.
                 while (b.alive > 0) {
                     b.progress = false;
+                    order_pass(&b);
                     resume(&b, next_live(&b, UINT32_MAX));
                     if (!b.progress) {
                         rc = -3;  // every live thread waits on a barrier that cannot complete

@@ -22,8 +22,13 @@
 //!   values) instead of running them, and refuses allocations, copies and reads with a typed
 //!   error until the capture ends, as CUDA's stream capture does; a replay runs the recorded
 //!   launches in order.
+//! - Between two barriers a block's threads run one after another, in thread order by default;
+//!   [`EmuDevice::with_schedule`] runs them reversed or in a new random order at every barrier
+//!   ([`Schedule`]), so a read of what another thread writes with no barrier between them
+//!   (a race on a GPU) changes the result, which the schedule tests compare bitwise.
 //! - What emulation cannot check: the GPU memory model (threads switch only at barriers, so a
-//!   missing barrier can go unnoticed) and speed. Out-of-bounds accesses are not trapped.
+//!   race inside one barrier interval that no thread order exposes goes unnoticed) and speed.
+//!   Out-of-bounds accesses are not trapped.
 //!
 //! ## Where it sits
 //! A test-only crate (`publish = false`): depends on `attention-cuda` (the trait it implements)
@@ -65,9 +70,35 @@ impl std::fmt::Debug for EmuBuffer {
     }
 }
 
+/// The order a block's threads run in between two barriers (see the [crate docs](crate)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Schedule {
+    /// Thread order (0, 1, …) after every barrier: the default.
+    #[default]
+    InOrder,
+    /// Reverse thread order after every barrier.
+    Reversed,
+    /// A new pseudo-random order after every barrier, drawn from this seed (the same seed, the
+    /// same orders).
+    Shuffled(u64),
+}
+
+impl Schedule {
+    /// The runtime's (mode, seed) for `kvs_emu_set_schedule`.
+    fn mode(self) -> (u32, u64) {
+        match self {
+            Schedule::InOrder => (0, 0),
+            Schedule::Reversed => (1, 0),
+            Schedule::Shuffled(seed) => (2, seed),
+        }
+    }
+}
+
 /// The emulated device (see the [crate docs](crate)).
 #[derive(Debug)]
 pub struct EmuDevice {
+    /// The order a block's threads run in between barriers.
+    schedule: Schedule,
     /// The launches recorded since `begin_capture`, or `None` outside a capture.
     capture: std::sync::Mutex<Option<Vec<Recorded>>>,
     /// Launches run (or recorded) so far, by specialisation and kernel: what tests check to
@@ -114,6 +145,7 @@ extern "C" {
         params: *mut *mut c_void,
         nparams: u32,
     ) -> c_int;
+    fn kvs_emu_set_schedule(mode: u32, seed: u64);
 }
 
 impl EmuDevice {
@@ -123,9 +155,15 @@ impl EmuDevice {
         return Err(env!("KVS_EMU_MISSING").to_string());
         #[cfg(not(kvs_emu_missing))]
         Ok(EmuDevice {
+            schedule: Schedule::default(),
             capture: std::sync::Mutex::new(None),
             counts: std::sync::Mutex::default(),
         })
+    }
+
+    /// This device with its blocks' threads run in `schedule`'s order between barriers.
+    pub fn with_schedule(self, schedule: Schedule) -> Self {
+        EmuDevice { schedule, ..self }
     }
 
     /// How many launches of `kernel` this device has run or recorded so far from the
@@ -196,7 +234,13 @@ impl Device for EmuDevice {
         for l in &graph.launches {
             // The caller guarantees that the buffers behind the recorded pointers are alive
             // (replay's contract), as a GPU graph's device addresses must be.
-            launch_compiled(Some(&l.spec), &l.kernel, l.cfg, &mut l.values.clone())?;
+            launch_compiled(
+                Some(&l.spec),
+                &l.kernel,
+                l.cfg,
+                &mut l.values.clone(),
+                self.schedule,
+            )?;
         }
         Ok(())
     }
@@ -286,7 +330,7 @@ impl Device for EmuDevice {
             });
             return Ok(());
         }
-        launch_compiled(Some(spec), kernel, cfg, &mut values(args))
+        launch_compiled(Some(spec), kernel, cfg, &mut values(args), self.schedule)
     }
 }
 
@@ -309,19 +353,21 @@ impl EmuDevice {
         cfg: LaunchConfig,
         args: &[KernelArg<'_, EmuBuffer>],
     ) -> Result<()> {
-        launch_compiled(None, kernel, cfg, &mut values(args))
+        launch_compiled(None, kernel, cfg, &mut values(args), self.schedule)
     }
 }
 
 /// Calls the CPU-compiled kernel with cuLaunchKernel's convention: `params[i]` points at the
 /// i-th argument's value (pointers as 8 bytes, `u32` and `f32` in the low 4 bytes of a
-/// little-endian word). `spec: None` launches a self-test kernel.
+/// little-endian word). `spec: None` launches a self-test kernel. The launch runs on the
+/// calling thread, its blocks' threads in `schedule`'s order.
 #[cfg(not(kvs_emu_missing))]
 fn launch_compiled(
     spec: Option<&Spec>,
     kernel: &str,
     cfg: LaunchConfig,
     values: &mut [u64],
+    schedule: Schedule,
 ) -> Result<()> {
     let c = |s: &str| {
         CString::new(s).map_err(|_| AttentionError::Device(format!("bad kernel name {s:?}")))
@@ -335,8 +381,11 @@ fn launch_compiled(
     // SAFETY: the names are NUL-terminated, `grid` has 3 entries, and `params` has one valid
     // pointer per argument (the dispatcher refuses a count other than the kernel's). Buffer
     // arguments point at live allocations the backend sized for the launch; the kernel reads
-    // and writes only through them.
+    // and writes only through them. `kvs_emu_set_schedule` only sets two thread-locals.
     let rc = unsafe {
+        let (mode, seed) = schedule.mode();
+        // The schedule is the calling thread's, which runs the launch below.
+        kvs_emu_set_schedule(mode, seed);
         match spec {
             Some(_) => kvs_emu_launch(
                 spec_name.as_ptr(),
@@ -375,7 +424,13 @@ fn launch_compiled(
 }
 
 #[cfg(kvs_emu_missing)]
-fn launch_compiled(_: Option<&Spec>, kernel: &str, _: LaunchConfig, _: &mut [u64]) -> Result<()> {
+fn launch_compiled(
+    _: Option<&Spec>,
+    kernel: &str,
+    _: LaunchConfig,
+    _: &mut [u64],
+    _: Schedule,
+) -> Result<()> {
     Err(AttentionError::Device(format!(
         "cuda-emu: cannot launch {kernel}: {}",
         env!("KVS_EMU_MISSING")

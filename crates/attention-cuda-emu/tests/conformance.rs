@@ -271,6 +271,70 @@ fn emu_mla_tensor_cores() {
     }
 }
 
+/// Between two barriers a block's threads run in thread order by default; reversed, or in a
+/// new random order after every barrier (`Schedule`), a race-free kernel gives the same bits,
+/// and one that reads what another thread wrote with no barrier between them (a race on a GPU)
+/// does not. Cases of the quick attention suite on both kernels (the pipelined one with the
+/// tensor-core MLA form, and with the most splits merged in the kernel) and the dense suite
+/// run reversed and shuffled; their errors against the reference must agree bit for bit,
+/// which they do only when the outputs do. (The other emulated suites run in thread order.)
+#[test]
+fn emu_results_do_not_depend_on_the_thread_schedule() {
+    use attention_cuda_emu::{EmuDevice, Schedule};
+    let configs = [
+        (
+            CudaConfig {
+                mla_tensor_cores: true,
+                ..with_kernel(AttentionKernel::Pipelined)
+            },
+            4,
+        ),
+        (
+            CudaConfig {
+                split_kv_target_blocks: 1 << 20,
+                fuse_split_merge: true,
+                ..with_kernel(AttentionKernel::Pipelined)
+            },
+            9,
+        ),
+        (with_kernel(AttentionKernel::Chunked), 7),
+    ];
+    let run = |schedule: Schedule| -> Option<Vec<(String, u64, Option<u64>)>> {
+        let mut errors = Vec::new();
+        for (i, &(config, every)) in configs.iter().enumerate() {
+            let device = EmuDevice::new().ok()?.with_schedule(schedule);
+            let b = CudaBackend::new(device, config);
+            let mut outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
+                .iter()
+                .filter(|c| has_kernels(c))
+                .skip(i)
+                .step_by(every)
+                .map(|c| conformance::run_attention_case(&b, c).unwrap())
+                .collect();
+            if i == 0 {
+                outcomes.extend(conformance::run_dense_suite(&b).unwrap());
+            }
+            conformance::assert_all_passed(&outcomes);
+            errors.extend(
+                outcomes
+                    .into_iter()
+                    .map(|o| (o.name, o.error.to_bits(), o.stored_error.map(f64::to_bits))),
+            );
+        }
+        Some(errors)
+    };
+    if emu_or_skip("emu_results_do_not_depend_on_the_thread_schedule").is_none() {
+        return;
+    }
+    let reversed = run(Schedule::Reversed).unwrap();
+    let shuffled = run(Schedule::Shuffled(0x5EED)).unwrap();
+    println!("{} cases", reversed.len());
+    assert_eq!(reversed.len(), shuffled.len());
+    for (a, b) in reversed.iter().zip(&shuffled) {
+        assert_eq!(a, b, "{}: reversed and shuffled threads differ", a.0);
+    }
+}
+
 /// Page sizes that are not powers of two (`PAGE_FAMILY 2`, the kernels' general page-table
 /// walk, which the quick suite's 1, 16 and 64 never take): every fifth MHA, MLA and DoubleSparse case with
 /// pages of 24 and of 3 and the store dtypes in turn, on both attention kernels.
