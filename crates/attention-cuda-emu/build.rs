@@ -108,6 +108,7 @@ fn main() {
             "block_reduce",
             "decode_tables",
             "syncthreads_or",
+            "store_at",
             "mismatched_barriers"
         ]
         .iter()

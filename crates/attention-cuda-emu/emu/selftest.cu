@@ -58,6 +58,14 @@ KVS_KERNEL void syncthreads_or(const float* in, float* out) {
     }
 }
 
+// out[in[0]] = 1 from one thread: an index past the end of `out` must fault on the guard page
+// after it (the emulation's stand-in for compute-sanitizer's memcheck).
+KVS_KERNEL void store_at(const float* in, float* out) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        out[(size_t)in[0]] = 1.0f;
+    }
+}
+
 // Lane 0 waits at the block barrier while the rest of its warp waits on a shuffle that needs
 // lane 0: no barrier can ever complete (undefined on a GPU; the emulator must say so).
 KVS_KERNEL void mismatched_barriers(float* out) {

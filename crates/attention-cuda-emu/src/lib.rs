@@ -28,7 +28,10 @@
 //!   (a race on a GPU) changes the result, which the schedule tests compare bitwise.
 //! - What emulation cannot check: the GPU memory model (threads switch only at barriers, so a
 //!   race inside one barrier interval that no thread order exposes goes unnoticed) and speed.
-//!   Out-of-bounds accesses are not trapped.
+//! - Device memory is fenced by guard pages on Unix ([`EmuBuffer`]): a kernel that reads or
+//!   writes past the end of a buffer (its length rounded up to 16 bytes) faults, and the test
+//!   process dies of SIGSEGV. Accesses a little before a buffer's start land in its mapping's
+//!   padding and are not caught, nor are overruns within a shared-memory array.
 //!
 //! ## Where it sits
 //! A test-only crate (`publish = false`): depends on `attention-cuda` (the trait it implements)
@@ -44,10 +47,97 @@ use attention_cuda::{Device, KernelArg, LaunchConfig, Spec};
 /// Host memory standing in for a device allocation: 16-byte aligned, zeroed, at least one
 /// byte. Kernels write through its pointer while Rust holds only `&EmuBuffer`, so the bytes are
 /// never reached through a Rust reference except in [`Device::read`] / [`Device::write`].
+///
+/// On Unix the bytes are a mapping of their own, fenced by inaccessible guard pages: they end
+/// (their length rounded up to 16 bytes) where the guard page after them begins, so a kernel
+/// that reads or writes past the end of a buffer, or before its mapping, faults (the test
+/// process dies of SIGSEGV) instead of touching another buffer, as compute-sanitizer's
+/// memcheck would report on a GPU.
 pub struct EmuBuffer {
     ptr: NonNull<u8>,
     len: usize,
-    layout: Layout,
+    memory: Memory,
+}
+
+/// Where an [`EmuBuffer`]'s bytes live.
+enum Memory {
+    /// A guarded mapping: `len` bytes at `base`, the first and last pages inaccessible.
+    #[cfg(unix)]
+    Guarded { base: NonNull<u8>, len: usize },
+    /// The global allocator's.
+    #[cfg_attr(unix, allow(dead_code))]
+    Heap(Layout),
+}
+
+impl EmuBuffer {
+    /// A zeroed buffer of `bytes` (at least one), 16-byte aligned.
+    fn zeroed(bytes: usize) -> Result<EmuBuffer> {
+        let oom = AttentionError::HostOutOfMemory { bytes };
+        let padded = bytes
+            .max(1)
+            .checked_next_multiple_of(16)
+            .ok_or_else(|| oom.clone())?;
+        #[cfg(unix)]
+        {
+            // SAFETY: sysconf only reads a constant of the system.
+            let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+                .ok()
+                .filter(|&p| p >= 16)
+                .unwrap_or(4096);
+            let data = padded.div_ceil(page) * page;
+            let len = data.checked_add(2 * page).ok_or_else(|| oom.clone())?;
+            // SAFETY: an anonymous private mapping at an address of the kernel's choosing
+            // touches no existing memory.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if base == libc::MAP_FAILED {
+                return Err(oom);
+            }
+            let base = base.cast::<u8>();
+            let memory = Memory::Guarded {
+                base: NonNull::new(base).ok_or(oom)?,
+                len,
+            };
+            // SAFETY: both ranges are whole pages inside the mapping just made, which nothing
+            // else references; a failure leaves the pages accessible, which only loses the
+            // guard.
+            unsafe {
+                libc::mprotect(base.cast(), page, libc::PROT_NONE);
+                libc::mprotect(base.add(page + data).cast(), page, libc::PROT_NONE);
+            }
+            // SAFETY: page + data − padded ≥ page, inside the mapping's accessible pages.
+            let ptr = unsafe { base.add(page + data - padded) };
+            Ok(EmuBuffer {
+                ptr: NonNull::new(ptr).expect("inside a mapping"),
+                len: bytes,
+                memory,
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            let layout = Layout::from_size_align(padded, 16).map_err(|_| oom.clone())?;
+            // SAFETY: the layout has a non-zero size.
+            let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+            Ok(EmuBuffer {
+                ptr: NonNull::new(ptr).ok_or(oom)?,
+                len: bytes,
+                memory: Memory::Heap(layout),
+            })
+        }
+    }
+
+    /// The bytes a kernel may touch: the length rounded up to 16 (at least 16).
+    fn capacity(&self) -> usize {
+        self.len.max(1).next_multiple_of(16)
+    }
 }
 
 // SAFETY: an EmuBuffer owns its allocation exclusively (like a Box<[u8]>); the raw pointer is
@@ -59,8 +149,15 @@ unsafe impl Sync for EmuBuffer {}
 
 impl Drop for EmuBuffer {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc_zeroed(self.layout)` and is freed once, here.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        match self.memory {
+            // SAFETY: the mapping came from `mmap(len)` in `zeroed` and is unmapped once, here.
+            #[cfg(unix)]
+            Memory::Guarded { base, len } => unsafe {
+                libc::munmap(base.as_ptr().cast(), len);
+            },
+            // SAFETY: `ptr` came from `alloc_zeroed(layout)` and is freed once, here.
+            Memory::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
+        }
     }
 }
 
@@ -257,24 +354,15 @@ impl Device for EmuDevice {
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<EmuBuffer> {
         self.outside_capture("an allocation")?;
-        let layout = Layout::from_size_align(bytes.max(1), 16)
-            .map_err(|_| AttentionError::HostOutOfMemory { bytes })?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or(AttentionError::HostOutOfMemory { bytes })?;
-        Ok(EmuBuffer {
-            ptr,
-            len: bytes,
-            layout,
-        })
+        EmuBuffer::zeroed(bytes)
     }
 
     /// Poisoned, not zeroed: every byte 0xff (an f32 NaN, a u32 past any index), so an output
     /// element a kernel leaves unwritten shows in the results.
     fn alloc_uninit(&self, bytes: usize) -> Result<EmuBuffer> {
         let buf = self.alloc_zeroed(bytes)?;
-        // SAFETY: `buf` owns `layout.size()` bytes at `ptr`, which nothing else references yet.
-        unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), UNINIT_BYTE, buf.layout.size()) };
+        // SAFETY: `buf` owns `capacity()` bytes at `ptr`, which nothing else references yet.
+        unsafe { std::ptr::write_bytes(buf.ptr.as_ptr(), UNINIT_BYTE, buf.capacity()) };
         Ok(buf)
     }
 

@@ -126,6 +126,43 @@ fn syncthreads_or_tells_every_thread_whether_any_predicate_held() {
     }
 }
 
+/// Device memory is fenced by guard pages: a kernel's store at a buffer's last element lands,
+/// and one just past its end (a buffer of 64 floats, so its end is where the guard page
+/// begins) kills the process with SIGSEGV instead of writing another buffer. The store past
+/// the end runs in a child copy of this test binary.
+#[test]
+#[cfg(unix)]
+fn a_store_past_a_buffers_end_faults() {
+    use std::os::unix::process::ExitStatusExt;
+    const CHILD: &str = "KVS_EMU_STORE_PAST_END";
+    let Some(dev) = emu_or_skip("a_store_past_a_buffers_end_faults") else {
+        return;
+    };
+    let past_end = std::env::var(CHILD).is_ok();
+    let index = if past_end { 64.0 } else { 63.0 };
+    let got = run(&dev, "store_at", (1, 32), &[index], 64);
+    if past_end {
+        panic!("the store past the end did not fault: {got:?}");
+    }
+    assert_eq!(got[63], 1.0);
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "a_store_past_a_buffers_end_faults",
+            "--exact",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGSEGV),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn mismatched_barriers_are_reported_not_hung() {
     let Some(dev) = emu_or_skip("mismatched_barriers_are_reported_not_hung") else {
