@@ -96,7 +96,8 @@ fn main() {
     .unwrap();
     // The emulator's own test kernels, as one more specialisation named "selftest".
     let selftest = format!(
-        "#include \"emu.h\"\nnamespace kvs_selftest {{\n#include \"{}\"\n#include \"{}\"\n}}\n\
+        "#include \"emu.h\"\n#define KVS_EMU_SHARED_SECTION \"kvs_sh_selftest\"\n\
+         KVS_EMU_SHARED_UNIT(selftest)\nnamespace kvs_selftest {{\n#include \"{}\"\n#include \"{}\"\n}}\n\
          #include <string.h>\nextern \"C\" int kvs_emu_selftest(const char* \
          kernel, const unsigned int* grid, unsigned int block, void** params, unsigned int \
          nparams) {{\n    static pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;\n    kvs_emu::LaunchLock lock(&m);\n{}    \
@@ -109,12 +110,13 @@ fn main() {
             "decode_tables",
             "syncthreads_or",
             "store_at",
+            "shared_before_write",
             "mismatched_barriers"
         ]
         .iter()
         .map(|k| format!(
             "    if (strcmp(kernel, \"{k}\") == 0) return kvs_emu::launch(&kvs_selftest::{k}, \
-                 grid, block, params, nparams);\n"
+                 grid, block, params, nparams, &kvs_emu_poison_shared);\n"
         ))
         .collect::<String>()
     );
@@ -149,6 +151,9 @@ fn emulated(spec: &specs::Spec) -> bool {
 fn unit(spec: &specs::Spec, kernels: &Path) -> String {
     let name = spec.name();
     let mut s = String::from("#include \"emu.h\"\n");
+    // The unit's __shared__ arrays in a section of its own, filled before every block.
+    writeln!(s, "#define KVS_EMU_SHARED_SECTION \"kvs_sh_{name}\"").unwrap();
+    writeln!(s, "KVS_EMU_SHARED_UNIT({name})").unwrap();
     writeln!(s, "namespace kvs_spec_{name} {{").unwrap();
     s.push_str(&spec.prelude());
     writeln!(s, "#include \"{}\"", kernels.join("common.cuh").display()).unwrap();
@@ -171,7 +176,7 @@ fn unit(spec: &specs::Spec, kernels: &Path) -> String {
         writeln!(
             s,
             "    if (strcmp(kernel, \"{kernel}\") == 0) return kvs_emu::launch(\
-             &kvs_spec_{name}::{kernel}, grid, block, params, nparams);"
+             &kvs_spec_{name}::{kernel}, grid, block, params, nparams, &kvs_emu_poison_shared);"
         )
         .unwrap();
     }

@@ -40,7 +40,24 @@ extern thread_local dim3 kvs_emu_grid_dim;
 
 #define __global__
 #define __device__
-#define __shared__ static
+// __shared__ arrays are static storage in a linker section of their translation unit's own
+// (KVS_EMU_SHARED_SECTION, defined by each unit before the kernel sources; see
+// KVS_EMU_SHARED_UNIT), which the runtime fills with 0xff bytes (NaN as f32) before every
+// block: on a GPU a block's shared memory starts undefined, so a kernel that reads it before
+// writing it shows NaN here instead of a stale value that happens to work.
+#define __shared__ static __attribute__((section(KVS_EMU_SHARED_SECTION)))
+// Declares, in a unit whose section is "kvs_sh_" #NAME, that section's anchor and
+// kvs_emu_poison_shared(), which fills the section. The function reads the anchor, so the
+// linker keeps the section (with the unit's arrays) wherever the dispatcher is linked, and the
+// section exists even where the unit has no shared arrays.
+#define KVS_EMU_SHARED_UNIT(NAME)                                                              \
+    __attribute__((section("kvs_sh_" #NAME), used)) static char kvs_emu_shared_anchor;         \
+    extern "C" char __start_kvs_sh_##NAME[], __stop_kvs_sh_##NAME[];                           \
+    static void kvs_emu_poison_shared() {                                                      \
+        (void)*(volatile char*)&kvs_emu_shared_anchor;                                         \
+        memset(__start_kvs_sh_##NAME, 0xff,                                                    \
+               (size_t)(__stop_kvs_sh_##NAME - __start_kvs_sh_##NAME));                        \
+    }
 #define KVS_KERNEL
 #define WARP_SIZE 32
 
@@ -153,7 +170,9 @@ using Entry = void (*)(void*);
 // threads of a block wait on barriers that can never complete (divergent __syncthreads);
 // -4 for an empty grid or a block of 0 or more than 1024 threads; -5 when the launch passes a
 // different number of arguments than the kernel takes.
-int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx);
+// `poison`, when set, runs before each block (it fills the unit's shared memory).
+int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx,
+        void (*poison)() = nullptr);
 
 template <class... A, size_t... I>
 void call(void (*kernel)(A...), void** params, std::index_sequence<I...>) {
@@ -161,9 +180,10 @@ void call(void (*kernel)(A...), void** params, std::index_sequence<I...>) {
 }
 
 // cuLaunchKernel's convention: params[i] points at the value of the kernel's i-th parameter.
+// `poison` fills the kernel's unit's shared memory before each block.
 template <class... A>
 int launch(void (*kernel)(A...), const unsigned int* grid, unsigned int block, void** params,
-           unsigned int nparams) {
+           unsigned int nparams, void (*poison)()) {
     if (nparams != sizeof...(A)) {
         return -5;
     }
@@ -176,7 +196,7 @@ int launch(void (*kernel)(A...), const unsigned int* grid, unsigned int block, v
                    Ctx* x = static_cast<Ctx*>(c);
                    call(x->kernel, x->params, std::index_sequence_for<A...>{});
                },
-               &ctx);
+               &ctx, poison);
 }
 
 }  // namespace kvs_emu

@@ -279,7 +279,7 @@ uint64_t* kvs_emu_shfl_row(unsigned int* lane) {
 
 namespace kvs_emu {
 
-int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx) {
+int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx, void (*poison)()) {
     if (block == 0 || block > 1024 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
         return -4;
     }
@@ -318,6 +318,9 @@ int run(const unsigned int* grid, unsigned int block, Entry entry, void* ctx) {
                 }
                 for (unsigned int i = 0; i < block; ++i) {
                     init_fiber(&b, i);
+                }
+                if (poison != nullptr) {
+                    poison();  // the block's shared memory starts undefined
                 }
                 // A pass resumes the first live fiber; each hands on to the next live one at
                 // its barrier (yield_fiber), the last back here.

@@ -66,6 +66,17 @@ KVS_KERNEL void store_at(const float* in, float* out) {
     }
 }
 
+// out[b·blockDim.x + t] = what thread t of block b reads from a shared array before any thread
+// writes it (then each thread writes its element, so the next block would read those values
+// if shared memory were not refilled before every block).
+KVS_KERNEL void shared_before_write(const float* in, float* out) {
+    (void)in;
+    __shared__ float s[1024];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s[threadIdx.x];
+    __syncthreads();
+    s[threadIdx.x] = (float)threadIdx.x;
+}
+
 // Lane 0 waits at the block barrier while the rest of its warp waits on a shuffle that needs
 // lane 0: no barrier can ever complete (undefined on a GPU; the emulator must say so).
 KVS_KERNEL void mismatched_barriers(float* out) {

@@ -28,6 +28,9 @@
 //!   (a race on a GPU) changes the result, which the schedule tests compare bitwise.
 //! - What emulation cannot check: the GPU memory model (threads switch only at barriers, so a
 //!   race inside one barrier interval that no thread order exposes goes unnoticed) and speed.
+//! - A block's `__shared__` arrays start as 0xff bytes (NaN as f32), refilled before every
+//!   block (each unit's arrays sit in a linker section of their own), so a kernel that reads
+//!   shared memory before writing it (undefined on a GPU) sees NaN, not a stale value.
 //! - Device memory is fenced by guard pages on Unix ([`EmuBuffer`]): a kernel that reads or
 //!   writes past the end of a buffer (its length rounded up to 16 bytes) faults, and the test
 //!   process dies of SIGSEGV. Accesses a little before a buffer's start land in its mapping's

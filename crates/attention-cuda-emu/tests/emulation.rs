@@ -126,6 +126,17 @@ fn syncthreads_or_tells_every_thread_whether_any_predicate_held() {
     }
 }
 
+/// A block's shared memory starts as 0xff bytes (NaN as f32), refilled before every block: a
+/// kernel that reads it before writing it sees NaN, not what the previous block left.
+#[test]
+fn shared_memory_reads_before_writes_see_nan() {
+    let Some(dev) = emu_or_skip("shared_memory_reads_before_writes_see_nan") else {
+        return;
+    };
+    let got = run(&dev, "shared_before_write", (3, 64), &[0.0], 3 * 64);
+    assert!(got.iter().all(|v| v.to_bits() == u32::MAX), "{got:?}");
+}
+
 /// Device memory is fenced by guard pages: a kernel's store at a buffer's last element lands,
 /// and one just past its end (a buffer of 64 floats, so its end is where the guard page
 /// begins) kills the process with SIGSEGV instead of writing another buffer. The store past
