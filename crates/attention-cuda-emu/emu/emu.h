@@ -144,6 +144,18 @@ inline int __syncthreads_or(int predicate) {
     return result;
 }
 
+// cp.async, as the kernels use it (KVS_EMU_CP_ASYNC selects these in attention.cu): a copy of
+// `bytes` into shared memory from `src_bytes` of global memory (the rest zero-filled) is
+// queued in the calling thread's open group, its destination filled with 0xff bytes (NaN as
+// f32: undefined until the copy completes); kvs_emu_cp_commit closes the group;
+// kvs_emu_cp_wait(n) completes every committed group but the n newest (cp.async.wait_group).
+// So a kernel that reads a stage before waiting for its copies, or reads another thread's
+// copies without a barrier after that thread's wait, reads NaN.
+#define KVS_EMU_CP_ASYNC 1
+void kvs_emu_cp_async(void* dst, const void* src, unsigned int bytes, unsigned int src_bytes);
+void kvs_emu_cp_commit();
+void kvs_emu_cp_wait(unsigned int n);
+
 // atomicAdd: fibers switch only at barriers, so a plain read-modify-write is atomic here.
 template <class T>
 inline T atomicAdd(T* p, T v) {

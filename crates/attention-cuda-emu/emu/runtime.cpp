@@ -21,6 +21,14 @@ namespace {
 
 constexpr size_t STACK_BYTES = 64 * 1024;
 
+// A queued cp.async (kvs_emu_cp_async): `bytes` at dst from `src_bytes` at src, in group
+// `group` of its thread.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    unsigned int bytes, src_bytes, group;
+};
+
 struct Fiber {
 #if defined(__x86_64__)
     void* sp;
@@ -29,6 +37,9 @@ struct Fiber {
 #endif
     unsigned int shuffles;
     bool done;
+    // The thread's queued copies, oldest first, and the groups it has committed.
+    std::vector<AsyncCopy> copies;
+    unsigned int groups;
 };
 
 struct Warp {
@@ -186,10 +197,24 @@ void block_check(Block* b) {
     }
 }
 
+// Completes the copies of f's groups below `group`.
+void complete_copies(Fiber& f, unsigned int group) {
+    size_t done = 0;
+    while (done < f.copies.size() && f.copies[done].group < group) {
+        const AsyncCopy& c = f.copies[done];
+        memcpy(c.dst, c.src, c.src_bytes);
+        memset(static_cast<char*>(c.dst) + c.src_bytes, 0, c.bytes - c.src_bytes);
+        ++done;
+    }
+    f.copies.erase(f.copies.begin(), f.copies.begin() + (ptrdiff_t)done);
+}
+
 extern "C" void kvs_emu_fiber_main(void* arg) {
     Block* b = static_cast<Block*>(arg);
     b->entry(b->ctx);
     unsigned int i = b->current;
+    // Copies a thread never waited for still land (before the block ends, as on a GPU).
+    complete_copies(b->fibers[i], UINT32_MAX);
     b->fibers[i].done = true;
     b->progress = true;
     // A finished thread no longer holds up the barriers of the threads still running.
@@ -213,6 +238,8 @@ void init_fiber(Block* b, unsigned int i) {
     Fiber& f = b->fibers[i];
     f.done = false;
     f.shuffles = 0;
+    f.copies.clear();
+    f.groups = 0;
     char* stack = b->stacks.data() + (size_t)i * STACK_BYTES;
 #if defined(__x86_64__)
     uintptr_t top = ((uintptr_t)(stack + STACK_BYTES)) & ~(uintptr_t)15;
@@ -268,6 +295,21 @@ void kvs_emu_warp_sync() {
     while (w.gen == gen) {
         yield_fiber(b);
     }
+}
+
+void kvs_emu_cp_async(void* dst, const void* src, unsigned int bytes, unsigned int src_bytes) {
+    Fiber& f = block_state->fibers[block_state->current];
+    memset(dst, 0xff, bytes);
+    f.copies.push_back(AsyncCopy{dst, src, bytes, src_bytes < bytes ? src_bytes : bytes, f.groups});
+}
+
+void kvs_emu_cp_commit() {
+    ++block_state->fibers[block_state->current].groups;
+}
+
+void kvs_emu_cp_wait(unsigned int n) {
+    Fiber& f = block_state->fibers[block_state->current];
+    complete_copies(f, f.groups > n ? f.groups - n : 0);
 }
 
 uint64_t* kvs_emu_shfl_row(unsigned int* lane) {

@@ -28,6 +28,10 @@
 //!   (a race on a GPU) changes the result, which the schedule tests compare bitwise.
 //! - What emulation cannot check: the GPU memory model (threads switch only at barriers, so a
 //!   race inside one barrier interval that no thread order exposes goes unnoticed) and speed.
+//! - `cp.async` is modelled, not run as a plain copy: a copy's destination holds NaN bytes
+//!   until its thread's `cp.async.wait_group` completes its group (`kvs_emu_cp_wait`), so a
+//!   kernel that reads a stage too early (a wait count off by one, a missing barrier after
+//!   another thread's wait) reads NaN here, as it would read undefined data on a GPU.
 //! - A block's `__shared__` arrays start as 0xff bytes (NaN as f32), refilled before every
 //!   block (each unit's arrays sit in a linker section of their own), so a kernel that reads
 //!   shared memory before writing it (undefined on a GPU) sees NaN, not a stale value.

@@ -670,7 +670,9 @@ struct alignas(8) pl_unit {
 #endif
 
 // The unit at src (global memory) into dst (shared memory): asynchronously where the GPU has
-// cp.async (L2 only for 16 bytes: the cache is streamed once), else a load and a store.
+// cp.async (L2 only for 16 bytes: the cache is streamed once), else a load and a store. The
+// emulation (KVS_EMU_CP_ASYNC) models cp.async: dst holds NaN bytes until the thread's
+// pl_wait completes the copy's group.
 __device__ inline void pl_copy(pl_unit* dst, const kv_t* src) {
 #if PL_CP_ASYNC
     unsigned int d;
@@ -682,6 +684,8 @@ __device__ inline void pl_copy(pl_unit* dst, const kv_t* src) {
 #else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
 #endif
+#elif defined(KVS_EMU_CP_ASYNC)
+    kvs_emu_cp_async(dst, src, PL_UNIT_BYTES, PL_UNIT_BYTES);
 #else
     *dst = *reinterpret_cast<const pl_unit*>(src);
 #endif
@@ -691,6 +695,8 @@ __device__ inline void pl_copy(pl_unit* dst, const kv_t* src) {
 __device__ inline void pl_commit() {
 #if PL_CP_ASYNC
     asm volatile("cp.async.commit_group;" ::: "memory");
+#elif defined(KVS_EMU_CP_ASYNC)
+    kvs_emu_cp_commit();
 #endif
 }
 
@@ -698,6 +704,8 @@ __device__ inline void pl_commit() {
 template <int N> __device__ inline void pl_wait() {
 #if PL_CP_ASYNC
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#elif defined(KVS_EMU_CP_ASYNC)
+    kvs_emu_cp_wait(N);
 #endif
 }
 
@@ -1086,6 +1094,8 @@ __device__ inline void pm_copy(kvs_vec16* dst, const kv_t* src, bool live) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
                  "r"(live ? 16u : 0u)
                  : "memory");
+#elif defined(KVS_EMU_CP_ASYNC)
+    kvs_emu_cp_async(dst, src, 16, live ? 16u : 0u);
 #else
     if (live) {
         *dst = *reinterpret_cast<const kvs_vec16*>(src);
