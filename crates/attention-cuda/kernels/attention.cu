@@ -1421,7 +1421,9 @@ __device__ inline unsigned int pm_mla_slot(const kvs_attn_block& b, unsigned int
 
 KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     __shared__ kvs_vec16 s_stage[PM_STAGES][PM_STEP_UNITS];
-    __shared__ float s_part[ATTN_WARPS][WARP_SIZE][8];
+    // The scores' partial sums: warp w's element e of lane l at s_part[w][e][l] (a warp's
+    // stores and loads of one e fall in 32 different banks).
+    __shared__ float s_part[ATTN_WARPS][8][WARP_SIZE];
 
     const unsigned int lane = threadIdx.x % WARP_SIZE;
     const unsigned int warp = threadIdx.x / WARP_SIZE;
@@ -1505,7 +1507,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            s_part[warp][lane][e] = c[e / 4][e % 4];
+            s_part[warp][e][lane] = c[e / 4][e % 4];
         }
         __syncthreads();
         float sc[2][4]; // heads g, g + 8: rows 2tq, 2tq + 1, 8 + 2tq, 9 + 2tq
@@ -1514,7 +1516,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             float x = 0.0f;
 #pragma unroll
             for (int w = 0; w < ATTN_WARPS; ++w) {
-                x += s_part[w][lane][e];
+                x += s_part[w][e][lane];
             }
             const unsigned int n = e / 4, hh = e % 4 / 2, r = 8 * n + 2 * tq + e % 2;
             sc[hh][2 * n + e % 2] = row0 + r < b.end ? x * k_scale : KVS_NEG_INF;
