@@ -1,7 +1,8 @@
 //! ptxas's verbose report (`--ptxas-options=-v`) read into each kernel's resources: what
-//! `nvrtc::assemble` (feature `cuda-12`/`cuda-13`) returns for a specialisation assembled to a real architecture's
-//! machine code, so tests check registers, spills and static shared memory without a GPU.
-//! Plain text parsing, built without the CUDA features so its tests always run.
+//! `nvrtc::assemble` (features `cuda-12`, `cuda-13`) returns for a specialisation assembled to
+//! a real architecture's machine code, so tests check registers, spills and static shared
+//! memory without a GPU. Plain text parsing, built without the CUDA features so its tests
+//! always run.
 
 /// ptxas's report on one kernel (entry point) assembled for a real architecture.
 #[derive(Debug, Clone, PartialEq, Eq)]
