@@ -197,13 +197,14 @@ fn emu_mla_head_counts_off_the_block_grid() {
     report(&outcomes);
 }
 
-/// The tensor-core MLA form (`CudaConfig::mla_tensor_cores`: f16/bf16 stores, `MLA_MMA_HEADS`
-/// heads a block in the pipelined kernel, warps splitting the head dims): both MLA shapes of the
-/// quick suite (DeepSeek's 512 + 64 at 16 heads, and 32 + 16 at 4) over f16 and bf16, every
-/// page size, extend and decode, with no split, the most splits, and the most splits merged in
-/// the kernel; the chunked kernel on the same specialisations (its own block size); then the
-/// small shape at head counts off the form's block grid (6: one block with idle heads; 20: a
-/// full block and one of 4). Each backend must have launched the tensor-core specialisations.
+/// The tensor-core MLA form (`CudaConfig::mla_tensor_cores`: f16/bf16 stores, and fp8 at rank
+/// 512, `MLA_MMA_HEADS` heads a block in the pipelined kernel, warps splitting the head dims):
+/// both MLA shapes of the quick suite (DeepSeek's 512 + 64 at 16 heads, and 32 + 16 at 4) over
+/// f16 and bf16 (and the large shape over fp8 e4m3 and e5m2), every page size, extend and
+/// decode, with no split, the most splits, and the most splits merged in the kernel; the
+/// chunked kernel on the same specialisations (its own block size); then the small shape at
+/// head counts off the form's block grid (6: one block with idle heads; 20: a full block and
+/// one of 4). Each backend must have launched the tensor-core specialisations once a case.
 #[test]
 fn emu_mla_tensor_cores() {
     let mma = |spec: &attention_cuda::Spec| spec.defines.iter().any(|(k, _)| *k == "MMA_HEADS");
@@ -221,7 +222,12 @@ fn emu_mla_tensor_cores() {
             if heads.is_some() && kv_lora_rank != 32 {
                 continue;
             }
-            for dtype in [KvDtype::F16, KvDtype::Bf16] {
+            let fp8: &[KvDtype] = if kv_lora_rank == 512 {
+                &[KvDtype::Fp8E4m3, KvDtype::Fp8E5m2]
+            } else {
+                &[]
+            };
+            for &dtype in [KvDtype::F16, KvDtype::Bf16].iter().chain(fp8) {
                 cases.push(AttentionCase {
                     kind: CaseKind::Mla {
                         heads: heads.unwrap_or(h),

@@ -23,8 +23,8 @@
 //! kernel, `fuse_split_merge`) or `both` (the default: the pipelined kernel's rows once more
 //! with the merge in the kernel, labelled `+merge`). KV dtypes f16, bf16 and fp8 e4m3. Then
 //! absorbed MLA, DeepSeek-V3-shaped (latent rows of 512 + 64, 16 and 128 query heads; bf16 and
-//! fp8; 32768 positions), on each kernel asked for, the pipelined one's bf16 rows once more in
-//! the tensor-core form (`CudaConfig::mla_tensor_cores`, labelled `+mma`). `TABLES`: `mha`,
+//! fp8; 32768 positions), on each kernel asked for, the pipelined one's rows once more in the
+//! tensor-core form (`CudaConfig::mla_tensor_cores`, labelled `+mma`). `TABLES`: `mha`,
 //! `mla` or `both` (the default). Prints Markdown tables; a case the device refuses (memory)
 //! is a row with the error.
 
@@ -146,7 +146,7 @@ fn main() -> std::process::ExitCode {
     }
     // Absorbed MLA, DeepSeek-V3-shaped (latent rows of 512 + 64; 16 heads, a GPU's share at
     // tensor parallelism 8, and all 128): the chunked and pipelined kernels, the latter's
-    // tensor-core form (`CudaConfig::mla_tensor_cores`, bf16 only) labelled `+mma`.
+    // tensor-core form (`CudaConfig::mla_tensor_cores`) labelled `+mma`.
     if mla_table {
         println!();
         header("MLA heads, kernel");
@@ -158,7 +158,9 @@ fn main() -> std::process::ExitCode {
                     let case = DecodeCase::deepseek_v3(heads, page, context, dtype, min_bytes);
                     for &kernel in &kernels {
                         let mma: &[bool] = match (kernel, dtype) {
-                            (AttentionKernel::Pipelined, KvDtype::Bf16) => &[false, true],
+                            (AttentionKernel::Pipelined, KvDtype::Bf16 | KvDtype::Fp8E4m3) => {
+                                &[false, true]
+                            }
                             _ => &[false],
                         };
                         for &on in mma {

@@ -803,9 +803,10 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 
 #if PL_MMA
 #if MLA
-#if KV_BYTES != 2 || HEAD_DIM % 16 != 0 || V_HEAD_DIM % 8 != 0 || MMA_HEADS != 16 ||           \
-    WARP_SIZE != 32 || defined(__HIP__) || defined(__HIP_PLATFORM_AMD__)
-#error "PL_MMA with MLA: f16/bf16 rows of 16k elements, 8n values, 16 heads, 32-lane warps"
+#if KV_BYTES > 2 || HEAD_DIM % 16 != 0 || V_HEAD_DIM % 8 != 0 || MMA_HEADS != 16 ||            \
+    WARP_SIZE != 32 || defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) ||                     \
+    (KV_BYTES == 1 && V_HEAD_DIM % (32 * ATTN_WARPS) != 0)
+#error "PL_MMA with MLA: f16/bf16/fp8 rows of 16k elements, 8n values (fp8: 128n), 16 heads"
 #endif
 #elif KV_BYTES > 2 || HEAD_DIM != V_HEAD_DIM || HEAD_DIM % 64 != 0 || HEADS_PER_BLOCK > 8
 #error "PL_MMA: f16/bf16/fp8 keys and values of one head dim (a multiple of 64), at most 8 heads"
@@ -867,10 +868,10 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 // MLA: steps of 16 rows, whose ldmatrix tiles are rows 0-7 and 8-15 of a unit (rows of
 // 1152 bytes all start in bank 0); rows of fewer than 8 units (the small test shape) are not
 // swizzled.
-#if PM_ROW_UNITS % 8 == 0
+#if PM_ROW_UNITS % 8 == 0 && !PM_FP8
 #define PM_SWIZZLE(row) ((row) & 7u)
 #else
-#define PM_SWIZZLE(row) 0u
+#define PM_SWIZZLE(row) 0u // fp8: lanes read words of the rows in place (no ldmatrix)
 #endif
 #elif PM_ROW_UNITS >= 16
 #define PM_SWIZZLE(row) (row)
@@ -1110,6 +1111,19 @@ __device__ inline void pm_copy(kvs_vec16* dst, const kv_t* src, bool live) {
 #endif
 }
 
+// The head dim of the scores mma's k index in k-tile kt (half 0: k 2tq + e, half 1: k 8 + 2tq
+// + e) for lane tq: f16/bf16 the key row in order (ldmatrix's layout); fp8 lane tq's own
+// quarter of the row, whose word kt holds the k-tile (bytes 0 and 2 half 0, 1 and 3 half 1).
+// The query's A registers follow the same order, so the dot products are the same.
+__device__ inline unsigned int pm_k_dim(unsigned int kt, unsigned int half, unsigned int e,
+                                        unsigned int tq) {
+#if PM_FP8
+    return tq * (HEAD_DIM / 4) + 4 * kt + half + 2 * e;
+#else
+    return 16 * kt + 8 * half + 2 * tq + e;
+#endif
+}
+
 #if !MLA
 // Issues the copies of one warp's step: the 8 rows from position row0 (each row's slot in lane
 // row of `slot`), lane i the units i, i + 32, … of the step in row-major order (a copy
@@ -1129,19 +1143,6 @@ __device__ inline void pm_issue(kvs_vec16* st, unsigned int slot, unsigned int r
             (part ? v_cache : k_cache) + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU;
         pm_copy(st + pm_unit(row, part, u), src, row0 + row < end);
     }
-}
-
-// The head dim of the scores mma's k index in k-tile kt (half 0: k 2tq + e, half 1: k 8 + 2tq
-// + e) for lane tq: f16/bf16 the key row in order (ldmatrix's layout); fp8 lane tq's own
-// quarter of the row, whose word kt holds the k-tile (bytes 0 and 2 half 0, 1 and 3 half 1).
-// The query's A registers follow the same order, so the dot products are the same.
-__device__ inline unsigned int pm_k_dim(unsigned int kt, unsigned int half, unsigned int e,
-                                        unsigned int tq) {
-#if PM_FP8
-    return tq * (HEAD_DIM / 4) + 4 * kt + half + 2 * e;
-#else
-    return 16 * kt + 8 * half + 2 * tq + e;
-#endif
 }
 
 // The head dim of column n of the values mma's n-tile nt: f16/bf16 8nt + n (ldmatrix.trans's
@@ -1354,8 +1355,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     kvs_attn_finish(b, q_heads, partial_o, partial_lse, out, counters, merge_in_kernel);
 }
 #else  // MLA
-// The tensor-core form for absorbed MLA (f16/bf16 stores; MMA_HEADS, defined by the host where
-// the device has mma, CudaConfig::mla_tensor_cores): a block serves 16 query heads, which all
+// The tensor-core form for absorbed MLA (f16/bf16 stores, and fp8 ones whose latent rank is a
+// multiple of 128; MMA_HEADS, defined by the host where the device has mma,
+// CudaConfig::mla_tensor_cores): a block serves 16 query heads, which all
 // read the one latent row, so each row it stages feeds 16 heads' scores and outputs (the lanes'
 // form serves MLA_HEADS_PER_BLOCK, 4). The GQA form's per-warp rows cannot hold MLA's state: a
 // warp's output for 16 heads × 512 value dims would take 256 accumulators a lane, so here the
@@ -1378,6 +1380,10 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
 //   head of the staged row.
 // - The end: every warp has the whole softmax state, so each writes its own dims of every
 //   head's normalised output; no merge between warps.
+// - fp8 (e4m3, e5m2), as in the GQA form: f16 mmas on exactly converted values (e4m3 times
+//   2^-8, undone on the scores and the output), no ldmatrix: for the scores lane tq reads word
+//   kt of its quarter of a key row (pm_k_dim), for the values lane g reads PM_WNT consecutive
+//   bytes of four value rows (pm_mla_v_dim) and pairs two rows' bytes by PRMT.
 // Without mma (the emulation) the portable stand-ins run the same layouts, as for GQA.
 #define PM_ROWS 16                                             // positions a step covers
 #define PM_KT (HEAD_DIM / 16)                                  // k-tiles of a key row
@@ -1419,6 +1425,32 @@ __device__ inline unsigned int pm_mla_slot(const kvs_attn_block& b, unsigned int
     return j < b.end ? kvs_slot(b.pages, j, page_size, page_shift) : 0;
 }
 
+// The value dim of column n of warp w's n-tile j: f16/bf16 8(w·PM_WNT + j) + n (ldmatrix.trans's
+// layout); fp8 w·8·PM_WNT + n·PM_WNT + j (lane g reads PM_WNT consecutive bytes of a value row
+// from w·8·PM_WNT + g·PM_WNT, whole words).
+__device__ inline unsigned int pm_mla_v_dim(unsigned int w, unsigned int j, unsigned int n) {
+#if PM_FP8
+    return w * 8 * PM_WNT + n * PM_WNT + j;
+#else
+    return 8 * (w * PM_WNT + j) + n;
+#endif
+}
+
+#if PM_FP8
+// Word i of lane g's value bytes (pm_mla_v_dim) of staged row `row`.
+__device__ inline unsigned int pm_mla_v_word(const kvs_vec16* st, unsigned int row,
+                                             unsigned int w, unsigned int g, unsigned int i) {
+    return reinterpret_cast<const unsigned int*>(st + row * PM_ROW_UNITS)[(w * 8 + g) * PM_WNT / 4 + i];
+}
+
+// Word kt of lane tq's quarter of staged key row `row` (pm_k_dim: the scores' B registers of
+// k-tile kt, bytes 0 and 2 the first, 1 and 3 the second).
+__device__ inline unsigned int pm_mla_k_word(const kvs_vec16* st, unsigned int row,
+                                             unsigned int tq, unsigned int kt) {
+    return reinterpret_cast<const unsigned int*>(st + row * PM_ROW_UNITS)[tq * (HEAD_DIM / 16) + kt];
+}
+#endif
+
 KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     __shared__ kvs_vec16 s_stage[PM_STAGES][PM_STEP_UNITS];
     // The scores' partial sums: warp w's element e of lane l at s_part[w][e][l] (a warp's
@@ -1444,9 +1476,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             const float* qrow = q + ((size_t)b.tok * q_heads + b.head0 + (live ? h : 0)) * HEAD_DIM;
 #pragma unroll
             for (unsigned int half = 0; half < 2; ++half) {
-                const unsigned int d = 16 * kt + 8 * half + 2 * tq;
-                const float x0 = live ? qrow[d] * scale : 0.0f;
-                const float x1 = live ? qrow[d + 1] * scale : 0.0f;
+                const float x0 = live ? qrow[pm_k_dim(kt, half, 0, tq)] * scale : 0.0f;
+                const float x1 = live ? qrow[pm_k_dim(kt, half, 1, tq)] * scale : 0.0f;
                 const unsigned int hi = pm_pack(x0, x1);
                 qh[i][2 * half + hh] = hi;
                 ql[i][2 * half + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
@@ -1465,6 +1496,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     }
     float m[2] = {KVS_NEG_INF, KVS_NEG_INF}; // heads g, g + 8: running maxima (all g's lanes)
     float l[2] = {0.0f, 0.0f};               // this lane's share of their running sums
+    const float ks = k_scale * PM_FP8_UNSCALE;
 
     const unsigned int steps = b.begin < b.end ? (b.end - b.begin + PM_ROWS - 1) / PM_ROWS : 0;
     unsigned int slot = pm_mla_slot(b, b.begin, page_size, page_shift); // of the next issue
@@ -1498,7 +1530,16 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             const unsigned int kt = warp + i * ATTN_WARPS;
             if (kt < PM_KT) {
                 unsigned int kb[4];
+#if PM_FP8
+                const unsigned int x0 = pm_mla_k_word(st, g, tq, kt);
+                const unsigned int x1 = pm_mla_k_word(st, 8 + g, tq, kt);
+                kb[0] = pm_fp8_even(x0);
+                kb[1] = pm_fp8_odd(x0);
+                kb[2] = pm_fp8_even(x1);
+                kb[3] = pm_fp8_odd(x1);
+#else
                 pm_ldsm_tiles<false>(st, pm_tiles_pair{2 * kt, 2 * kt + 1}, kb);
+#endif
                 pm_mma_k16(c[0], qh[i], kb[0], kb[1]);
                 pm_mma_k16(c[0], ql[i], kb[0], kb[1]);
                 pm_mma_k16(c[1], qh[i], kb[2], kb[3]);
@@ -1519,7 +1560,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
                 x += s_part[w][e][lane];
             }
             const unsigned int n = e / 4, hh = e % 4 / 2, r = 8 * n + 2 * tq + e % 2;
-            sc[hh][2 * n + e % 2] = row0 + r < b.end ? x * k_scale : KVS_NEG_INF;
+            sc[hh][2 * n + e % 2] = row0 + r < b.end ? x * ks : KVS_NEG_INF;
         }
         float p[2][4];
 #pragma unroll
@@ -1556,6 +1597,31 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
                 pl[2 * n + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
             }
         }
+#if PM_FP8
+        // Value rows 2tq, 2tq + 1 (y) and 8 + 2tq, 9 + 2tq (z) from byte w·8·PM_WNT + g·PM_WNT:
+        // byte p of words i paired is n-tile 4i + p's B register (b0 from y, b1 from z).
+#pragma unroll
+        for (unsigned int i = 0; i < PM_WNT / 4; ++i) {
+            const unsigned int y0 = pm_mla_v_word(st, 2 * tq, warp, g, i);
+            const unsigned int y1 = pm_mla_v_word(st, 2 * tq + 1, warp, g, i);
+            const unsigned int z0 = pm_mla_v_word(st, 8 + 2 * tq, warp, g, i);
+            const unsigned int z1 = pm_mla_v_word(st, 9 + 2 * tq, warp, g, i);
+            unsigned int yb[4], zb[4];
+            yb[0] = pm_fp8_even(pm_pair_bytes<0>(y0, y1));
+            yb[1] = pm_fp8_even(pm_pair_bytes<1>(y0, y1));
+            yb[2] = pm_fp8_even(pm_pair_bytes<2>(y0, y1));
+            yb[3] = pm_fp8_even(pm_pair_bytes<3>(y0, y1));
+            zb[0] = pm_fp8_even(pm_pair_bytes<0>(z0, z1));
+            zb[1] = pm_fp8_even(pm_pair_bytes<1>(z0, z1));
+            zb[2] = pm_fp8_even(pm_pair_bytes<2>(z0, z1));
+            zb[3] = pm_fp8_even(pm_pair_bytes<3>(z0, z1));
+#pragma unroll
+            for (unsigned int p = 0; p < 4; ++p) {
+                pm_mma_k16(acc[4 * i + p], ph, yb[p], zb[p]);
+                pm_mma_k16(acc[4 * i + p], pl, yb[p], zb[p]);
+            }
+        }
+#else
 #pragma unroll
         for (int j = 0; j < PM_WNT; j += 2) {
             const unsigned int nt = warp * PM_WNT + j;
@@ -1573,6 +1639,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
                 }
             }
         }
+#endif
     }
     pl_wait<0>();
 
@@ -1586,13 +1653,14 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         if (h < b.nheads) {
             const size_t out_row = ((size_t)b.tok * q_heads + b.head0 + h) * b.num_splits + b.split;
             float* o = partial_o + out_row * V_HEAD_DIM;
+            const float vs = v_scale * PM_FP8_UNSCALE;
 #pragma unroll
             for (int j = 0; j < PM_WNT; ++j) {
-                const unsigned int nt = warp * PM_WNT + j;
-                if (nt < PM_VNT) {
-                    o[8 * nt + 2 * tq] = total > 0.0f ? acc[j][2 * hh] / total * v_scale : 0.0f;
-                    o[8 * nt + 2 * tq + 1] =
-                        total > 0.0f ? acc[j][2 * hh + 1] / total * v_scale : 0.0f;
+                if (warp * PM_WNT + j < PM_VNT) {
+                    o[pm_mla_v_dim(warp, j, 2 * tq)] =
+                        total > 0.0f ? acc[j][2 * hh] / total * vs : 0.0f;
+                    o[pm_mla_v_dim(warp, j, 2 * tq + 1)] =
+                        total > 0.0f ? acc[j][2 * hh + 1] / total * vs : 0.0f;
                 }
             }
             if (warp == 0 && tq == 0) {

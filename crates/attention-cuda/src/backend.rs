@@ -40,7 +40,8 @@ pub struct CudaConfig {
     /// (`kvs_attn_finish`): one launch less per split call, the same results bitwise. Off by
     /// default until a GPU has timed it (`examples/decode_bandwidth.rs` reports both).
     pub fuse_split_merge: bool,
-    /// Absorbed MLA over f16/bf16 stores in the pipelined kernel's tensor-core form, where the
+    /// Absorbed MLA over f16/bf16 stores (and fp8 ones at a latent rank that is a multiple of
+    /// 128, DeepSeek's 512) in the pipelined kernel's tensor-core form, where the
     /// device has one ([`Device::tensor_cores`]): 16 heads a block on `mma.sync` (the lanes'
     /// form serves 4 with FMAs). Off by default until a GPU has checked and timed it; the
     /// emulated conformance suite runs it (`examples/decode_bandwidth.rs` reports both forms).

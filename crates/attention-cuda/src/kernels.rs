@@ -158,9 +158,11 @@ mod tests {
                         let spec = attention_mla(dtype, r as usize, rope as usize, p, tensor_cores)
                             .unwrap();
                         assert!(all.contains(&spec), "{}", spec.name());
-                        // The tensor-core form exactly for f16/bf16 stores, with its own
-                        // block size for the pipelined kernel only.
-                        let mma = tensor_cores && matches!(dtype, KvDtype::F16 | KvDtype::Bf16);
+                        // The tensor-core form for f16/bf16 stores, and fp8 ones at rank 512,
+                        // with its own block size for the pipelined kernel only.
+                        let mma = tensor_cores
+                            && (matches!(dtype, KvDtype::F16 | KvDtype::Bf16)
+                                || (dtype.is_fp8() && r == 512));
                         let pipelined = spec.heads_per_block_of("paged_attention_pipelined");
                         assert_eq!(
                             pipelined,
@@ -202,7 +204,7 @@ mod tests {
             }
             checked += 1;
         }
-        assert_eq!(checked, 162);
+        assert_eq!(checked, 168);
     }
 
     #[test]

@@ -95,8 +95,9 @@ pub const SPEC_MLA_DIMS: [(u32, u32); 2] = [(512, 64), (32, 16)];
 /// head, whose rows the block reads once for all of them.
 pub const MLA_HEADS_PER_BLOCK: u32 = 4;
 /// Query heads one block of the tensor-core MLA form of `paged_attention_pipelined` serves
-/// (`MMA_HEADS`, defined only in the specialisations that select that form: f16/bf16 stores on
-/// devices with `mma.sync`): the 16 rows of an `mma.m16n8k16`.
+/// (`MMA_HEADS`, defined only in the specialisations that select that form: f16/bf16 stores,
+/// and fp8 ones of a rank that is a multiple of 128, on devices with `mma.sync`): the 16 rows
+/// of an `mma.m16n8k16`.
 pub const MLA_MMA_HEADS: u32 = 16;
 /// Query heads one GQA attention block serves (`HEADS_PER_BLOCK`) when several share a KV
 /// head: the block reads each key and value row once for up to this many of them (a group of
@@ -177,9 +178,9 @@ pub fn attention_spec(
 }
 
 /// The absorbed-MLA attention source for a store of dtype `kv` whose rows are `rank` latent
-/// then `rope` rotary-key elements, a page-size family, and with `tensor_cores`, where the
-/// store is f16 or bf16 (`KV_DTYPE` 1 or 2), `MMA_HEADS` [`MLA_MMA_HEADS`]: the pipelined
-/// kernel's tensor-core form (NVIDIA GPUs from sm_80, and the emulation).
+/// then `rope` rotary-key elements, a page-size family, and with `tensor_cores`, where
+/// [`mla_tensor_core_form`] has it, `MMA_HEADS` [`MLA_MMA_HEADS`]: the pipelined kernel's
+/// tensor-core form (NVIDIA GPUs from sm_80, and the emulation).
 pub fn attention_mla_spec(
     kv: u32,
     rank: u32,
@@ -195,10 +196,17 @@ pub fn attention_mla_spec(
         MLA_HEADS_PER_BLOCK,
         true,
     );
-    if tensor_cores && matches!(kv, 1 | 2) {
+    if tensor_cores && mla_tensor_core_form(kv, rank) {
         spec.defines.push(("MMA_HEADS", MLA_MMA_HEADS));
     }
     spec
+}
+
+/// Whether the tensor-core MLA form exists for `KV_DTYPE` `kv` and latent rank `rank`: f16 and
+/// bf16 (1, 2) at every rank, fp8 (3, 4) where each of the block's 4 warps owns whole 32-bit
+/// words of value bytes per lane (a rank that is a multiple of 128).
+pub fn mla_tensor_core_form(kv: u32, rank: u32) -> bool {
+    matches!(kv, 1 | 2) || (matches!(kv, 3 | 4) && rank % 128 == 0)
 }
 
 /// Every specialisation of every source: what CI compiles with NVRTC and the emulation
@@ -229,7 +237,7 @@ pub fn all_specs() -> Vec<Spec> {
         for (rank, rope) in SPEC_MLA_DIMS {
             for pf in SPEC_PAGE_FAMILIES {
                 specs.push(attention_mla_spec(kv, rank, rope, pf, false));
-                if matches!(kv, 1 | 2) {
+                if mla_tensor_core_form(kv, rank) {
                     specs.push(attention_mla_spec(kv, rank, rope, pf, true));
                 }
             }

@@ -72,9 +72,9 @@ fn gpu_attention_conformance_quick() {
 }
 
 /// The tensor-core MLA form (`CudaConfig::mla_tensor_cores`, off by default until this has
-/// run): the quick suite's MLA cases over f16 and bf16 stores, with the default split and the
-/// most splits merged in the kernel, then the tiny MLA decoder's greedy schedule on it. Each
-/// backend must have the form (an sm_80 or later GPU) or the test fails.
+/// run): the quick suite's MLA cases over f16 and bf16 stores (and fp8 at rank 512), with the
+/// default split and the most splits merged in the kernel, then the tiny MLA decoder's greedy
+/// schedule on it. Each backend must have the form (an sm_80 or later GPU) or the test fails.
 #[test]
 fn gpu_mla_tensor_cores() {
     use attention::conformance::{AttentionCase, CaseKind};
@@ -94,8 +94,23 @@ fn gpu_mla_tensor_cores() {
             .into_iter()
             .filter(|c| matches!(c.kind, CaseKind::Mla { .. }))
             .flat_map(|c| {
-                [kv_pool::KvDtype::F16, kv_pool::KvDtype::Bf16]
-                    .map(|dtype| AttentionCase { dtype, ..c.clone() })
+                // fp8 has the form at rank 512 (`mla_tensor_core_form`).
+                let fp8 = matches!(
+                    c.kind,
+                    CaseKind::Mla {
+                        kv_lora_rank: 512,
+                        ..
+                    }
+                );
+                [
+                    kv_pool::KvDtype::F16,
+                    kv_pool::KvDtype::Bf16,
+                    kv_pool::KvDtype::Fp8E4m3,
+                    kv_pool::KvDtype::Fp8E5m2,
+                ]
+                .into_iter()
+                .filter(move |d| fp8 || !d.is_fp8())
+                .map(move |dtype| AttentionCase { dtype, ..c.clone() })
             })
             .map(|c| conformance::run_attention_case(&b, &c).unwrap())
             .collect();

@@ -32,7 +32,7 @@ fn every_specialisation_compiles_with_hiprtc() {
     // (tests/nvrtc.rs) and the emulation runs; every branch of the sources' `#if`s (each
     // dtype, MLA or not, one or several heads per block) is compiled here, but the tensor-core
     // MLA form (`MMA_HEADS`), which needs 32-lane warps and `mma.sync`: the host never selects
-    // it on HIP, and the source refuses to compile it there. 31 of the 173 specialisations.
+    // it on HIP, and the source refuses to compile it there. 31 of the 179 specialisations.
     let get =
         |s: &attention_cuda::Spec, key: &str| s.defines.iter().find(|d| d.0 == key).map(|d| d.1);
     let specs: Vec<_> = attention_cuda::kernels::all_specs()

@@ -574,8 +574,9 @@ fn info_lists_this_build() {
 }
 
 /// `--cuda-graph-max-bs` 0 or above `--max-running-requests` is refused on every backend;
-/// `kvserve info` says which decode batch sizes the cuda backend captures, or why none; an
-/// unknown `--cuda-attention-kernel` is refused naming the two kernels.
+/// `kvserve info` says which decode batch sizes the cuda backend captures, or why none, and
+/// which MLA form it takes; an unknown `--cuda-attention-kernel` is refused naming the two
+/// kernels.
 #[test]
 fn cuda_graph_flags_are_checked_and_reported() {
     assert_fails(
@@ -604,6 +605,19 @@ fn cuda_graph_flags_are_checked_and_reported() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stdout(&o).contains("cuda graphs:        off (--disable-cuda-graph)"),
+        "{}",
+        stdout(&o)
+    );
+    // The MLA form the cuda backend takes, with and without --cuda-mla-tensor-cores.
+    let o = kvserve(&["info"]);
+    assert!(
+        stdout(&o).contains("cuda mla:           the lanes' form (--cuda-mla-tensor-cores"),
+        "{}",
+        stdout(&o)
+    );
+    let o = kvserve(&["info", "--cuda-mla-tensor-cores"]);
+    assert!(
+        stdout(&o).contains("cuda mla:           the tensor-core form (mma.sync)"),
         "{}",
         stdout(&o)
     );

@@ -104,9 +104,9 @@ pub struct EngineArgs {
         help_heading = "Engine"
     )]
     pub cuda_attention_kernel: CudaAttentionKernel,
-    /// Absorbed MLA (DeepSeek) over an f16/bf16 KV cache on the tensor cores in the pipelined
-    /// kernel: 16 heads a block on `mma.sync` (NVIDIA GPUs from sm_80), against 4 on the
-    /// lanes' FMAs. Off by default until a GPU has checked and timed it; ignored elsewhere.
+    /// Absorbed MLA (DeepSeek) over an f16/bf16 or fp8 KV cache on the tensor cores in the
+    /// pipelined kernel: 16 heads a block on `mma.sync` (NVIDIA GPUs from sm_80), against 4 on
+    /// the lanes' FMAs. Off by default until a GPU has checked and timed it; ignored elsewhere.
     #[arg(long, help_heading = "Engine")]
     pub cuda_mla_tensor_cores: bool,
     #[command(flatten)]

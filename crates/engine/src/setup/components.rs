@@ -522,6 +522,23 @@ pub struct Inventory {
     /// The cuda backend's decode graphs (the sizes it captures, or why none), with the flags
     /// [`Inventory::with_cuda_graphs`] was given.
     pub cuda_graphs: String,
+    /// The cuda backend's form of absorbed-MLA attention, with the flag
+    /// [`Inventory::with_cuda_mla`] was given.
+    pub cuda_mla: String,
+}
+
+/// `kvserve info`'s line on the cuda backend's MLA attention.
+fn describe_cuda_mla(tensor_cores: bool) -> String {
+    if tensor_cores {
+        "the tensor-core form (mma.sync) on sm_80 and later GPUs for f16/bf16 KV and fp8 KV \
+         of a latent rank that is a multiple of 128, the lanes' form elsewhere \
+         (--cuda-mla-tensor-cores)"
+            .into()
+    } else {
+        "the lanes' form (--cuda-mla-tensor-cores: the tensor-core form on sm_80 and later, \
+         not yet checked on a GPU)"
+            .into()
+    }
 }
 
 /// One backend in an [`Inventory`].
@@ -587,7 +604,14 @@ impl Inventory {
             ],
             devices: Vec::new(),
             cuda_graphs: CudaGraphSetup::default().describe(256),
+            cuda_mla: describe_cuda_mla(false),
         }
+    }
+
+    /// Reports the cuda backend's MLA form with or without `--cuda-mla-tensor-cores`.
+    pub fn with_cuda_mla(mut self, tensor_cores: bool) -> Self {
+        self.cuda_mla = describe_cuda_mla(tensor_cores);
+        self
     }
 
     /// Reports the cuda backend's decode graphs under `setup` and `--max-running-requests`
@@ -670,6 +694,7 @@ impl fmt::Display for Inventory {
             self.hicache_storage_backends.join(", ")
         )?;
         write!(f, "\ncuda graphs:        {}", self.cuda_graphs)?;
+        write!(f, "\ncuda mla:           {}", self.cuda_mla)?;
         for (kind, device) in &self.devices {
             write!(f, "\n{:<20}{device}", format!("{kind} device:"))?;
         }
