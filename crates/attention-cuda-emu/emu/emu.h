@@ -44,7 +44,10 @@ extern thread_local dim3 kvs_emu_grid_dim;
 // (KVS_EMU_SHARED_SECTION, defined by each unit before the kernel sources; see
 // KVS_EMU_SHARED_UNIT), which the runtime fills with 0xff bytes (NaN as f32) before every
 // block: on a GPU a block's shared memory starts undefined, so a kernel that reads it before
-// writing it shows NaN here instead of a stale value that happens to work.
+// writing it shows NaN here instead of a stale value that happens to work. Named sections
+// with __start_/__stop_ symbols are ELF's; elsewhere (Mach-O, PE) the arrays are plain static
+// storage and are not refilled.
+#if defined(__ELF__)
 #define __shared__ static __attribute__((section(KVS_EMU_SHARED_SECTION)))
 // Declares, in a unit whose section is "kvs_sh_" #NAME, that section's anchor and
 // kvs_emu_poison_shared(), which fills the section. The function reads the anchor, so the
@@ -58,6 +61,10 @@ extern thread_local dim3 kvs_emu_grid_dim;
         memset(__start_kvs_sh_##NAME, 0xff,                                                    \
                (size_t)(__stop_kvs_sh_##NAME - __start_kvs_sh_##NAME));                        \
     }
+#else
+#define __shared__ static
+#define KVS_EMU_SHARED_UNIT(NAME) static void kvs_emu_poison_shared() {}
+#endif
 #define KVS_KERNEL
 #define WARP_SIZE 32
 

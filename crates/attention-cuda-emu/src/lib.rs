@@ -33,8 +33,9 @@
 //!   kernel that reads a stage too early (a wait count off by one, a missing barrier after
 //!   another thread's wait) reads NaN here, as it would read undefined data on a GPU.
 //! - A block's `__shared__` arrays start as 0xff bytes (NaN as f32), refilled before every
-//!   block (each unit's arrays sit in a linker section of their own), so a kernel that reads
-//!   shared memory before writing it (undefined on a GPU) sees NaN, not a stale value.
+//!   block (each unit's arrays sit in a linker section of their own; ELF targets only), so a
+//!   kernel that reads shared memory before writing it (undefined on a GPU) sees NaN, not a
+//!   stale value.
 //! - Device memory is fenced by guard pages on Unix ([`EmuBuffer`]): a kernel that reads or
 //!   writes past the end of a buffer (its length rounded up to 16 bytes) faults, and the test
 //!   process dies of SIGSEGV. Accesses a little before a buffer's start land in its mapping's

@@ -127,8 +127,10 @@ fn syncthreads_or_tells_every_thread_whether_any_predicate_held() {
 }
 
 /// A block's shared memory starts as 0xff bytes (NaN as f32), refilled before every block: a
-/// kernel that reads it before writing it sees NaN, not what the previous block left.
+/// kernel that reads it before writing it sees NaN, not what the previous block left. (ELF
+/// targets only: the arrays' linker section is how the runtime finds them.)
 #[test]
+#[cfg(target_os = "linux")]
 fn shared_memory_reads_before_writes_see_nan() {
     let Some(dev) = emu_or_skip("shared_memory_reads_before_writes_see_nan") else {
         return;
@@ -165,10 +167,11 @@ fn a_store_past_a_buffers_end_faults() {
         .env(CHILD, "1")
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.signal(),
-        Some(libc::SIGSEGV),
-        "{}\n{}",
+    // SIGSEGV (Linux); macOS may report a guard page's fault as SIGBUS.
+    assert!(
+        matches!(out.status.signal(), Some(libc::SIGSEGV | libc::SIGBUS)),
+        "{:?}: {}\n{}",
+        out.status,
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
