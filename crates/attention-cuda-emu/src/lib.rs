@@ -45,6 +45,7 @@
 //! A test-only crate (`publish = false`): depends on `attention-cuda` (the trait it implements)
 //! and `attention`; nothing depends on it but tests.
 
+#[cfg(not(unix))]
 use std::alloc::Layout;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::ptr::NonNull;
@@ -73,7 +74,7 @@ enum Memory {
     #[cfg(unix)]
     Guarded { base: NonNull<u8>, len: usize },
     /// The global allocator's.
-    #[cfg_attr(unix, allow(dead_code))]
+    #[cfg(not(unix))]
     Heap(Layout),
 }
 
@@ -164,6 +165,7 @@ impl Drop for EmuBuffer {
                 libc::munmap(base.as_ptr().cast(), len);
             },
             // SAFETY: `ptr` came from `alloc_zeroed(layout)` and is freed once, here.
+            #[cfg(not(unix))]
             Memory::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
         }
     }
