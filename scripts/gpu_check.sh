@@ -16,7 +16,9 @@
 #      pipelined, and pipelined with the split merge in the kernel: `+merge`), KV dtype, page
 #      size and context length, against the GPU's peak (H100
 #      3350 GB/s, H200 4800 GB/s, by its name); then its MLA table (DeepSeek-V3's latent rows,
-#      16 and 128 heads; the pipelined kernel's tensor-core MLA form as `+mma`);
+#      16 and 128 heads; the pipelined kernel's tensor-core MLA form as `+mma`); then
+#      examples/moe_throughput.rs: fused_moe's TFLOP/s and weight GB/s per batch size for
+#      Qwen3-30B-A3B's and DeepSeek-V2-Lite's layers, lanes' and tensor-core forms;
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
 #      cuda` (batch 1, its pool sized by --mem-fraction-static from the GPU's memory, and
@@ -25,7 +27,8 @@
 #   5. PD disaggregation on the GPU (scripts/pd_pair_check.sh): a prefill and a decode server
 #      behind `kvserve router`, their KV moved through host mirrors of the device stores,
 #      greedy tokens against one server, then `kvserve bench --url` through the router;
-#   6. the attention conformance suite (both kernels; the tensor-core MLA form) under compute-sanitizer's memcheck (out-of-bounds and
+#   6. the attention conformance suite (both kernels; the tensor-core MLA form) and the
+#      tensor-core MoE check under compute-sanitizer's memcheck (out-of-bounds and
 #      misaligned accesses) and racecheck (shared-memory hazards: what emulation, which runs
 #      a block's threads in lockstep between barriers, cannot see), where the image has it.
 # Everything goes to $OUT/check.log, the benches' JSON beside it, a line per step to
@@ -38,7 +41,8 @@ GPU_DIR=.gpu
 
 prepare() {
     set -e
-    cargo build --release --locked -p attention-cuda --features cuda-13 --example decode_bandwidth
+    cargo build --release --locked -p attention-cuda --features cuda-13 --example decode_bandwidth \
+        --example moe_throughput
     cargo build --release --locked -p engine --features cuda-13 --bin kvserve
     cargo build --release --locked -p model --example random_checkpoint
     local test_bin
@@ -52,8 +56,8 @@ for line in sys.stdin:
         print(m["executable"])')
     rm -rf "$GPU_DIR" && mkdir -p "$GPU_DIR"
     cp "$test_bin" "$GPU_DIR/gpu-tests"
-    cp target/release/examples/decode_bandwidth target/release/examples/random_checkpoint \
-        target/release/kvserve "$GPU_DIR/"
+    cp target/release/examples/decode_bandwidth target/release/examples/moe_throughput \
+        target/release/examples/random_checkpoint target/release/kvserve "$GPU_DIR/"
     strip "$GPU_DIR"/* 2>/dev/null || true
     du -sh "$GPU_DIR"/*
     echo "prepared $GPU_DIR: carry it (the device tool's carry: [\"$GPU_DIR\"]) and run" \
@@ -150,6 +154,7 @@ run() {
     step gpu-tests 100 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
     step bandwidth 90 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
     step bandwidth-mla 40 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
+    step moe 25 "$GPU_DIR/moe_throughput" "$(peak_gbps)"
     local ck=/tmp/smollm2-shape-bf16
     step checkpoint 30 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
@@ -159,18 +164,18 @@ run() {
     step bench-b1 35 "${bench[@]}" --num-prompts 1 --mem-fraction-static 0.85 \
         --json "$out/bench-b1.json"
     step bench-b16 35 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
-    step bench-b16-eager 35 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
+    step bench-b16-eager 30 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
-    step bench-b16-chunked 35 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
+    step bench-b16-chunked 30 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
         --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
     # it, so prefixes are evicted to the host tier and loaded back through CudaKvRows.
-    step bench-hicache 40 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
+    step bench-hicache 35 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
         --workload gsp --gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 \
         --gsp-question-len 64 --gsp-output-len 16 --max-total-tokens 4096 \
         --enable-hierarchical-cache --quiet --plot /tmp/bench-hicache.png \
         --json "$out/bench-hicache.json"
-    step pd-pair 70 bash scripts/pd_pair_check.sh "$GPU_DIR/kvserve" cuda "$ck" \
+    step pd-pair 60 bash scripts/pd_pair_check.sh "$GPU_DIR/kvserve" cuda "$ck" \
         "$out/bench-pd.json"
     local sanitizer
     sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
@@ -178,7 +183,7 @@ run() {
         for tool in memcheck racecheck; do
             step "sanitizer-$tool" 35 env KVSERVE_REQUIRE_CUDA=1 "$sanitizer" --tool "$tool" \
                 --error-exitcode 3 "$GPU_DIR/gpu-tests" gpu_attention_conformance_quick \
-                gpu_mla_tensor_cores --nocapture
+                gpu_mla_tensor_cores gpu_moe_tensor_cores --exact --nocapture
         done
     else
         echo "sanitizer: compute-sanitizer not found: skipped" >>"$out/summary.txt"

@@ -282,7 +282,7 @@ fn emu_mla_tensor_cores() {
 /// and one that reads what another thread wrote with no barrier between them (a race on a GPU)
 /// does not. Cases of the quick attention suite on both kernels (the pipelined one with the
 /// tensor-core MLA form, and with the most splits merged in the kernel) and the dense suite
-/// run reversed and shuffled; their errors against the reference must agree bit for bit,
+/// (with the tensor-core MoE form) run reversed and shuffled; their errors against the reference must agree bit for bit,
 /// which they do only when the outputs do. (The other emulated suites run in thread order.)
 #[test]
 fn emu_results_do_not_depend_on_the_thread_schedule() {
@@ -291,6 +291,7 @@ fn emu_results_do_not_depend_on_the_thread_schedule() {
         (
             CudaConfig {
                 mla_tensor_cores: true,
+                moe_tensor_cores: true,
                 ..with_kernel(AttentionKernel::Pipelined)
             },
             4,
@@ -444,6 +445,37 @@ fn emu_decode_bandwidth_measures_every_page_family() {
     }
 }
 
+/// `attention::moe_throughput` (what `examples/moe_throughput.rs` runs on a GPU) times a small
+/// layer in both forms, and the tensor-core form really runs in its rows.
+#[test]
+fn emu_moe_throughput_measures_both_forms() {
+    use attention::moe_throughput::{measure_moe, moe_experts, MoeCase};
+    let Some(lanes) = backend("emu_moe_throughput", CudaConfig::default()) else {
+        return;
+    };
+    let case = MoeCase {
+        tokens: 40,
+        hidden: 64,
+        experts: 8,
+        intermediate: 32,
+        top_k: 2,
+        dtype: attention::TensorDtype::Bf16,
+    };
+    let experts = moe_experts(&lanes, &case).unwrap();
+    let any = |_: &attention_cuda::Spec| true;
+    for (mma, b) in [
+        (false, lanes.clone()),
+        (true, lanes.with_moe_tensor_cores(true)),
+    ] {
+        let before = b.device().launch_count("moe_matmul_mma", any);
+        let t = measure_moe(&b, &case, &experts, 2, 2).unwrap();
+        assert!(t.seconds > 0.0 && t.tflops() > 0.0, "{t:?}");
+        // One untimed call and two samples of two, two expert matmuls each.
+        let launched = b.device().launch_count("moe_matmul_mma", any) - before;
+        assert_eq!(launched, if mma { 10 } else { 0 });
+    }
+}
+
 /// `fused_moe` on the device groups a batch's rows by expert into tiles; a token's output is
 /// still bitwise the same alone as in a batch of 40 (where experts get several tiles, shared
 /// with other tokens); more experts than `moe_align` groups for take the host algorithm.
@@ -511,6 +543,71 @@ fn emu_fused_moe_rows_do_not_depend_on_the_batch() {
     );
     let err = conformance::relative_error(&b.download(&got).unwrap(), &want);
     assert!(err < 1e-6, "{err}");
+}
+
+/// `fused_moe`'s tensor-core form (`CudaConfig::moe_tensor_cores`, `moe_matmul_mma`) over bf16
+/// experts: the dense suite (whose bf16 MoE cases take it for gate/up and, where the
+/// intermediate size is a multiple of 8, for down); then a batch of 150 tokens, top 2 of 4
+/// experts (each with several 64-row tiles, the last partial), hidden 72 (k steps of 32, the
+/// last a quarter full) and intermediate 104 (208 gate/up outputs: four 64-output blocks, the
+/// last partial; down over 104 = 3¼ steps), against an f64 computation that rounds the
+/// activations to bf16 where the form does, with a bound 20 times tighter than the rounding
+/// itself; a token alone must give its batch row's bits; and experts whose hidden size is not a
+/// multiple of 8 take the lanes' form (`moe_matmul_bf16`).
+#[test]
+fn emu_moe_tensor_cores() {
+    use attention::moe::MoeRouting;
+    let config = CudaConfig {
+        moe_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let Some(b) = backend("emu_moe_tensor_cores", config) else {
+        return;
+    };
+    let any = |_: &attention_cuda::Spec| true;
+    report(&conformance::run_dense_suite(&b).unwrap());
+    let suite_launches = b.device().launch_count("moe_matmul_mma", any);
+    assert!(
+        suite_launches >= 3,
+        "{suite_launches} moe_matmul_mma launches"
+    );
+
+    let routing = MoeRouting {
+        top_k: 2,
+        renormalize: true,
+        routed_scaling_factor: 1.0,
+    };
+    let before = b.device().launch_count("moe_matmul_mma", any);
+    let o = conformance::moe_bf16_activations_case(&b, (150, 72, 4, 104), &routing, 0x7C).unwrap();
+    println!("150x72 top 2 of 4 bf16 experts of 104: {o:?}");
+    // The batch and three tokens alone, two expert matmuls each.
+    assert_eq!(b.device().launch_count("moe_matmul_mma", any), before + 8);
+    assert!(
+        o.rows_per_expert.iter().all(|&r| r > 64 && r % 64 != 0),
+        "every expert needs a full tile and a partial one: {:?}",
+        o.rows_per_expert
+    );
+    assert!(o.rounded_error < 1e-4, "{o:?}");
+    assert!(
+        o.reference_error < 2.0 * conformance::BF16_WEIGHT_BOUND,
+        "{o:?}"
+    );
+    assert!(o.batch_variant_tokens.is_empty(), "{o:?}");
+
+    // Hidden 36: gate/up rows of 4.5 units take the lanes' form; down (over 104) the mma's.
+    let (lanes, mma) = (
+        b.device().launch_count("moe_matmul_bf16", any),
+        b.device().launch_count("moe_matmul_mma", any),
+    );
+    let o = conformance::moe_bf16_activations_case(&b, (9, 36, 4, 104), &routing, 0x7D).unwrap();
+    println!("9x36 top 2 of 4 bf16 experts of 104: {o:?}");
+    assert_eq!(b.device().launch_count("moe_matmul_bf16", any), lanes + 4);
+    assert_eq!(b.device().launch_count("moe_matmul_mma", any), mma + 4);
+    assert!(
+        o.reference_error < 2.0 * conformance::BF16_WEIGHT_BOUND,
+        "{o:?}"
+    );
+    assert!(o.batch_variant_tokens.is_empty(), "{o:?}");
 }
 
 /// DoubleSparse decode over 300 positions (three of `ds_decode`'s chunks) whose label rows

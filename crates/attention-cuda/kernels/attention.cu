@@ -663,22 +663,13 @@ struct alignas(8) pl_unit {
 #else
 #define PL_BOUNDS
 #endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define PL_CP_ASYNC 1
-#else
-#define PL_CP_ASYNC 0
-#endif
-
 // The unit at src (global memory) into dst (shared memory): asynchronously where the GPU has
 // cp.async (L2 only for 16 bytes: the cache is streamed once), else a load and a store. The
 // emulation (KVS_EMU_CP_ASYNC) models cp.async: dst holds NaN bytes until the thread's
-// pl_wait completes the copy's group.
+// kvs_cp_wait completes the copy's group.
 __device__ inline void pl_copy(pl_unit* dst, const kv_t* src) {
-#if PL_CP_ASYNC
-    unsigned int d;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-                 : "=r"(d)
-                 : "l"(dst));
+#if KVS_SM80
+    const unsigned int d = kvs_smem_addr(dst);
 #if PL_UNIT_BYTES == 16
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 #else
@@ -688,24 +679,6 @@ __device__ inline void pl_copy(pl_unit* dst, const kv_t* src) {
     kvs_emu_cp_async(dst, src, PL_UNIT_BYTES, PL_UNIT_BYTES);
 #else
     *dst = *reinterpret_cast<const pl_unit*>(src);
-#endif
-}
-
-// Closes the group of copies issued since the last commit (one group per tile).
-__device__ inline void pl_commit() {
-#if PL_CP_ASYNC
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#elif defined(KVS_EMU_CP_ASYNC)
-    kvs_emu_cp_commit();
-#endif
-}
-
-// Waits until at most N of this thread's groups are still in flight.
-template <int N> __device__ inline void pl_wait() {
-#if PL_CP_ASYNC
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#elif defined(KVS_EMU_CP_ASYNC)
-    kvs_emu_cp_wait(N);
 #endif
 }
 
@@ -848,16 +821,6 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 #else
 #define PM_FP8_UNSCALE 1.0f
 #endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#define PM_ASM 1
-#if PM_BF16
-#define PM_AB "bf16"
-#else
-#define PM_AB "f16"
-#endif
-#else
-#define PM_ASM 0
-#endif
 
 // A row's swizzle: unit x of row `row` sits at x ^ PM_SWIZZLE(row), so the tiles a warp reads
 // at once fall in different bank groups: ldmatrix's 8 rows of one unit (f16/bf16), and fp8's
@@ -885,29 +848,6 @@ __device__ inline unsigned int pm_unit(unsigned int row, unsigned int part, unsi
     return row * PM_ROW_UNITS + ((part * PM_UNITS + u) ^ PM_SWIZZLE(row));
 }
 
-// Element e of a word of two mma elements (f16, or bf16), as f32.
-__device__ inline float pm_elem(unsigned int w, int e) {
-    const unsigned short h = (unsigned short)(w >> (16 * e));
-#if PM_BF16
-    return kvs_bf16_to_f32(h);
-#else
-    return kvs_f16_to_f32(h);
-#endif
-}
-
-// Two f32 as the mma's 16-bit type, rounded to nearest even: lo in the low half.
-__device__ inline unsigned int pm_pack(float lo, float hi) {
-#if PM_ASM
-    unsigned int r;
-    asm("cvt.rn." PM_AB "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#elif PM_BF16
-    return (unsigned int)kvs_f32_to_bf16(lo) | ((unsigned int)kvs_f32_to_bf16(hi) << 16);
-#else
-    return (unsigned int)kvs_f32_to_f16(lo) | ((unsigned int)kvs_f32_to_f16(hi) << 16);
-#endif
-}
-
 #if PM_FP8
 // fp8 bytes 0 and 2 of x as f16x2 (byte 0 in the low half), exactly: e5m2 is the top byte of
 // an f16; e4m3's exponent and mantissa bits, moved to f16's places, are its value times 2^-8
@@ -932,7 +872,7 @@ __device__ inline unsigned int pm_fp8_odd(unsigned int x) {
 
 // Byte p of a in byte 0 and byte p of b in byte 2 (bytes 1 and 3 unspecified): PRMT.
 template <int P> __device__ inline unsigned int pm_pair_bytes(unsigned int a, unsigned int b) {
-#if PM_ASM
+#if KVS_SM80
     unsigned int r;
     asm("prmt.b32 %0, %1, %2, %3;"
         : "=r"(r)
@@ -943,84 +883,6 @@ template <int P> __device__ inline unsigned int pm_pair_bytes(unsigned int a, un
 #endif
 }
 #endif
-
-// The portable mmas' step: rows g and g + 8 (x0, x8) times columns 2t and 2t + 1 (y0, y1).
-__device__ inline void pm_fma(float (&c)[4], float x0, float x8, float y0, float y1) {
-    c[0] += x0 * y0;
-    c[1] += x0 * y1;
-    c[2] += x8 * y0;
-    c[3] += x8 * y1;
-}
-
-#if !PM_ASM
-// The mmas below where the GPU has none (HIP, the emulation, NVIDIA GPUs before sm_80), over
-// k = 8·KK in the same fragment layouts: a lane's A registers a[2kk + h] hold row g + 8h's
-// k 8kk + 2t, + 1, its B registers b[kk] column g's; row g of A is in lanes 4g + s and column
-// n of B in lanes 4n + s (s < 4). Every lane's registers go through the warp's shared scratch
-// (two warp barriers per mma, where shuffles would take 12 to 16: the emulation runs a
-// barrier as a switch to every lane).
-template <int KK>
-__device__ inline void pm_mma_portable(float (&c)[4], const unsigned int (&a)[2 * KK],
-                                       const unsigned int (&b)[KK]) {
-    __shared__ unsigned int s_x[ATTN_WARPS][WARP_SIZE][3 * KK];
-    const unsigned int lane = threadIdx.x % WARP_SIZE, g = lane >> 2, t = lane & 3;
-    unsigned int(&x)[WARP_SIZE][3 * KK] = s_x[threadIdx.x / WARP_SIZE];
-#pragma unroll
-    for (int i = 0; i < 2 * KK; ++i) {
-        x[lane][i] = a[i];
-    }
-#pragma unroll
-    for (int kk = 0; kk < KK; ++kk) {
-        x[lane][2 * KK + kk] = b[kk];
-    }
-    KVS_SYNCWARP();
-#pragma unroll
-    for (unsigned int s = 0; s < 4; ++s) {
-#pragma unroll
-        for (int kk = 0; kk < KK; ++kk) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                pm_fma(c, pm_elem(x[4 * g + s][2 * kk], e), pm_elem(x[4 * g + s][2 * kk + 1], e),
-                       pm_elem(x[8 * t + s][2 * KK + kk], e),
-                       pm_elem(x[8 * t + 4 + s][2 * KK + kk], e));
-            }
-        }
-    }
-    KVS_SYNCWARP(); // every lane has read the scratch before it is rewritten
-}
-#endif
-
-// c += A·B over k = 16 (mma.m16n8k16, f32 accumulators), in the mma's fragment layouts (lane
-// (g, t) = (lane / 4, lane % 4)): a[0] and a[2] row g's k 2t, 2t + 1 and 2t + 8, 2t + 9, a[1]
-// and a[3] row g + 8's; b0, b1 column g's k 2t, 2t + 1 and 2t + 8, 2t + 9; c[0], c[1] row g's
-// columns 2t, 2t + 1, c[2], c[3] row g + 8's.
-__device__ inline void pm_mma_k16(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
-                                  unsigned int b1) {
-#if PM_ASM
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PM_AB "." PM_AB ".f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    const unsigned int bb[2] = {b0, b1};
-    pm_mma_portable<2>(c, a, bb);
-#endif
-}
-
-// c += A·B over k = 8 (mma.m16n8k8): a0 row g's k 2t, 2t + 1, a1 row g + 8's; b column g's k
-// 2t, 2t + 1; c as pm_mma_k16's.
-__device__ inline void pm_mma_k8(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int b) {
-#if PM_ASM
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32." PM_AB "." PM_AB ".f32 "
-                 "{%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(b));
-#else
-    const unsigned int aa[2] = {a0, a1};
-    const unsigned int bb[1] = {b};
-    pm_mma_portable<1>(c, aa, bb);
-#endif
-}
 
 // Which four 8×8 tiles of a stage one ldmatrix.x4 reads: tile j is rows row0(j) … row0(j) + 7
 // of unit unit(j) (key units first; a GQA value unit is PM_UNITS + u).
@@ -1035,47 +897,18 @@ struct pm_tiles_pair { // MLA: units ua, ub of rows 0-7, then of rows 8-15
     __device__ unsigned int unit(unsigned int j) const { return (j & 1u) ? ub : ua; }
 };
 
-// The four tiles of `tiles` as ldmatrix.x4 gives them: r[j] holds tile j's elements (row g,
-// columns 2t, 2t + 1), or with TRANS its elements (rows 2t, 2t + 1, column g).
+// The four tiles of `tiles` (row0, unit) of a stage as ldmatrix.x4 gives them (kvs_ldsm_x4).
+template <class Tiles> struct pm_stage_tiles {
+    const kvs_vec16* st;
+    Tiles tiles;
+    __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
+        return st + pm_unit(tiles.row0(j) + i, 0, tiles.unit(j));
+    }
+};
 template <bool TRANS, class Tiles>
 __device__ inline void pm_ldsm_tiles(const kvs_vec16* st, const Tiles& tiles,
                                      unsigned int (&r)[4]) {
-    const unsigned int lane = threadIdx.x % WARP_SIZE;
-#if PM_ASM
-    // Lane i gives the address of row i % 8 of tile i / 8.
-    const unsigned int j = lane >> 3;
-    const kvs_vec16* p = st + pm_unit(tiles.row0(j) + (lane & 7), 0, tiles.unit(j));
-    unsigned int addr;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-                 : "=r"(addr)
-                 : "l"(p));
-    if (TRANS) {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr)
-                     : "memory");
-    } else {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr)
-                     : "memory");
-    }
-#else
-    const unsigned int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (unsigned int j = 0; j < 4; ++j) {
-        const unsigned int row0 = tiles.row0(j), u = tiles.unit(j);
-        if (TRANS) {
-            const unsigned short* r0 =
-                reinterpret_cast<const unsigned short*>(st + pm_unit(row0 + 2 * t, 0, u));
-            const unsigned short* r1 =
-                reinterpret_cast<const unsigned short*>(st + pm_unit(row0 + 2 * t + 1, 0, u));
-            r[j] = (unsigned int)r0[g] | (unsigned int)r1[g] << 16;
-        } else {
-            r[j] = reinterpret_cast<const unsigned int*>(st + pm_unit(row0 + g, 0, u))[t];
-        }
-    }
-#endif
+    kvs_ldsm_x4<TRANS>(pm_stage_tiles<Tiles>{st, tiles}, r);
 }
 
 // Four 8×8 tiles of a warp's stage (rows 0-7, units u0 … u0 + 3 of one part).
@@ -1083,32 +916,6 @@ template <bool TRANS>
 __device__ inline void pm_ldsm(const kvs_vec16* st, unsigned int part, unsigned int u0,
                                unsigned int (&r)[4]) {
     pm_ldsm_tiles<TRANS>(st, pm_tiles_row{part * PM_UNITS + u0}, r);
-}
-
-// The unit at src into dst, or zeros where !live (src is then not read).
-__device__ inline void pm_copy(kvs_vec16* dst, const kv_t* src, bool live) {
-#if PL_CP_ASYNC
-    unsigned int d;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-                 : "=r"(d)
-                 : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
-                 "r"(live ? 16u : 0u)
-                 : "memory");
-#elif defined(KVS_EMU_CP_ASYNC)
-    kvs_emu_cp_async(dst, src, 16, live ? 16u : 0u);
-#else
-    if (live) {
-        *dst = *reinterpret_cast<const kvs_vec16*>(src);
-    } else {
-        kvs_vec16 z;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            z.w[w] = 0;
-        }
-        *dst = z;
-    }
-#endif
 }
 
 // The head dim of the scores mma's k index in k-tile kt (half 0: k 2tq + e, half 1: k 8 + 2tq
@@ -1141,7 +948,7 @@ __device__ inline void pm_issue(kvs_vec16* st, unsigned int slot, unsigned int r
         const unsigned int s = KVS_SHFL(slot, (int)row);
         const kv_t* src =
             (part ? v_cache : k_cache) + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU;
-        pm_copy(st + pm_unit(row, part, u), src, row0 + row < end);
+        kvs_cp_async16(st + pm_unit(row, part, u), src, row0 + row < end);
     }
 }
 
@@ -1192,9 +999,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             for (int half = 0; half < 2; ++half) {
                 const float x0 = live ? qg[pm_k_dim(kt, half, 0, tq)] * scale : 0.0f;
                 const float x1 = live ? qg[pm_k_dim(kt, half, 1, tq)] * scale : 0.0f;
-                const unsigned int hi = pm_pack(x0, x1);
+                const unsigned int hi = kvs_b16_pack<PM_BF16>(x0, x1);
                 qa[kt][2 * half] = hi;
-                qa[kt][2 * half + 1] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
+                qa[kt][2 * half + 1] = kvs_b16_pack<PM_BF16>(x0 - kvs_b16_elem<PM_BF16>(hi, 0), x1 - kvs_b16_elem<PM_BF16>(hi, 1));
             }
         }
     }
@@ -1226,7 +1033,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_issue(s_stage[s][warp], slot, first + s * PM_STEP, b.end, k_cache, v_cache,
                      kv_heads, b.kvh);
         }
-        pl_commit();
+        kvs_cp_commit();
         const unsigned int j = first + (s + 1) * PM_STEP + (lane & 7);
         slot = j < b.end ? kvs_slot(b.pages, j, page_size, page_shift) : 0;
     }
@@ -1237,12 +1044,12 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_issue(s_stage[ahead % PM_STAGES][warp], slot, first + ahead * PM_STEP, b.end,
                      k_cache, v_cache, kv_heads, b.kvh);
         }
-        pl_commit();
+        kvs_cp_commit();
         {
             const unsigned int j = first + (ahead + 1) * PM_STEP + (lane & 7);
             slot = j < b.end ? kvs_slot(b.pages, j, page_size, page_shift) : 0;
         }
-        pl_wait<PM_STAGES - 1>(); // this lane's copies of step it have landed
+        kvs_cp_wait<PM_STAGES - 1>(); // this lane's copies of step it have landed
         KVS_SYNCWARP();           // and every lane's
         const kvs_vec16* st = s_stage[it % PM_STAGES][warp];
         const unsigned int row0 = first + it * PM_STEP;
@@ -1264,7 +1071,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             }
 #pragma unroll
             for (int kt = 0; kt < HEAD_DIM / 16; ++kt) {
-                pm_mma_k16(c, qa[kt], pm_fp8_even(kw[kt]), pm_fp8_odd(kw[kt]));
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c, qa[kt], pm_fp8_even(kw[kt]), pm_fp8_odd(kw[kt]));
             }
         }
 #else
@@ -1272,8 +1079,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         for (unsigned int u0 = 0; u0 < PM_UNITS; u0 += 4) {
             unsigned int kb[4];
             pm_ldsm<false>(st, 0, u0, kb);
-            pm_mma_k16(c, qa[u0 / 2], kb[0], kb[1]);
-            pm_mma_k16(c, qa[u0 / 2 + 1], kb[2], kb[3]);
+            kvs_mma_k16<PM_BF16, ATTN_WARPS>(c, qa[u0 / 2], kb[0], kb[1]);
+            kvs_mma_k16<PM_BF16, ATTN_WARPS>(c, qa[u0 / 2 + 1], kb[2], kb[3]);
         }
 #endif
         const float s0 = row0 + 2 * tq < b.end ? (c[0] + c[2]) * ks : KVS_NEG_INF;
@@ -1296,8 +1103,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         }
         // Values: P (rows 2tq, 2tq + 1 of head g: the scores' C layout is this mma's A
         // layout), its rounding in rows 0-7 and the rest in rows 8-15, times the value tile.
-        const unsigned int p_hi = pm_pack(p0, p1);
-        const unsigned int p_lo = pm_pack(p0 - pm_elem(p_hi, 0), p1 - pm_elem(p_hi, 1));
+        const unsigned int p_hi = kvs_b16_pack<PM_BF16>(p0, p1);
+        const unsigned int p_lo = kvs_b16_pack<PM_BF16>(p0 - kvs_b16_elem<PM_BF16>(p_hi, 0), p1 - kvs_b16_elem<PM_BF16>(p_hi, 1));
 #if PM_FP8
         {
             // Value rows 2tq, 2tq + 1 from byte g·PM_NT: byte p of words i paired is n-tile
@@ -1307,10 +1114,10 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_value_words(st, 2 * tq + 1, g, y1);
 #pragma unroll
             for (int i = 0; i < PM_NT / 4; ++i) {
-                pm_mma_k8(acc[4 * i], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<0>(y0[i], y1[i])));
-                pm_mma_k8(acc[4 * i + 1], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<1>(y0[i], y1[i])));
-                pm_mma_k8(acc[4 * i + 2], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<2>(y0[i], y1[i])));
-                pm_mma_k8(acc[4 * i + 3], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<3>(y0[i], y1[i])));
+                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<0>(y0[i], y1[i])));
+                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i + 1], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<1>(y0[i], y1[i])));
+                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i + 2], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<2>(y0[i], y1[i])));
+                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i + 3], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<3>(y0[i], y1[i])));
             }
         }
 #else
@@ -1320,13 +1127,13 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_ldsm<true>(st, 1, u0, vb);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                pm_mma_k8(acc[u0 + j], p_hi, p_lo, vb[j]);
+                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[u0 + j], p_hi, p_lo, vb[j]);
             }
         }
 #endif
         KVS_SYNCWARP(); // every lane is done with this stage before it is refilled
     }
-    pl_wait<0>();
+    kvs_cp_wait<0>();
 
     // Head g's sum over its 4 lanes; then the warps, in warp order, through shared memory.
     l += KVS_SHFL_XOR(l, 1);
@@ -1412,7 +1219,7 @@ __device__ inline void pm_mla_issue(kvs_vec16* st, unsigned int slot, unsigned i
         // Every lane shuffles (a row past the step's reads lane 0's slot, unused).
         const unsigned int s = KVS_SHFL(slot, (int)(row < PM_ROWS ? row : 0));
         if (PM_STEP_UNITS % ATTN_THREADS == 0 || flat < PM_STEP_UNITS) {
-            pm_copy(st + pm_unit(row, 0, u), k_cache + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU,
+            kvs_cp_async16(st + pm_unit(row, 0, u), k_cache + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU,
                     row0 + row < end);
         }
     }
@@ -1478,9 +1285,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             for (unsigned int half = 0; half < 2; ++half) {
                 const float x0 = live ? qrow[pm_k_dim(kt, half, 0, tq)] * scale : 0.0f;
                 const float x1 = live ? qrow[pm_k_dim(kt, half, 1, tq)] * scale : 0.0f;
-                const unsigned int hi = pm_pack(x0, x1);
+                const unsigned int hi = kvs_b16_pack<PM_BF16>(x0, x1);
                 qh[i][2 * half + hh] = hi;
-                ql[i][2 * half + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
+                ql[i][2 * half + hh] = kvs_b16_pack<PM_BF16>(x0 - kvs_b16_elem<PM_BF16>(hi, 0), x1 - kvs_b16_elem<PM_BF16>(hi, 1));
             }
         }
     }
@@ -1505,11 +1312,11 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         if ((unsigned int)s < steps) {
             pm_mla_issue(s_stage[s], slot, b.begin + s * PM_ROWS, b.end, k_cache, kv_heads, b.kvh);
         }
-        pl_commit();
+        kvs_cp_commit();
         slot = pm_mla_slot(b, b.begin + (s + 1) * PM_ROWS, page_size, page_shift);
     }
     for (unsigned int it = 0; it < steps; ++it) {
-        pl_wait<PM_STAGES - 2>(); // this thread's copies of step it have landed
+        kvs_cp_wait<PM_STAGES - 2>(); // this thread's copies of step it have landed
         __syncthreads();          // and every thread's; every warp is done with step it - 1
         // Step it + PM_STAGES - 1 into the stage step it - 1 used.
         const unsigned int ahead = it + PM_STAGES - 1;
@@ -1517,7 +1324,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_mla_issue(s_stage[ahead % PM_STAGES], slot, b.begin + ahead * PM_ROWS, b.end,
                          k_cache, kv_heads, b.kvh);
         }
-        pl_commit();
+        kvs_cp_commit();
         slot = pm_mla_slot(b, b.begin + (ahead + 1) * PM_ROWS, page_size, page_shift);
         const kvs_vec16* st = s_stage[it % PM_STAGES];
         const unsigned int row0 = b.begin + it * PM_ROWS;
@@ -1540,10 +1347,10 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
 #else
                 pm_ldsm_tiles<false>(st, pm_tiles_pair{2 * kt, 2 * kt + 1}, kb);
 #endif
-                pm_mma_k16(c[0], qh[i], kb[0], kb[1]);
-                pm_mma_k16(c[0], ql[i], kb[0], kb[1]);
-                pm_mma_k16(c[1], qh[i], kb[2], kb[3]);
-                pm_mma_k16(c[1], ql[i], kb[2], kb[3]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[0], qh[i], kb[0], kb[1]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[0], ql[i], kb[0], kb[1]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[1], qh[i], kb[2], kb[3]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[1], ql[i], kb[2], kb[3]);
             }
         }
 #pragma unroll
@@ -1592,9 +1399,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const float x0 = p[hh][2 * n], x1 = p[hh][2 * n + 1];
-                const unsigned int hi = pm_pack(x0, x1);
+                const unsigned int hi = kvs_b16_pack<PM_BF16>(x0, x1);
                 ph[2 * n + hh] = hi;
-                pl[2 * n + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
+                pl[2 * n + hh] = kvs_b16_pack<PM_BF16>(x0 - kvs_b16_elem<PM_BF16>(hi, 0), x1 - kvs_b16_elem<PM_BF16>(hi, 1));
             }
         }
 #if PM_FP8
@@ -1617,8 +1424,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             zb[3] = pm_fp8_even(pm_pair_bytes<3>(z0, z1));
 #pragma unroll
             for (unsigned int p = 0; p < 4; ++p) {
-                pm_mma_k16(acc[4 * i + p], ph, yb[p], zb[p]);
-                pm_mma_k16(acc[4 * i + p], pl, yb[p], zb[p]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[4 * i + p], ph, yb[p], zb[p]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[4 * i + p], pl, yb[p], zb[p]);
             }
         }
 #else
@@ -1631,17 +1438,17 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
                 // of the row's rope part, or the next warp's, when nt + 1 is not this warp's).
                 unsigned int vb[4];
                 pm_ldsm_tiles<true>(st, pm_tiles_pair{nt, nt + 1}, vb);
-                pm_mma_k16(acc[j], ph, vb[0], vb[2]);
-                pm_mma_k16(acc[j], pl, vb[0], vb[2]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j], ph, vb[0], vb[2]);
+                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j], pl, vb[0], vb[2]);
                 if (j + 1 < PM_WNT && nt + 1 < PM_VNT) {
-                    pm_mma_k16(acc[j + 1], ph, vb[1], vb[3]);
-                    pm_mma_k16(acc[j + 1], pl, vb[1], vb[3]);
+                    kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j + 1], ph, vb[1], vb[3]);
+                    kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j + 1], pl, vb[1], vb[3]);
                 }
             }
         }
 #endif
     }
-    pl_wait<0>();
+    kvs_cp_wait<0>();
 
     // Every warp holds every head's state: each writes its own dims.
 #pragma unroll
@@ -1720,7 +1527,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pl_issue(s_stage[s], slot, k_cache, v_cache, kv_heads, b.kvh, b.begin + s * PL_TILE,
                      b.end, r, x);
         }
-        pl_commit();
+        kvs_cp_commit();
         pl_lookup(slot, b.pages, b.begin + (s + 1) * PL_TILE, b.end, r, page_size, page_shift);
     }
     for (unsigned int it = 0; it < tiles; ++it) {
@@ -1730,10 +1537,10 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pl_issue(s_stage[ahead % PL_STAGES], slot, k_cache, v_cache, kv_heads, b.kvh,
                      b.begin + ahead * PL_TILE, b.end, r, x);
         }
-        pl_commit();
+        kvs_cp_commit();
         pl_lookup(slot, b.pages, b.begin + (ahead + 1) * PL_TILE, b.end, r, page_size,
                   page_shift);
-        pl_wait<PL_STAGES - 1>(); // tile it's group (and every earlier one) has landed
+        kvs_cp_wait<PL_STAGES - 1>(); // tile it's group (and every earlier one) has landed
         const pl_unit(*tile)[PL_ROW_UNITS] = s_stage[it % PL_STAGES];
         const unsigned int tile_begin = b.begin + it * PL_TILE;
 

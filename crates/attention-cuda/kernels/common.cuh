@@ -326,3 +326,221 @@ __device__ inline float kvs_block_max(float v, float* red) {
     __syncthreads();
     return t;
 }
+
+// ---- Tensor cores (mma.sync), ldmatrix and asynchronous copies (cp.async) ----
+// KVS_SM80: an NVIDIA GPU of sm_80 or later, which has all three. Everywhere else (the
+// emulation, HIP, older NVIDIA GPUs) the portable forms below run instead, in the same
+// register layouts, so the emulation checks a kernel's fragment bookkeeping; it also models
+// cp.async (KVS_EMU_CP_ASYNC: a copy's destination reads NaN until its group is waited for).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define KVS_SM80 1
+#else
+#define KVS_SM80 0
+#endif
+
+#if KVS_SM80
+// The shared-state-space address of a pointer into shared memory.
+__device__ inline unsigned int kvs_smem_addr(const void* p) {
+    unsigned int a;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+                 : "=r"(a)
+                 : "l"(p));
+    return a;
+}
+#endif
+
+// The 16 bytes at src (global memory) into dst (shared memory, 16-byte aligned), or zeros
+// where !live (src is then not read): asynchronously where the GPU has cp.async (through L2
+// only: what is staged is read once), else a load and a store.
+__device__ inline void kvs_cp_async16(void* dst, const void* src, bool live) {
+#if KVS_SM80
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(kvs_smem_addr(dst)),
+                 "l"(src), "r"(live ? 16u : 0u)
+                 : "memory");
+#elif defined(KVS_EMU_CP_ASYNC)
+    kvs_emu_cp_async(dst, src, 16, live ? 16u : 0u);
+#else
+    kvs_vec16 v;
+    if (live) {
+        v = kvs_load16(src);
+    } else {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            v.w[w] = 0;
+        }
+    }
+    *reinterpret_cast<kvs_vec16*>(dst) = v;
+#endif
+}
+
+// Closes the group of this thread's copies issued since its last commit.
+__device__ inline void kvs_cp_commit() {
+#if KVS_SM80
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#elif defined(KVS_EMU_CP_ASYNC)
+    kvs_emu_cp_commit();
+#endif
+}
+
+// Waits until at most N of this thread's committed groups are still in flight (the others'
+// bytes are in shared memory, visible to this thread; other threads see them after a barrier).
+template <int N> __device__ inline void kvs_cp_wait() {
+#if KVS_SM80
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#elif defined(KVS_EMU_CP_ASYNC)
+    kvs_emu_cp_wait(N);
+#endif
+}
+
+// Element e (0: the low half) of a word of two 16-bit mma elements (bf16, or f16), as f32.
+template <bool BF16> __device__ inline float kvs_b16_elem(unsigned int w, int e) {
+    const unsigned short h = (unsigned short)(w >> (16 * e));
+    return BF16 ? kvs_bf16_to_f32(h) : kvs_f16_to_f32(h);
+}
+
+// Two f32 as a word of two 16-bit mma elements (bf16, or f16), each rounded to nearest even:
+// lo in the low half.
+template <bool BF16> __device__ inline unsigned int kvs_b16_pack(float lo, float hi) {
+#if KVS_SM80
+    unsigned int r;
+    if constexpr (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+#else
+    return BF16 ? (unsigned int)kvs_f32_to_bf16(lo) | ((unsigned int)kvs_f32_to_bf16(hi) << 16)
+                : (unsigned int)kvs_f32_to_f16(lo) | ((unsigned int)kvs_f32_to_f16(hi) << 16);
+#endif
+}
+
+#if !KVS_SM80
+// The mmas below where the GPU has none, over k = 8·KK in the same fragment layouts: a lane's
+// A registers a[2kk + h] hold row g + 8h's k 8kk + 2t, + 1, its B registers b[kk] column g's;
+// row g of A is in lanes 4g + s and column n of B in lanes 4n + s (s < 4). Every lane's
+// registers go through its warp's shared scratch (WARPS: the block's warps; two warp barriers
+// per mma, where shuffles would take 12 to 16: the emulation runs a barrier as a switch to
+// every lane).
+template <bool BF16, int WARPS, int KK>
+__device__ inline void kvs_mma_portable(float (&c)[4], const unsigned int (&a)[2 * KK],
+                                        const unsigned int (&b)[KK]) {
+    __shared__ unsigned int s_x[WARPS][WARP_SIZE][3 * KK];
+    const unsigned int lane = threadIdx.x % WARP_SIZE, g = lane >> 2, t = lane & 3;
+    unsigned int(&x)[WARP_SIZE][3 * KK] = s_x[threadIdx.x / WARP_SIZE];
+#pragma unroll
+    for (int i = 0; i < 2 * KK; ++i) {
+        x[lane][i] = a[i];
+    }
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+        x[lane][2 * KK + kk] = b[kk];
+    }
+    KVS_SYNCWARP();
+#pragma unroll
+    for (unsigned int s = 0; s < 4; ++s) {
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                // rows g and g + 8 times columns 2t and 2t + 1
+                const float x0 = kvs_b16_elem<BF16>(x[4 * g + s][2 * kk], e);
+                const float x8 = kvs_b16_elem<BF16>(x[4 * g + s][2 * kk + 1], e);
+                const float y0 = kvs_b16_elem<BF16>(x[8 * t + s][2 * KK + kk], e);
+                const float y1 = kvs_b16_elem<BF16>(x[8 * t + 4 + s][2 * KK + kk], e);
+                c[0] += x0 * y0;
+                c[1] += x0 * y1;
+                c[2] += x8 * y0;
+                c[3] += x8 * y1;
+            }
+        }
+    }
+    KVS_SYNCWARP(); // every lane has read the scratch before it is rewritten
+}
+#endif
+
+// c += A·B over k = 16 (mma.m16n8k16.row.col, 16-bit inputs, f32 accumulators), in the mma's
+// fragment layouts (lane (g, t) = (lane / 4, lane % 4)): a[0] and a[2] row g's k 2t, 2t + 1
+// and 2t + 8, 2t + 9, a[1] and a[3] row g + 8's; b0, b1 column g's k 2t, 2t + 1 and 2t + 8,
+// 2t + 9; c[0], c[1] row g's columns 2t, 2t + 1, c[2], c[3] row g + 8's. WARPS: the block's
+// warps (the portable form's scratch).
+template <bool BF16, int WARPS>
+__device__ inline void kvs_mma_k16(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                   unsigned int b1) {
+#if KVS_SM80
+#define KVS_MMA_K16(T)                                                                         \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 "                      \
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"             \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+    if constexpr (BF16) {
+        KVS_MMA_K16("bf16");
+    } else {
+        KVS_MMA_K16("f16");
+    }
+#undef KVS_MMA_K16
+#else
+    const unsigned int bb[2] = {b0, b1};
+    kvs_mma_portable<BF16, WARPS, 2>(c, a, bb);
+#endif
+}
+
+// c += A·B over k = 8 (mma.m16n8k8): a0 row g's k 2t, 2t + 1, a1 row g + 8's; b column g's k
+// 2t, 2t + 1; c as kvs_mma_k16's.
+template <bool BF16, int WARPS>
+__device__ inline void kvs_mma_k8(float (&c)[4], unsigned int a0, unsigned int a1,
+                                  unsigned int b) {
+#if KVS_SM80
+#define KVS_MMA_K8(T)                                                                          \
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32." T "." T ".f32 "                       \
+                 "{%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"                         \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                              \
+                 : "r"(a0), "r"(a1), "r"(b))
+    if constexpr (BF16) {
+        KVS_MMA_K8("bf16");
+    } else {
+        KVS_MMA_K8("f16");
+    }
+#undef KVS_MMA_K8
+#else
+    const unsigned int aa[2] = {a0, a1};
+    const unsigned int bb[1] = {b};
+    kvs_mma_portable<BF16, WARPS, 1>(c, aa, bb);
+#endif
+}
+
+// Four 8×8 tiles of 16-bit elements in shared memory, as ldmatrix.x4 gives them: r[j] holds
+// tile j's elements (row g, columns 2t, 2t + 1), or with TRANS its elements (rows 2t, 2t + 1,
+// column g). tiles.row(j, i) is the 16 bytes of tile j's row i (i < 8).
+template <bool TRANS, class Tiles>
+__device__ inline void kvs_ldsm_x4(const Tiles& tiles, unsigned int (&r)[4]) {
+    const unsigned int lane = threadIdx.x % WARP_SIZE;
+#if KVS_SM80
+    // Lane i gives the address of row i % 8 of tile i / 8.
+    const unsigned int addr = kvs_smem_addr(tiles.row(lane >> 3, lane & 7));
+    if constexpr (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr)
+                     : "memory");
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr)
+                     : "memory");
+    }
+#else
+    const unsigned int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (unsigned int j = 0; j < 4; ++j) {
+        if (TRANS) {
+            const unsigned short* r0 = reinterpret_cast<const unsigned short*>(tiles.row(j, 2 * t));
+            const unsigned short* r1 =
+                reinterpret_cast<const unsigned short*>(tiles.row(j, 2 * t + 1));
+            r[j] = (unsigned int)r0[g] | (unsigned int)r1[g] << 16;
+        } else {
+            r[j] = reinterpret_cast<const unsigned int*>(tiles.row(j, g))[t];
+        }
+    }
+#endif
+}

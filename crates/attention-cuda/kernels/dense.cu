@@ -334,11 +334,13 @@ KVS_KERNEL void moe_topk(const float* logits, unsigned int* ids, float* weights,
 
 // Rows of (token, rank) pairs grouped by expert (SGLang's moe_align_block_size), one block:
 // sorted[] holds the rows of expert 0 in ascending order, then expert 1's, …; tiles[] one
-// (expert, first index into sorted, row count ≤ MOE_TILE) triple per MOE_TILE rows of an
-// expert, and count 0 in the unused tail (there are at most rows / MOE_TILE + experts tiles,
-// the grid moe_matmul is launched with). experts ≤ MOE_MAX_EXPERTS (checked on the host).
+// (expert, first index into sorted, row count ≤ tile_rows) triple per tile_rows rows of an
+// expert (MOE_TILE for moe_matmul, MOE_MMA_TILE for moe_matmul_mma), and count 0 in the unused
+// tail (there are at most rows / tile_rows + experts tiles, the grid the matmul is launched
+// with). experts ≤ MOE_MAX_EXPERTS (checked on the host).
 KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigned int* tiles,
-                          unsigned int rows, unsigned int experts, unsigned int max_tiles) {
+                          unsigned int rows, unsigned int experts, unsigned int max_tiles,
+                          unsigned int tile_rows) {
     __shared__ unsigned int count[MOE_MAX_EXPERTS];
     __shared__ unsigned int first_row[MOE_MAX_EXPERTS];
     __shared__ unsigned int first_tile[MOE_MAX_EXPERTS + 1];
@@ -357,7 +359,7 @@ KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigne
             first_row[e] = row;
             first_tile[e] = tile;
             row += count[e];
-            tile += (count[e] + MOE_TILE - 1) / MOE_TILE;
+            tile += (count[e] + tile_rows - 1) / tile_rows;
         }
         first_tile[experts] = tile;
     }
@@ -371,10 +373,10 @@ KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigne
         }
         for (unsigned int t = 0; t < first_tile[e + 1] - first_tile[e]; ++t) {
             unsigned int* tile = tiles + 3 * (size_t)(first_tile[e] + t);
-            unsigned int left = count[e] - t * MOE_TILE;
+            unsigned int left = count[e] - t * tile_rows;
             tile[0] = e;
-            tile[1] = first_row[e] + t * MOE_TILE;
-            tile[2] = left < MOE_TILE ? left : MOE_TILE;
+            tile[1] = first_row[e] + t * tile_rows;
+            tile[2] = left < tile_rows ? left : tile_rows;
         }
     }
     for (unsigned int t = first_tile[experts] + threadIdx.x; t < max_tiles; t += blockDim.x) {
@@ -406,6 +408,171 @@ KVS_WEIGHT_VARIANTS(moe_matmul, moe_matmul_body,
                      const unsigned int* tiles, float* out, unsigned int x_div,
                      unsigned int kdim, unsigned int n),
                     (x, w, sorted, tiles, out, x_div, kdim, n))
+
+// moe_matmul's tensor-core form for experts kept in bf16 (CudaConfig::moe_tensor_cores, on
+// sm_80 and later): out[r, c] = x[r / x_div] · w[e][c, :] as moe_matmul, over moe_align's tiles
+// of MOE_MMA_TILE rows, a block per (tile, MOE_MMA_N outputs). x is bf16 here: the activations
+// rounded by round_bf16, as Backend::upload_weight allows for a bf16 weight and the BLAS path
+// does. The block's MOE_MMA_WARPS warps each own 32 rows × 32 outputs (2 × 4 mma.m16n8k16
+// tiles, f32 accumulators); k advances MOE_MMA_K a step, x's rows and the expert's weight rows
+// staged MOE_MMA_STAGES steps ahead by cp.async, read by ldmatrix. Every output sums its k
+// steps in order and each mma's k in the hardware's order whatever rows share its tile, so the
+// form is batch-invariant too (its bits are not moe_matmul's). kdim must be a multiple of 8
+// (staged rows are whole 16-byte units; the host takes moe_matmul otherwise).
+#define MOE_MMA_TILE 64
+#define MOE_MMA_N 64
+#define MOE_MMA_K 32
+#define MOE_MMA_STAGES 4
+#define MOE_MMA_WARPS 4
+#define MOE_MMA_UNITS (MOE_MMA_K / 8) // 16-byte units of a staged row
+// Staged rows a thread issues a copy for per step (of x, and as many of w).
+#define MOE_MMA_PASSES (MOE_MMA_TILE * MOE_MMA_UNITS / (MOE_MMA_WARPS * WARP_SIZE))
+#if MOE_MMA_N != MOE_MMA_TILE || MOE_MMA_PASSES * MOE_MMA_WARPS * WARP_SIZE != MOE_MMA_TILE * MOE_MMA_UNITS
+#error "moe_matmul_mma: a step's x and w rows must split evenly over the block's threads"
+#endif
+
+// Unit u of staged row `row`, swizzled so that ldmatrix's 8 rows of one unit (rows of 64
+// bytes, two to a 128-byte bank cycle) fall in 8 different bank groups.
+__device__ inline unsigned int moe_mma_unit(unsigned int row, unsigned int u) {
+    return row * MOE_MMA_UNITS + (u ^ ((row >> 1) & (MOE_MMA_UNITS - 1)));
+}
+
+// The four 8×8 tiles of a stage one ldmatrix.x4 reads from rows row0 … row0 + 15 and units
+// u0, u0 + 1 (k 8·u0 … 8·u0 + 15): ROW_BIT 0 orders them (rows 0-7, u0), (rows 8-15, u0),
+// (rows 0-7, u0 + 1), (rows 8-15, u0 + 1), the A registers of one m-tile (x); ROW_BIT 1 orders
+// them (rows 0-7, u0), (rows 0-7, u0 + 1), (rows 8-15, u0), (rows 8-15, u0 + 1), the B
+// registers of two n-tiles (the weight's rows are the mma's columns).
+template <int ROW_BIT> struct moe_mma_tiles {
+    const kvs_vec16* st;
+    unsigned int row0, u0;
+    __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
+        return st + moe_mma_unit(row0 + ((j >> ROW_BIT) & 1u) * 8u + i, u0 + ((j >> (1 - ROW_BIT)) & 1u));
+    }
+};
+
+#if defined(__CUDA_ARCH__)
+#define MOE_MMA_BOUNDS __launch_bounds__(MOE_MMA_WARPS * WARP_SIZE)
+#else
+#define MOE_MMA_BOUNDS
+#endif
+
+KVS_KERNEL void MOE_MMA_BOUNDS moe_matmul_mma(const unsigned short* x, const unsigned short* w, const unsigned int* sorted,
+                   const unsigned int* tiles, float* out, unsigned int x_div, unsigned int kdim,
+                   unsigned int n) {
+    __shared__ kvs_vec16 s_x[MOE_MMA_STAGES][MOE_MMA_TILE * MOE_MMA_UNITS];
+    __shared__ kvs_vec16 s_w[MOE_MMA_STAGES][MOE_MMA_N * MOE_MMA_UNITS];
+    const unsigned int* tile = tiles + 3 * (size_t)blockIdx.x;
+    const unsigned int count = tile[2];
+    const unsigned int col0 = blockIdx.y * MOE_MMA_N;
+    if (count == 0) {
+        return; // an unused tile: the whole block
+    }
+    const unsigned int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const unsigned int g = lane >> 2, tq = lane & 3;
+    const unsigned int wm = warp & 1u, wn = warp >> 1; // the warp's 32 rows and 32 outputs
+
+    // The staged rows this thread copies: unit su of rows sr + p·(rows a pass), of x (the
+    // tile's row's hidden row) and of w (the expert's output row col0 + that row).
+    const unsigned int su = threadIdx.x % MOE_MMA_UNITS, sr = threadIdx.x / MOE_MMA_UNITS;
+    const unsigned short* x_src[MOE_MMA_PASSES];
+    const unsigned short* w_src[MOE_MMA_PASSES];
+    bool x_live[MOE_MMA_PASSES], w_live[MOE_MMA_PASSES];
+#pragma unroll
+    for (int p = 0; p < MOE_MMA_PASSES; ++p) {
+        const unsigned int r = sr + p * (MOE_MMA_TILE / MOE_MMA_PASSES);
+        x_live[p] = r < count;
+        w_live[p] = col0 + r < n;
+        const size_t xr = x_live[p] ? sorted[tile[1] + r] / x_div : 0;
+        const size_t wr = (size_t)tile[0] * n + (w_live[p] ? col0 + r : 0);
+        x_src[p] = x + xr * kdim + 8 * su;
+        w_src[p] = w + wr * kdim + 8 * su;
+    }
+    // Step s's copies into stage slot: zeros past count rows, n outputs and kdim.
+    auto issue = [&](unsigned int slot, unsigned int s) {
+        const unsigned int k0 = s * MOE_MMA_K;
+        const bool k_live = k0 + 8 * su < kdim;
+#pragma unroll
+        for (int p = 0; p < MOE_MMA_PASSES; ++p) {
+            const unsigned int u = moe_mma_unit(sr + p * (MOE_MMA_TILE / MOE_MMA_PASSES), su);
+            kvs_cp_async16(&s_x[slot][u], x_src[p] + k0, x_live[p] && k_live);
+            kvs_cp_async16(&s_w[slot][u], w_src[p] + k0, w_live[p] && k_live);
+        }
+    };
+
+    const unsigned int steps = (kdim + MOE_MMA_K - 1) / MOE_MMA_K;
+#pragma unroll
+    for (unsigned int s = 0; s + 1 < MOE_MMA_STAGES; ++s) {
+        if (s < steps) {
+            issue(s, s);
+        }
+        kvs_cp_commit(); // a group per step, empty or not, so the wait below counts steps
+    }
+    float acc[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[mt][nt][e] = 0.0f;
+            }
+        }
+    }
+    for (unsigned int s = 0; s < steps; ++s) {
+        kvs_cp_wait<MOE_MMA_STAGES - 2>(); // this thread's copies of step s are in
+        __syncthreads(); // everyone's are, and every warp is done with step s - 1's slot
+        const unsigned int next = s + MOE_MMA_STAGES - 1;
+        if (next < steps) {
+            issue(next % MOE_MMA_STAGES, next); // into step s - 1's slot
+        }
+        kvs_cp_commit();
+        const kvs_vec16* sx = s_x[s % MOE_MMA_STAGES];
+        const kvs_vec16* sw = s_w[s % MOE_MMA_STAGES];
+#pragma unroll
+        for (unsigned int kk = 0; kk < MOE_MMA_K / 16; ++kk) {
+            unsigned int a[2][4], b[2][4];
+#pragma unroll
+            for (unsigned int mt = 0; mt < 2; ++mt) {
+                kvs_ldsm_x4<false>(moe_mma_tiles<0>{sx, 32 * wm + 16 * mt, 2 * kk}, a[mt]);
+            }
+#pragma unroll
+            for (unsigned int np = 0; np < 2; ++np) {
+                kvs_ldsm_x4<false>(moe_mma_tiles<1>{sw, 32 * wn + 16 * np, 2 * kk}, b[np]);
+            }
+#pragma unroll
+            for (unsigned int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+                for (unsigned int nt = 0; nt < 4; ++nt) {
+                    kvs_mma_k16<true, MOE_MMA_WARPS>(acc[mt][nt], a[mt], b[nt / 2][2 * (nt % 2)],
+                                                     b[nt / 2][2 * (nt % 2) + 1]);
+                }
+            }
+        }
+    }
+    // acc[mt][nt]: rows 32·wm + 16·mt + g (elements 0, 1) and + 8 (2, 3), outputs
+    // col0 + 32·wn + 8·nt + 2·tq (0, 2) and + 1 (1, 3).
+#pragma unroll
+    for (unsigned int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (unsigned int h = 0; h < 2; ++h) {
+            const unsigned int r = 32 * wm + 16 * mt + 8 * h + g;
+            if (r >= count) {
+                continue;
+            }
+            float* orow = out + (size_t)sorted[tile[1] + r] * n;
+#pragma unroll
+            for (unsigned int nt = 0; nt < 4; ++nt) {
+                const unsigned int c = col0 + 32 * wn + 8 * nt + 2 * tq;
+                if (c < n) {
+                    orow[c] = acc[mt][nt][2 * h];
+                }
+                if (c + 1 < n) {
+                    orow[c + 1] = acc[mt][nt][2 * h + 1];
+                }
+            }
+        }
+    }
+}
 
 // out[t, c] = Σ_j weights[t, j] · y[t · k + j, c], j in rank order from 0 (as the host adds a
 // token's experts).

@@ -46,6 +46,14 @@ pub struct CudaConfig {
     /// form serves 4 with FMAs). Off by default until a GPU has checked and timed it; the
     /// emulated conformance suite runs it (`examples/decode_bandwidth.rs` reports both forms).
     pub mla_tensor_cores: bool,
+    /// `fused_moe`'s expert matmuls over bf16 experts on the tensor cores, where the device
+    /// has them ([`Device::tensor_cores`]): `moe_matmul_mma`, tiles of 64 rows by 64 outputs
+    /// on `mma.sync` over the activations rounded to bf16 (as
+    /// [`Backend::upload_weight`](attention::Backend::upload_weight) allows for a bf16 weight),
+    /// where the lanes' form (`moe_matmul`) runs a warp's FMAs per output over tiles of 16 rows.
+    /// Both forms are batch-invariant; their bits differ. Off by default until a GPU has
+    /// checked and timed it; the emulated conformance suite runs it.
+    pub moe_tensor_cores: bool,
 }
 
 impl Default for CudaConfig {
@@ -56,6 +64,7 @@ impl Default for CudaConfig {
             attention_kernel: AttentionKernel::default(),
             fuse_split_merge: false,
             mla_tensor_cores: false,
+            moe_tensor_cores: false,
         }
     }
 }
@@ -239,6 +248,15 @@ impl<D: Device> CudaBackend<D> {
         })
     }
 
+    /// A clone (the same device, memory and graphs) whose expert matmuls take the tensor-core
+    /// form where it applies ([`CudaConfig::moe_tensor_cores`]).
+    pub fn with_moe_tensor_cores(&self, on: bool) -> Self {
+        self.with_config(CudaConfig {
+            moe_tensor_cores: on,
+            ..self.config
+        })
+    }
+
     /// A clone (the same device, memory and graphs) with `config`.
     pub fn with_config(&self, config: CudaConfig) -> Self {
         CudaBackend {
@@ -355,11 +373,12 @@ impl WeightKernel {
 }
 
 /// A batch's (token, rank) rows grouped by expert (`moe_align`'s output): the rows in expert
-/// order and the tile table `moe_matmul` walks.
+/// order and the tile table the expert matmuls walk, `count` tiles of up to `tile_rows` rows.
 struct MoeGroups<'a, B> {
     sorted: &'a B,
     tiles: &'a B,
     count: usize,
+    tile_rows: u32,
 }
 
 impl<D: Device> CudaBackend<D> {
@@ -386,8 +405,10 @@ impl<D: Device> CudaBackend<D> {
         Ok(out)
     }
 
-    /// `moe_matmul` over `(x_div, kdim, n)`: for every grouped row `r`, `out[r] = x[r / x_div]
-    /// · w[expert(r)]ᵀ` with `w` an expert's `[n, kdim]` matrix per row of the stack.
+    /// An expert matmul over `(x_div, kdim, n)`: for every grouped row `r`, `out[r] = x[r /
+    /// x_div] · w[expert(r)]ᵀ` with `w` an expert's `[n, kdim]` matrix per row of the stack; by
+    /// `moe_matmul_mma` over `x` rounded to bf16 when `groups` were tiled for it and `w` is
+    /// bf16 with `kdim` a multiple of 8 ([`Self::moe_mma_takes`]), else by `moe_matmul`.
     fn moe_matmul(
         &self,
         x: &CudaTensor<D>,
@@ -396,20 +417,50 @@ impl<D: Device> CudaBackend<D> {
         out: &CudaTensor<D>,
         (x_div, kdim, n): (usize, usize, usize),
     ) -> Result<()> {
-        self.dense(
-            WeightKernel::MoeMatmul.name(w.dtype),
-            geometry::moe_matmul(groups.count, n)?,
-            &[
-                KernelArg::Buf(&x.buf),
+        let scalars = [
+            KernelArg::U32(dim("top_k", x_div)?),
+            KernelArg::U32(dim("kdim", kdim)?),
+            KernelArg::U32(dim("n", n)?),
+        ];
+        if groups.tile_rows == geometry::MOE_MMA_TILE && self.moe_mma_takes(w, kdim) {
+            let rounded = self.convert(x, "round_bf16", x.shape.iter().product(), 2)?;
+            let mut args: Vec<KernelArg<'_, D::Buffer>> = vec![
+                KernelArg::Buf(&rounded),
                 KernelArg::Buf(&w.buf),
                 KernelArg::Buf(groups.sorted),
                 KernelArg::Buf(groups.tiles),
                 KernelArg::Buf(&out.buf),
-                KernelArg::U32(dim("top_k", x_div)?),
-                KernelArg::U32(dim("kdim", kdim)?),
-                KernelArg::U32(dim("n", n)?),
-            ],
+            ];
+            args.extend(scalars);
+            return self.dense(
+                "moe_matmul_mma",
+                geometry::moe_matmul_mma(groups.count, n)?,
+                &args,
+            );
+        }
+        let mut args: Vec<KernelArg<'_, D::Buffer>> = vec![
+            KernelArg::Buf(&x.buf),
+            KernelArg::Buf(&w.buf),
+            KernelArg::Buf(groups.sorted),
+            KernelArg::Buf(groups.tiles),
+            KernelArg::Buf(&out.buf),
+        ];
+        args.extend(scalars);
+        self.dense(
+            WeightKernel::MoeMatmul.name(w.dtype),
+            geometry::moe_matmul(groups.count, n)?,
+            &args,
         )
+    }
+
+    /// Whether an expert matmul over `w` with inner dimension `kdim` takes `moe_matmul_mma`
+    /// ([`CudaConfig::moe_tensor_cores`]): bf16 experts, rows of whole 16-byte units, and a
+    /// device with tensor cores.
+    fn moe_mma_takes(&self, w: &CudaTensor<D>, kdim: usize) -> bool {
+        self.config.moe_tensor_cores
+            && w.dtype == TensorDtype::Bf16
+            && kdim % 8 == 0
+            && self.device.tensor_cores()
     }
 }
 
@@ -1017,9 +1068,11 @@ impl<D: Device> Backend for CudaBackend<D> {
     /// `moe_matmul` runs each tile through its expert's gate and up rows, `silu_mul`,
     /// `moe_matmul` again through the expert's down rows, and `moe_combine` adds a token's
     /// rows weighted, in rank order. An expert's weights are read once per tile of up to
-    /// [`geometry::MOE_TILE`] of its rows; every output is one dot product in k order whatever
-    /// shares its tile, so results are batch-invariant. Every buffer and grid is sized by the
-    /// batch alone (tiles: [`geometry::moe_tiles`]), as a graph replay needs.
+    /// [`geometry::MOE_TILE`] of its rows, or [`geometry::MOE_MMA_TILE`] where either matmul
+    /// takes the tensor-core form ([`CudaConfig::moe_tensor_cores`]); every output is one dot
+    /// product in a fixed k order whatever shares its tile, so results are batch-invariant.
+    /// Every buffer and grid is sized by the batch alone (tiles: [`geometry::moe_tiles`]), as a
+    /// graph replay needs.
     fn fused_moe(
         &self,
         h: &CudaTensor<D>,
@@ -1059,7 +1112,13 @@ impl<D: Device> Backend for CudaBackend<D> {
             return Ok(out);
         }
         let rows = n * k;
-        let tiles = geometry::moe_tiles(rows, e);
+        let tile_rows =
+            if self.moe_mma_takes(&experts.gate_up, d) || self.moe_mma_takes(&experts.down, i) {
+                geometry::MOE_MMA_TILE
+            } else {
+                geometry::MOE_TILE
+            };
+        let tiles = geometry::moe_tiles(rows, e, tile_rows);
         let ids = self.alloc(rows * 4)?;
         let weights = self.output(&[n, k])?;
         self.dense(
@@ -1088,12 +1147,14 @@ impl<D: Device> Backend for CudaBackend<D> {
                 KernelArg::U32(dim("rows", rows)?),
                 KernelArg::U32(dim("experts", e)?),
                 KernelArg::U32(dim("tiles", tiles)?),
+                KernelArg::U32(tile_rows),
             ],
         )?;
         let grouped: MoeGroups<'_, D::Buffer> = MoeGroups {
             sorted: &sorted,
             tiles: &tile_table,
             count: tiles,
+            tile_rows,
         };
         let gate_up = self.output(&[rows, 2 * i])?;
         self.moe_matmul(h, &experts.gate_up, &grouped, &gate_up, (k, d, 2 * i))?;

@@ -23,6 +23,13 @@ pub const MATMUL_BLOCK_ROWS: u32 = 64;
 
 /// `MOE_TILE` in `dense.cu`: rows of one expert (and outputs) a `moe_matmul` block computes.
 pub const MOE_TILE: u32 = 16;
+/// `MOE_MMA_TILE` in `dense.cu`: rows of one expert a `moe_matmul_mma` block computes (and the
+/// tile `moe_align` groups rows in when either of a layer's expert matmuls takes that form).
+pub const MOE_MMA_TILE: u32 = 64;
+/// `MOE_MMA_N` in `dense.cu`: outputs a `moe_matmul_mma` block computes.
+pub const MOE_MMA_N: u32 = 64;
+/// `MOE_MMA_WARPS` in `dense.cu`: warps of a `moe_matmul_mma` block.
+pub const MOE_MMA_WARPS: u32 = 4;
 /// `MOE_MAX_EXPERTS` in `dense.cu`: the most experts `moe_align` groups rows for.
 pub const MOE_MAX_EXPERTS: usize = 512;
 
@@ -71,11 +78,12 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
 }
 
 /// Tiles `moe_align` may fill for `rows` (token, rank) rows over `experts` experts: each
-/// expert's rows in tiles of [`MOE_TILE`], so at most `⌈rows / MOE_TILE⌉ + experts` of them,
-/// and at most `rows` (a tile holds a row): the grid of `moe_matmul`, fixed by the batch's
-/// size alone so a graph can replay it (a decode token's 6 rows over 64 experts: 6 tiles).
-pub fn moe_tiles(rows: usize, experts: usize) -> usize {
-    (rows.div_ceil(MOE_TILE as usize) + experts).min(rows)
+/// expert's rows in tiles of `tile_rows` ([`MOE_TILE`] or [`MOE_MMA_TILE`]), so at most
+/// `⌈rows / tile_rows⌉ + experts` of them, and at most `rows` (a tile holds a row): the grid of
+/// the expert matmuls, fixed by the batch's size alone so a graph can replay it (a decode
+/// token's 6 rows over 64 experts: 6 tiles).
+pub fn moe_tiles(rows: usize, experts: usize, tile_rows: u32) -> usize {
+    (rows.div_ceil(tile_rows as usize) + experts).min(rows)
 }
 
 /// `moe_matmul` over `tiles` tiles of `n` outputs: a block per tile and [`MATMUL_WARPS`]
@@ -88,6 +96,19 @@ pub fn moe_matmul(tiles: usize, n: usize) -> Result<LaunchConfig> {
             (n as u64).div_ceil(MATMUL_WARPS as u64),
         )?,
         block: MATMUL_WARPS * 32,
+    })
+}
+
+/// `moe_matmul_mma` over `tiles` tiles (of [`MOE_MMA_TILE`] rows) of `n` outputs: a block of
+/// [`MOE_MMA_WARPS`] warps per tile and [`MOE_MMA_N`] outputs, x over tiles, y over outputs.
+pub fn moe_matmul_mma(tiles: usize, n: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid: grid(
+            "moe_matmul_mma",
+            tiles as u64,
+            (n as u64).div_ceil(MOE_MMA_N as u64),
+        )?,
+        block: MOE_MMA_WARPS * 32,
     })
 }
 
@@ -132,34 +153,43 @@ mod tests {
             // (2 · 1408 outputs), and a 16384-token prefill's 98304 rows through down (2048).
             (
                 "moe_matmul 6x2816",
-                moe_matmul(moe_tiles(6, 64), 2816).unwrap(),
+                moe_matmul(moe_tiles(6, 64, MOE_TILE), 2816).unwrap(),
             ),
             (
                 "moe_matmul 98304x2048",
-                moe_matmul(moe_tiles(98_304, 64), 2048).unwrap(),
+                moe_matmul(moe_tiles(98_304, 64, MOE_TILE), 2048).unwrap(),
+            ),
+            (
+                "moe_matmul_mma 98304x2048",
+                moe_matmul_mma(moe_tiles(98_304, 64, MOE_MMA_TILE), 2048).unwrap(),
             ),
         ];
         for (name, cfg) in rows {
-            writeln!(text, "{name:<18} grid {:?} block {}", cfg.grid, cfg.block).unwrap();
+            writeln!(text, "{name:<26} grid {:?} block {}", cfg.grid, cfg.block).unwrap();
         }
         insta::assert_snapshot!(text);
     }
 
     #[test]
     fn moe_tiles_bound_every_grouping() {
-        // Every way 40 rows can fall on 4 experts needs at most moe_tiles(40, 4) tiles.
-        let t = MOE_TILE as usize;
+        // Every way 40 rows can fall on 4 experts needs at most moe_tiles(40, 4, tile) tiles.
         for a in 0..=40 {
             for b in 0..=40 - a {
                 for c in 0..=40 - a - b {
                     let counts = [a, b, c, 40 - a - b - c];
-                    let used: usize = counts.iter().map(|&n: &usize| n.div_ceil(t)).sum();
-                    assert!(used <= moe_tiles(40, 4), "{counts:?}");
+                    for tile in [MOE_TILE, MOE_MMA_TILE, 7] {
+                        let used: usize = counts
+                            .iter()
+                            .map(|&n: &usize| n.div_ceil(tile as usize))
+                            .sum();
+                        assert!(used <= moe_tiles(40, 4, tile), "{counts:?} in {tile}");
+                    }
                 }
             }
         }
-        assert_eq!(moe_tiles(6, 64), 6);
-        assert_eq!(moe_tiles(98_304, 64), 6208);
+        assert_eq!(moe_tiles(6, 64, MOE_TILE), 6);
+        assert_eq!(moe_tiles(98_304, 64, MOE_TILE), 6208);
+        assert_eq!(moe_tiles(98_304, 64, MOE_MMA_TILE), 1600);
     }
 
     #[test]

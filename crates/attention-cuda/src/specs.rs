@@ -58,6 +58,7 @@ impl Source {
                 "moe_matmul",
                 "moe_matmul_f16",
                 "moe_matmul_bf16",
+                "moe_matmul_mma",
                 "moe_combine",
             ],
             Source::Store => &["store_kv", "gather_rows", "scatter_rows"],

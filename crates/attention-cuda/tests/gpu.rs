@@ -134,6 +134,67 @@ fn gpu_mla_tensor_cores() {
     }
 }
 
+/// The tensor-core expert matmuls (`CudaConfig::moe_tensor_cores`, off by default until this
+/// has run): the dense suite with the form on, then `fused_moe` over bf16 experts against the
+/// f64 computation that rounds the activations as the form does (several 64-row tiles an
+/// expert, partial k steps and output blocks), batch-invariant. The GPU must have the form
+/// (sm_80 or later) or the test fails. Small enough for compute-sanitizer.
+#[test]
+fn gpu_moe_tensor_cores() {
+    let Some(b) = moe_tensor_core_backend("gpu_moe_tensor_cores") else {
+        return;
+    };
+    let outcomes = conformance::run_dense_suite(&b).unwrap();
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+    moe_bf16_case(&b, (150, 72, 4, 104), 2);
+}
+
+/// [`gpu_moe_tensor_cores`]' check on a prefill-sized batch: 4096 tokens, top 6 of 64 experts
+/// (about 384 rows, six tiles, an expert).
+#[test]
+fn gpu_moe_tensor_cores_prefill() {
+    let Some(b) = moe_tensor_core_backend("gpu_moe_tensor_cores_prefill") else {
+        return;
+    };
+    moe_bf16_case(&b, (4096, 256, 64, 128), 6);
+}
+
+fn moe_tensor_core_backend(test: &str) -> Option<CudaBackend<CudarcDevice>> {
+    use attention_cuda::Device;
+    let config = CudaConfig {
+        moe_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let b = gpu_with_or_skip(test, config)?;
+    assert!(b.device().tensor_cores(), "no tensor-core form on this GPU");
+    Some(b)
+}
+
+/// `conformance::moe_bf16_activations_case` of `dims` (tokens, hidden, experts,
+/// intermediate), top `top_k`: within 1e-4 of the rounded computation, the bf16 bound of the
+/// reference, and batch-invariant.
+fn moe_bf16_case(b: &CudaBackend<CudarcDevice>, dims: (usize, usize, usize, usize), top_k: usize) {
+    let routing = attention::moe::MoeRouting {
+        top_k,
+        renormalize: true,
+        routed_scaling_factor: 1.0,
+    };
+    let o = conformance::moe_bf16_activations_case(b, dims, &routing, 0x7C).unwrap();
+    println!(
+        "{dims:?} top {top_k}: rounded {:.2e}, reference {:.2e}, batch-variant {:?}",
+        o.rounded_error, o.reference_error, o.batch_variant_tokens
+    );
+    assert!(o.rounded_error < 1e-4, "{o:?}");
+    assert!(
+        o.reference_error < 2.0 * conformance::BF16_WEIGHT_BOUND,
+        "{o:?}"
+    );
+    assert!(o.batch_variant_tokens.is_empty(), "{o:?}");
+}
+
 /// The tiny Llama and MLA decoders' greedy schedule on the GPU against the CPU backend
 /// (`model::greedy_check`, the schedule the emulated device runs in `attention-cuda-emu`):
 /// logits within the store dtype's bound, greedy tokens equal.

@@ -31,7 +31,8 @@ fn assembled(spec: &attention_cuda::Spec) -> bool {
 /// The serving family assembled for sm_90 by NVRTC's ptxas, which checks what PTX does not:
 /// inline assembly, static shared memory (48 KiB at most: a kernel past it compiles to PTX
 /// and fails only when a GPU loads it), launch bounds. Every kernel of each source must be in
-/// ptxas's report, and the decode kernel `paged_attention_pipelined` must not spill.
+/// ptxas's report, and neither the decode kernel `paged_attention_pipelined` nor the
+/// tensor-core expert matmul `moe_matmul_mma` may spill.
 #[test]
 fn the_serving_family_assembles_for_sm_90_without_pipelined_spills() {
     if !nvrtc_or_skip("the_serving_family_assembles_for_sm_90_without_pipelined_spills") {
@@ -49,10 +50,11 @@ fn the_serving_family_assembles_for_sm_90_without_pipelined_spills() {
         |spec| nvrtc::assemble(spec, SASS_ARCH),
         |spec, kernels| {
             for k in kernels {
-                if k.kernel == "paged_attention_pipelined" {
+                if k.kernel == "paged_attention_pipelined" || k.kernel == "moe_matmul_mma" {
                     println!(
-                        "{}: {} registers, {} bytes of shared memory",
+                        "{} {}: {} registers, {} bytes of shared memory",
                         spec.name(),
+                        k.kernel,
                         k.registers,
                         k.shared_bytes
                     );

@@ -23,6 +23,14 @@ pub enum TensorDtype {
 }
 
 impl TensorDtype {
+    /// Bytes of one element.
+    pub fn bytes(self) -> usize {
+        match self {
+            TensorDtype::F32 => 4,
+            TensorDtype::F16 | TensorDtype::Bf16 => 2,
+        }
+    }
+
     /// `v` rounded to this type (to nearest, ties to even), as f32: the value a tensor of
     /// this type holds for it.
     pub fn round(self, v: f32) -> f32 {

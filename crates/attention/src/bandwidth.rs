@@ -198,28 +198,44 @@ pub fn measure_decode_back_to_back<B: Backend>(
         b.upload(&row(c.kv_heads), &[c.requests, c.kv_heads, c.head_dim])?
     };
     let params = AttentionParams::dense(1.0 / (c.head_dim as f32).sqrt());
+    let seconds = median_seconds_per_call(b, iters, calls, || {
+        if c.mla_rope_dim.is_some() {
+            b.attention_mla(0, &plan, &mut store, &q, &kv, &params)
+                .map(drop)
+        } else {
+            b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)
+                .map(drop)
+        }
+    })?;
+    Ok(DecodeTiming {
+        case: *case,
+        seconds,
+        calls,
+    })
+}
+
+/// After one untimed `call`, the median over `iters` samples (at least one) of `calls` calls
+/// (at least one) back to back and one [`Backend::synchronize`], in seconds per call.
+pub(crate) fn median_seconds_per_call<B: Backend>(
+    b: &B,
+    iters: usize,
+    calls: usize,
+    mut call: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     let mut sample = |calls: usize| -> Result<f64> {
         let t = Instant::now();
-        for _ in 0..calls {
-            if c.mla_rope_dim.is_some() {
-                b.attention_mla(0, &plan, &mut store, &q, &kv, &params)?;
-            } else {
-                b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)?;
-            }
+        for _ in 0..calls.max(1) {
+            call()?;
         }
         b.synchronize()?;
-        Ok(t.elapsed().as_secs_f64() / calls as f64)
+        Ok(t.elapsed().as_secs_f64() / calls.max(1) as f64)
     };
     sample(1)?;
     let mut times = (0..iters.max(1))
         .map(|_| sample(calls))
         .collect::<Result<Vec<f64>>>()?;
     times.sort_by(f64::total_cmp);
-    Ok(DecodeTiming {
-        case: *case,
-        seconds: times[times.len() / 2],
-        calls,
-    })
+    Ok(times[times.len() / 2])
 }
 
 #[cfg(test)]

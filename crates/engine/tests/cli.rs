@@ -621,6 +621,22 @@ fn cuda_graph_flags_are_checked_and_reported() {
         "{}",
         stdout(&o)
     );
+    // And the mixture-of-experts form, with and without --cuda-moe-tensor-cores.
+    assert!(
+        stdout(&o).contains("cuda moe:           the lanes' form (--cuda-moe-tensor-cores"),
+        "{}",
+        stdout(&o)
+    );
+    let o = kvserve(&["info", "--cuda-moe-tensor-cores"]);
+    assert!(
+        stdout(&o).contains("cuda moe:           the tensor-core form (mma.sync, activations"),
+        "{}",
+        stdout(&o)
+    );
+    for command in ["serve", "bench"] {
+        let o = kvserve(&[command, "--cuda-moe-tensor-cores", "--help"]);
+        assert!(o.status.success(), "{command}: {}", stderr(&o));
+    }
     let o = kvserve(&["info", "--cuda-graph-max-bs", "8"]);
     let want = if cfg!(any(feature = "cuda", feature = "cuda-13")) {
         "cuda graphs:        decode batches padded to bs [1, 2, 4, 8]"

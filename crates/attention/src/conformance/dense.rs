@@ -22,7 +22,7 @@ const DENSE_BOUND: f64 = 1e-5;
 /// are independent too, so the output's relative L2 error is about `u/√3` ≈ 2.3e-3 (the CPU
 /// measures 1.5e-3). `2⁻⁷` bounds that with a margin of three to five: a statistical bound
 /// for these inputs, not a worst case.
-const BF16_WEIGHT_BOUND: f64 = 1.0 / 128.0;
+pub const BF16_WEIGHT_BOUND: f64 = 1.0 / 128.0;
 
 /// Runs the dense-op checks (matmul, RMSNorm, rotary variants, SiLU-and-mul, residual add,
 /// embedding, concat_last, logits, fused_moe; and matmul, logits, embedding and fused_moe over
@@ -215,6 +215,101 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
         half_weights(backend, &mut rng, dtype, &mut push)?;
     }
     Ok(out)
+}
+
+/// What [`moe_bf16_activations_case`] measured.
+#[derive(Debug, Clone)]
+pub struct Bf16MoeOutcome {
+    /// The (token, rank) rows each expert received.
+    pub rows_per_expert: Vec<usize>,
+    /// The relative error against an f64 computation that rounds the activations to bf16
+    /// before each expert matmul (the hidden states, and the SiLU-and-mul output from its f32
+    /// value): what a backend that rounds them, as [`Backend::upload_weight`] allows for a
+    /// bf16 weight, computes up to its f32 arithmetic.
+    pub rounded_error: f64,
+    /// The relative error against the f64 [`reference::fused_moe`].
+    pub reference_error: f64,
+    /// Tokens (the first, the middle one and the last) whose output alone differs in any bit
+    /// from their row in the batch's.
+    pub batch_variant_tokens: Vec<usize>,
+}
+
+/// `fused_moe` over random bf16 experts of `(tokens, hidden, experts, intermediate)` (seeded by
+/// `seed`), routed by `routing`: the errors of [`Bf16MoeOutcome`], and whether the first,
+/// middle and last tokens run alone give their batch rows bitwise. A backend that rounds the
+/// activations should be within `1e-4` of the rounded computation (20 times tighter than the
+/// rounding itself, so a misplaced element shows); one that does not, within
+/// [`BF16_WEIGHT_BOUND`] of either.
+pub fn moe_bf16_activations_case<B: Backend>(
+    backend: &B,
+    (n, d, e, i): (usize, usize, usize, usize),
+    routing: &MoeRouting,
+    seed: u64,
+) -> Result<Bf16MoeOutcome> {
+    let bf16 = |v: f32| TensorDtype::Bf16.round(v);
+    let mut rng = SplitMix64::new(seed);
+    let h = nonzero_vec(&mut rng, n * d);
+    let logits = nonzero_vec(&mut rng, n * e);
+    let gate_up = rounded(nonzero_vec(&mut rng, e * 2 * i * d), TensorDtype::Bf16);
+    let down = rounded(nonzero_vec(&mut rng, e * d * i), TensorDtype::Bf16);
+    let experts = MoeExperts {
+        gate_up: backend.upload_weight(&gate_up, &[e, 2 * i * d], TensorDtype::Bf16)?,
+        down: backend.upload_weight(&down, &[e, d * i], TensorDtype::Bf16)?,
+        intermediate: i,
+    };
+    let moe = |rows: std::ops::Range<usize>| -> Result<Vec<f32>> {
+        let m = rows.len();
+        let x = backend.upload(&h[rows.start * d..rows.end * d], &[m, d])?;
+        let l = backend.upload(&logits[rows.start * e..rows.end * e], &[m, e])?;
+        backend.download(&backend.fused_moe(&x, &l, &experts, routing)?)
+    };
+    let batch = moe(0..n)?;
+    let mut want = vec![0.0f64; n * d];
+    let mut rows_per_expert = vec![0usize; e];
+    for t in 0..n {
+        let x: Vec<f64> = h[t * d..(t + 1) * d]
+            .iter()
+            .map(|&v| bf16(v) as f64)
+            .collect();
+        for (ex, weight) in crate::moe::route_token(&logits[t * e..(t + 1) * e], routing) {
+            rows_per_expert[ex] += 1;
+            // Each gate/up output as the backend holds it (f32), then SiLU-and-mul rounded.
+            let gu: Vec<f64> = (0..2 * i)
+                .map(|c| {
+                    let w = &gate_up[(ex * 2 * i + c) * d..][..d];
+                    let y: f64 = x.iter().zip(w).map(|(a, &b)| a * b as f64).sum();
+                    y as f32 as f64
+                })
+                .collect();
+            let act: Vec<f64> = (0..i)
+                .map(|c| bf16((gu[c] / (1.0 + (-gu[c]).exp()) * gu[i + c]) as f32) as f64)
+                .collect();
+            for c in 0..d {
+                let w = &down[(ex * d + c) * i..][..i];
+                let y: f64 = act.iter().zip(w).map(|(a, &b)| a * b as f64).sum();
+                want[t * d + c] += weight as f64 * y;
+            }
+        }
+    }
+    let reference = reference::fused_moe(&h, &logits, &gate_up, &down, (n, d, e, i), routing);
+    let mut batch_variant_tokens = Vec::new();
+    for t in [0, n / 2, n - 1] {
+        let alone = moe(t..t + 1)?;
+        let within = &batch[t * d..(t + 1) * d];
+        if alone
+            .iter()
+            .zip(within)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            batch_variant_tokens.push(t);
+        }
+    }
+    Ok(Bf16MoeOutcome {
+        rows_per_expert,
+        rounded_error: relative_error(&batch, &want),
+        reference_error: relative_error(&batch, &reference),
+        batch_variant_tokens,
+    })
 }
 
 /// `v` rounded to `dtype` (to nearest, ties to even): values a weight of that type holds.

@@ -109,6 +109,12 @@ pub struct EngineArgs {
     /// the lanes' FMAs. Off by default until a GPU has checked and timed it; ignored elsewhere.
     #[arg(long, help_heading = "Engine")]
     pub cuda_mla_tensor_cores: bool,
+    /// Mixture-of-experts layers with bf16 experts on the tensor cores: tiles of 64 rows by 64
+    /// outputs on `mma.sync` over activations rounded to bf16 (NVIDIA GPUs from sm_80), against
+    /// a warp's FMAs per output over tiles of 16 rows. Off by default until a GPU has checked
+    /// and timed it; ignored elsewhere.
+    #[arg(long, help_heading = "Engine")]
+    pub cuda_moe_tensor_cores: bool,
     #[command(flatten)]
     pub hicache: HiCacheArgs,
 }
@@ -241,6 +247,7 @@ impl EngineArgs {
         setup.enable_deterministic_inference = self.enable_deterministic_inference;
         setup.cuda_attention_kernel = self.cuda_attention_kernel;
         setup.cuda_mla_tensor_cores = self.cuda_mla_tensor_cores;
+        setup.cuda_moe_tensor_cores = self.cuda_moe_tensor_cores;
         setup.threads = self
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

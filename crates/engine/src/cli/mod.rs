@@ -91,6 +91,10 @@ pub struct InfoArgs {
     /// backend.
     #[arg(long)]
     pub cuda_mla_tensor_cores: bool,
+    /// Report the mixture-of-experts form a `serve`/`bench` with this flag takes on the cuda
+    /// backend.
+    #[arg(long)]
+    pub cuda_moe_tensor_cores: bool,
 }
 
 mod engine;

@@ -391,6 +391,7 @@ fn cuda_config(setup: &EngineSetup) -> attention_cuda::CudaConfig {
             CudaAttentionKernel::Pipelined => attention_cuda::AttentionKernel::Pipelined,
         },
         mla_tensor_cores: setup.cuda_mla_tensor_cores,
+        moe_tensor_cores: setup.cuda_moe_tensor_cores,
         ..Default::default()
     }
 }
@@ -523,8 +524,11 @@ pub struct Inventory {
     /// [`Inventory::with_cuda_graphs`] was given.
     pub cuda_graphs: String,
     /// The cuda backend's form of absorbed-MLA attention, with the flag
-    /// [`Inventory::with_cuda_mla`] was given.
+    /// [`Inventory::with_cuda_tensor_cores`] was given.
     pub cuda_mla: String,
+    /// The cuda backend's form of mixture-of-experts matmuls, with the flag
+    /// [`Inventory::with_cuda_tensor_cores`] was given.
+    pub cuda_moe: String,
 }
 
 /// `kvserve info`'s line on the cuda backend's MLA attention.
@@ -537,6 +541,17 @@ fn describe_cuda_mla(tensor_cores: bool) -> String {
     } else {
         "the lanes' form (--cuda-mla-tensor-cores: the tensor-core form on sm_80 and later, \
          not yet checked on a GPU)"
+            .into()
+    }
+}
+
+/// `kvserve info`'s line on the cuda backend's mixture-of-experts matmuls.
+fn describe_cuda_moe(tensor_cores: bool) -> String {
+    if tensor_cores {
+        "the tensor-core form (mma.sync, activations rounded to bf16) on sm_80 and later GPUs          for bf16 experts whose rows are multiples of 8, the lanes' form elsewhere          (--cuda-moe-tensor-cores)"
+            .into()
+    } else {
+        "the lanes' form (--cuda-moe-tensor-cores: the tensor-core form for bf16 experts on          sm_80 and later, not yet checked on a GPU)"
             .into()
     }
 }
@@ -605,12 +620,15 @@ impl Inventory {
             devices: Vec::new(),
             cuda_graphs: CudaGraphSetup::default().describe(256),
             cuda_mla: describe_cuda_mla(false),
+            cuda_moe: describe_cuda_moe(false),
         }
     }
 
-    /// Reports the cuda backend's MLA form with or without `--cuda-mla-tensor-cores`.
-    pub fn with_cuda_mla(mut self, tensor_cores: bool) -> Self {
-        self.cuda_mla = describe_cuda_mla(tensor_cores);
+    /// Reports the cuda backend's MLA and mixture-of-experts forms with or without
+    /// `--cuda-mla-tensor-cores` and `--cuda-moe-tensor-cores`.
+    pub fn with_cuda_tensor_cores(mut self, mla: bool, moe: bool) -> Self {
+        self.cuda_mla = describe_cuda_mla(mla);
+        self.cuda_moe = describe_cuda_moe(moe);
         self
     }
 
@@ -695,6 +713,7 @@ impl fmt::Display for Inventory {
         )?;
         write!(f, "\ncuda graphs:        {}", self.cuda_graphs)?;
         write!(f, "\ncuda mla:           {}", self.cuda_mla)?;
+        write!(f, "\ncuda moe:           {}", self.cuda_moe)?;
         for (kind, device) in &self.devices {
             write!(f, "\n{:<20}{device}", format!("{kind} device:"))?;
         }

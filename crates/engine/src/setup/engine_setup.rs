@@ -47,6 +47,9 @@ pub struct EngineSetup {
     /// `--cuda-mla-tensor-cores`: the cuda backend's tensor-core MLA form
     /// (`attention_cuda::CudaConfig::mla_tensor_cores`).
     pub cuda_mla_tensor_cores: bool,
+    /// `--cuda-moe-tensor-cores`: the cuda backend's tensor-core expert matmuls
+    /// (`attention_cuda::CudaConfig::moe_tensor_cores`).
+    pub cuda_moe_tensor_cores: bool,
 }
 
 /// The cuda and rocm backends' paged-attention kernel (`attention_cuda::AttentionKernel`, named
@@ -95,6 +98,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         cuda_graph: CudaGraphSetup::default(),
         cuda_attention_kernel: CudaAttentionKernel::default(),
         cuda_mla_tensor_cores: false,
+        cuda_moe_tensor_cores: false,
     }
 }
 

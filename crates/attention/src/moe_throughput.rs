@@ -1,0 +1,208 @@
+//! A mixture-of-experts layer's throughput on any [`Backend`]: one `fused_moe` call (routing,
+//! the experts' gate/up and down matmuls, the weighted combine) over a batch of tokens, timed,
+//! and the multiply-adds its expert matmuls do (`2 · tokens · top_k · 3 · hidden ·
+//! intermediate` FLOPs) divided by its time. Prefill batches are compute-bound: the figure a
+//! tensor-core form should raise. A decode batch touches few experts and is bound by reading
+//! their weights; [`MoeCase::weight_bytes_touched`] bounds what it must read from below.
+//!
+//! [`moe_experts`] uploads random experts of a case's shape once; [`measure_moe`] uploads
+//! random hidden states and router logits that spread the tokens over every expert, runs one
+//! untimed call (which compiles
+//! kernels where a backend compiles at first use), then times `iters` samples of `calls`
+//! calls back to back ending with [`Backend::synchronize`], and reports the median sample's
+//! time per call. The GPU bench (`attention-cuda`'s `moe_throughput` example) runs it per
+//! model shape, batch size and form; the tests run it on the CPU and emulated backends with
+//! small shapes.
+
+use kv_pool::rng::SplitMix64;
+
+use crate::backend::{Backend, TensorDtype};
+use crate::bandwidth::median_seconds_per_call;
+use crate::conformance::nonzero_vec;
+use crate::error::Result;
+use crate::moe::{MoeExperts, MoeRouting};
+
+/// One mixture-of-experts layer shape and batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeCase {
+    /// Tokens in the batch.
+    pub tokens: usize,
+    /// The hidden size (each expert's input and output).
+    pub hidden: usize,
+    /// Experts in the layer.
+    pub experts: usize,
+    /// Each expert's intermediate size.
+    pub intermediate: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// How the experts are stored ([`Backend::upload_weight`]).
+    pub dtype: TensorDtype,
+}
+
+impl MoeCase {
+    /// Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top 8) over `tokens` tokens,
+    /// bf16 experts.
+    pub fn qwen3_30b_a3b(tokens: usize) -> Self {
+        MoeCase {
+            tokens,
+            hidden: 2048,
+            experts: 128,
+            intermediate: 768,
+            top_k: 8,
+            dtype: TensorDtype::Bf16,
+        }
+    }
+
+    /// DeepSeek-V2-Lite's routed experts (hidden 2048, 64 experts of 1408, top 6) over
+    /// `tokens` tokens, bf16 experts.
+    pub fn deepseek_v2_lite(tokens: usize) -> Self {
+        MoeCase {
+            tokens,
+            hidden: 2048,
+            experts: 64,
+            intermediate: 1408,
+            top_k: 6,
+            dtype: TensorDtype::Bf16,
+        }
+    }
+
+    /// FLOPs of the expert matmuls: each (token, rank) row through gate/up (`2 · intermediate`
+    /// outputs of `hidden`) and down (`hidden` outputs of `intermediate`), a multiply and an
+    /// add each.
+    pub fn flops(&self) -> u64 {
+        2 * (self.tokens * self.top_k) as u64 * 3 * (self.hidden * self.intermediate) as u64
+    }
+
+    /// Bytes of one expert's weights as stored.
+    pub fn expert_bytes(&self) -> u64 {
+        3 * (self.hidden * self.intermediate) as u64 * self.dtype.bytes() as u64
+    }
+
+    /// A lower bound on the weight bytes a call reads: every expert some row is routed to,
+    /// once (at most `tokens · top_k` of them).
+    pub fn weight_bytes_touched(&self) -> u64 {
+        self.experts.min(self.tokens * self.top_k) as u64 * self.expert_bytes()
+    }
+}
+
+/// What [`measure_moe`] measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeTiming {
+    /// The case measured.
+    pub case: MoeCase,
+    /// The median sample's time per call, in seconds.
+    pub seconds: f64,
+    /// Calls per sample, back to back before one synchronisation.
+    pub calls: usize,
+}
+
+impl MoeTiming {
+    /// The expert matmuls' FLOPs per second, in TFLOP/s (10¹²).
+    pub fn tflops(&self) -> f64 {
+        self.case.flops() as f64 / self.seconds / 1e12
+    }
+
+    /// [`MoeCase::weight_bytes_touched`] per second, in GB/s (10⁹ bytes): a decode batch's
+    /// figure against the device's memory bandwidth.
+    pub fn weight_gbps(&self) -> f64 {
+        self.case.weight_bytes_touched() as f64 / self.seconds / 1e9
+    }
+}
+
+/// Random experts of `case`'s shape and dtype on `b`, for [`measure_moe`]: one expert's
+/// random weights repeated for every expert (the values do not change the work, and a large
+/// layer's are made in a memory copy's time), small enough to keep every activation finite.
+pub fn moe_experts<B: Backend>(b: &B, case: &MoeCase) -> Result<MoeExperts<B::Tensor>> {
+    let (d, e, i) = (case.hidden, case.experts, case.intermediate);
+    let mut rng = SplitMix64::new(0x30E);
+    let tiled = |rng: &mut SplitMix64, per_expert: usize| -> Vec<f32> {
+        let one: Vec<f32> = nonzero_vec(rng, per_expert)
+            .into_iter()
+            .map(|v| v * 0.05)
+            .collect();
+        let mut all = Vec::with_capacity(e * per_expert);
+        for _ in 0..e {
+            all.extend_from_slice(&one);
+        }
+        all
+    };
+    Ok(MoeExperts {
+        gate_up: b.upload_weight(&tiled(&mut rng, 2 * i * d), &[e, 2 * i * d], case.dtype)?,
+        down: b.upload_weight(&tiled(&mut rng, d * i), &[e, d * i], case.dtype)?,
+        intermediate: i,
+    })
+}
+
+/// Times `fused_moe` of `case` on `b` over `experts` (of its shape: [`moe_experts`]; see the
+/// module documentation): the median of `iters` samples (at least one) of `calls` calls back
+/// to back (at least one) and one synchronisation, per call, after one untimed call.
+pub fn measure_moe<B: Backend>(
+    b: &B,
+    case: &MoeCase,
+    experts: &MoeExperts<B::Tensor>,
+    iters: usize,
+    calls: usize,
+) -> Result<MoeTiming> {
+    let c = case;
+    let calls = calls.max(1);
+    let mut rng = SplitMix64::new(0x30F);
+    // Random logits spread the rows over the experts, as a trained router's tend to.
+    let h = b.upload(
+        &nonzero_vec(&mut rng, c.tokens * c.hidden),
+        &[c.tokens, c.hidden],
+    )?;
+    let logits: Vec<f32> = nonzero_vec(&mut rng, c.tokens * c.experts)
+        .into_iter()
+        .map(|v| v * 4.0)
+        .collect();
+    let logits = b.upload(&logits, &[c.tokens, c.experts])?;
+    let routing = MoeRouting {
+        top_k: c.top_k,
+        renormalize: true,
+        routed_scaling_factor: 1.0,
+    };
+    let seconds = median_seconds_per_call(b, iters, calls, || {
+        b.fused_moe(&h, &logits, experts, &routing).map(drop)
+    })?;
+    Ok(MoeTiming {
+        case: *case,
+        seconds,
+        calls,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_cases_count_their_work() {
+        let q = MoeCase::qwen3_30b_a3b(1);
+        // One token through 8 experts: 8 rows · 3 · 2048 · 768 multiply-adds.
+        assert_eq!(q.flops(), 2 * 8 * 3 * 2048 * 768);
+        assert_eq!(q.expert_bytes(), 3 * 2048 * 768 * 2);
+        assert_eq!(q.weight_bytes_touched(), 8 * q.expert_bytes());
+        let big = MoeCase::deepseek_v2_lite(4096);
+        assert_eq!(big.weight_bytes_touched(), 64 * big.expert_bytes());
+    }
+
+    #[test]
+    fn the_cpu_backend_is_measured() {
+        let b = crate::CpuBackend::default();
+        let case = MoeCase {
+            tokens: 5,
+            hidden: 16,
+            experts: 4,
+            intermediate: 8,
+            top_k: 2,
+            dtype: TensorDtype::Bf16,
+        };
+        let experts = moe_experts(&b, &case).unwrap();
+        let t = measure_moe(&b, &case, &experts, 3, 2).unwrap();
+        assert!(
+            t.seconds > 0.0 && t.tflops() > 0.0 && t.weight_gbps() > 0.0,
+            "{t:?}"
+        );
+        assert_eq!((t.case, t.calls), (case, 2));
+    }
+}
