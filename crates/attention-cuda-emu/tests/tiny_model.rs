@@ -50,6 +50,35 @@ fn tiny_mla_decoder_on_the_tensor_core_form_greedy_matches_cpu() {
     assert!(emu.device().launch_count("paged_attention_pipelined", mma) > 0);
 }
 
+/// The MLA decoder (its layer 1 routes to 4 experts) with bf16 weights and the tensor-core
+/// expert matmuls (`CudaConfig::moe_tensor_cores`), which its MoE layer must have taken: the
+/// form rounds the activations to bf16 as the CPU backend does for a bf16 weight.
+#[test]
+fn tiny_moe_decoder_on_the_tensor_core_form_greedy_matches_cpu() {
+    let Some(device) = emu_or_skip("tiny_moe_decoder_on_the_tensor_core_form") else {
+        return;
+    };
+    let config = CudaConfig {
+        moe_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let emu = CudaBackend::new(device, config);
+    let model = common::mla_config();
+    assert!(model.mla.as_ref().is_some_and(|m| m.moe.is_some()));
+    let check = check_against_cpu(
+        emu.clone(),
+        &model,
+        KvDtype::Bf16,
+        TensorDtype::Bf16,
+        BF16_WEIGHTS_BOUND,
+    );
+    match check.unwrap() {
+        Ok(tokens) => println!("{tokens}"),
+        Err(mismatch) => panic!("{mismatch}"),
+    }
+    assert!(emu.device().launch_count("moe_matmul_mma", |_| true) > 0);
+}
+
 fn greedy_matches_cpu(test: &str, config: &ModelConfig) {
     let Some(device) = emu_or_skip(test) else {
         return;
