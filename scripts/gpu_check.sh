@@ -17,12 +17,14 @@
 #      size and context length, against the GPU's peak (H100
 #      3350 GB/s, H200 4800 GB/s, by its name); then its MLA table (DeepSeek-V3's latent rows,
 #      16 and 128 heads; the pipelined kernel's tensor-core MLA form as `+mma`); then
-#      examples/moe_throughput.rs: fused_moe's TFLOP/s and weight GB/s per batch size for
-#      Qwen3-30B-A3B's and DeepSeek-V2-Lite's layers, lanes' and tensor-core forms;
+#      examples/gemm_throughput.rs: TFLOP/s and weight GB/s per batch size of Llama-3-8B's
+#      matmuls (cuBLAS, the own kernel, its tensor-core form) and of Qwen3-30B-A3B's and
+#      DeepSeek-V2-Lite's MoE layers (lanes' and tensor-core forms);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
 #      cuda` (batch 1, its pool sized by --mem-fraction-static from the GPU's memory, and
-#      batch 16), once more with --disable-cuda-graph, once with the chunked
+#      batch 16), once more with --disable-cuda-graph, once on the tensor-core GEMM forms
+#      (--cuda-gemm-tensor-cores --cuda-moe-tensor-cores), once with the chunked
 #      attention kernel (the default is the pipelined one), and a shared-prefix workload with HiCache on a small device pool;
 #   5. PD disaggregation on the GPU (scripts/pd_pair_check.sh): a prefill and a decode server
 #      behind `kvserve router`, their KV moved through host mirrors of the device stores,
@@ -42,7 +44,7 @@ GPU_DIR=.gpu
 prepare() {
     set -e
     cargo build --release --locked -p attention-cuda --features cuda-13 --example decode_bandwidth \
-        --example moe_throughput
+        --example gemm_throughput
     cargo build --release --locked -p engine --features cuda-13 --bin kvserve
     cargo build --release --locked -p model --example random_checkpoint
     local test_bin
@@ -56,7 +58,7 @@ for line in sys.stdin:
         print(m["executable"])')
     rm -rf "$GPU_DIR" && mkdir -p "$GPU_DIR"
     cp "$test_bin" "$GPU_DIR/gpu-tests"
-    cp target/release/examples/decode_bandwidth target/release/examples/moe_throughput \
+    cp target/release/examples/decode_bandwidth target/release/examples/gemm_throughput \
         target/release/examples/random_checkpoint target/release/kvserve "$GPU_DIR/"
     strip "$GPU_DIR"/* 2>/dev/null || true
     du -sh "$GPU_DIR"/*
@@ -152,11 +154,11 @@ run() {
             python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
                 2>/dev/null || echo "$l does not load"; done'
     step gpu-tests 100 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
-    step bandwidth 90 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
+    step bandwidth 80 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
     step bandwidth-mla 40 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
-    step moe 25 "$GPU_DIR/moe_throughput" "$(peak_gbps)"
+    step gemm 25 "$GPU_DIR/gemm_throughput" "$(peak_gbps)"
     local ck=/tmp/smollm2-shape-bf16
-    step checkpoint 30 "$GPU_DIR/random_checkpoint" "$ck" bf16
+    step checkpoint 25 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
         --random-input-len 512 --random-output-len 128 --random-range-ratio 1
         --request-rate inf --quiet --plot /tmp/bench.png)
@@ -166,6 +168,11 @@ run() {
     step bench-b16 35 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
     step bench-b16-eager 30 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
+    # Decode batches of 16 under graphs on the own matmul's tensor-core form (against
+    # bench-b16); its JSON goes into the log ($OUT holds eight files already).
+    step bench-b16-tc 25 bash -c '"$@" && cat /tmp/bench-b16-tc.json' _ "${bench[@]}" \
+        --num-prompts 16 --cuda-gemm-tensor-cores --cuda-moe-tensor-cores \
+        --json /tmp/bench-b16-tc.json
     step bench-b16-chunked 30 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
         --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
@@ -175,7 +182,7 @@ run() {
         --gsp-question-len 64 --gsp-output-len 16 --max-total-tokens 4096 \
         --enable-hierarchical-cache --quiet --plot /tmp/bench-hicache.png \
         --json "$out/bench-hicache.json"
-    step pd-pair 60 bash scripts/pd_pair_check.sh "$GPU_DIR/kvserve" cuda "$ck" \
+    step pd-pair 50 bash scripts/pd_pair_check.sh "$GPU_DIR/kvserve" cuda "$ck" \
         "$out/bench-pd.json"
     local sanitizer
     sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)

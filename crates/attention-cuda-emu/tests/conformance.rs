@@ -282,7 +282,7 @@ fn emu_mla_tensor_cores() {
 /// and one that reads what another thread wrote with no barrier between them (a race on a GPU)
 /// does not. Cases of the quick attention suite on both kernels (the pipelined one with the
 /// tensor-core MLA form, and with the most splits merged in the kernel) and the dense suite
-/// (with the tensor-core MoE form) run reversed and shuffled; their errors against the reference must agree bit for bit,
+/// (with the tensor-core MoE and GEMM forms) run reversed and shuffled; their errors against the reference must agree bit for bit,
 /// which they do only when the outputs do. (The other emulated suites run in thread order.)
 #[test]
 fn emu_results_do_not_depend_on_the_thread_schedule() {
@@ -292,6 +292,7 @@ fn emu_results_do_not_depend_on_the_thread_schedule() {
             CudaConfig {
                 mla_tensor_cores: true,
                 moe_tensor_cores: true,
+                gemm_tensor_cores: true,
                 ..with_kernel(AttentionKernel::Pipelined)
             },
             4,
@@ -445,12 +446,59 @@ fn emu_decode_bandwidth_measures_every_page_family() {
     }
 }
 
-/// `attention::moe_throughput` (what `examples/moe_throughput.rs` runs on a GPU) times a small
-/// layer in both forms, and the tensor-core form really runs in its rows.
+/// The own matmul's tensor-core form (`CudaConfig::gemm_tensor_cores`, `matmul_mma`) over bf16
+/// weights: the dense suite (whose bf16 matmuls of 33 and 70 rows take it); then 130 rows (two
+/// full row blocks and a partial one) by k 72 (a quarter-full last step) into 100 outputs (a
+/// full output block and a partial one), within 1e-5 of the f64 matmul of the activations
+/// rounded to bf16; batches of at most `gemm::MMA_MIN_ROWS` rows, and deterministic inference,
+/// keep `matmul_bf16`.
 #[test]
-fn emu_moe_throughput_measures_both_forms() {
-    use attention::moe_throughput::{measure_moe, moe_experts, MoeCase};
-    let Some(lanes) = backend("emu_moe_throughput", CudaConfig::default()) else {
+fn emu_gemm_tensor_cores() {
+    let config = CudaConfig {
+        gemm_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let Some(b) = backend("emu_gemm_tensor_cores", config) else {
+        return;
+    };
+    let any = |_: &attention_cuda::Spec| true;
+    let count = |b: &CudaBackend<attention_cuda_emu::EmuDevice>| {
+        (
+            b.device().launch_count("matmul_mma", any),
+            b.device().launch_count("matmul_bf16", any),
+        )
+    };
+    report(&conformance::run_dense_suite(&b).unwrap());
+    let (mma, _) = count(&b);
+    assert!(mma >= 4, "{mma} matmul_mma launches");
+    let (mma, lanes) = count(&b);
+    let (rounded, reference) =
+        conformance::matmul_bf16_activations_case(&b, (130, 72, 100), 0x6E).unwrap();
+    println!("130x72·(100x72 bf16)ᵀ: {rounded:.2e} against bf16 activations, {reference:.2e} against the reference");
+    assert!(rounded < 1e-5, "{rounded}");
+    assert!(reference < conformance::BF16_WEIGHT_BOUND, "{reference}");
+    assert_eq!(count(&b), (mma + 1, lanes));
+    let rows = attention_cuda::gemm::MMA_MIN_ROWS;
+    conformance::matmul_bf16_activations_case(&b, (rows, 72, 100), 0x6F).unwrap();
+    assert_eq!(count(&b), (mma + 1, lanes + 1));
+    let deterministic = b.with_config(CudaConfig {
+        enable_deterministic_inference: true,
+        ..config
+    });
+    let (_, reference) =
+        conformance::matmul_bf16_activations_case(&deterministic, (130, 72, 100), 0x6E).unwrap();
+    assert!(reference < conformance::BF16_WEIGHT_BOUND, "{reference}");
+    assert_eq!(count(&b), (mma + 1, lanes + 2));
+}
+
+/// `attention::gemm_throughput` (what `examples/gemm_throughput.rs` runs on a GPU) times a
+/// small MoE layer and matmul in both forms, and the tensor-core forms really run in their rows.
+#[test]
+fn emu_gemm_throughput_measures_both_forms() {
+    use attention::gemm_throughput::{
+        measure_matmul, measure_moe, moe_experts, MatmulCase, MoeCase,
+    };
+    let Some(lanes) = backend("emu_gemm_throughput", CudaConfig::default()) else {
         return;
     };
     let case = MoeCase {
@@ -473,6 +521,22 @@ fn emu_moe_throughput_measures_both_forms() {
         // One untimed call and two samples of two, two expert matmuls each.
         let launched = b.device().launch_count("moe_matmul_mma", any) - before;
         assert_eq!(launched, if mma { 10 } else { 0 });
+    }
+    let case = MatmulCase {
+        m: 20,
+        k: 64,
+        n: 48,
+        dtype: attention::TensorDtype::Bf16,
+    };
+    for (mma, b) in [
+        (false, lanes.clone()),
+        (true, lanes.with_gemm_tensor_cores(true)),
+    ] {
+        let before = b.device().launch_count("matmul_mma", any);
+        let t = measure_matmul(&b, &case, 2, 2).unwrap();
+        assert!(t.seconds > 0.0 && t.tflops() > 0.0, "{t:?}");
+        let launched = b.device().launch_count("matmul_mma", any) - before;
+        assert_eq!(launched, if mma { 5 } else { 0 });
     }
 }
 

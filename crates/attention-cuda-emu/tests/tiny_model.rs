@@ -50,33 +50,39 @@ fn tiny_mla_decoder_on_the_tensor_core_form_greedy_matches_cpu() {
     assert!(emu.device().launch_count("paged_attention_pipelined", mma) > 0);
 }
 
-/// The MLA decoder (its layer 1 routes to 4 experts) with bf16 weights and the tensor-core
-/// expert matmuls (`CudaConfig::moe_tensor_cores`), which its MoE layer must have taken: the
-/// form rounds the activations to bf16 as the CPU backend does for a bf16 weight.
+/// The Llama and MLA decoders (the MLA one's layer 1 routes to 4 experts) with bf16 weights on
+/// the tensor-core GEMMs (`CudaConfig::gemm_tensor_cores` and `moe_tensor_cores`), which the
+/// prefill's matmuls (more than `gemm::MMA_MIN_ROWS` rows) and the MoE layer must have taken:
+/// both round the activations to bf16, as the CPU backend does for a bf16 weight.
 #[test]
-fn tiny_moe_decoder_on_the_tensor_core_form_greedy_matches_cpu() {
-    let Some(device) = emu_or_skip("tiny_moe_decoder_on_the_tensor_core_form") else {
+fn tiny_decoders_on_the_tensor_core_gemms_greedy_match_cpu() {
+    let Some(device) = emu_or_skip("tiny_decoders_on_the_tensor_core_gemms") else {
         return;
     };
     let config = CudaConfig {
+        gemm_tensor_cores: true,
         moe_tensor_cores: true,
         ..CudaConfig::default()
     };
     let emu = CudaBackend::new(device, config);
-    let model = common::mla_config();
-    assert!(model.mla.as_ref().is_some_and(|m| m.moe.is_some()));
-    let check = check_against_cpu(
-        emu.clone(),
-        &model,
-        KvDtype::Bf16,
-        TensorDtype::Bf16,
-        BF16_WEIGHTS_BOUND,
-    );
-    match check.unwrap() {
-        Ok(tokens) => println!("{tokens}"),
-        Err(mismatch) => panic!("{mismatch}"),
+    let mla = common::mla_config();
+    assert!(mla.mla.as_ref().is_some_and(|m| m.moe.is_some()));
+    for model in [common::llama_config(), mla] {
+        let check = check_against_cpu(
+            emu.clone(),
+            &model,
+            KvDtype::Bf16,
+            TensorDtype::Bf16,
+            BF16_WEIGHTS_BOUND,
+        );
+        match check.unwrap() {
+            Ok(tokens) => println!("{:?} {tokens}", model.architecture),
+            Err(mismatch) => panic!("{:?} {mismatch}", model.architecture),
+        }
     }
-    assert!(emu.device().launch_count("moe_matmul_mma", |_| true) > 0);
+    for kernel in ["matmul_mma", "moe_matmul_mma"] {
+        assert!(emu.device().launch_count(kernel, |_| true) > 0, "{kernel}");
+    }
 }
 
 fn greedy_matches_cpu(test: &str, config: &ModelConfig) {

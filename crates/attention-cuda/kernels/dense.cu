@@ -335,7 +335,7 @@ KVS_KERNEL void moe_topk(const float* logits, unsigned int* ids, float* weights,
 // Rows of (token, rank) pairs grouped by expert (SGLang's moe_align_block_size), one block:
 // sorted[] holds the rows of expert 0 in ascending order, then expert 1's, …; tiles[] one
 // (expert, first index into sorted, row count ≤ tile_rows) triple per tile_rows rows of an
-// expert (MOE_TILE for moe_matmul, MOE_MMA_TILE for moe_matmul_mma), and count 0 in the unused
+// expert (MOE_TILE for moe_matmul, GEMM_MMA_ROWS for moe_matmul_mma), and count 0 in the unused
 // tail (there are at most rows / tile_rows + experts tiles, the grid the matmul is launched
 // with). experts ≤ MOE_MAX_EXPERTS (checked on the host).
 KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigned int* tiles,
@@ -409,32 +409,34 @@ KVS_WEIGHT_VARIANTS(moe_matmul, moe_matmul_body,
                      unsigned int kdim, unsigned int n),
                     (x, w, sorted, tiles, out, x_div, kdim, n))
 
-// moe_matmul's tensor-core form for experts kept in bf16 (CudaConfig::moe_tensor_cores, on
-// sm_80 and later): out[r, c] = x[r / x_div] · w[e][c, :] as moe_matmul, over moe_align's tiles
-// of MOE_MMA_TILE rows, a block per (tile, MOE_MMA_N outputs). x is bf16 here: the activations
-// rounded by round_bf16, as Backend::upload_weight allows for a bf16 weight and the BLAS path
-// does. The block's MOE_MMA_WARPS warps each own 32 rows × 32 outputs (2 × 4 mma.m16n8k16
-// tiles, f32 accumulators); k advances MOE_MMA_K a step, x's rows and the expert's weight rows
-// staged MOE_MMA_STAGES steps ahead by cp.async, read by ldmatrix. Every output sums its k
-// steps in order and each mma's k in the hardware's order whatever rows share its tile, so the
-// form is batch-invariant too (its bits are not moe_matmul's). kdim must be a multiple of 8
-// (staged rows are whole 16-byte units; the host takes moe_matmul otherwise).
-#define MOE_MMA_TILE 64
-#define MOE_MMA_N 64
-#define MOE_MMA_K 32
-#define MOE_MMA_STAGES 4
-#define MOE_MMA_WARPS 4
-#define MOE_MMA_UNITS (MOE_MMA_K / 8) // 16-byte units of a staged row
+// The tensor-core GEMM for weights kept in bf16, out[r, c] = x[r] · w[c, :] over the bf16
+// activations (rounded by round_bf16 first, as Backend::upload_weight allows for a bf16 weight
+// and the BLAS path does), on NVIDIA GPUs from sm_80: a block computes up to GEMM_MMA_ROWS rows
+// by GEMM_MMA_N outputs, its GEMM_MMA_WARPS warps 32 rows × 32 outputs each (2 × 4
+// mma.m16n8k16 tiles, f32 accumulators); k advances GEMM_MMA_K a step, the x rows and weight
+// rows staged GEMM_MMA_STAGES steps ahead by cp.async and read by ldmatrix. Every output sums
+// its k steps in order and each mma's k in the hardware's order whatever rows share its block,
+// so its bits depend on its row, its weight row and k alone (not moe_matmul's or matmul's
+// bits). kdim must be a multiple of 8 (staged rows are whole 16-byte units; the host takes the
+// lanes' kernels otherwise). Two entry points: moe_matmul_mma over moe_align's tiles
+// (CudaConfig::moe_tensor_cores) and matmul_mma over consecutive rows
+// (CudaConfig::gemm_tensor_cores).
+#define GEMM_MMA_ROWS 64
+#define GEMM_MMA_N 64
+#define GEMM_MMA_K 32
+#define GEMM_MMA_STAGES 4
+#define GEMM_MMA_WARPS 4
+#define GEMM_MMA_UNITS (GEMM_MMA_K / 8) // 16-byte units of a staged row
 // Staged rows a thread issues a copy for per step (of x, and as many of w).
-#define MOE_MMA_PASSES (MOE_MMA_TILE * MOE_MMA_UNITS / (MOE_MMA_WARPS * WARP_SIZE))
-#if MOE_MMA_N != MOE_MMA_TILE || MOE_MMA_PASSES * MOE_MMA_WARPS * WARP_SIZE != MOE_MMA_TILE * MOE_MMA_UNITS
-#error "moe_matmul_mma: a step's x and w rows must split evenly over the block's threads"
+#define GEMM_MMA_PASSES (GEMM_MMA_ROWS * GEMM_MMA_UNITS / (GEMM_MMA_WARPS * WARP_SIZE))
+#if GEMM_MMA_N != GEMM_MMA_ROWS || GEMM_MMA_PASSES * GEMM_MMA_WARPS * WARP_SIZE != GEMM_MMA_ROWS * GEMM_MMA_UNITS
+#error "the tensor-core GEMM: a step's x and w rows must split evenly over the block's threads"
 #endif
 
 // Unit u of staged row `row`, swizzled so that ldmatrix's 8 rows of one unit (rows of 64
 // bytes, two to a 128-byte bank cycle) fall in 8 different bank groups.
-__device__ inline unsigned int moe_mma_unit(unsigned int row, unsigned int u) {
-    return row * MOE_MMA_UNITS + (u ^ ((row >> 1) & (MOE_MMA_UNITS - 1)));
+__device__ inline unsigned int gemm_mma_unit(unsigned int row, unsigned int u) {
+    return row * GEMM_MMA_UNITS + (u ^ ((row >> 1) & (GEMM_MMA_UNITS - 1)));
 }
 
 // The four 8×8 tiles of a stage one ldmatrix.x4 reads from rows row0 … row0 + 15 and units
@@ -442,66 +444,63 @@ __device__ inline unsigned int moe_mma_unit(unsigned int row, unsigned int u) {
 // (rows 0-7, u0 + 1), (rows 8-15, u0 + 1), the A registers of one m-tile (x); ROW_BIT 1 orders
 // them (rows 0-7, u0), (rows 0-7, u0 + 1), (rows 8-15, u0), (rows 8-15, u0 + 1), the B
 // registers of two n-tiles (the weight's rows are the mma's columns).
-template <int ROW_BIT> struct moe_mma_tiles {
+template <int ROW_BIT> struct gemm_mma_tiles {
     const kvs_vec16* st;
     unsigned int row0, u0;
     __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
-        return st + moe_mma_unit(row0 + ((j >> ROW_BIT) & 1u) * 8u + i, u0 + ((j >> (1 - ROW_BIT)) & 1u));
+        return st + gemm_mma_unit(row0 + ((j >> ROW_BIT) & 1u) * 8u + i, u0 + ((j >> (1 - ROW_BIT)) & 1u));
     }
 };
 
 #if defined(__CUDA_ARCH__)
-#define MOE_MMA_BOUNDS __launch_bounds__(MOE_MMA_WARPS * WARP_SIZE)
+#define GEMM_MMA_BOUNDS __launch_bounds__(GEMM_MMA_WARPS * WARP_SIZE)
 #else
-#define MOE_MMA_BOUNDS
+#define GEMM_MMA_BOUNDS
 #endif
 
-KVS_KERNEL void MOE_MMA_BOUNDS moe_matmul_mma(const unsigned short* x, const unsigned short* w, const unsigned int* sorted,
-                   const unsigned int* tiles, float* out, unsigned int x_div, unsigned int kdim,
-                   unsigned int n) {
-    __shared__ kvs_vec16 s_x[MOE_MMA_STAGES][MOE_MMA_TILE * MOE_MMA_UNITS];
-    __shared__ kvs_vec16 s_w[MOE_MMA_STAGES][MOE_MMA_N * MOE_MMA_UNITS];
-    const unsigned int* tile = tiles + 3 * (size_t)blockIdx.x;
-    const unsigned int count = tile[2];
-    const unsigned int col0 = blockIdx.y * MOE_MMA_N;
-    if (count == 0) {
-        return; // an unused tile: the whole block
-    }
+// One block's rows.x(i) / rows.out(i), i < count (≤ GEMM_MMA_ROWS), times the weight rows
+// col0 … col0 + GEMM_MMA_N − 1 (below n) of w ([n, kdim], bf16), into out ([·, n], f32).
+template <class Rows>
+__device__ inline void kvs_gemm_mma(const unsigned short* x, const unsigned short* w, float* out,
+                                    unsigned int kdim, unsigned int n, unsigned int col0,
+                                    unsigned int count, const Rows& rows) {
+    __shared__ kvs_vec16 s_x[GEMM_MMA_STAGES][GEMM_MMA_ROWS * GEMM_MMA_UNITS];
+    __shared__ kvs_vec16 s_w[GEMM_MMA_STAGES][GEMM_MMA_N * GEMM_MMA_UNITS];
     const unsigned int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const unsigned int g = lane >> 2, tq = lane & 3;
     const unsigned int wm = warp & 1u, wn = warp >> 1; // the warp's 32 rows and 32 outputs
 
     // The staged rows this thread copies: unit su of rows sr + p·(rows a pass), of x (the
-    // tile's row's hidden row) and of w (the expert's output row col0 + that row).
-    const unsigned int su = threadIdx.x % MOE_MMA_UNITS, sr = threadIdx.x / MOE_MMA_UNITS;
-    const unsigned short* x_src[MOE_MMA_PASSES];
-    const unsigned short* w_src[MOE_MMA_PASSES];
-    bool x_live[MOE_MMA_PASSES], w_live[MOE_MMA_PASSES];
+    // block's row's x row) and of w (the output row col0 + that row).
+    const unsigned int su = threadIdx.x % GEMM_MMA_UNITS, sr = threadIdx.x / GEMM_MMA_UNITS;
+    const unsigned short* x_src[GEMM_MMA_PASSES];
+    const unsigned short* w_src[GEMM_MMA_PASSES];
+    bool x_live[GEMM_MMA_PASSES], w_live[GEMM_MMA_PASSES];
 #pragma unroll
-    for (int p = 0; p < MOE_MMA_PASSES; ++p) {
-        const unsigned int r = sr + p * (MOE_MMA_TILE / MOE_MMA_PASSES);
+    for (int p = 0; p < GEMM_MMA_PASSES; ++p) {
+        const unsigned int r = sr + p * (GEMM_MMA_ROWS / GEMM_MMA_PASSES);
         x_live[p] = r < count;
         w_live[p] = col0 + r < n;
-        const size_t xr = x_live[p] ? sorted[tile[1] + r] / x_div : 0;
-        const size_t wr = (size_t)tile[0] * n + (w_live[p] ? col0 + r : 0);
+        const size_t xr = x_live[p] ? rows.x(r) : 0;
+        const size_t wr = w_live[p] ? col0 + r : 0;
         x_src[p] = x + xr * kdim + 8 * su;
         w_src[p] = w + wr * kdim + 8 * su;
     }
     // Step s's copies into stage slot: zeros past count rows, n outputs and kdim.
     auto issue = [&](unsigned int slot, unsigned int s) {
-        const unsigned int k0 = s * MOE_MMA_K;
+        const unsigned int k0 = s * GEMM_MMA_K;
         const bool k_live = k0 + 8 * su < kdim;
 #pragma unroll
-        for (int p = 0; p < MOE_MMA_PASSES; ++p) {
-            const unsigned int u = moe_mma_unit(sr + p * (MOE_MMA_TILE / MOE_MMA_PASSES), su);
+        for (int p = 0; p < GEMM_MMA_PASSES; ++p) {
+            const unsigned int u = gemm_mma_unit(sr + p * (GEMM_MMA_ROWS / GEMM_MMA_PASSES), su);
             kvs_cp_async16(&s_x[slot][u], x_src[p] + k0, x_live[p] && k_live);
             kvs_cp_async16(&s_w[slot][u], w_src[p] + k0, w_live[p] && k_live);
         }
     };
 
-    const unsigned int steps = (kdim + MOE_MMA_K - 1) / MOE_MMA_K;
+    const unsigned int steps = (kdim + GEMM_MMA_K - 1) / GEMM_MMA_K;
 #pragma unroll
-    for (unsigned int s = 0; s + 1 < MOE_MMA_STAGES; ++s) {
+    for (unsigned int s = 0; s + 1 < GEMM_MMA_STAGES; ++s) {
         if (s < steps) {
             issue(s, s);
         }
@@ -519,31 +518,31 @@ KVS_KERNEL void MOE_MMA_BOUNDS moe_matmul_mma(const unsigned short* x, const uns
         }
     }
     for (unsigned int s = 0; s < steps; ++s) {
-        kvs_cp_wait<MOE_MMA_STAGES - 2>(); // this thread's copies of step s are in
+        kvs_cp_wait<GEMM_MMA_STAGES - 2>(); // this thread's copies of step s are in
         __syncthreads(); // everyone's are, and every warp is done with step s - 1's slot
-        const unsigned int next = s + MOE_MMA_STAGES - 1;
+        const unsigned int next = s + GEMM_MMA_STAGES - 1;
         if (next < steps) {
-            issue(next % MOE_MMA_STAGES, next); // into step s - 1's slot
+            issue(next % GEMM_MMA_STAGES, next); // into step s - 1's slot
         }
         kvs_cp_commit();
-        const kvs_vec16* sx = s_x[s % MOE_MMA_STAGES];
-        const kvs_vec16* sw = s_w[s % MOE_MMA_STAGES];
+        const kvs_vec16* sx = s_x[s % GEMM_MMA_STAGES];
+        const kvs_vec16* sw = s_w[s % GEMM_MMA_STAGES];
 #pragma unroll
-        for (unsigned int kk = 0; kk < MOE_MMA_K / 16; ++kk) {
+        for (unsigned int kk = 0; kk < GEMM_MMA_K / 16; ++kk) {
             unsigned int a[2][4], b[2][4];
 #pragma unroll
             for (unsigned int mt = 0; mt < 2; ++mt) {
-                kvs_ldsm_x4<false>(moe_mma_tiles<0>{sx, 32 * wm + 16 * mt, 2 * kk}, a[mt]);
+                kvs_ldsm_x4<false>(gemm_mma_tiles<0>{sx, 32 * wm + 16 * mt, 2 * kk}, a[mt]);
             }
 #pragma unroll
             for (unsigned int np = 0; np < 2; ++np) {
-                kvs_ldsm_x4<false>(moe_mma_tiles<1>{sw, 32 * wn + 16 * np, 2 * kk}, b[np]);
+                kvs_ldsm_x4<false>(gemm_mma_tiles<1>{sw, 32 * wn + 16 * np, 2 * kk}, b[np]);
             }
 #pragma unroll
             for (unsigned int mt = 0; mt < 2; ++mt) {
 #pragma unroll
                 for (unsigned int nt = 0; nt < 4; ++nt) {
-                    kvs_mma_k16<true, MOE_MMA_WARPS>(acc[mt][nt], a[mt], b[nt / 2][2 * (nt % 2)],
+                    kvs_mma_k16<true, GEMM_MMA_WARPS>(acc[mt][nt], a[mt], b[nt / 2][2 * (nt % 2)],
                                                      b[nt / 2][2 * (nt % 2) + 1]);
                 }
             }
@@ -559,7 +558,7 @@ KVS_KERNEL void MOE_MMA_BOUNDS moe_matmul_mma(const unsigned short* x, const uns
             if (r >= count) {
                 continue;
             }
-            float* orow = out + (size_t)sorted[tile[1] + r] * n;
+            float* orow = out + (size_t)rows.out(r) * n;
 #pragma unroll
             for (unsigned int nt = 0; nt < 4; ++nt) {
                 const unsigned int c = col0 + 32 * wn + 8 * nt + 2 * tq;
@@ -572,6 +571,31 @@ KVS_KERNEL void MOE_MMA_BOUNDS moe_matmul_mma(const unsigned short* x, const uns
             }
         }
     }
+}
+
+// moe_matmul over moe_align's tiles of GEMM_MMA_ROWS rows (its arguments; w bf16 and x the
+// activations rounded to bf16): a block per (tile, GEMM_MMA_N outputs).
+KVS_KERNEL void GEMM_MMA_BOUNDS moe_matmul_mma(const unsigned short* x, const unsigned short* w,
+                                              const unsigned int* sorted,
+                                              const unsigned int* tiles, float* out,
+                                              unsigned int x_div, unsigned int kdim,
+                                              unsigned int n) {
+    const unsigned int* tile = tiles + 3 * (size_t)blockIdx.x;
+    if (tile[2] == 0) {
+        return; // an unused tile: the whole block
+    }
+    kvs_gemm_mma(x, w + (size_t)tile[0] * n * kdim, out, kdim, n, blockIdx.y * GEMM_MMA_N,
+                 tile[2], kvs_rows_sorted{sorted, tile[1], x_div});
+}
+
+// out[m, n] = x[m, k] · w[n, k]ᵀ (w bf16, x the activations rounded to bf16): a block per
+// (GEMM_MMA_ROWS rows, GEMM_MMA_N outputs), grid.x over rows, grid.y over outputs.
+KVS_KERNEL void GEMM_MMA_BOUNDS matmul_mma(const unsigned short* x, const unsigned short* w,
+                                          float* out, unsigned int m, unsigned int k,
+                                          unsigned int n) {
+    const unsigned int first = blockIdx.x * GEMM_MMA_ROWS;
+    const unsigned int count = m - first < GEMM_MMA_ROWS ? m - first : GEMM_MMA_ROWS;
+    kvs_gemm_mma(x, w, out, k, n, blockIdx.y * GEMM_MMA_N, count, kvs_rows_direct{first});
 }
 
 // out[t, c] = Σ_j weights[t, j] · y[t · k + j, c], j in rank order from 0 (as the host adds a

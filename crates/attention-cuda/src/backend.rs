@@ -54,6 +54,15 @@ pub struct CudaConfig {
     /// Both forms are batch-invariant; their bits differ. Off by default until a GPU has
     /// checked and timed it; the emulated conformance suite runs it.
     pub moe_tensor_cores: bool,
+    /// Matmuls over bf16 weights that take the crate's own kernel (under a CUDA graph, or
+    /// where no BLAS is loaded) on the tensor cores, where the device has them
+    /// ([`Device::tensor_cores`]), for batches of more than [`gemm::MMA_MIN_ROWS`](crate::gemm::MMA_MIN_ROWS) rows:
+    /// `matmul_mma` (the GEMM of `moe_matmul_mma`: 64 × 64 tiles on `mma.sync` over the
+    /// activations rounded to bf16, as the BLAS path rounds them), where `matmul` sums each
+    /// output with a warp's FMAs, compute-bound on large decode batches. A row's bits then
+    /// depend on its batch's size, so `enable_deterministic_inference` keeps `matmul`. Off by
+    /// default until a GPU has checked and timed it; the emulated conformance suite runs it.
+    pub gemm_tensor_cores: bool,
 }
 
 impl Default for CudaConfig {
@@ -65,6 +74,7 @@ impl Default for CudaConfig {
             fuse_split_merge: false,
             mla_tensor_cores: false,
             moe_tensor_cores: false,
+            gemm_tensor_cores: false,
         }
     }
 }
@@ -257,10 +267,33 @@ impl<D: Device> CudaBackend<D> {
         })
     }
 
+    /// A clone (the same device, memory and graphs) whose own-kernel matmuls take the
+    /// tensor-core form where it applies ([`CudaConfig::gemm_tensor_cores`]).
+    pub fn with_gemm_tensor_cores(&self, on: bool) -> Self {
+        self.with_config(CudaConfig {
+            gemm_tensor_cores: on,
+            ..self.config
+        })
+    }
+
     /// A clone (the same device, memory and graphs) with `config`.
     pub fn with_config(&self, config: CudaConfig) -> Self {
         CudaBackend {
+            gemm: gemm::choose(config.enable_deterministic_inference, self.device.blas()),
             config,
+            ..self.clone()
+        }
+    }
+
+    /// A clone (the same device, memory and graphs) whose matmuls take the crate's own kernels
+    /// even where the vendor BLAS is loaded, as they do under a CUDA graph: for the checks and
+    /// benches of those kernels.
+    pub fn without_blas(&self) -> Self {
+        CudaBackend {
+            gemm: gemm::choose(
+                self.config.enable_deterministic_inference,
+                Err("the BLAS set aside by CudaBackend::without_blas".into()),
+            ),
             ..self.clone()
         }
     }
@@ -422,7 +455,7 @@ impl<D: Device> CudaBackend<D> {
             KernelArg::U32(dim("kdim", kdim)?),
             KernelArg::U32(dim("n", n)?),
         ];
-        if groups.tile_rows == geometry::MOE_MMA_TILE && self.moe_mma_takes(w, kdim) {
+        if groups.tile_rows == geometry::GEMM_MMA_ROWS && self.moe_mma_takes(w, kdim) {
             let rounded = self.convert(x, "round_bf16", x.shape.iter().product(), 2)?;
             let mut args: Vec<KernelArg<'_, D::Buffer>> = vec![
                 KernelArg::Buf(&rounded),
@@ -904,6 +937,29 @@ impl<D: Device> Backend for CudaBackend<D> {
                 return Ok(out);
             }
         }
+        if self.config.gemm_tensor_cores
+            && !self.config.enable_deterministic_inference
+            && m > gemm::MMA_MIN_ROWS
+            && w.dtype == TensorDtype::Bf16
+            && k % 8 == 0
+            && self.device.tensor_cores()
+        {
+            let rounded = self.convert(x, "round_bf16", m * k, 2)?;
+            return self
+                .dense(
+                    "matmul_mma",
+                    geometry::matmul_mma(m, n)?,
+                    &[
+                        KernelArg::Buf(&rounded),
+                        KernelArg::Buf(&w.buf),
+                        KernelArg::Buf(&out.buf),
+                        KernelArg::U32(dim("m", m)?),
+                        KernelArg::U32(dim("k", k)?),
+                        KernelArg::U32(dim("n", n)?),
+                    ],
+                )
+                .map(|()| out);
+        }
         self.dense(
             WeightKernel::Matmul.name(w.dtype),
             geometry::matmul(m, n)?,
@@ -1068,7 +1124,7 @@ impl<D: Device> Backend for CudaBackend<D> {
     /// `moe_matmul` runs each tile through its expert's gate and up rows, `silu_mul`,
     /// `moe_matmul` again through the expert's down rows, and `moe_combine` adds a token's
     /// rows weighted, in rank order. An expert's weights are read once per tile of up to
-    /// [`geometry::MOE_TILE`] of its rows, or [`geometry::MOE_MMA_TILE`] where either matmul
+    /// [`geometry::MOE_TILE`] of its rows, or [`geometry::GEMM_MMA_ROWS`] where either matmul
     /// takes the tensor-core form ([`CudaConfig::moe_tensor_cores`]); every output is one dot
     /// product in a fixed k order whatever shares its tile, so results are batch-invariant.
     /// Every buffer and grid is sized by the batch alone (tiles: [`geometry::moe_tiles`]), as a
@@ -1114,7 +1170,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         let rows = n * k;
         let tile_rows =
             if self.moe_mma_takes(&experts.gate_up, d) || self.moe_mma_takes(&experts.down, i) {
-                geometry::MOE_MMA_TILE
+                geometry::GEMM_MMA_ROWS
             } else {
                 geometry::MOE_TILE
             };

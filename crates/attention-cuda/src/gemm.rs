@@ -18,8 +18,20 @@
 //! only a bf16 weight's activations be rounded, and no BLAS multiplies f16 by f32, so an f16
 //! weight is widened to f32 for SGEMM per call when the batch has more rows than one of the
 //! kernel's row blocks (prefill), and takes the kernel otherwise (decode).
+//!
+//! The own kernel has a tensor-core form for bf16 weights (`matmul_mma`, opt-in by
+//! `CudaConfig::gemm_tensor_cores`, for batches of more than [`MMA_MIN_ROWS`] rows): on large
+//! decode batches under a CUDA graph, where `matmul`'s FMAs are the bound, it runs the GEMM on
+//! `mma.sync` over the activations rounded to bf16, as the BLAS path does. Its choice depends
+//! on the batch's size, so deterministic inference keeps `matmul`.
 
 use std::fmt;
+
+/// Rows a matmul must have for [`CudaConfig::gemm_tensor_cores`](crate::CudaConfig) to take the
+/// own kernel's tensor-core form (`matmul_mma`) over a bf16 weight: below it, a decode batch
+/// is bound by reading the weight, which `matmul` does with more blocks (`matmul_mma`'s 64
+/// outputs a block leave a 4096-wide projection 64 blocks).
+pub const MMA_MIN_ROWS: usize = 8;
 
 /// A BLAS matrix operation (`cublasOperation_t` / `hipblasOperation_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

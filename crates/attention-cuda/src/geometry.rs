@@ -23,13 +23,14 @@ pub const MATMUL_BLOCK_ROWS: u32 = 64;
 
 /// `MOE_TILE` in `dense.cu`: rows of one expert (and outputs) a `moe_matmul` block computes.
 pub const MOE_TILE: u32 = 16;
-/// `MOE_MMA_TILE` in `dense.cu`: rows of one expert a `moe_matmul_mma` block computes (and the
-/// tile `moe_align` groups rows in when either of a layer's expert matmuls takes that form).
-pub const MOE_MMA_TILE: u32 = 64;
-/// `MOE_MMA_N` in `dense.cu`: outputs a `moe_matmul_mma` block computes.
-pub const MOE_MMA_N: u32 = 64;
-/// `MOE_MMA_WARPS` in `dense.cu`: warps of a `moe_matmul_mma` block.
-pub const MOE_MMA_WARPS: u32 = 4;
+/// `GEMM_MMA_ROWS` in `dense.cu`: rows a tensor-core GEMM block computes (`matmul_mma`,
+/// `moe_matmul_mma`; the tile `moe_align` groups rows in when either of a layer's expert
+/// matmuls takes that form).
+pub const GEMM_MMA_ROWS: u32 = 64;
+/// `GEMM_MMA_N` in `dense.cu`: outputs a tensor-core GEMM block computes.
+pub const GEMM_MMA_N: u32 = 64;
+/// `GEMM_MMA_WARPS` in `dense.cu`: warps of a tensor-core GEMM block.
+pub const GEMM_MMA_WARPS: u32 = 4;
 /// `MOE_MAX_EXPERTS` in `dense.cu`: the most experts `moe_align` groups rows for.
 pub const MOE_MAX_EXPERTS: usize = 512;
 
@@ -78,7 +79,7 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
 }
 
 /// Tiles `moe_align` may fill for `rows` (token, rank) rows over `experts` experts: each
-/// expert's rows in tiles of `tile_rows` ([`MOE_TILE`] or [`MOE_MMA_TILE`]), so at most
+/// expert's rows in tiles of `tile_rows` ([`MOE_TILE`] or [`GEMM_MMA_ROWS`]), so at most
 /// `⌈rows / tile_rows⌉ + experts` of them, and at most `rows` (a tile holds a row): the grid of
 /// the expert matmuls, fixed by the batch's size alone so a graph can replay it (a decode
 /// token's 6 rows over 64 experts: 6 tiles).
@@ -99,16 +100,29 @@ pub fn moe_matmul(tiles: usize, n: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `moe_matmul_mma` over `tiles` tiles (of [`MOE_MMA_TILE`] rows) of `n` outputs: a block of
-/// [`MOE_MMA_WARPS`] warps per tile and [`MOE_MMA_N`] outputs, x over tiles, y over outputs.
+/// `moe_matmul_mma` over `tiles` tiles (of [`GEMM_MMA_ROWS`] rows) of `n` outputs: a block of
+/// [`GEMM_MMA_WARPS`] warps per tile and [`GEMM_MMA_N`] outputs, x over tiles, y over outputs.
 pub fn moe_matmul_mma(tiles: usize, n: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig {
         grid: grid(
             "moe_matmul_mma",
             tiles as u64,
-            (n as u64).div_ceil(MOE_MMA_N as u64),
+            (n as u64).div_ceil(GEMM_MMA_N as u64),
         )?,
-        block: MOE_MMA_WARPS * 32,
+        block: GEMM_MMA_WARPS * 32,
+    })
+}
+
+/// `matmul_mma` for `[m, k] · [n, k]ᵀ`: a block of [`GEMM_MMA_WARPS`] warps per
+/// [`GEMM_MMA_ROWS`] rows (x) and [`GEMM_MMA_N`] outputs (y).
+pub fn matmul_mma(m: usize, n: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid: grid(
+            "matmul_mma",
+            (m as u64).div_ceil(GEMM_MMA_ROWS as u64),
+            (n as u64).div_ceil(GEMM_MMA_N as u64),
+        )?,
+        block: GEMM_MMA_WARPS * 32,
     })
 }
 
@@ -148,6 +162,7 @@ mod tests {
             ("per_row 7", per_row("x", 7, THREADS).unwrap()),
             ("matmul 33x96", matmul(33, 96).unwrap()),
             ("matmul 1x17", matmul(1, 17).unwrap()),
+            ("matmul_mma 130x4096", matmul_mma(130, 4096).unwrap()),
             ("attention 5x32", attention(5, 32, split).unwrap()),
             // DeepSeek-V2-Lite (64 experts): one decode token's 6 rows through gate/up
             // (2 · 1408 outputs), and a 16384-token prefill's 98304 rows through down (2048).
@@ -161,7 +176,7 @@ mod tests {
             ),
             (
                 "moe_matmul_mma 98304x2048",
-                moe_matmul_mma(moe_tiles(98_304, 64, MOE_MMA_TILE), 2048).unwrap(),
+                moe_matmul_mma(moe_tiles(98_304, 64, GEMM_MMA_ROWS), 2048).unwrap(),
             ),
         ];
         for (name, cfg) in rows {
@@ -177,7 +192,7 @@ mod tests {
             for b in 0..=40 - a {
                 for c in 0..=40 - a - b {
                     let counts = [a, b, c, 40 - a - b - c];
-                    for tile in [MOE_TILE, MOE_MMA_TILE, 7] {
+                    for tile in [MOE_TILE, GEMM_MMA_ROWS, 7] {
                         let used: usize = counts
                             .iter()
                             .map(|&n: &usize| n.div_ceil(tile as usize))
@@ -189,7 +204,7 @@ mod tests {
         }
         assert_eq!(moe_tiles(6, 64, MOE_TILE), 6);
         assert_eq!(moe_tiles(98_304, 64, MOE_TILE), 6208);
-        assert_eq!(moe_tiles(98_304, 64, MOE_MMA_TILE), 1600);
+        assert_eq!(moe_tiles(98_304, 64, GEMM_MMA_ROWS), 1600);
     }
 
     #[test]

@@ -43,6 +43,7 @@ impl Source {
                 "matmul",
                 "matmul_f16",
                 "matmul_bf16",
+                "matmul_mma",
                 "round_bf16",
                 "widen_f16",
                 "rms_norm",

@@ -152,6 +152,37 @@ fn gpu_moe_tensor_cores() {
     moe_bf16_case(&b, (150, 72, 4, 104), 2);
 }
 
+/// The own matmul's tensor-core form (`CudaConfig::gemm_tensor_cores`): the dense suite with
+/// it on, then bf16 matmuls of 130 × 72 → 100 (partial row and output blocks, a partial k
+/// step) and 1000 × 512 → 700 within 1e-5 of the f64 matmul of the activations rounded to
+/// bf16. Under a graph phase (decode) and without cuBLAS the form is what runs; eager here,
+/// the backend takes cuBLAS where it is loaded, so the check clears that path first.
+#[test]
+fn gpu_gemm_tensor_cores() {
+    use attention_cuda::Device;
+    let config = CudaConfig {
+        gemm_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let Some(b) = gpu_with_or_skip("gpu_gemm_tensor_cores", config) else {
+        return;
+    };
+    assert!(b.device().tensor_cores(), "no tensor-core form on this GPU");
+    let b = b.without_blas();
+    let outcomes = conformance::run_dense_suite(&b).unwrap();
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+    for dims in [(130, 72, 100), (1000, 512, 700)] {
+        let (rounded, reference) =
+            conformance::matmul_bf16_activations_case(&b, dims, 0x6E).unwrap();
+        println!("{dims:?}: rounded {rounded:.2e}, reference {reference:.2e}");
+        assert!(rounded < 1e-5, "{rounded}");
+        assert!(reference < conformance::BF16_WEIGHT_BOUND, "{reference}");
+    }
+}
+
 /// [`gpu_moe_tensor_cores`]' check on a prefill-sized batch: 4096 tokens, top 6 of 64 experts
 /// (about 384 rows, six tiles, an expert).
 #[test]

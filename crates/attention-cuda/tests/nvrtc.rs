@@ -32,7 +32,7 @@ fn assembled(spec: &attention_cuda::Spec) -> bool {
 /// inline assembly, static shared memory (48 KiB at most: a kernel past it compiles to PTX
 /// and fails only when a GPU loads it), launch bounds. Every kernel of each source must be in
 /// ptxas's report, and neither the decode kernel `paged_attention_pipelined` nor the
-/// tensor-core expert matmul `moe_matmul_mma` may spill.
+/// tensor-core GEMMs (`moe_matmul_mma`, `matmul_mma`) may spill.
 #[test]
 fn the_serving_family_assembles_for_sm_90_without_pipelined_spills() {
     if !nvrtc_or_skip("the_serving_family_assembles_for_sm_90_without_pipelined_spills") {
@@ -50,7 +50,9 @@ fn the_serving_family_assembles_for_sm_90_without_pipelined_spills() {
         |spec| nvrtc::assemble(spec, SASS_ARCH),
         |spec, kernels| {
             for k in kernels {
-                if k.kernel == "paged_attention_pipelined" || k.kernel == "moe_matmul_mma" {
+                if ["paged_attention_pipelined", "moe_matmul_mma", "matmul_mma"]
+                    .contains(&k.kernel.as_str())
+                {
                     println!(
                         "{} {}: {} registers, {} bytes of shared memory",
                         spec.name(),

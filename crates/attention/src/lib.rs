@@ -5,8 +5,8 @@
 //! metadata ([`BatchMetadata`]: FlashInfer-style page tables), the CPU backend
 //! ([`CpuBackend`]), an f64 reference ([`reference`]), the conformance suite every backend
 //! runs ([`conformance`]), decode attention's KV bandwidth on any backend ([`bandwidth`]: what
-//! the GPU benches report against the device's peak), a mixture-of-experts layer's throughput
-//! ([`moe_throughput`]) and the seam for backends that replay captured decode batches
+//! the GPU benches report against the device's peak), dense and mixture-of-experts GEMM throughput
+//! ([`gemm_throughput`]) and the seam for backends that replay captured decode batches
 //! ([`DecodeGraphs`]: CUDA graphs; the others implement nothing).
 //!
 //! ## Invariants
@@ -38,10 +38,10 @@ pub mod check;
 pub mod conformance;
 pub mod cpu;
 pub mod error;
+pub mod gemm_throughput;
 pub mod graphs;
 pub mod metadata;
 pub mod moe;
-pub mod moe_throughput;
 pub mod params;
 pub mod reference;
 pub mod rope;

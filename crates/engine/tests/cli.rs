@@ -633,8 +633,20 @@ fn cuda_graph_flags_are_checked_and_reported() {
         "{}",
         stdout(&o)
     );
+    let o = kvserve(&["info", "--cuda-gemm-tensor-cores"]);
+    assert!(
+        stdout(&o)
+            .contains("cuda own gemm:      bf16 weights of batches over 8 rows on the tensor"),
+        "{}",
+        stdout(&o)
+    );
     for command in ["serve", "bench"] {
-        let o = kvserve(&[command, "--cuda-moe-tensor-cores", "--help"]);
+        let o = kvserve(&[
+            command,
+            "--cuda-moe-tensor-cores",
+            "--cuda-gemm-tensor-cores",
+            "--help",
+        ]);
         assert!(o.status.success(), "{command}: {}", stderr(&o));
     }
     let o = kvserve(&["info", "--cuda-graph-max-bs", "8"]);

@@ -312,6 +312,27 @@ pub fn moe_bf16_activations_case<B: Backend>(
     })
 }
 
+/// `matmul` of random `[m, k]` activations by a random bf16 `[n, k]` weight (seeded by
+/// `seed`): the relative errors against the f64 matmul of the activations rounded to bf16 (what
+/// a backend that rounds them computes up to its f32 arithmetic; within `1e-5` for one) and
+/// against the f64 [`reference::matmul`] of the activations as given, in that order.
+pub fn matmul_bf16_activations_case<B: Backend>(
+    backend: &B,
+    (m, k, n): (usize, usize, usize),
+    seed: u64,
+) -> Result<(f64, f64)> {
+    let mut rng = SplitMix64::new(seed);
+    let x = nonzero_vec(&mut rng, m * k);
+    let w = rounded(nonzero_vec(&mut rng, n * k), TensorDtype::Bf16);
+    let wt = backend.upload_weight(&w, &[n, k], TensorDtype::Bf16)?;
+    let got = backend.download(&backend.matmul(&backend.upload(&x, &[m, k])?, &wt)?)?;
+    let x_rounded = rounded(x.clone(), TensorDtype::Bf16);
+    Ok((
+        relative_error(&got, &reference::matmul(&x_rounded, &w, m, k, n)),
+        relative_error(&got, &reference::matmul(&x, &w, m, k, n)),
+    ))
+}
+
 /// `v` rounded to `dtype` (to nearest, ties to even): values a weight of that type holds.
 fn rounded(v: Vec<f32>, dtype: TensorDtype) -> Vec<f32> {
     v.into_iter().map(|x| dtype.round(x)).collect()

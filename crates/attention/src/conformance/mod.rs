@@ -26,6 +26,9 @@ pub mod outcome;
 pub use cases::{
     attention_cases, run_attention_case, run_attention_suite, AttentionCase, CaseKind, SuiteSize,
 };
-pub use dense::{moe_bf16_activations_case, run_dense_suite, Bf16MoeOutcome, BF16_WEIGHT_BOUND};
+pub use dense::{
+    matmul_bf16_activations_case, moe_bf16_activations_case, run_dense_suite, Bf16MoeOutcome,
+    BF16_WEIGHT_BOUND,
+};
 pub use inputs::{nonzero, nonzero_vec, scattered_slots};
 pub use outcome::{assert_all_passed, attention_bound, relative_error, Outcome, STORED_BOUND};

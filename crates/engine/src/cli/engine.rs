@@ -7,8 +7,8 @@ use clap::Args;
 
 use crate::error::{EngineError, Result};
 use crate::setup::{
-    default_setup, parse_policy, BackendKind, CudaAttentionKernel, CudaGraphSetup, EngineSetup,
-    HiCacheSetup, ModelSource,
+    default_setup, parse_policy, BackendKind, CudaAttentionKernel, CudaGraphSetup, CudaTensorCores,
+    EngineSetup, HiCacheSetup, ModelSource,
 };
 
 /// Engine flags shared by `bench` and `serve`, named after SGLang's server arguments.
@@ -104,19 +104,43 @@ pub struct EngineArgs {
         help_heading = "Engine"
     )]
     pub cuda_attention_kernel: CudaAttentionKernel,
+    #[command(flatten)]
+    pub tensor_cores: CudaTensorCoreArgs,
+    #[command(flatten)]
+    pub hicache: HiCacheArgs,
+}
+
+/// The cuda backend's opt-in tensor-core forms (`serve`, `bench`, and `info`, which reports
+/// what they select). Each is off by default until a GPU has checked and timed it, and is
+/// ignored by the other backends.
+#[derive(Debug, Clone, Copy, Default, Args)]
+pub struct CudaTensorCoreArgs {
     /// Absorbed MLA (DeepSeek) over an f16/bf16 or fp8 KV cache on the tensor cores in the
     /// pipelined kernel: 16 heads a block on `mma.sync` (NVIDIA GPUs from sm_80), against 4 on
-    /// the lanes' FMAs. Off by default until a GPU has checked and timed it; ignored elsewhere.
+    /// the lanes' FMAs.
     #[arg(long, help_heading = "Engine")]
     pub cuda_mla_tensor_cores: bool,
     /// Mixture-of-experts layers with bf16 experts on the tensor cores: tiles of 64 rows by 64
     /// outputs on `mma.sync` over activations rounded to bf16 (NVIDIA GPUs from sm_80), against
-    /// a warp's FMAs per output over tiles of 16 rows. Off by default until a GPU has checked
-    /// and timed it; ignored elsewhere.
+    /// a warp's FMAs per output over tiles of 16 rows.
     #[arg(long, help_heading = "Engine")]
     pub cuda_moe_tensor_cores: bool,
-    #[command(flatten)]
-    pub hicache: HiCacheArgs,
+    /// Matmuls over bf16 weights that take kvserve's own kernel (decode batches under CUDA
+    /// graphs; every batch where cuBLAS is not loaded) on the tensor cores when they have more
+    /// than 8 rows, as the MoE form computes; ignored with --enable-deterministic-inference.
+    #[arg(long, help_heading = "Engine")]
+    pub cuda_gemm_tensor_cores: bool,
+}
+
+impl CudaTensorCoreArgs {
+    /// The forms these flags select.
+    pub fn forms(&self) -> CudaTensorCores {
+        CudaTensorCores {
+            mla: self.cuda_mla_tensor_cores,
+            moe: self.cuda_moe_tensor_cores,
+            gemm: self.cuda_gemm_tensor_cores,
+        }
+    }
 }
 
 /// SGLang's hierarchical-cache flags (`--enable-hierarchical-cache` and the `--hicache-*`
@@ -246,8 +270,7 @@ impl EngineArgs {
         setup.scheduler.enable_mixed_chunk = self.enable_mixed_chunk;
         setup.enable_deterministic_inference = self.enable_deterministic_inference;
         setup.cuda_attention_kernel = self.cuda_attention_kernel;
-        setup.cuda_mla_tensor_cores = self.cuda_mla_tensor_cores;
-        setup.cuda_moe_tensor_cores = self.cuda_moe_tensor_cores;
+        setup.cuda_tensor_cores = self.tensor_cores.forms();
         setup.threads = self
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

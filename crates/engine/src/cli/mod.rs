@@ -87,14 +87,9 @@ pub struct InfoArgs {
     /// The `serve`/`bench` `--max-running-requests` the reported CUDA graphs are for.
     #[arg(long, default_value_t = 256)]
     pub max_running_requests: usize,
-    /// Report the MLA attention form a `serve`/`bench` with this flag takes on the cuda
-    /// backend.
-    #[arg(long)]
-    pub cuda_mla_tensor_cores: bool,
-    /// Report the mixture-of-experts form a `serve`/`bench` with this flag takes on the cuda
-    /// backend.
-    #[arg(long)]
-    pub cuda_moe_tensor_cores: bool,
+    // The cuda backend's forms a `serve`/`bench` with these flags takes.
+    #[command(flatten)]
+    pub tensor_cores: CudaTensorCoreArgs,
 }
 
 mod engine;

@@ -1,6 +1,6 @@
 //! `kvserve info`: what this build has (features, backends and the device each opens,
 //! allocators, prefix caches, policies, KV dtypes, architectures, the cuda backend's decode
-//! graphs, MLA attention form and mixture-of-experts form under the given flags).
+//! graphs and opt-in tensor-core forms under the given flags).
 
 use std::io::Write;
 
@@ -18,7 +18,7 @@ pub fn info(args: &InfoArgs, out: &mut dyn Write) -> Result<()> {
     let inventory = Inventory::of_this_build()
         .probe(args.enable_deterministic_inference)
         .with_cuda_graphs(&graphs, args.max_running_requests)
-        .with_cuda_tensor_cores(args.cuda_mla_tensor_cores, args.cuda_moe_tensor_cores);
+        .with_cuda_tensor_cores(args.tensor_cores.forms());
     let text = if args.json {
         serde_json::to_string_pretty(&inventory)
             .map_err(|e| EngineError::arg("--json", e.to_string()))?

@@ -23,7 +23,7 @@ use serde::Serialize;
 
 use super::backend::BackendKind;
 use super::cuda_graph::CudaGraphSetup;
-use super::engine_setup::EngineSetup;
+use super::engine_setup::{CudaTensorCores, EngineSetup};
 use super::pool;
 use super::source::ModelSource;
 use crate::error::{EngineError, Result};
@@ -390,8 +390,9 @@ fn cuda_config(setup: &EngineSetup) -> attention_cuda::CudaConfig {
             CudaAttentionKernel::Chunked => attention_cuda::AttentionKernel::Chunked,
             CudaAttentionKernel::Pipelined => attention_cuda::AttentionKernel::Pipelined,
         },
-        mla_tensor_cores: setup.cuda_mla_tensor_cores,
-        moe_tensor_cores: setup.cuda_moe_tensor_cores,
+        mla_tensor_cores: setup.cuda_tensor_cores.mla,
+        moe_tensor_cores: setup.cuda_tensor_cores.moe,
+        gemm_tensor_cores: setup.cuda_tensor_cores.gemm,
         ..Default::default()
     }
 }
@@ -529,6 +530,9 @@ pub struct Inventory {
     /// The cuda backend's form of mixture-of-experts matmuls, with the flag
     /// [`Inventory::with_cuda_tensor_cores`] was given.
     pub cuda_moe: String,
+    /// The cuda backend's own matmul kernel's form, with the flag
+    /// [`Inventory::with_cuda_tensor_cores`] was given.
+    pub cuda_gemm: String,
 }
 
 /// `kvserve info`'s line on the cuda backend's MLA attention.
@@ -548,10 +552,27 @@ fn describe_cuda_mla(tensor_cores: bool) -> String {
 /// `kvserve info`'s line on the cuda backend's mixture-of-experts matmuls.
 fn describe_cuda_moe(tensor_cores: bool) -> String {
     if tensor_cores {
-        "the tensor-core form (mma.sync, activations rounded to bf16) on sm_80 and later GPUs          for bf16 experts whose rows are multiples of 8, the lanes' form elsewhere          (--cuda-moe-tensor-cores)"
+        "the tensor-core form (mma.sync, activations rounded to bf16) on sm_80 and later GPUs \
+         for bf16 experts whose rows are multiples of 8, the lanes' form elsewhere \
+         (--cuda-moe-tensor-cores)"
             .into()
     } else {
-        "the lanes' form (--cuda-moe-tensor-cores: the tensor-core form for bf16 experts on          sm_80 and later, not yet checked on a GPU)"
+        "the lanes' form (--cuda-moe-tensor-cores: the tensor-core form for bf16 experts on \
+         sm_80 and later, not yet checked on a GPU)"
+            .into()
+    }
+}
+
+/// `kvserve info`'s line on the cuda backend's own matmul kernel.
+fn describe_cuda_gemm(tensor_cores: bool) -> String {
+    if tensor_cores {
+        "bf16 weights of batches over 8 rows on the tensor cores (mma.sync, activations \
+         rounded to bf16) on sm_80 and later GPUs, FMAs elsewhere and with \
+         --enable-deterministic-inference (--cuda-gemm-tensor-cores)"
+            .into()
+    } else {
+        "FMAs (--cuda-gemm-tensor-cores: bf16 weights of batches over 8 rows on the tensor \
+         cores on sm_80 and later, not yet checked on a GPU)"
             .into()
     }
 }
@@ -621,14 +642,16 @@ impl Inventory {
             cuda_graphs: CudaGraphSetup::default().describe(256),
             cuda_mla: describe_cuda_mla(false),
             cuda_moe: describe_cuda_moe(false),
+            cuda_gemm: describe_cuda_gemm(false),
         }
     }
 
-    /// Reports the cuda backend's MLA and mixture-of-experts forms with or without
-    /// `--cuda-mla-tensor-cores` and `--cuda-moe-tensor-cores`.
-    pub fn with_cuda_tensor_cores(mut self, mla: bool, moe: bool) -> Self {
-        self.cuda_mla = describe_cuda_mla(mla);
-        self.cuda_moe = describe_cuda_moe(moe);
+    /// Reports the cuda backend's MLA, mixture-of-experts and own-matmul forms under
+    /// `--cuda-{mla,moe,gemm}-tensor-cores`.
+    pub fn with_cuda_tensor_cores(mut self, forms: CudaTensorCores) -> Self {
+        self.cuda_mla = describe_cuda_mla(forms.mla);
+        self.cuda_moe = describe_cuda_moe(forms.moe);
+        self.cuda_gemm = describe_cuda_gemm(forms.gemm);
         self
     }
 
@@ -714,6 +737,7 @@ impl fmt::Display for Inventory {
         write!(f, "\ncuda graphs:        {}", self.cuda_graphs)?;
         write!(f, "\ncuda mla:           {}", self.cuda_mla)?;
         write!(f, "\ncuda moe:           {}", self.cuda_moe)?;
+        write!(f, "\ncuda own gemm:      {}", self.cuda_gemm)?;
         for (kind, device) in &self.devices {
             write!(f, "\n{:<20}{device}", format!("{kind} device:"))?;
         }

@@ -44,12 +44,23 @@ pub struct EngineSetup {
     pub cuda_graph: CudaGraphSetup,
     /// `--cuda-attention-kernel`: the cuda and rocm backends' paged-attention kernel.
     pub cuda_attention_kernel: CudaAttentionKernel,
-    /// `--cuda-mla-tensor-cores`: the cuda backend's tensor-core MLA form
+    /// `--cuda-{mla,moe,gemm}-tensor-cores`: the cuda backend's opt-in tensor-core forms.
+    pub cuda_tensor_cores: CudaTensorCores,
+}
+
+/// The cuda backend's opt-in tensor-core forms (named here so the flags exist in builds
+/// without the backend).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CudaTensorCores {
+    /// `--cuda-mla-tensor-cores`: absorbed MLA's tensor-core form
     /// (`attention_cuda::CudaConfig::mla_tensor_cores`).
-    pub cuda_mla_tensor_cores: bool,
-    /// `--cuda-moe-tensor-cores`: the cuda backend's tensor-core expert matmuls
+    pub mla: bool,
+    /// `--cuda-moe-tensor-cores`: the tensor-core expert matmuls
     /// (`attention_cuda::CudaConfig::moe_tensor_cores`).
-    pub cuda_moe_tensor_cores: bool,
+    pub moe: bool,
+    /// `--cuda-gemm-tensor-cores`: the own matmul kernel's tensor-core form
+    /// (`attention_cuda::CudaConfig::gemm_tensor_cores`).
+    pub gemm: bool,
 }
 
 /// The cuda and rocm backends' paged-attention kernel (`attention_cuda::AttentionKernel`, named
@@ -97,8 +108,7 @@ pub fn default_setup(context_len: usize) -> EngineSetup {
         enable_deterministic_inference: false,
         cuda_graph: CudaGraphSetup::default(),
         cuda_attention_kernel: CudaAttentionKernel::default(),
-        cuda_mla_tensor_cores: false,
-        cuda_moe_tensor_cores: false,
+        cuda_tensor_cores: CudaTensorCores::default(),
     }
 }
 

@@ -29,7 +29,7 @@ pub use backend::BackendKind;
 pub use components::{build_scheduler, AnyRunner, Inventory, PoolSize};
 pub use cuda_graph::{CudaGraphSetup, GraphsOff};
 pub use engine_setup::{
-    default_setup, parse_policy, CudaAttentionKernel, EngineSetup, HiCacheSetup,
+    default_setup, parse_policy, CudaAttentionKernel, CudaTensorCores, EngineSetup, HiCacheSetup,
 };
 pub use model_exec::ModelExecutor;
 pub use source::ModelSource;

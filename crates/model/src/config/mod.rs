@@ -335,7 +335,10 @@ impl ModelConfig {
             Some(window) if context_len > window => Err(field_err(
                 "sliding_window",
                 format!(
-                    "{} attends within a sliding window of {window} tokens, which this crate                      does not apply; a context of {context_len} tokens would attend beyond it.                      Serve a context of at most {window} tokens (the engine's                      --context-length {window})",
+                    "{} attends within a sliding window of {window} tokens, which this crate \
+                     does not apply; a context of {context_len} tokens would attend beyond it. \
+                     Serve a context of at most {window} tokens (the engine's \
+                     --context-length {window})",
                     self.architecture.hf_name()
                 ),
             )),

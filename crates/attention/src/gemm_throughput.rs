@@ -1,18 +1,17 @@
-//! A mixture-of-experts layer's throughput on any [`Backend`]: one `fused_moe` call (routing,
-//! the experts' gate/up and down matmuls, the weighted combine) over a batch of tokens, timed,
-//! and the multiply-adds its expert matmuls do (`2 · tokens · top_k · 3 · hidden ·
-//! intermediate` FLOPs) divided by its time. Prefill batches are compute-bound: the figure a
-//! tensor-core form should raise. A decode batch touches few experts and is bound by reading
-//! their weights; [`MoeCase::weight_bytes_touched`] bounds what it must read from below.
+//! GEMM throughput on any [`Backend`]: a dense `matmul` over a weight ([`MatmulCase`]) and a
+//! mixture-of-experts layer ([`MoeCase`]: one `fused_moe` call, routing, the experts' gate/up
+//! and down matmuls and the weighted combine), timed, and the multiply-adds their matmuls do
+//! divided by the time. Prefill batches are compute-bound: the figure a tensor-core form should
+//! raise. A decode batch is bound by reading the weights; [`MatmulCase::weight_bytes`] and
+//! [`MoeCase::weight_bytes_touched`] give what it must read.
 //!
 //! [`moe_experts`] uploads random experts of a case's shape once; [`measure_moe`] uploads
-//! random hidden states and router logits that spread the tokens over every expert, runs one
-//! untimed call (which compiles
-//! kernels where a backend compiles at first use), then times `iters` samples of `calls`
-//! calls back to back ending with [`Backend::synchronize`], and reports the median sample's
-//! time per call. The GPU bench (`attention-cuda`'s `moe_throughput` example) runs it per
-//! model shape, batch size and form; the tests run it on the CPU and emulated backends with
-//! small shapes.
+//! random hidden states and router logits that spread the tokens over every expert, and
+//! [`measure_matmul`] random activations and weight. Each runs one untimed call (which compiles
+//! kernels where a backend compiles at first use), then times `iters` samples of `calls` calls
+//! back to back ending with [`Backend::synchronize`], and reports the median sample's time per
+//! call. The GPU bench (`attention-cuda`'s `gemm_throughput` example) runs them per shape,
+//! batch size and form; the tests run them on the CPU and emulated backends with small shapes.
 
 use kv_pool::rng::SplitMix64;
 
@@ -21,6 +20,76 @@ use crate::bandwidth::median_seconds_per_call;
 use crate::conformance::nonzero_vec;
 use crate::error::Result;
 use crate::moe::{MoeExperts, MoeRouting};
+
+/// One dense matmul, `[m, k] · [n, k]ᵀ`, over a weight stored as `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatmulCase {
+    /// Rows (tokens) of the activations.
+    pub m: usize,
+    /// The inner dimension.
+    pub k: usize,
+    /// Outputs (the weight's rows).
+    pub n: usize,
+    /// How the weight is stored ([`Backend::upload_weight`]).
+    pub dtype: TensorDtype,
+}
+
+impl MatmulCase {
+    /// FLOPs: `m · n · k` multiply-adds.
+    pub fn flops(&self) -> u64 {
+        2 * (self.m * self.n) as u64 * self.k as u64
+    }
+
+    /// Bytes of the weight as stored: what a call must read at least once.
+    pub fn weight_bytes(&self) -> u64 {
+        (self.n * self.k) as u64 * self.dtype.bytes() as u64
+    }
+}
+
+/// What [`measure_matmul`] and [`measure_moe`] measured: a case (`C`), the median sample's time
+/// per call and the calls per sample.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing<C> {
+    /// The case measured.
+    pub case: C,
+    /// The median sample's time per call, in seconds.
+    pub seconds: f64,
+    /// Calls per sample, back to back before one synchronisation.
+    pub calls: usize,
+}
+
+impl Timing<MatmulCase> {
+    /// FLOPs per second, in TFLOP/s (10¹²).
+    pub fn tflops(&self) -> f64 {
+        self.case.flops() as f64 / self.seconds / 1e12
+    }
+
+    /// The weight's bytes per second, in GB/s (10⁹ bytes).
+    pub fn weight_gbps(&self) -> f64 {
+        self.case.weight_bytes() as f64 / self.seconds / 1e9
+    }
+}
+
+/// Times `matmul` of `case` on `b` (see the module documentation): the median of `iters`
+/// samples (at least one) of `calls` calls back to back (at least one) and one
+/// synchronisation, per call, after one untimed call.
+pub fn measure_matmul<B: Backend>(
+    b: &B,
+    case: &MatmulCase,
+    iters: usize,
+    calls: usize,
+) -> Result<Timing<MatmulCase>> {
+    let c = case;
+    let mut rng = SplitMix64::new(0x6E3);
+    let x = b.upload(&nonzero_vec(&mut rng, c.m * c.k), &[c.m, c.k])?;
+    let w = b.upload_weight(&nonzero_vec(&mut rng, c.n * c.k), &[c.n, c.k], c.dtype)?;
+    let seconds = median_seconds_per_call(b, iters, calls, || b.matmul(&x, &w).map(drop))?;
+    Ok(Timing {
+        case: *case,
+        seconds,
+        calls: calls.max(1),
+    })
+}
 
 /// One mixture-of-experts layer shape and batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,18 +154,7 @@ impl MoeCase {
     }
 }
 
-/// What [`measure_moe`] measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct MoeTiming {
-    /// The case measured.
-    pub case: MoeCase,
-    /// The median sample's time per call, in seconds.
-    pub seconds: f64,
-    /// Calls per sample, back to back before one synchronisation.
-    pub calls: usize,
-}
-
-impl MoeTiming {
+impl Timing<MoeCase> {
     /// The expert matmuls' FLOPs per second, in TFLOP/s (10¹²).
     pub fn tflops(&self) -> f64 {
         self.case.flops() as f64 / self.seconds / 1e12
@@ -142,7 +200,7 @@ pub fn measure_moe<B: Backend>(
     experts: &MoeExperts<B::Tensor>,
     iters: usize,
     calls: usize,
-) -> Result<MoeTiming> {
+) -> Result<Timing<MoeCase>> {
     let c = case;
     let calls = calls.max(1);
     let mut rng = SplitMix64::new(0x30F);
@@ -164,7 +222,7 @@ pub fn measure_moe<B: Backend>(
     let seconds = median_seconds_per_call(b, iters, calls, || {
         b.fused_moe(&h, &logits, experts, &routing).map(drop)
     })?;
-    Ok(MoeTiming {
+    Ok(Timing {
         case: *case,
         seconds,
         calls,
@@ -184,6 +242,27 @@ mod tests {
         assert_eq!(q.weight_bytes_touched(), 8 * q.expert_bytes());
         let big = MoeCase::deepseek_v2_lite(4096);
         assert_eq!(big.weight_bytes_touched(), 64 * big.expert_bytes());
+    }
+
+    #[test]
+    fn a_matmul_is_measured_on_the_cpu_backend() {
+        let b = crate::CpuBackend::default();
+        let case = MatmulCase {
+            m: 3,
+            k: 16,
+            n: 8,
+            dtype: TensorDtype::Bf16,
+        };
+        assert_eq!(
+            (case.flops(), case.weight_bytes()),
+            (2 * 3 * 8 * 16, 8 * 16 * 2)
+        );
+        let t = measure_matmul(&b, &case, 3, 2).unwrap();
+        assert!(
+            t.seconds > 0.0 && t.tflops() > 0.0 && t.weight_gbps() > 0.0,
+            "{t:?}"
+        );
+        assert_eq!((t.case, t.calls), (case, 2));
     }
 
     #[test]
