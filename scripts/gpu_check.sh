@@ -16,21 +16,22 @@
 #      pipelined, and pipelined with the split merge in the kernel: `+merge`), KV dtype, page
 #      size and context length, against the GPU's peak (H100
 #      3350 GB/s, H200 4800 GB/s, by its name); then its MLA table (DeepSeek-V3's latent rows,
-#      16 and 128 heads; the pipelined kernel's tensor-core MLA form as `+mma`); then
+#      16 and 128 heads; the pipelined kernel's tensor-core MLA form as `+mma`), and its
+#      prefill table (the pipelined kernel against paged_prefill, TFLOP/s); then
 #      examples/gemm_throughput.rs: TFLOP/s and weight GB/s per batch size of Llama-3-8B's
 #      matmuls (cuBLAS, the own kernel, its tensor-core form) and of Qwen3-30B-A3B's and
 #      DeepSeek-V2-Lite's MoE layers (lanes' and tensor-core forms);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
 #      cuda` (batch 1, its pool sized by --mem-fraction-static from the GPU's memory, and
-#      batch 16), once more with --disable-cuda-graph, once on the tensor-core GEMM forms
-#      (--cuda-gemm-tensor-cores --cuda-moe-tensor-cores), once with the chunked
+#      batch 16), once more with --disable-cuda-graph, once on the tensor-core forms
+#      (--cuda-{gemm,moe,prefill}-tensor-cores), once with the chunked
 #      attention kernel (the default is the pipelined one), and a shared-prefix workload with HiCache on a small device pool;
 #   5. PD disaggregation on the GPU (scripts/pd_pair_check.sh): a prefill and a decode server
 #      behind `kvserve router`, their KV moved through host mirrors of the device stores,
 #      greedy tokens against one server, then `kvserve bench --url` through the router;
-#   6. the attention conformance suite (both kernels; the tensor-core MLA form) and the
-#      tensor-core MoE check under compute-sanitizer's memcheck (out-of-bounds and
+#   6. the attention conformance suite (both kernels; the tensor-core MLA form), the
+#      tensor-core MoE check and the prefill kernel's cases under compute-sanitizer's memcheck (out-of-bounds and
 #      misaligned accesses) and racecheck (shared-memory hazards: what emulation, which runs
 #      a block's threads in lockstep between barriers, cannot see), where the image has it.
 # Everything goes to $OUT/check.log, the benches' JSON beside it, a line per step to
@@ -155,7 +156,8 @@ run() {
                 2>/dev/null || echo "$l does not load"; done'
     step gpu-tests 100 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
     step bandwidth 80 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
-    step bandwidth-mla 40 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
+    step bandwidth-mla 35 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
+    step prefill 20 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both prefill
     step gemm 25 "$GPU_DIR/gemm_throughput" "$(peak_gbps)"
     local ck=/tmp/smollm2-shape-bf16
     step checkpoint 25 "$GPU_DIR/random_checkpoint" "$ck" bf16
@@ -163,21 +165,22 @@ run() {
         --random-input-len 512 --random-output-len 128 --random-range-ratio 1
         --request-rate inf --quiet --plot /tmp/bench.png)
     # Batch 1 sizes its pool as SGLang does on a GPU: 85 % of the device after the weights.
-    step bench-b1 35 "${bench[@]}" --num-prompts 1 --mem-fraction-static 0.85 \
+    step bench-b1 30 "${bench[@]}" --num-prompts 1 --mem-fraction-static 0.85 \
         --json "$out/bench-b1.json"
-    step bench-b16 35 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
+    step bench-b16 30 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
     step bench-b16-eager 30 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
-    # Decode batches of 16 under graphs on the own matmul's tensor-core form (against
-    # bench-b16); its JSON goes into the log ($OUT holds eight files already).
+    # Decode batches of 16 under graphs on the own matmul's tensor-core form and prefills on
+    # paged_prefill (against bench-b16); its JSON goes into the log ($OUT holds eight files).
     step bench-b16-tc 25 bash -c '"$@" && cat /tmp/bench-b16-tc.json' _ "${bench[@]}" \
         --num-prompts 16 --cuda-gemm-tensor-cores --cuda-moe-tensor-cores \
+        --cuda-prefill-tensor-cores \
         --json /tmp/bench-b16-tc.json
     step bench-b16-chunked 30 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
         --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
     # it, so prefixes are evicted to the host tier and loaded back through CudaKvRows.
-    step bench-hicache 35 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
+    step bench-hicache 30 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
         --workload gsp --gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 \
         --gsp-question-len 64 --gsp-output-len 16 --max-total-tokens 4096 \
         --enable-hierarchical-cache --quiet --plot /tmp/bench-hicache.png \
@@ -190,7 +193,8 @@ run() {
         for tool in memcheck racecheck; do
             step "sanitizer-$tool" 35 env KVSERVE_REQUIRE_CUDA=1 "$sanitizer" --tool "$tool" \
                 --error-exitcode 3 "$GPU_DIR/gpu-tests" gpu_attention_conformance_quick \
-                gpu_mla_tensor_cores gpu_moe_tensor_cores --exact --nocapture
+                gpu_mla_tensor_cores gpu_moe_tensor_cores gpu_prefill_tensor_cores --exact \
+                --nocapture
         done
     else
         echo "sanitizer: compute-sanitizer not found: skipped" >>"$out/summary.txt"

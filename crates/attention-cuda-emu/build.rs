@@ -172,7 +172,7 @@ fn unit(spec: &specs::Spec, kernels: &Path) -> String {
          PTHREAD_MUTEX_INITIALIZER;\n    kvs_emu::LaunchLock lock(&m);"
     )
     .unwrap();
-    for kernel in spec.source.kernels() {
+    for kernel in spec.kernels() {
         writeln!(
             s,
             "    if (strcmp(kernel, \"{kernel}\") == 0) return kvs_emu::launch(\

@@ -282,7 +282,7 @@ fn emu_mla_tensor_cores() {
 /// and one that reads what another thread wrote with no barrier between them (a race on a GPU)
 /// does not. Cases of the quick attention suite on both kernels (the pipelined one with the
 /// tensor-core MLA form, and with the most splits merged in the kernel) and the dense suite
-/// (with the tensor-core MoE and GEMM forms) run reversed and shuffled; their errors against the reference must agree bit for bit,
+/// (with the tensor-core MoE, GEMM and prefill forms) run reversed and shuffled; their errors against the reference must agree bit for bit,
 /// which they do only when the outputs do. (The other emulated suites run in thread order.)
 #[test]
 fn emu_results_do_not_depend_on_the_thread_schedule() {
@@ -293,6 +293,7 @@ fn emu_results_do_not_depend_on_the_thread_schedule() {
                 mla_tensor_cores: true,
                 moe_tensor_cores: true,
                 gemm_tensor_cores: true,
+                prefill_tensor_cores: true,
                 ..with_kernel(AttentionKernel::Pipelined)
             },
             4,
@@ -321,6 +322,9 @@ fn emu_results_do_not_depend_on_the_thread_schedule() {
                 .collect();
             if i == 0 {
                 outcomes.extend(conformance::run_dense_suite(&b).unwrap());
+                for kernel in ["paged_prefill", "matmul_mma", "moe_matmul_mma"] {
+                    assert!(b.device().launch_count(kernel, |_| true) > 0, "{kernel}");
+                }
             }
             conformance::assert_all_passed(&outcomes);
             errors.extend(
@@ -444,6 +448,48 @@ fn emu_decode_bandwidth_measures_every_page_family() {
             }
         }
     }
+}
+
+/// The tensor-core prefill kernel (`CudaConfig::prefill_tensor_cores`, `paged_prefill`): every
+/// MHA/GQA extend case of the quick suite over f16 and bf16 stores (head dims 64 and 128;
+/// groups of 1, 4, 7 and 8; pages of 1, 16 and 64), and long extends (150 new tokens from no
+/// prefix: three tiles, the last partial; 66 after a prefix of 70; a one-token request beside
+/// them) over pages of 16 and 24, against the reference and, within 1e-4, the stored values.
+/// Each case must have launched the kernel; decode batches keep the attention kernel.
+#[test]
+fn emu_prefill_tensor_cores() {
+    let config = CudaConfig {
+        prefill_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let Some(b) = backend("emu_prefill_tensor_cores", config) else {
+        return;
+    };
+    let any = |_: &attention_cuda::Spec| true;
+    let cases = conformance::extend_cases(&[KvDtype::F16, KvDtype::Bf16]);
+    let mut outcomes = Vec::new();
+    for case in &cases {
+        let before = b.device().launch_count("paged_prefill", any);
+        outcomes.push(conformance::run_attention_case(&b, case).unwrap());
+        let launched = b.device().launch_count("paged_prefill", any) - before;
+        assert!(launched > 0, "{case}: paged_prefill did not run");
+    }
+    report(&outcomes);
+    // A decode batch keeps the attention kernel.
+    let decode = conformance::attention_cases(SuiteSize::Quick)
+        .into_iter()
+        .find(|c| matches!(c.kind, CaseKind::Mha { .. }) && c.requests.iter().all(|r| r.1 == 1))
+        .unwrap();
+    let before = b.device().launch_count("paged_prefill", any);
+    report(&[conformance::run_attention_case(
+        &b,
+        &AttentionCase {
+            dtype: KvDtype::Bf16,
+            ..decode
+        },
+    )
+    .unwrap()]);
+    assert_eq!(b.device().launch_count("paged_prefill", any), before);
 }
 
 /// The own matmul's tensor-core form (`CudaConfig::gemm_tensor_cores`, `matmul_mma`) over bf16

@@ -52,16 +52,19 @@ fn tiny_mla_decoder_on_the_tensor_core_form_greedy_matches_cpu() {
 
 /// The Llama and MLA decoders (the MLA one's layer 1 routes to 4 experts) with bf16 weights on
 /// the tensor-core GEMMs (`CudaConfig::gemm_tensor_cores` and `moe_tensor_cores`), which the
-/// prefill's matmuls (more than `gemm::MMA_MIN_ROWS` rows) and the MoE layer must have taken:
-/// both round the activations to bf16, as the CPU backend does for a bf16 weight.
+/// prefill's matmuls (more than `gemm::MMA_MIN_ROWS` rows) and the MoE layer must have taken
+/// (both round the activations to bf16, as the CPU backend does for a bf16 weight), and the
+/// tensor-core prefill attention (`prefill_tensor_cores`), which the Llama decoder's prefill
+/// over its bf16 store must have taken.
 #[test]
-fn tiny_decoders_on_the_tensor_core_gemms_greedy_match_cpu() {
-    let Some(device) = emu_or_skip("tiny_decoders_on_the_tensor_core_gemms") else {
+fn tiny_decoders_on_the_tensor_core_forms_greedy_match_cpu() {
+    let Some(device) = emu_or_skip("tiny_decoders_on_the_tensor_core_forms") else {
         return;
     };
     let config = CudaConfig {
         gemm_tensor_cores: true,
         moe_tensor_cores: true,
+        prefill_tensor_cores: true,
         ..CudaConfig::default()
     };
     let emu = CudaBackend::new(device, config);
@@ -80,7 +83,7 @@ fn tiny_decoders_on_the_tensor_core_gemms_greedy_match_cpu() {
             Err(mismatch) => panic!("{:?} {mismatch}", model.architecture),
         }
     }
-    for kernel in ["matmul_mma", "moe_matmul_mma"] {
+    for kernel in ["matmul_mma", "moe_matmul_mma", "paged_prefill"] {
         assert!(emu.device().launch_count(kernel, |_| true) > 0, "{kernel}");
     }
 }

@@ -25,12 +25,17 @@
 //! absorbed MLA, DeepSeek-V3-shaped (latent rows of 512 + 64, 16 and 128 query heads; bf16 and
 //! fp8; 32768 positions), on each kernel asked for, the pipelined one's rows once more in the
 //! tensor-core form (`CudaConfig::mla_tensor_cores`, labelled `+mma`). `TABLES`: `mha`,
-//! `mla` or `both` (the default). Prints Markdown tables; a case the device refuses (memory)
+//! `mla` or `both` (the default); or `prefill`: Llama-3-8B-shaped prefill attention (prompts
+//! of 512, 2048 and 8192 tokens, and 8 requests of 512 after 1024 cached; bf16 and f16, pages
+//! of 16) by the pipelined kernel (a block per token) and `paged_prefill`
+//! (`CudaConfig::prefill_tensor_cores`), in TFLOP/s of causal attention. Prints Markdown tables; a case the device refuses (memory)
 //! is a row with the error.
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 fn main() -> std::process::ExitCode {
-    use attention::bandwidth::{measure_decode, measure_decode_back_to_back, DecodeCase};
+    use attention::bandwidth::{
+        measure_decode, measure_decode_back_to_back, measure_prefill, DecodeCase, PrefillCase,
+    };
     use attention_cuda::{AttentionKernel, CudaBackend, CudaConfig, CudarcDevice};
     use kv_pool::KvDtype;
 
@@ -60,12 +65,13 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let (mha_table, mla_table) = match args.next().as_deref() {
-        None | Some("both") => (true, true),
-        Some("mha") => (true, false),
-        Some("mla") => (false, true),
+    let (mha_table, mla_table, prefill_table) = match args.next().as_deref() {
+        None | Some("both") => (true, true, false),
+        Some("mha") => (true, false, false),
+        Some("mla") => (false, true, false),
+        Some("prefill") => (false, false, true),
         Some(t) => {
-            eprintln!("decode_bandwidth: TABLES is mha, mla or both, not {t}");
+            eprintln!("decode_bandwidth: TABLES is mha, mla, both or prefill, not {t}");
             return std::process::ExitCode::FAILURE;
         }
     };
@@ -172,6 +178,32 @@ fn main() -> std::process::ExitCode {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+    if prefill_table {
+        println!(
+            "| prefill kernel | KV dtype | page size | requests | prefix | new tokens | ms per call \
+             | TFLOP/s |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+    }
+    let prefills = [(1, 0, 512), (1, 0, 2048), (1, 0, 8192), (8, 1024, 512)];
+    for (requests, prefix, extend) in prefills.into_iter().filter(|_| prefill_table) {
+        for dtype in [KvDtype::Bf16, KvDtype::F16] {
+            let case = PrefillCase::llama3_8b(requests, prefix, extend, 16, dtype);
+            for (label, b) in [
+                (
+                    "pipelined",
+                    b.with_attention_kernel(AttentionKernel::Pipelined),
+                ),
+                ("paged_prefill", b.with_prefill_tensor_cores(true)),
+            ] {
+                let lead = format!("| {label} | {dtype} | 16 | {requests} | {prefix} | {extend} |");
+                match measure_prefill(&b, &case, 5, 2) {
+                    Ok(t) => println!("{lead} {:.3} | {:.1} |", t.seconds * 1e3, t.tflops()),
+                    Err(e) => println!("{lead} error: {e} | |"),
                 }
             }
         }

@@ -1693,3 +1693,249 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
     kvs_merge_row<false>(partial_o, partial_lse, blockIdx.x, num_splits,
                          out + (size_t)blockIdx.x * V_HEAD_DIM, threadIdx.x, blockDim.x);
 }
+
+// ---- paged_prefill: extend batches on the tensor cores (CudaConfig::prefill_tensor_cores) ----
+// FlashAttention-2's schedule over the paged store: a block serves one query head for a tile
+// of up to PF_ROWS consecutive new tokens of one request (the host's tile table: (first token
+// of the batch, count) pairs, src/plan.rs prefill_tiles), so every key and value row it stages
+// serves PF_ROWS queries, where paged_attention's blocks serve one token each and read its
+// whole causal prefix again. Its PF_WARPS warps own 16 query rows each: the scores S = Q·Kᵀ of
+// PF_KEYS positions a step (mma.m16n8k16; the scaled query as a rounded part plus its
+// remainder, two mmas, as the decode form keeps ~22 bits of it), masked causally (position j
+// of the step against each row's own position), an online softmax per row (the row's maximum
+// over its 4 lanes of a quad), and O += P·V with P from the scores' registers (again a rounded
+// part and its remainder) and V through ldmatrix.trans. Keys and values are staged by
+// cp.async PF_STAGES steps deep. The output is written normalised straight to `out` (no
+// splits: a prefill has blocks enough). f16 and bf16 stores with keys and values of one head
+// dim, 64 or 128 (Spec::has_prefill); the mmas run their portable stand-ins in the emulation,
+// on HIP and before sm_80 (the host takes it on sm_80 and later only).
+#if !MLA && (KV_DTYPE == 1 || KV_DTYPE == 2) && HEAD_DIM == V_HEAD_DIM &&                      \
+    (HEAD_DIM == 64 || HEAD_DIM == 128)
+#define PF_FORM 1
+#define PF_ROWS 64                 // query tokens of a block's tile
+#define PF_WARPS (PF_ROWS / 16)    // 16 query rows a warp
+#define PF_THREADS (PF_WARPS * WARP_SIZE)
+#define PF_KEYS 32                 // positions a step stages and scores
+#define PF_STAGES 2
+#define PF_UNITS (HEAD_DIM / 8)    // 16-byte units of a key or value row
+#define PF_KT (HEAD_DIM / 16)      // k-tiles of the scores' mmas
+#define PF_NT (HEAD_DIM / 8)       // n-tiles of the output's mmas
+#define PF_BF16 (KV_DTYPE == 2)
+#if defined(__CUDA_ARCH__)
+#define PF_BOUNDS __launch_bounds__(PF_THREADS, 2)
+#else
+#define PF_BOUNDS
+#endif
+
+// Unit u of staged row `row` (a key or value row of the step), swizzled so that ldmatrix's 8
+// rows of one unit (rows of 128 or 256 bytes all start in bank 0) fall in 8 bank groups.
+__device__ inline unsigned int pf_unit(unsigned int row, unsigned int u) {
+    return row * PF_UNITS + (u ^ (row & 7u));
+}
+
+// The four 8×8 tiles of a stage at rows row0 … row0 + 15 and units u0, u0 + 1, ordered (rows
+// 0-7, u0), (rows 0-7, u0 + 1), (rows 8-15, u0), (rows 8-15, u0 + 1) (ROW_BIT 1: the scores'
+// B registers of two key n-tiles) or (rows 0-7, u0), (rows 8-15, u0), (rows 0-7, u0 + 1),
+// (rows 8-15, u0 + 1) (ROW_BIT 0: with .trans, the values' B registers of two dim n-tiles).
+template <int ROW_BIT> struct pf_tiles {
+    const kvs_vec16* st;
+    unsigned int row0, u0;
+    __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
+        return st + pf_unit(row0 + ((j >> ROW_BIT) & 1u) * 8u + i, u0 + ((j >> (1 - ROW_BIT)) & 1u));
+    }
+};
+
+KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, const kv_t* v_cache,
+                                        const unsigned int* plan, const unsigned int* tiles,
+                                        float* out, unsigned int q_heads, unsigned int kv_heads,
+                                        unsigned int page_size, unsigned int page_shift,
+                                        float scale, float k_scale, float v_scale) {
+    __shared__ kvs_vec16 s_k[PF_STAGES][PF_KEYS * PF_UNITS];
+    __shared__ kvs_vec16 s_v[PF_STAGES][PF_KEYS * PF_UNITS];
+    const unsigned int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
+    const unsigned int head = blockIdx.y;
+    const unsigned int kvh = head / (q_heads / kv_heads);
+    const unsigned int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const unsigned int g = lane >> 2, tq = lane & 3;
+    const unsigned int req = plan[plan[PLAN_TOK_REQ] + first];
+    const unsigned int pos0 = plan[plan[PLAN_TOK_POS] + first]; // the tile's positions are pos0 + i
+    const unsigned int* pages = plan + plan[PLAN_KV_INDICES] + plan[plan[PLAN_KV_INDPTR] + req];
+    const unsigned int kv_end = pos0 + count; // causal: the last query's positions 0 … pos0 + count − 1
+
+    // This lane's rows of the warp's 16: r[h] = 16·warp + g + 8h, live below count; a dead
+    // row reads the tile's first query and attends without a mask (finite, never written).
+    unsigned int qrow[2], qpos[2];
+    bool live[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const unsigned int r = 16 * warp + g + 8 * h;
+        live[h] = r < count;
+        qrow[h] = first + (live[h] ? r : 0);
+        qpos[h] = live[h] ? pos0 + r : 0xffffffffu;
+    }
+    // The scaled query as A registers of k-tile kt: hi = its rounding, lo = the rest.
+    unsigned int qh[PF_KT][4], ql[PF_KT][4];
+#pragma unroll
+    for (int kt = 0; kt < PF_KT; ++kt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // a[0]/a[2]: row g, dims 16kt + 2tq (+ 8 for a[2]); a[1]/a[3]: row g + 8
+            const float* qr = q + ((size_t)qrow[i & 1] * q_heads + head) * HEAD_DIM + 16 * kt +
+                              8 * (i >> 1) + 2 * tq;
+            const float x0 = qr[0] * scale, x1 = qr[1] * scale;
+            const unsigned int hi = kvs_b16_pack<PF_BF16>(x0, x1);
+            qh[kt][i] = hi;
+            ql[kt][i] = kvs_b16_pack<PF_BF16>(x0 - kvs_b16_elem<PF_BF16>(hi, 0),
+                                              x1 - kvs_b16_elem<PF_BF16>(hi, 1));
+        }
+    }
+
+    // Step s's copies into stage slot: the key and value rows of positions s·PF_KEYS + row,
+    // zeros past kv_end; thread t copies units t, t + PF_THREADS, … of each.
+    auto issue = [&](unsigned int slot, unsigned int s) {
+#pragma unroll
+        for (unsigned int c = 0; c < PF_KEYS * PF_UNITS / PF_THREADS; ++c) {
+            const unsigned int flat = c * PF_THREADS + threadIdx.x;
+            const unsigned int row = flat / PF_UNITS, u = flat % PF_UNITS;
+            const unsigned int j = s * PF_KEYS + row;
+            const bool in = j < kv_end;
+            const size_t at = in ? ((size_t)kvs_slot(pages, j, page_size, page_shift) * kv_heads + kvh) *
+                                           HEAD_DIM + 8 * u
+                                 : 0;
+            kvs_cp_async16(&s_k[slot][pf_unit(row, u)], k_cache + at, in);
+            kvs_cp_async16(&s_v[slot][pf_unit(row, u)], v_cache + at, in);
+        }
+    };
+
+    float o[PF_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < PF_NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            o[nt][e] = 0.0f;
+        }
+    }
+    float m[2] = {KVS_NEG_INF, KVS_NEG_INF}; // rows g, g + 8: running maxima (the quad's)
+    float l[2] = {0.0f, 0.0f};               // this lane's share of their running sums
+    const unsigned int steps = (kv_end + PF_KEYS - 1) / PF_KEYS;
+#pragma unroll
+    for (unsigned int s = 0; s + 1 < PF_STAGES; ++s) {
+        if (s < steps) {
+            issue(s, s);
+        }
+        kvs_cp_commit();
+    }
+    for (unsigned int s = 0; s < steps; ++s) {
+        kvs_cp_wait<PF_STAGES - 2>(); // this thread's copies of step s are in
+        __syncthreads(); // everyone's, and every warp is done with step s − 1's slot
+        const unsigned int next = s + PF_STAGES - 1;
+        if (next < steps) {
+            issue(next % PF_STAGES, next);
+        }
+        kvs_cp_commit();
+        const kvs_vec16* sk = s_k[s % PF_STAGES];
+        const kvs_vec16* sv = s_v[s % PF_STAGES];
+
+        // Scores of the step's 4 key n-tiles: sc[nt] rows g ([0], [1]) and g + 8 ([2], [3]),
+        // positions s·PF_KEYS + 8nt + 2tq, + 1.
+        float sc[PF_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < PF_KEYS / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                sc[nt][e] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (unsigned int kt = 0; kt < PF_KT; ++kt) {
+#pragma unroll
+            for (unsigned int np = 0; np < PF_KEYS / 16; ++np) {
+                unsigned int kb[4];
+                kvs_ldsm_x4<false>(pf_tiles<1>{sk, 16 * np, 2 * kt}, kb);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np], qh[kt], kb[0], kb[1]);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np], ql[kt], kb[0], kb[1]);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np + 1], qh[kt], kb[2], kb[3]);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np + 1], ql[kt], kb[2], kb[3]);
+            }
+        }
+        // The causal mask, the rows' step maxima and the rescale of what came before.
+        float step_max[2] = {KVS_NEG_INF, KVS_NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < PF_KEYS / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int j = s * PF_KEYS + 8 * nt + 2 * tq + (e & 1);
+                const int h = e >> 1;
+                const float x = (j < kv_end && j <= qpos[h]) ? sc[nt][e] * k_scale : KVS_NEG_INF;
+                sc[nt][e] = x;
+                step_max[h] = fmaxf(step_max[h], x);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            step_max[h] = fmaxf(step_max[h], KVS_SHFL_XOR(step_max[h], 1));
+            step_max[h] = fmaxf(step_max[h], KVS_SHFL_XOR(step_max[h], 2));
+            const float m_new = fmaxf(m[h], step_max[h]);
+            // A row with no position yet (m_new = −inf) keeps zeros: corr 1, p 0.
+            corr[h] = m_new == KVS_NEG_INF ? 1.0f : expf(m[h] - m_new);
+            m[h] = m_new;
+            l[h] *= corr[h];
+        }
+#pragma unroll
+        for (int nt = 0; nt < PF_NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                o[nt][e] *= corr[e >> 1];
+            }
+        }
+        // P = exp(S − m) as A registers of the values' k-tiles (16 positions each): its
+        // rounding and the rest, from the scores' registers (their C layout is the A layout).
+#pragma unroll
+        for (unsigned int kk = 0; kk < PF_KEYS / 16; ++kk) {
+            unsigned int ph[4], pl[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                // a[0]: row g of n-tile 2kk; a[1]: row g + 8; a[2], a[3]: n-tile 2kk + 1
+                const int nt = 2 * kk + (i >> 1), h = i & 1;
+                float p[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x = sc[nt][2 * h + e];
+                    p[e] = x == KVS_NEG_INF ? 0.0f : expf(x - m[h]);
+                    l[h] += p[e];
+                }
+                ph[i] = kvs_b16_pack<PF_BF16>(p[0], p[1]);
+                pl[i] = kvs_b16_pack<PF_BF16>(p[0] - kvs_b16_elem<PF_BF16>(ph[i], 0),
+                                              p[1] - kvs_b16_elem<PF_BF16>(ph[i], 1));
+            }
+#pragma unroll
+            for (unsigned int up = 0; up < PF_NT / 2; ++up) {
+                unsigned int vb[4];
+                kvs_ldsm_x4<true>(pf_tiles<0>{sv, 16 * kk, 2 * up}, vb);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up], ph, vb[0], vb[1]);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up], pl, vb[0], vb[1]);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up + 1], ph, vb[2], vb[3]);
+                kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up + 1], pl, vb[2], vb[3]);
+            }
+        }
+    }
+    // The rows' sums over their quads, then out = O / l · v_scale for the live rows: o[nt]
+    // rows g ([0], [1]) and g + 8 ([2], [3]) at dims 8nt + 2tq, + 1.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += KVS_SHFL_XOR(l[h], 1);
+        l[h] += KVS_SHFL_XOR(l[h], 2);
+        if (!live[h]) {
+            continue;
+        }
+        float* orow = out + ((size_t)qrow[h] * q_heads + head) * V_HEAD_DIM;
+        const float inv = v_scale / l[h];
+#pragma unroll
+        for (int nt = 0; nt < PF_NT; ++nt) {
+            orow[8 * nt + 2 * tq] = o[nt][2 * h] * inv;
+            orow[8 * nt + 2 * tq + 1] = o[nt][2 * h + 1] * inv;
+        }
+    }
+}
+#endif // paged_prefill

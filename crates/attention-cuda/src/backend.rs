@@ -63,6 +63,13 @@ pub struct CudaConfig {
     /// depend on its batch's size, so `enable_deterministic_inference` keeps `matmul`. Off by
     /// default until a GPU has checked and timed it; the emulated conformance suite runs it.
     pub gemm_tensor_cores: bool,
+    /// Extend batches (prefill) over f16/bf16 stores with keys and values of one head dim, 64
+    /// or 128, on the tensor cores, where the device has them ([`Device::tensor_cores`]):
+    /// `paged_prefill`, FlashAttention-2's schedule (a block per tile of 64 new tokens of a
+    /// request and query head, each staged key and value row serving all 64), where the
+    /// attention kernels serve one token a block and read its whole causal prefix again. Off by
+    /// default until a GPU has checked and timed it; the emulated conformance suite runs it.
+    pub prefill_tensor_cores: bool,
 }
 
 impl Default for CudaConfig {
@@ -75,6 +82,7 @@ impl Default for CudaConfig {
             mla_tensor_cores: false,
             moe_tensor_cores: false,
             gemm_tensor_cores: false,
+            prefill_tensor_cores: false,
         }
     }
 }
@@ -170,6 +178,9 @@ pub struct CudaPlan<D: Device> {
     writes: Arc<D::Buffer>,
     kept_writes: usize,
     max_kv_len: usize,
+    /// `paged_prefill`'s query tiles ([`crate::plan::prefill_tiles`]) and their count, for an
+    /// extend batch when [`CudaConfig::prefill_tensor_cores`] is on.
+    prefill_tiles: Option<(Arc<D::Buffer>, usize)>,
     scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
     split: Mutex<Option<(SplitKey, SplitPlan)>>,
 }
@@ -272,6 +283,15 @@ impl<D: Device> CudaBackend<D> {
     pub fn with_gemm_tensor_cores(&self, on: bool) -> Self {
         self.with_config(CudaConfig {
             gemm_tensor_cores: on,
+            ..self.config
+        })
+    }
+
+    /// A clone (the same device, memory and graphs) whose extend batches take the tensor-core
+    /// prefill kernel where it applies ([`CudaConfig::prefill_tensor_cores`]).
+    pub fn with_prefill_tensor_cores(&self, on: bool) -> Self {
+        self.with_config(CudaConfig {
+            prefill_tensor_cores: on,
             ..self.config
         })
     }
@@ -658,6 +678,41 @@ impl<D: Device> CudaBackend<D> {
     /// would copy; only a row without a single key, which causal attention never has, would
     /// read 0 where the merge gave NaN), so the kernel writes them there and no merge is
     /// launched.
+    /// `paged_prefill` over the plan's `tiles` (`count` of them): a block per tile and query
+    /// head, each writing its rows' normalised output.
+    fn paged_prefill(
+        &self,
+        plan: &CudaPlan<D>,
+        (tiles, count): (&D::Buffer, usize),
+        a: &PagedAttention<'_, D>,
+    ) -> Result<CudaTensor<D>> {
+        let out = self.output(&[plan.meta.num_tokens(), a.q_heads, a.v_head_dim])?;
+        if count == 0 {
+            return Ok(out);
+        }
+        self.launch(
+            &a.spec,
+            "paged_prefill",
+            geometry::prefill(count, a.q_heads)?,
+            &[
+                KernelArg::Buf(&a.q.buf),
+                KernelArg::Buf(a.k_cache),
+                KernelArg::Buf(a.v_cache),
+                KernelArg::Buf(&plan.table),
+                KernelArg::Buf(tiles),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("q_heads", a.q_heads)?),
+                KernelArg::U32(dim("kv_heads", a.kv_heads)?),
+                KernelArg::U32(a.page_size),
+                KernelArg::U32(a.page_size.trailing_zeros()),
+                KernelArg::F32(a.scale),
+                KernelArg::F32(a.k_scale),
+                KernelArg::F32(a.v_scale),
+            ],
+        )?;
+        Ok(out)
+    }
+
     fn paged_attention(
         &self,
         plan: &CudaPlan<D>,
@@ -1257,6 +1312,15 @@ impl<D: Device> Backend for CudaBackend<D> {
             }
             (max_kv_len, table_bytes) = (tape.max_kv_len, tape.table_bytes);
         }
+        let prefill_tiles = if self.config.prefill_tensor_cores && !meta.is_decode() {
+            let tiles = crate::plan::prefill_tiles(meta)?;
+            Some((
+                self.buffer_from(bytemuck::cast_slice(&tiles))?,
+                tiles.len() / 2,
+            ))
+        } else {
+            None
+        };
         Ok(CudaPlan {
             meta: meta.clone(),
             table: self.upload_bytes(bytemuck::cast_slice(&table), table_bytes)?,
@@ -1268,6 +1332,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             )?,
             kept_writes: writes[0] as usize,
             max_kv_len,
+            prefill_tiles,
             scratch: Mutex::new(None),
             split: Mutex::new(None),
         })
@@ -1322,23 +1387,27 @@ impl<D: Device> Backend for CudaBackend<D> {
                 return self.ds_decode(plan, store, layer, q, &sparse);
             }
         }
-        // 2. Attention over every position read back from the store.
-        self.paged_attention(
-            plan,
-            &PagedAttention {
-                spec,
-                q,
-                k_cache: store.buffer(layer, KvBuffer::Key),
-                v_cache: store.buffer(layer, KvBuffer::Value),
-                q_heads: geo.q_heads,
-                kv_heads: geo.kv_heads,
-                v_head_dim: geo.v_head_dim,
-                page_size: layout.page_size,
-                scale: params.scale,
-                k_scale,
-                v_scale,
-            },
-        )
+        // 2. Attention over every position read back from the store: an extend batch on the
+        //    tensor-core prefill kernel where it applies, else the configured kernel.
+        let call = PagedAttention {
+            spec,
+            q,
+            k_cache: store.buffer(layer, KvBuffer::Key),
+            v_cache: store.buffer(layer, KvBuffer::Value),
+            q_heads: geo.q_heads,
+            kv_heads: geo.kv_heads,
+            v_head_dim: geo.v_head_dim,
+            page_size: layout.page_size,
+            scale: params.scale,
+            k_scale,
+            v_scale,
+        };
+        match &plan.prefill_tiles {
+            Some((tiles, count)) if call.spec.has_prefill() && self.device.tensor_cores() => {
+                self.paged_prefill(plan, (tiles, *count), &call)
+            }
+            _ => self.paged_attention(plan, &call),
+        }
     }
 
     fn attention_mla(

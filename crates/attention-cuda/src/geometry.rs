@@ -126,6 +126,18 @@ pub fn matmul_mma(m: usize, n: usize) -> Result<LaunchConfig> {
     })
 }
 
+/// Threads of a `paged_prefill` block (`PF_THREADS` in `attention.cu`: four warps of 16 query
+/// rows).
+pub const PREFILL_THREADS: u32 = 128;
+
+/// `paged_prefill` over `tiles` query tiles and `q_heads` heads: a block per (tile, head).
+pub fn prefill(tiles: usize, q_heads: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid: grid("paged_prefill", tiles as u64, q_heads as u64)?,
+        block: PREFILL_THREADS,
+    })
+}
+
 /// Attention blocks per token: per KV head, its `q_heads / kv_heads` query heads in blocks of
 /// up to `heads_per_block` (`attention.cu` derives each block's KV head and heads the same
 /// way: a group of 7 over blocks of 4 takes a block of 4 and one of 3).
@@ -164,6 +176,7 @@ mod tests {
             ("matmul 1x17", matmul(1, 17).unwrap()),
             ("matmul_mma 130x4096", matmul_mma(130, 4096).unwrap()),
             ("attention 5x32", attention(5, 32, split).unwrap()),
+            ("prefill 3 tiles x32", prefill(3, 32).unwrap()),
             // DeepSeek-V2-Lite (64 experts): one decode token's 6 rows through gate/up
             // (2 · 1408 outputs), and a 16384-token prefill's 98304 rows through down (2048).
             (

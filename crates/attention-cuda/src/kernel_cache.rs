@@ -26,7 +26,7 @@ impl<F> Default for KernelCache<F> {
 
 impl<F: Clone> KernelCache<F> {
     /// Kernel `kernel` of `spec`. On the first call for `spec`, `load` compiles and loads its
-    /// module and returns the functions of `spec.source.kernels()`, in that order. The lock is
+    /// module and returns the functions of `spec.kernels()`, in that order. The lock is
     /// held while loading, so a module is loaded once however many threads launch.
     pub fn get_or_load(
         &self,
@@ -42,8 +42,8 @@ impl<F: Clone> KernelCache<F> {
         if let Some(f) = cache.get(&key) {
             return Ok(f.clone());
         }
-        let names = spec.source.kernels();
-        let loaded = load(names)?;
+        let names = spec.kernels();
+        let loaded = load(&names)?;
         if loaded.len() != names.len() {
             return Err(AttentionError::Device(format!(
                 "{}: loaded {} kernels, the source has {}",

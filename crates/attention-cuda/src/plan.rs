@@ -1,6 +1,7 @@
 //! Host-side planning, done once per batch and independent of the device: the packed page
 //! table every attention launch reads ([`page_table`]), the write list of the new tokens' slots
-//! ([`write_list`]) and the split-KV plan ([`SplitPlan`]).
+//! ([`write_list`]), the split-KV plan ([`SplitPlan`]) and the query tiles of the tensor-core
+//! prefill kernel ([`prefill_tiles`]).
 
 use std::fmt;
 
@@ -46,6 +47,26 @@ pub fn page_table(meta: &BatchMetadata) -> Result<Vec<u32>> {
     table.extend(meta.kv_indices().iter().map(|p| p.0));
     to_u32("page table", table.len())?;
     Ok(table)
+}
+
+/// `PF_ROWS` in `attention.cu`: query tokens of one `paged_prefill` tile.
+pub const PREFILL_TILE: usize = 64;
+
+/// `paged_prefill`'s tiles: each request's new tokens (consecutive in the batch, at
+/// consecutive positions) in runs of up to [`PREFILL_TILE`], as `(first token of the batch,
+/// count)` pairs in batch order: a block per tile and query head.
+pub fn prefill_tiles(meta: &BatchMetadata) -> Result<Vec<u32>> {
+    let mut tiles = Vec::new();
+    let mut first = 0;
+    for r in 0..meta.num_requests() {
+        let n = meta.extend_len(r);
+        for start in (0..n).step_by(PREFILL_TILE) {
+            tiles.push(to_u32("tokens", first + start)?);
+            tiles.push(to_u32("tokens", (n - start).min(PREFILL_TILE))?);
+        }
+        first += n;
+    }
+    Ok(tiles)
 }
 
 /// `[count, slot…, row…]`: row `i` of a compact source goes to `slots[i]`, keeping only the
@@ -195,6 +216,47 @@ mod tests {
         writeln!(text, "kv_indptr  {:?}", &t[h[2]..h[3]]).unwrap();
         writeln!(text, "kv_indices {:?}", &t[h[3]..]).unwrap();
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn prefill_tiles_cover_each_requests_new_tokens_in_runs_of_the_tile() {
+        // Extends of 130 (two full tiles and 2), 1 and 64 tokens, with prefixes of 3, 0 and 10.
+        let a: Vec<Slot> = (0..133).map(Slot).collect();
+        let b = slots(&[200]);
+        let c: Vec<Slot> = (300..374).map(Slot).collect();
+        let meta = BatchMetadata::new(
+            1,
+            &[
+                RequestKv {
+                    slots: &a,
+                    extend_len: 130,
+                },
+                RequestKv {
+                    slots: &b,
+                    extend_len: 1,
+                },
+                RequestKv {
+                    slots: &c,
+                    extend_len: 64,
+                },
+            ],
+        )
+        .unwrap();
+        let tiles = prefill_tiles(&meta).unwrap();
+        assert_eq!(tiles, vec![0, 64, 64, 64, 128, 2, 130, 1, 131, 64]);
+        // Every token in exactly one tile, tiles never crossing a request.
+        let t = page_table(&meta).unwrap();
+        let tok_req = &t[t[0] as usize..t[1] as usize];
+        let mut seen = vec![0; meta.num_tokens()];
+        for pair in tiles.chunks(2) {
+            let (first, count) = (pair[0] as usize, pair[1] as usize);
+            assert!(count <= PREFILL_TILE);
+            for tok in first..first + count {
+                seen[tok] += 1;
+                assert_eq!(tok_req[tok], tok_req[first]);
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1));
     }
 
     #[test]

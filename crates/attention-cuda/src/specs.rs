@@ -36,7 +36,8 @@ impl Source {
         }
     }
 
-    /// The kernels (`extern "C"` entry points) the source defines.
+    /// The kernels (`extern "C"` entry points) every specialisation of the source defines
+    /// ([`Spec::kernels`] adds those only some define).
     pub const fn kernels(self) -> &'static [&'static str] {
         match self {
             Source::Dense => &[
@@ -138,6 +139,28 @@ impl Spec {
             Some(&(_, heads)) if kernel == "paged_attention_pipelined" => heads,
             _ => self.heads_per_block(),
         }
+    }
+
+    /// Whether this specialisation defines `paged_prefill`, the tensor-core prefill kernel:
+    /// an attention source over an f16 or bf16 store (`KV_DTYPE` 1 or 2), not MLA, with keys and
+    /// values of one head dim, 64 or 128 (the condition `attention.cu` tests, `PF_FORM`).
+    pub fn has_prefill(&self) -> bool {
+        let get = |key: &str| self.defines.iter().find(|(k, _)| *k == key).map(|d| d.1);
+        self.source == Source::Attention
+            && matches!(get("KV_DTYPE"), Some(1 | 2))
+            && get("MLA").is_none()
+            && get("HEAD_DIM") == get("V_HEAD_DIM")
+            && matches!(get("HEAD_DIM"), Some(64 | 128))
+    }
+
+    /// The kernels (`extern "C"` entry points) this specialisation defines: its source's, and
+    /// `paged_prefill` where [`Spec::has_prefill`].
+    pub fn kernels(&self) -> Vec<&'static str> {
+        let mut names = self.source.kernels().to_vec();
+        if self.has_prefill() {
+            names.push("paged_prefill");
+        }
+        names
     }
 
     /// The `#define` lines that specialise the source.

@@ -152,6 +152,31 @@ fn gpu_moe_tensor_cores() {
     moe_bf16_case(&b, (150, 72, 4, 104), 2);
 }
 
+/// The tensor-core prefill kernel (`CudaConfig::prefill_tensor_cores`, off by default until this
+/// has run): `conformance::extend_cases` over f16 and bf16 stores (long extends of several
+/// tiles included) against the reference and, within 1e-4, the stored values.
+#[test]
+fn gpu_prefill_tensor_cores() {
+    use attention_cuda::Device;
+    let config = CudaConfig {
+        prefill_tensor_cores: true,
+        ..CudaConfig::default()
+    };
+    let Some(b) = gpu_with_or_skip("gpu_prefill_tensor_cores", config) else {
+        return;
+    };
+    assert!(b.device().tensor_cores(), "no tensor-core form on this GPU");
+    let outcomes: Vec<_> =
+        conformance::extend_cases(&[kv_pool::KvDtype::F16, kv_pool::KvDtype::Bf16])
+            .iter()
+            .map(|c| conformance::run_attention_case(&b, c).unwrap())
+            .collect();
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
+
 /// The own matmul's tensor-core form (`CudaConfig::gemm_tensor_cores`): the dense suite with
 /// it on, then bf16 matmuls of 130 × 72 → 100 (partial row and output blocks, a partial k
 /// step) and 1000 × 512 → 700 within 1e-5 of the f64 matmul of the activations rounded to

@@ -31,8 +31,9 @@ fn assembled(spec: &attention_cuda::Spec) -> bool {
 /// The serving family assembled for sm_90 by NVRTC's ptxas, which checks what PTX does not:
 /// inline assembly, static shared memory (48 KiB at most: a kernel past it compiles to PTX
 /// and fails only when a GPU loads it), launch bounds. Every kernel of each source must be in
-/// ptxas's report, and neither the decode kernel `paged_attention_pipelined` nor the
-/// tensor-core GEMMs (`moe_matmul_mma`, `matmul_mma`) may spill.
+/// ptxas's report, and neither the decode kernel `paged_attention_pipelined`, the prefill
+/// kernel `paged_prefill` nor the tensor-core GEMMs (`moe_matmul_mma`, `matmul_mma`) may
+/// spill.
 #[test]
 fn the_serving_family_assembles_for_sm_90_without_pipelined_spills() {
     if !nvrtc_or_skip("the_serving_family_assembles_for_sm_90_without_pipelined_spills") {
@@ -50,8 +51,13 @@ fn the_serving_family_assembles_for_sm_90_without_pipelined_spills() {
         |spec| nvrtc::assemble(spec, SASS_ARCH),
         |spec, kernels| {
             for k in kernels {
-                if ["paged_attention_pipelined", "moe_matmul_mma", "matmul_mma"]
-                    .contains(&k.kernel.as_str())
+                if [
+                    "paged_attention_pipelined",
+                    "paged_prefill",
+                    "moe_matmul_mma",
+                    "matmul_mma",
+                ]
+                .contains(&k.kernel.as_str())
                 {
                     println!(
                         "{} {}: {} registers, {} bytes of shared memory",
@@ -66,10 +72,9 @@ fn the_serving_family_assembles_for_sm_90_without_pipelined_spills() {
                 }
             }
             match spec
-                .source
                 .kernels()
-                .iter()
-                .find(|&&name| !kernels.iter().any(|k| k.kernel == name))
+                .into_iter()
+                .find(|&name| !kernels.iter().any(|k| k.kernel == name))
             {
                 Some(missing) => Err(format!("{}: ptxas did not report {missing}", spec.name())),
                 None => Ok(()),
@@ -94,7 +99,6 @@ fn every_other_specialisation_compiles_to_ptx() {
         specs,
         |spec| nvrtc::compile(spec, ARCH).map(|ptx| ptx.to_src()),
         |spec, ptx| match spec
-            .source
             .kernels()
             .iter()
             .find(|k| !ptx.contains(&format!(".entry {k}(")))

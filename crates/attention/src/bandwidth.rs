@@ -16,7 +16,8 @@
 //! ([`measure_decode_back_to_back`]) are what a GPU spends per call when calls follow each
 //! other (a decode step's layers), as GPU kernel benchmarks (FlashInfer's) time them. The GPU
 //! benches run it per page size and context length; the tests run it on the CPU and emulated
-//! backends with small shapes.
+//! backends with small shapes. [`PrefillCase`] and [`measure_prefill`] time an extend batch the
+//! same way, in FLOP/s of causal attention (a prefill is bound by compute, not by its reads).
 
 use std::time::Instant;
 
@@ -142,8 +143,126 @@ pub fn measure_decode_back_to_back<B: Backend>(
     iters: usize,
     calls: usize,
 ) -> Result<DecodeTiming> {
-    let calls = calls.max(1);
-    let c = case;
+    Ok(DecodeTiming {
+        case: *case,
+        seconds: time_attention(b, case, 1, iters, calls)?,
+        calls: calls.max(1),
+    })
+}
+
+/// One prefill (extend) attention shape: `requests` requests of `extend_len` new tokens after
+/// `prefix_len` cached positions each, over an MHA/GQA store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillCase {
+    /// Requests in the batch.
+    pub requests: usize,
+    /// Cached positions per request before the new tokens.
+    pub prefix_len: usize,
+    /// New tokens per request (queries), written by the call itself.
+    pub extend_len: usize,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// KV heads of the store.
+    pub kv_heads: usize,
+    /// Query heads (a multiple of `kv_heads`).
+    pub q_heads: usize,
+    /// K and V head dim.
+    pub head_dim: usize,
+    /// The store's KV dtype.
+    pub dtype: KvDtype,
+}
+
+impl PrefillCase {
+    /// A Llama-3-8B-shaped prefill (8 KV heads, 32 query heads, head dim 128) of `requests`
+    /// prompts of `extend_len` new tokens after `prefix_len` cached ones.
+    pub fn llama3_8b(
+        requests: usize,
+        prefix_len: usize,
+        extend_len: usize,
+        page_size: u32,
+        dtype: KvDtype,
+    ) -> Self {
+        PrefillCase {
+            requests,
+            prefix_len,
+            extend_len,
+            page_size,
+            kv_heads: 8,
+            q_heads: 32,
+            head_dim: 128,
+            dtype,
+        }
+    }
+
+    /// FLOPs of causal attention: each query of each head against its prefix and the new
+    /// tokens up to itself, a multiply and an add per element of the scores (`Q·Kᵀ`) and of
+    /// the output (`P·V`).
+    pub fn flops(&self) -> u64 {
+        let e = self.extend_len as u64;
+        let pairs = e * self.prefix_len as u64 + e * (e + 1) / 2;
+        4 * self.requests as u64 * pairs * self.q_heads as u64 * self.head_dim as u64
+    }
+
+    /// The same store as a [`DecodeCase`] of its whole length (what [`time_attention`] lays
+    /// out).
+    fn as_store(&self) -> DecodeCase {
+        DecodeCase {
+            requests: self.requests,
+            kv_len: self.prefix_len + self.extend_len,
+            page_size: self.page_size,
+            kv_heads: self.kv_heads,
+            q_heads: self.q_heads,
+            head_dim: self.head_dim,
+            dtype: self.dtype,
+            mla_rope_dim: None,
+        }
+    }
+}
+
+/// What [`measure_prefill`] measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillTiming {
+    /// The case measured.
+    pub case: PrefillCase,
+    /// The median sample's time per call, in seconds.
+    pub seconds: f64,
+    /// Calls per sample, back to back before one synchronisation.
+    pub calls: usize,
+}
+
+impl PrefillTiming {
+    /// [`PrefillCase::flops`] per second, in TFLOP/s (10¹²).
+    pub fn tflops(&self) -> f64 {
+        self.case.flops() as f64 / self.seconds / 1e12
+    }
+}
+
+/// Times extend attention of `case` on `b` (a store laid out as the module documentation
+/// says, the new tokens' K and V written by each call): the median of `iters` samples (at
+/// least one) of `calls` calls back to back (at least one) and one synchronisation, per call,
+/// after one untimed call.
+pub fn measure_prefill<B: Backend>(
+    b: &B,
+    case: &PrefillCase,
+    iters: usize,
+    calls: usize,
+) -> Result<PrefillTiming> {
+    Ok(PrefillTiming {
+        case: *case,
+        seconds: time_attention(b, &case.as_store(), case.extend_len.max(1), iters, calls)?,
+        calls: calls.max(1),
+    })
+}
+
+/// Seconds per attention call over `c`'s store with the last `extend_len` positions of each
+/// request new (1: a decode batch), timed by [`median_seconds_per_call`].
+fn time_attention<B: Backend>(
+    b: &B,
+    c: &DecodeCase,
+    extend_len: usize,
+    iters: usize,
+    calls: usize,
+) -> Result<f64> {
     let shape = match c.mla_rope_dim {
         Some(rope) => {
             if c.kv_heads != 1 || rope >= c.head_dim {
@@ -181,24 +300,29 @@ pub fn measure_decode_back_to_back<B: Backend>(
         .iter()
         .map(|s| RequestKv {
             slots: s,
-            extend_len: 1,
+            extend_len,
         })
         .collect();
-    let meta = BatchMetadata::new_decode(c.page_size, &requests)?;
+    let meta = if extend_len == 1 {
+        BatchMetadata::new_decode(c.page_size, &requests)?
+    } else {
+        BatchMetadata::new(c.page_size, &requests)?
+    };
     let plan = b.plan(&meta)?;
+    let tokens = c.requests * extend_len;
     let row = |heads: usize| -> Vec<f32> {
-        (0..c.requests * heads * c.head_dim)
+        (0..tokens * heads * c.head_dim)
             .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 1000.0)
             .collect()
     };
-    let q = b.upload(&row(c.q_heads), &[c.requests, c.q_heads, c.head_dim])?;
+    let q = b.upload(&row(c.q_heads), &[tokens, c.q_heads, c.head_dim])?;
     let kv = if c.mla_rope_dim.is_some() {
-        b.upload(&row(1), &[c.requests, c.head_dim])? // the new latent rows
+        b.upload(&row(1), &[tokens, c.head_dim])? // the new latent rows
     } else {
-        b.upload(&row(c.kv_heads), &[c.requests, c.kv_heads, c.head_dim])?
+        b.upload(&row(c.kv_heads), &[tokens, c.kv_heads, c.head_dim])?
     };
     let params = AttentionParams::dense(1.0 / (c.head_dim as f32).sqrt());
-    let seconds = median_seconds_per_call(b, iters, calls, || {
+    median_seconds_per_call(b, iters, calls, || {
         if c.mla_rope_dim.is_some() {
             b.attention_mla(0, &plan, &mut store, &q, &kv, &params)
                 .map(drop)
@@ -206,11 +330,6 @@ pub fn measure_decode_back_to_back<B: Backend>(
             b.attention(0, &plan, &mut store, &q, &kv, &kv, &params)
                 .map(drop)
         }
-    })?;
-    Ok(DecodeTiming {
-        case: *case,
-        seconds,
-        calls,
     })
 }
 
@@ -257,6 +376,25 @@ mod tests {
         // 1024 positions x one row of 576 elements x 2 bytes per request.
         assert_eq!(c.kv_bytes() / c.requests as u64, 1024 * 576 * 2);
         assert_eq!(c.requests, (1u64 << 30).div_ceil(1024 * 576 * 2) as usize);
+    }
+
+    #[test]
+    fn a_prefill_is_measured_on_the_cpu_backend() {
+        let case = PrefillCase {
+            requests: 2,
+            prefix_len: 5,
+            extend_len: 7,
+            page_size: 4,
+            kv_heads: 2,
+            q_heads: 4,
+            head_dim: 16,
+            dtype: KvDtype::Bf16,
+        };
+        // 7 queries a request against 5 + 1, 5 + 2, … 5 + 7 positions: 63 pairs.
+        assert_eq!(case.flops(), 4 * 2 * 63 * 4 * 16);
+        let t = measure_prefill(&crate::CpuBackend::default(), &case, 2, 2).unwrap();
+        assert!(t.seconds > 0.0 && t.tflops() > 0.0, "{t:?}");
+        assert_eq!((t.case, t.calls), (case, 2));
     }
 
     #[test]

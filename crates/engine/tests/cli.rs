@@ -633,7 +633,16 @@ fn cuda_graph_flags_are_checked_and_reported() {
         "{}",
         stdout(&o)
     );
-    let o = kvserve(&["info", "--cuda-gemm-tensor-cores"]);
+    let o = kvserve(&[
+        "info",
+        "--cuda-prefill-tensor-cores",
+        "--cuda-gemm-tensor-cores",
+    ]);
+    assert!(
+        stdout(&o).contains("cuda prefill:       paged_prefill on the tensor cores"),
+        "{}",
+        stdout(&o)
+    );
     assert!(
         stdout(&o)
             .contains("cuda own gemm:      bf16 weights of batches over 8 rows on the tensor"),

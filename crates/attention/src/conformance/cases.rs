@@ -307,6 +307,42 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
     .with_stored(relative_error(&got, &want_stored)))
 }
 
+/// Extend batches for a prefill kernel: the quick suite's MHA/GQA extend cases (head dims 64
+/// and 128; groups of 1, 4, 7 and 8; pages of 1, 16 and 64) with `dtypes` in rotation, and
+/// long extends (150 new tokens from no prefix, 66 after a prefix of 70, and a one-token
+/// request beside them) at 32/8 × 128 and 14/2 × 64 over pages of 16 and 24 (`dtypes` in
+/// rotation again).
+pub fn extend_cases(dtypes: &[KvDtype]) -> Vec<AttentionCase> {
+    let mut cases: Vec<AttentionCase> = attention_cases(SuiteSize::Quick)
+        .into_iter()
+        .filter(|c| matches!(c.kind, CaseKind::Mha { .. }))
+        .filter(|c| c.requests.iter().any(|&(_, extend)| extend > 1))
+        .enumerate()
+        .map(|(i, case)| AttentionCase {
+            dtype: dtypes[i % dtypes.len()],
+            ..case
+        })
+        .collect();
+    let mut i = 0;
+    for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (14, 2, 64)] {
+        for page_size in [16, 24] {
+            cases.push(AttentionCase {
+                kind: CaseKind::Mha {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                },
+                dtype: dtypes[i % dtypes.len()],
+                page_size,
+                requests: vec![(0, 150), (70, 66), (5, 1)],
+                seed: 0x9F + i as u64,
+            });
+            i += 1;
+        }
+    }
+    cases
+}
+
 /// How much of the suite to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SuiteSize {

@@ -393,6 +393,7 @@ fn cuda_config(setup: &EngineSetup) -> attention_cuda::CudaConfig {
         mla_tensor_cores: setup.cuda_tensor_cores.mla,
         moe_tensor_cores: setup.cuda_tensor_cores.moe,
         gemm_tensor_cores: setup.cuda_tensor_cores.gemm,
+        prefill_tensor_cores: setup.cuda_tensor_cores.prefill,
         ..Default::default()
     }
 }
@@ -533,6 +534,9 @@ pub struct Inventory {
     /// The cuda backend's own matmul kernel's form, with the flag
     /// [`Inventory::with_cuda_tensor_cores`] was given.
     pub cuda_gemm: String,
+    /// The cuda backend's prefill attention, with the flag
+    /// [`Inventory::with_cuda_tensor_cores`] was given.
+    pub cuda_prefill: String,
 }
 
 /// `kvserve info`'s line on the cuda backend's MLA attention.
@@ -573,6 +577,20 @@ fn describe_cuda_gemm(tensor_cores: bool) -> String {
     } else {
         "FMAs (--cuda-gemm-tensor-cores: bf16 weights of batches over 8 rows on the tensor \
          cores on sm_80 and later, not yet checked on a GPU)"
+            .into()
+    }
+}
+
+/// `kvserve info`'s line on the cuda backend's prefill attention.
+fn describe_cuda_prefill(tensor_cores: bool) -> String {
+    if tensor_cores {
+        "paged_prefill on the tensor cores (a block per 64 new tokens and query head) on sm_80 \
+         and later GPUs for f16/bf16 KV of head dim 64 or 128, the configured attention kernel \
+         elsewhere (--cuda-prefill-tensor-cores)"
+            .into()
+    } else {
+        "the configured attention kernel, a block per token (--cuda-prefill-tensor-cores: \
+         FlashAttention-2's schedule on the tensor cores, not yet checked on a GPU)"
             .into()
     }
 }
@@ -643,15 +661,17 @@ impl Inventory {
             cuda_mla: describe_cuda_mla(false),
             cuda_moe: describe_cuda_moe(false),
             cuda_gemm: describe_cuda_gemm(false),
+            cuda_prefill: describe_cuda_prefill(false),
         }
     }
 
-    /// Reports the cuda backend's MLA, mixture-of-experts and own-matmul forms under
-    /// `--cuda-{mla,moe,gemm}-tensor-cores`.
+    /// Reports the cuda backend's MLA, mixture-of-experts, own-matmul and prefill forms under
+    /// `--cuda-{mla,moe,gemm,prefill}-tensor-cores`.
     pub fn with_cuda_tensor_cores(mut self, forms: CudaTensorCores) -> Self {
         self.cuda_mla = describe_cuda_mla(forms.mla);
         self.cuda_moe = describe_cuda_moe(forms.moe);
         self.cuda_gemm = describe_cuda_gemm(forms.gemm);
+        self.cuda_prefill = describe_cuda_prefill(forms.prefill);
         self
     }
 
@@ -738,6 +758,7 @@ impl fmt::Display for Inventory {
         write!(f, "\ncuda mla:           {}", self.cuda_mla)?;
         write!(f, "\ncuda moe:           {}", self.cuda_moe)?;
         write!(f, "\ncuda own gemm:      {}", self.cuda_gemm)?;
+        write!(f, "\ncuda prefill:       {}", self.cuda_prefill)?;
         for (kind, device) in &self.devices {
             write!(f, "\n{:<20}{device}", format!("{kind} device:"))?;
         }

@@ -44,7 +44,8 @@ pub struct EngineSetup {
     pub cuda_graph: CudaGraphSetup,
     /// `--cuda-attention-kernel`: the cuda and rocm backends' paged-attention kernel.
     pub cuda_attention_kernel: CudaAttentionKernel,
-    /// `--cuda-{mla,moe,gemm}-tensor-cores`: the cuda backend's opt-in tensor-core forms.
+    /// `--cuda-{mla,moe,gemm,prefill}-tensor-cores`: the cuda backend's opt-in tensor-core
+    /// forms.
     pub cuda_tensor_cores: CudaTensorCores,
 }
 
@@ -61,6 +62,9 @@ pub struct CudaTensorCores {
     /// `--cuda-gemm-tensor-cores`: the own matmul kernel's tensor-core form
     /// (`attention_cuda::CudaConfig::gemm_tensor_cores`).
     pub gemm: bool,
+    /// `--cuda-prefill-tensor-cores`: the tensor-core prefill attention kernel
+    /// (`attention_cuda::CudaConfig::prefill_tensor_cores`).
+    pub prefill: bool,
 }
 
 /// The cuda and rocm backends' paged-attention kernel (`attention_cuda::AttentionKernel`, named
