@@ -11,10 +11,12 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
+use attention::TensorDtype;
 use attention::{DecodeForward, DecodeGraphs, RequestKv};
 use attention_cuda::{CudaBackend, CudaConfig, CudaGraphConfig, CudaGraphRunner, GraphRoute};
 use attention_cuda_emu::{emu_or_skip, EmuDevice};
 use kv_pool::{KvDtype, KvLayout, Slot};
+use model::greedy_check::StoredAs;
 use model::tiny::random_weights;
 use model::{
     argmax, AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Model, ModelConfig,
@@ -89,10 +91,12 @@ fn graph_config() -> CudaGraphConfig {
     }
 }
 
-/// A runner of `config`'s random model on `device` with a bf16 store for every prompt.
-fn runner(device: EmuDevice, config: &ModelConfig) -> ModelRunner<Emu> {
-    let b = CudaBackend::new(device, CudaConfig::default());
-    let model = Model::load(&b, config.clone(), &random_weights(config, 0x9a4b)).unwrap();
+/// A runner of `config`'s random model (`forms`' weights stored as their `TensorDtype`) on
+/// `device` with `forms`' backend config and a bf16 store for every prompt.
+fn runner(device: EmuDevice, config: &ModelConfig, forms: &Forms) -> ModelRunner<Emu> {
+    let b = CudaBackend::new(device, forms.0);
+    let weights = StoredAs::new(random_weights(config, 0x9a4b), forms.1);
+    let model = Model::load(&b, config.clone(), &weights).unwrap();
     let shape = config.kv_shape(KvDtype::Bf16).unwrap();
     let slots = (1 + prompts().len() as u32 * PAGES_PER_REQUEST) * PAGE;
     let layout = KvLayout::new(shape, PAGE, slots as usize).unwrap();
@@ -164,11 +168,19 @@ fn generate(runner: &mut ModelRunner<Emu>) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
 /// `config`'s decoder greedy over [`SCHEDULE`] with and without graphs: equal tokens and
 /// bitwise equal logits. Returns each decode batch's route, or `None` without the emulation.
 fn graphs_match_eager(test: &str, config: &ModelConfig) -> Option<String> {
+    graphs_match_eager_on(test, config, &(CudaConfig::default(), TensorDtype::F32))
+}
+
+/// A backend config and the weights' stored type.
+type Forms = (CudaConfig, TensorDtype);
+
+/// [`graphs_match_eager`] on a backend of `forms`.
+fn graphs_match_eager_on(test: &str, config: &ModelConfig, forms: &Forms) -> Option<String> {
     let (Some(d1), Some(d2)) = (emu_or_skip(test), emu_or_skip(test)) else {
         return None;
     };
-    let mut eager = runner(d1, config);
-    let mut graphed = runner(d2, config);
+    let mut eager = runner(d1, config, forms);
+    let mut graphed = runner(d2, config, forms);
     let log = Arc::new(Mutex::new(Vec::new()));
     let inner = CudaGraphRunner::new(graphed.backend(), graph_config()).unwrap();
     graphed
@@ -195,6 +207,12 @@ fn graphs_match_eager(test: &str, config: &ModelConfig) -> Option<String> {
             "decode batch {step} (bs {}): logits differ",
             SCHEDULE[step]
         );
+    }
+    let moe = config.mla.as_ref().is_some_and(|m| m.moe.is_some());
+    if forms.0.moe_tensor_cores && moe {
+        // Run or recorded into a graph: the tensor-core expert matmuls took part.
+        let launches = graphed.backend().device().launch_count("moe_matmul_mma", |_| true);
+        assert!(launches > 0, "no moe_matmul_mma launch");
     }
     let log = log.lock().unwrap().join("\n");
     Some(log)
@@ -235,4 +253,27 @@ fn moe_mla_decode_batches_through_graphs_are_bitwise_the_eager_ones() {
     };
     let llama_log = graphs_match_eager(test, &common::llama_config()).expect("the emulation ran");
     assert_eq!(moe_log, llama_log);
+}
+
+/// The MoE decoder with bf16 weights on every opt-in tensor-core form (`moe_tensor_cores`,
+/// `gemm_tensor_cores`, `prefill_tensor_cores`): its decode batches capture and replay bitwise
+/// like the eager ones (the expert matmuls on `moe_matmul_mma`, their activations rounded by a
+/// launch the graph records), and take the Llama decoder's routes.
+#[test]
+fn tensor_core_forms_decode_batches_through_graphs_are_bitwise_the_eager_ones() {
+    let test = "tensor_core_forms_decode_batches_through_graphs_are_bitwise_the_eager_ones";
+    let forms = (
+        CudaConfig {
+            moe_tensor_cores: true,
+            gemm_tensor_cores: true,
+            prefill_tensor_cores: true,
+            ..CudaConfig::default()
+        },
+        TensorDtype::Bf16,
+    );
+    let Some(log) = graphs_match_eager_on(test, &common::mla_config(), &forms) else {
+        return;
+    };
+    let llama_log = graphs_match_eager(test, &common::llama_config()).expect("the emulation ran");
+    assert_eq!(log, llama_log);
 }

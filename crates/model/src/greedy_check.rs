@@ -78,14 +78,19 @@ pub struct GreedyRun {
     pub logits: Vec<Vec<Vec<f32>>>,
 }
 
-/// Seeded random weights stored as `dtype`, as a checkpoint of that type would hold them: each
-/// value rounded to it, and the type reported, so the loader keeps matrices in it.
-struct StoredAs {
+/// Weights stored as `dtype`, as a checkpoint of that type would hold them: each value rounded
+/// to it, and the type reported, so the loader keeps matrices in it.
+pub struct StoredAs {
     weights: TensorMap,
     dtype: TensorDtype,
 }
 
 impl StoredAs {
+    /// `weights` as a checkpoint of `dtype` would store them.
+    pub fn new(weights: TensorMap, dtype: TensorDtype) -> Self {
+        StoredAs { weights, dtype }
+    }
+
     /// The safetensors name of the type.
     fn name(&self) -> &'static str {
         match self.dtype {
