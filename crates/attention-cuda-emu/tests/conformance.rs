@@ -451,7 +451,8 @@ fn emu_decode_bandwidth_measures_every_page_family() {
 }
 
 /// The tensor-core prefill kernel (`CudaConfig::prefill_tensor_cores`, `paged_prefill`): every
-/// MHA/GQA extend case of the quick suite over f16 and bf16 stores (head dims 64 and 128;
+/// MHA/GQA extend case of the quick suite over f16, bf16, fp8 e4m3 and e5m2 stores in turn
+/// (head dims 64 and 128;
 /// groups of 1, 4, 7 and 8; pages of 1, 16 and 64), and long extends (150 new tokens from no
 /// prefix: three tiles, the last partial; 66 after a prefix of 70; a one-token request beside
 /// them) over pages of 16 and 24, against the reference and, within 1e-4, the stored values.
@@ -466,7 +467,12 @@ fn emu_prefill_tensor_cores() {
         return;
     };
     let any = |_: &attention_cuda::Spec| true;
-    let cases = conformance::extend_cases(&[KvDtype::F16, KvDtype::Bf16]);
+    let cases = conformance::extend_cases(&[
+        KvDtype::F16,
+        KvDtype::Bf16,
+        KvDtype::Fp8E4m3,
+        KvDtype::Fp8E5m2,
+    ]);
     let mut outcomes = Vec::new();
     for case in &cases {
         let before = b.device().launch_count("paged_prefill", any);

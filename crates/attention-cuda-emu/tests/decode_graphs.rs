@@ -211,7 +211,10 @@ fn graphs_match_eager_on(test: &str, config: &ModelConfig, forms: &Forms) -> Opt
     let moe = config.mla.as_ref().is_some_and(|m| m.moe.is_some());
     if forms.0.moe_tensor_cores && moe {
         // Run or recorded into a graph: the tensor-core expert matmuls took part.
-        let launches = graphed.backend().device().launch_count("moe_matmul_mma", |_| true);
+        let launches = graphed
+            .backend()
+            .device()
+            .launch_count("moe_matmul_mma", |_| true);
         assert!(launches > 0, "no moe_matmul_mma launch");
     }
     let log = log.lock().unwrap().join("\n");

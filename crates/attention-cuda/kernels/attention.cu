@@ -897,6 +897,20 @@ struct pm_tiles_pair { // MLA: units ua, ub of rows 0-7, then of rows 8-15
     __device__ unsigned int unit(unsigned int j) const { return (j & 1u) ? ub : ua; }
 };
 
+// common.cuh's element conversions and mmas for this specialisation's mma type (PM_BF16) and
+// block (ATTN_WARPS warps).
+__device__ inline float pm_elem(unsigned int w, int e) { return kvs_b16_elem<PM_BF16>(w, e); }
+__device__ inline unsigned int pm_pack(float lo, float hi) {
+    return kvs_b16_pack<PM_BF16>(lo, hi);
+}
+__device__ inline void pm_mma_k16(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                  unsigned int b1) {
+    kvs_mma_k16<PM_BF16, ATTN_WARPS>(c, a, b0, b1);
+}
+__device__ inline void pm_mma_k8(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int b) {
+    kvs_mma_k8<PM_BF16, ATTN_WARPS>(c, a0, a1, b);
+}
+
 // The four tiles of `tiles` (row0, unit) of a stage as ldmatrix.x4 gives them (kvs_ldsm_x4).
 template <class Tiles> struct pm_stage_tiles {
     const kvs_vec16* st;
@@ -999,9 +1013,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             for (int half = 0; half < 2; ++half) {
                 const float x0 = live ? qg[pm_k_dim(kt, half, 0, tq)] * scale : 0.0f;
                 const float x1 = live ? qg[pm_k_dim(kt, half, 1, tq)] * scale : 0.0f;
-                const unsigned int hi = kvs_b16_pack<PM_BF16>(x0, x1);
+                const unsigned int hi = pm_pack(x0, x1);
                 qa[kt][2 * half] = hi;
-                qa[kt][2 * half + 1] = kvs_b16_pack<PM_BF16>(x0 - kvs_b16_elem<PM_BF16>(hi, 0), x1 - kvs_b16_elem<PM_BF16>(hi, 1));
+                qa[kt][2 * half + 1] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
             }
         }
     }
@@ -1071,7 +1085,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             }
 #pragma unroll
             for (int kt = 0; kt < HEAD_DIM / 16; ++kt) {
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c, qa[kt], pm_fp8_even(kw[kt]), pm_fp8_odd(kw[kt]));
+                pm_mma_k16(c, qa[kt], pm_fp8_even(kw[kt]), pm_fp8_odd(kw[kt]));
             }
         }
 #else
@@ -1079,8 +1093,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         for (unsigned int u0 = 0; u0 < PM_UNITS; u0 += 4) {
             unsigned int kb[4];
             pm_ldsm<false>(st, 0, u0, kb);
-            kvs_mma_k16<PM_BF16, ATTN_WARPS>(c, qa[u0 / 2], kb[0], kb[1]);
-            kvs_mma_k16<PM_BF16, ATTN_WARPS>(c, qa[u0 / 2 + 1], kb[2], kb[3]);
+            pm_mma_k16(c, qa[u0 / 2], kb[0], kb[1]);
+            pm_mma_k16(c, qa[u0 / 2 + 1], kb[2], kb[3]);
         }
 #endif
         const float s0 = row0 + 2 * tq < b.end ? (c[0] + c[2]) * ks : KVS_NEG_INF;
@@ -1103,8 +1117,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         }
         // Values: P (rows 2tq, 2tq + 1 of head g: the scores' C layout is this mma's A
         // layout), its rounding in rows 0-7 and the rest in rows 8-15, times the value tile.
-        const unsigned int p_hi = kvs_b16_pack<PM_BF16>(p0, p1);
-        const unsigned int p_lo = kvs_b16_pack<PM_BF16>(p0 - kvs_b16_elem<PM_BF16>(p_hi, 0), p1 - kvs_b16_elem<PM_BF16>(p_hi, 1));
+        const unsigned int p_hi = pm_pack(p0, p1);
+        const unsigned int p_lo = pm_pack(p0 - pm_elem(p_hi, 0), p1 - pm_elem(p_hi, 1));
 #if PM_FP8
         {
             // Value rows 2tq, 2tq + 1 from byte g·PM_NT: byte p of words i paired is n-tile
@@ -1114,10 +1128,10 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_value_words(st, 2 * tq + 1, g, y1);
 #pragma unroll
             for (int i = 0; i < PM_NT / 4; ++i) {
-                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<0>(y0[i], y1[i])));
-                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i + 1], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<1>(y0[i], y1[i])));
-                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i + 2], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<2>(y0[i], y1[i])));
-                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[4 * i + 3], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<3>(y0[i], y1[i])));
+                pm_mma_k8(acc[4 * i], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<0>(y0[i], y1[i])));
+                pm_mma_k8(acc[4 * i + 1], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<1>(y0[i], y1[i])));
+                pm_mma_k8(acc[4 * i + 2], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<2>(y0[i], y1[i])));
+                pm_mma_k8(acc[4 * i + 3], p_hi, p_lo, pm_fp8_even(pm_pair_bytes<3>(y0[i], y1[i])));
             }
         }
 #else
@@ -1127,7 +1141,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             pm_ldsm<true>(st, 1, u0, vb);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                kvs_mma_k8<PM_BF16, ATTN_WARPS>(acc[u0 + j], p_hi, p_lo, vb[j]);
+                pm_mma_k8(acc[u0 + j], p_hi, p_lo, vb[j]);
             }
         }
 #endif
@@ -1219,8 +1233,9 @@ __device__ inline void pm_mla_issue(kvs_vec16* st, unsigned int slot, unsigned i
         // Every lane shuffles (a row past the step's reads lane 0's slot, unused).
         const unsigned int s = KVS_SHFL(slot, (int)(row < PM_ROWS ? row : 0));
         if (PM_STEP_UNITS % ATTN_THREADS == 0 || flat < PM_STEP_UNITS) {
-            kvs_cp_async16(st + pm_unit(row, 0, u), k_cache + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU,
-                    row0 + row < end);
+            kvs_cp_async16(st + pm_unit(row, 0, u),
+                           k_cache + ((size_t)s * kv_heads + kvh) * HEAD_DIM + u * PM_EPU,
+                           row0 + row < end);
         }
     }
 }
@@ -1285,9 +1300,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             for (unsigned int half = 0; half < 2; ++half) {
                 const float x0 = live ? qrow[pm_k_dim(kt, half, 0, tq)] * scale : 0.0f;
                 const float x1 = live ? qrow[pm_k_dim(kt, half, 1, tq)] * scale : 0.0f;
-                const unsigned int hi = kvs_b16_pack<PM_BF16>(x0, x1);
+                const unsigned int hi = pm_pack(x0, x1);
                 qh[i][2 * half + hh] = hi;
-                ql[i][2 * half + hh] = kvs_b16_pack<PM_BF16>(x0 - kvs_b16_elem<PM_BF16>(hi, 0), x1 - kvs_b16_elem<PM_BF16>(hi, 1));
+                ql[i][2 * half + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
             }
         }
     }
@@ -1347,10 +1362,10 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
 #else
                 pm_ldsm_tiles<false>(st, pm_tiles_pair{2 * kt, 2 * kt + 1}, kb);
 #endif
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[0], qh[i], kb[0], kb[1]);
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[0], ql[i], kb[0], kb[1]);
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[1], qh[i], kb[2], kb[3]);
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(c[1], ql[i], kb[2], kb[3]);
+                pm_mma_k16(c[0], qh[i], kb[0], kb[1]);
+                pm_mma_k16(c[0], ql[i], kb[0], kb[1]);
+                pm_mma_k16(c[1], qh[i], kb[2], kb[3]);
+                pm_mma_k16(c[1], ql[i], kb[2], kb[3]);
             }
         }
 #pragma unroll
@@ -1399,9 +1414,9 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const float x0 = p[hh][2 * n], x1 = p[hh][2 * n + 1];
-                const unsigned int hi = kvs_b16_pack<PM_BF16>(x0, x1);
+                const unsigned int hi = pm_pack(x0, x1);
                 ph[2 * n + hh] = hi;
-                pl[2 * n + hh] = kvs_b16_pack<PM_BF16>(x0 - kvs_b16_elem<PM_BF16>(hi, 0), x1 - kvs_b16_elem<PM_BF16>(hi, 1));
+                pl[2 * n + hh] = pm_pack(x0 - pm_elem(hi, 0), x1 - pm_elem(hi, 1));
             }
         }
 #if PM_FP8
@@ -1424,8 +1439,8 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
             zb[3] = pm_fp8_even(pm_pair_bytes<3>(z0, z1));
 #pragma unroll
             for (unsigned int p = 0; p < 4; ++p) {
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[4 * i + p], ph, yb[p], zb[p]);
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[4 * i + p], pl, yb[p], zb[p]);
+                pm_mma_k16(acc[4 * i + p], ph, yb[p], zb[p]);
+                pm_mma_k16(acc[4 * i + p], pl, yb[p], zb[p]);
             }
         }
 #else
@@ -1438,11 +1453,11 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
                 // of the row's rope part, or the next warp's, when nt + 1 is not this warp's).
                 unsigned int vb[4];
                 pm_ldsm_tiles<true>(st, pm_tiles_pair{nt, nt + 1}, vb);
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j], ph, vb[0], vb[2]);
-                kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j], pl, vb[0], vb[2]);
+                pm_mma_k16(acc[j], ph, vb[0], vb[2]);
+                pm_mma_k16(acc[j], pl, vb[0], vb[2]);
                 if (j + 1 < PM_WNT && nt + 1 < PM_VNT) {
-                    kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j + 1], ph, vb[1], vb[3]);
-                    kvs_mma_k16<PM_BF16, ATTN_WARPS>(acc[j + 1], pl, vb[1], vb[3]);
+                    pm_mma_k16(acc[j + 1], ph, vb[1], vb[3]);
+                    pm_mma_k16(acc[j + 1], pl, vb[1], vb[3]);
                 }
             }
         }
@@ -1706,18 +1721,27 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 // over its 4 lanes of a quad), and O += P·V with P from the scores' registers (again a rounded
 // part and its remainder) and V through ldmatrix.trans. Keys and values are staged by
 // cp.async PF_STAGES steps deep. The output is written normalised straight to `out` (no
-// splits: a prefill has blocks enough). f16 and bf16 stores with keys and values of one head
-// dim, 64 or 128 (Spec::has_prefill); the mmas run their portable stand-ins in the emulation,
-// on HIP and before sm_80 (the host takes it on sm_80 and later only).
-#if !MLA && (KV_DTYPE == 1 || KV_DTYPE == 2) && HEAD_DIM == V_HEAD_DIM &&                      \
-    (HEAD_DIM == 64 || HEAD_DIM == 128)
+// splits: a prefill has blocks enough). f16, bf16 and fp8 stores with keys and values of one
+// head dim, 64 or 128 (Spec::has_prefill); fp8 rows are staged as they are stored, then
+// converted once a step into f16 rows (exactly: e5m2 is an f16's top byte, e4m3's bits moved to
+// f16's places are its value times 2^-8, undone with the scales), which the mmas read as f16.
+// The mmas run their portable stand-ins in the emulation, on HIP and before sm_80 (the host
+// takes the kernel on sm_80 and later only).
+#if !MLA && KV_DTYPE >= 1 && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128)
 #define PF_FORM 1
 #define PF_ROWS 64                 // query tokens of a block's tile
 #define PF_WARPS (PF_ROWS / 16)    // 16 query rows a warp
 #define PF_THREADS (PF_WARPS * WARP_SIZE)
 #define PF_KEYS 32                 // positions a step stages and scores
 #define PF_STAGES 2
-#define PF_UNITS (HEAD_DIM / 8)    // 16-byte units of a key or value row
+#define PF_UNITS (HEAD_DIM / 8)    // 16-byte units of a key or value row as the mmas read it
+#define PF_SUNITS (HEAD_DIM * KV_BYTES / 16) // 16-byte units of a row as stored and staged
+#define PF_FP8 (KV_DTYPE >= 3)
+#if KV_DTYPE == 3
+#define PF_UNSCALE 256.0f // e4m3 converts to its value times 2^-8
+#else
+#define PF_UNSCALE 1.0f
+#endif
 #define PF_KT (HEAD_DIM / 16)      // k-tiles of the scores' mmas
 #define PF_NT (HEAD_DIM / 8)       // n-tiles of the output's mmas
 #define PF_BF16 (KV_DTYPE == 2)
@@ -1741,7 +1765,8 @@ template <int ROW_BIT> struct pf_tiles {
     const kvs_vec16* st;
     unsigned int row0, u0;
     __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
-        return st + pf_unit(row0 + ((j >> ROW_BIT) & 1u) * 8u + i, u0 + ((j >> (1 - ROW_BIT)) & 1u));
+        const unsigned int row = row0 + ((j >> ROW_BIT) & 1u) * 8u + i;
+        return st + pf_unit(row, u0 + ((j >> (1 - ROW_BIT)) & 1u));
     }
 };
 
@@ -1750,8 +1775,12 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
                                         float* out, unsigned int q_heads, unsigned int kv_heads,
                                         unsigned int page_size, unsigned int page_shift,
                                         float scale, float k_scale, float v_scale) {
-    __shared__ kvs_vec16 s_k[PF_STAGES][PF_KEYS * PF_UNITS];
-    __shared__ kvs_vec16 s_v[PF_STAGES][PF_KEYS * PF_UNITS];
+    __shared__ kvs_vec16 s_k[PF_STAGES][PF_KEYS * PF_SUNITS];
+    __shared__ kvs_vec16 s_v[PF_STAGES][PF_KEYS * PF_SUNITS];
+#if PF_FP8
+    __shared__ kvs_vec16 s_kc[PF_KEYS * PF_UNITS]; // the step's rows converted to f16
+    __shared__ kvs_vec16 s_vc[PF_KEYS * PF_UNITS];
+#endif
     const unsigned int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
     const unsigned int head = blockIdx.y;
     const unsigned int kvh = head / (q_heads / kv_heads);
@@ -1760,7 +1789,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     const unsigned int req = plan[plan[PLAN_TOK_REQ] + first];
     const unsigned int pos0 = plan[plan[PLAN_TOK_POS] + first]; // the tile's positions are pos0 + i
     const unsigned int* pages = plan + plan[PLAN_KV_INDICES] + plan[plan[PLAN_KV_INDPTR] + req];
-    const unsigned int kv_end = pos0 + count; // causal: the last query's positions 0 … pos0 + count − 1
+    const unsigned int kv_end = pos0 + count; // causal: the last query sees positions below it
 
     // This lane's rows of the warp's 16: r[h] = 16·warp + g + 8h, live below count; a dead
     // row reads the tile's first query and attends without a mask (finite, never written).
@@ -1791,19 +1820,22 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     }
 
     // Step s's copies into stage slot: the key and value rows of positions s·PF_KEYS + row,
-    // zeros past kv_end; thread t copies units t, t + PF_THREADS, … of each.
+    // zeros past kv_end; thread t copies units t, t + PF_THREADS, … of each (f16/bf16
+    // swizzled for ldmatrix; fp8 in place, for the conversion).
     auto issue = [&](unsigned int slot, unsigned int s) {
 #pragma unroll
-        for (unsigned int c = 0; c < PF_KEYS * PF_UNITS / PF_THREADS; ++c) {
+        for (unsigned int c = 0; c < PF_KEYS * PF_SUNITS / PF_THREADS; ++c) {
             const unsigned int flat = c * PF_THREADS + threadIdx.x;
-            const unsigned int row = flat / PF_UNITS, u = flat % PF_UNITS;
+            const unsigned int row = flat / PF_SUNITS, u = flat % PF_SUNITS;
             const unsigned int j = s * PF_KEYS + row;
             const bool in = j < kv_end;
-            const size_t at = in ? ((size_t)kvs_slot(pages, j, page_size, page_shift) * kv_heads + kvh) *
-                                           HEAD_DIM + 8 * u
-                                 : 0;
-            kvs_cp_async16(&s_k[slot][pf_unit(row, u)], k_cache + at, in);
-            kvs_cp_async16(&s_v[slot][pf_unit(row, u)], v_cache + at, in);
+            const size_t row_at =
+                in ? ((size_t)kvs_slot(pages, j, page_size, page_shift) * kv_heads + kvh) * HEAD_DIM
+                   : 0;
+            const size_t at = in ? row_at + u * (16 / KV_BYTES) : 0;
+            const unsigned int to = PF_FP8 ? flat : pf_unit(row, u);
+            kvs_cp_async16(&s_k[slot][to], k_cache + at, in);
+            kvs_cp_async16(&s_v[slot][to], v_cache + at, in);
         }
     };
 
@@ -1833,8 +1865,41 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
             issue(next % PF_STAGES, next);
         }
         kvs_cp_commit();
+#if PF_FP8
+        // The step's fp8 rows as f16 rows: each staged unit (16 values) into two units.
+        for (unsigned int flat = threadIdx.x; flat < PF_KEYS * PF_SUNITS; flat += PF_THREADS) {
+            const unsigned int row = flat / PF_SUNITS, u = flat % PF_SUNITS;
+#pragma unroll
+            for (int part = 0; part < 2; ++part) {
+                const kvs_vec16 raw = (part ? s_v : s_k)[s % PF_STAGES][flat];
+                kvs_vec16* dst = part ? s_vc : s_kc;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    kvs_vec16 h;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        // bytes 2w, 2w + 1 of this half (words 2·half, 2·half + 1 of raw)
+                        const unsigned int x = raw.w[2 * half + w / 2] >> (16 * (w % 2));
+                        const unsigned int b0 = x & 0xffu, b1 = (x >> 8) & 0xffu;
+#if KV_DTYPE == 3
+                        const unsigned int f0 = ((b0 & 0x7fu) << 7) | ((b0 & 0x80u) << 8);
+                        const unsigned int f1 = ((b1 & 0x7fu) << 7) | ((b1 & 0x80u) << 8);
+#else
+                        const unsigned int f0 = b0 << 8, f1 = b1 << 8;
+#endif
+                        h.w[w] = f0 | (f1 << 16);
+                    }
+                    dst[pf_unit(row, 2 * u + half)] = h;
+                }
+            }
+        }
+        __syncthreads(); // the converted rows, before any warp reads them
+        const kvs_vec16* sk = s_kc;
+        const kvs_vec16* sv = s_vc;
+#else
         const kvs_vec16* sk = s_k[s % PF_STAGES];
         const kvs_vec16* sv = s_v[s % PF_STAGES];
+#endif
 
         // Scores of the step's 4 key n-tiles: sc[nt] rows g ([0], [1]) and g + 8 ([2], [3]),
         // positions s·PF_KEYS + 8nt + 2tq, + 1.
@@ -1866,7 +1931,8 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
             for (int e = 0; e < 4; ++e) {
                 const unsigned int j = s * PF_KEYS + 8 * nt + 2 * tq + (e & 1);
                 const int h = e >> 1;
-                const float x = (j < kv_end && j <= qpos[h]) ? sc[nt][e] * k_scale : KVS_NEG_INF;
+                const float x =
+                    (j < kv_end && j <= qpos[h]) ? sc[nt][e] * (k_scale * PF_UNSCALE) : KVS_NEG_INF;
                 sc[nt][e] = x;
                 step_max[h] = fmaxf(step_max[h], x);
             }
@@ -1930,7 +1996,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
             continue;
         }
         float* orow = out + ((size_t)qrow[h] * q_heads + head) * V_HEAD_DIM;
-        const float inv = v_scale / l[h];
+        const float inv = v_scale * PF_UNSCALE / l[h];
 #pragma unroll
         for (int nt = 0; nt < PF_NT; ++nt) {
             orow[8 * nt + 2 * tq] = o[nt][2 * h] * inv;

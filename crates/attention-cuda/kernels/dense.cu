@@ -429,7 +429,8 @@ KVS_WEIGHT_VARIANTS(moe_matmul, moe_matmul_body,
 #define GEMM_MMA_UNITS (GEMM_MMA_K / 8) // 16-byte units of a staged row
 // Staged rows a thread issues a copy for per step (of x, and as many of w).
 #define GEMM_MMA_PASSES (GEMM_MMA_ROWS * GEMM_MMA_UNITS / (GEMM_MMA_WARPS * WARP_SIZE))
-#if GEMM_MMA_N != GEMM_MMA_ROWS || GEMM_MMA_PASSES * GEMM_MMA_WARPS * WARP_SIZE != GEMM_MMA_ROWS * GEMM_MMA_UNITS
+#if GEMM_MMA_N != GEMM_MMA_ROWS ||                                                             \
+    GEMM_MMA_PASSES * GEMM_MMA_WARPS * WARP_SIZE != GEMM_MMA_ROWS * GEMM_MMA_UNITS
 #error "the tensor-core GEMM: a step's x and w rows must split evenly over the block's threads"
 #endif
 
@@ -448,7 +449,8 @@ template <int ROW_BIT> struct gemm_mma_tiles {
     const kvs_vec16* st;
     unsigned int row0, u0;
     __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
-        return st + gemm_mma_unit(row0 + ((j >> ROW_BIT) & 1u) * 8u + i, u0 + ((j >> (1 - ROW_BIT)) & 1u));
+        const unsigned int row = row0 + ((j >> ROW_BIT) & 1u) * 8u + i;
+        return st + gemm_mma_unit(row, u0 + ((j >> (1 - ROW_BIT)) & 1u));
     }
 };
 

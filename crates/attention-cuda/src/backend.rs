@@ -63,8 +63,8 @@ pub struct CudaConfig {
     /// depend on its batch's size, so `enable_deterministic_inference` keeps `matmul`. Off by
     /// default until a GPU has checked and timed it; the emulated conformance suite runs it.
     pub gemm_tensor_cores: bool,
-    /// Extend batches (prefill) over f16/bf16 stores with keys and values of one head dim, 64
-    /// or 128, on the tensor cores, where the device has them ([`Device::tensor_cores`]):
+    /// Extend batches (prefill) over f16, bf16 and fp8 stores with keys and values of one head
+    /// dim, 64 or 128, on the tensor cores, where the device has them ([`Device::tensor_cores`]):
     /// `paged_prefill`, FlashAttention-2's schedule (a block per tile of 64 new tokens of a
     /// request and query head, each staged key and value row serving all 64), where the
     /// attention kernels serve one token a block and read its whole causal prefix again. Off by
@@ -996,6 +996,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             && !self.config.enable_deterministic_inference
             && m > gemm::MMA_MIN_ROWS
             && w.dtype == TensorDtype::Bf16
+            && k > 0
             && k % 8 == 0
             && self.device.tensor_cores()
         {

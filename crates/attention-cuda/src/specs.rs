@@ -142,12 +142,12 @@ impl Spec {
     }
 
     /// Whether this specialisation defines `paged_prefill`, the tensor-core prefill kernel:
-    /// an attention source over an f16 or bf16 store (`KV_DTYPE` 1 or 2), not MLA, with keys and
-    /// values of one head dim, 64 or 128 (the condition `attention.cu` tests, `PF_FORM`).
+    /// an attention source over an f16, bf16 or fp8 store (`KV_DTYPE` 1 to 4), not MLA, with
+    /// keys and values of one head dim, 64 or 128 (the condition `attention.cu` tests).
     pub fn has_prefill(&self) -> bool {
         let get = |key: &str| self.defines.iter().find(|(k, _)| *k == key).map(|d| d.1);
         self.source == Source::Attention
-            && matches!(get("KV_DTYPE"), Some(1 | 2))
+            && matches!(get("KV_DTYPE"), Some(1..=4))
             && get("MLA").is_none()
             && get("HEAD_DIM") == get("V_HEAD_DIM")
             && matches!(get("HEAD_DIM"), Some(64 | 128))

@@ -153,7 +153,7 @@ fn gpu_moe_tensor_cores() {
 }
 
 /// The tensor-core prefill kernel (`CudaConfig::prefill_tensor_cores`, off by default until this
-/// has run): `conformance::extend_cases` over f16 and bf16 stores (long extends of several
+/// has run): `conformance::extend_cases` over f16, bf16 and fp8 stores (long extends of several
 /// tiles included) against the reference and, within 1e-4, the stored values.
 #[test]
 fn gpu_prefill_tensor_cores() {
@@ -166,11 +166,15 @@ fn gpu_prefill_tensor_cores() {
         return;
     };
     assert!(b.device().tensor_cores(), "no tensor-core form on this GPU");
-    let outcomes: Vec<_> =
-        conformance::extend_cases(&[kv_pool::KvDtype::F16, kv_pool::KvDtype::Bf16])
-            .iter()
-            .map(|c| conformance::run_attention_case(&b, c).unwrap())
-            .collect();
+    let outcomes: Vec<_> = conformance::extend_cases(&[
+        kv_pool::KvDtype::F16,
+        kv_pool::KvDtype::Bf16,
+        kv_pool::KvDtype::Fp8E4m3,
+        kv_pool::KvDtype::Fp8E5m2,
+    ])
+    .iter()
+    .map(|c| conformance::run_attention_case(&b, c).unwrap())
+    .collect();
     for o in &outcomes {
         println!("{o}");
     }

@@ -130,9 +130,9 @@ pub struct CudaTensorCoreArgs {
     /// than 8 rows, as the MoE form computes; ignored with --enable-deterministic-inference.
     #[arg(long, help_heading = "Engine")]
     pub cuda_gemm_tensor_cores: bool,
-    /// Prefill (extend batches) over an f16/bf16 KV cache with head dim 64 or 128 on the tensor
-    /// cores: FlashAttention-2's schedule, a block per 64 new tokens of a request and query
-    /// head (NVIDIA GPUs from sm_80), against a block per token.
+    /// Prefill (extend batches) over an f16/bf16/fp8 KV cache with head dim 64 or 128 on the
+    /// tensor cores: FlashAttention-2's schedule, a block per 64 new tokens of a request and
+    /// query head (NVIDIA GPUs from sm_80), against a block per token.
     #[arg(long, help_heading = "Engine")]
     pub cuda_prefill_tensor_cores: bool,
 }

@@ -585,7 +585,7 @@ fn describe_cuda_gemm(tensor_cores: bool) -> String {
 fn describe_cuda_prefill(tensor_cores: bool) -> String {
     if tensor_cores {
         "paged_prefill on the tensor cores (a block per 64 new tokens and query head) on sm_80 \
-         and later GPUs for f16/bf16 KV of head dim 64 or 128, the configured attention kernel \
+         and later GPUs for f16/bf16/fp8 KV of head dim 64 or 128, the configured attention kernel \
          elsewhere (--cuda-prefill-tensor-cores)"
             .into()
     } else {
