@@ -59,10 +59,11 @@ KVS_KERNEL void syncthreads_or(const float* in, float* out) {
 }
 
 // out[in[0]] = 1 from one thread: an index past the end of `out` must fault on the guard page
-// after it (the emulation's stand-in for compute-sanitizer's memcheck).
+// after it, and with buffers placed at the start of their mappings, an index of −1 on the one
+// before it (the emulation's stand-in for compute-sanitizer's memcheck).
 KVS_KERNEL void store_at(const float* in, float* out) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
-        out[(size_t)in[0]] = 1.0f;
+        out[(long long)in[0]] = 1.0f;
     }
 }
 

@@ -38,8 +38,9 @@
 //!   stale value.
 //! - Device memory is fenced by guard pages on Unix ([`EmuBuffer`]): a kernel that reads or
 //!   writes past the end of a buffer (its length rounded up to 16 bytes) faults, and the test
-//!   process dies of SIGSEGV. Accesses a little before a buffer's start land in its mapping's
-//!   padding and are not caught, nor are overruns within a shared-memory array.
+//!   process dies of SIGSEGV. With [`Placement::Start`] ([`EmuDevice::with_placement`]) the
+//!   buffers abut the guard page before them instead, so an access just before a buffer's
+//!   start faults. Overruns within a shared-memory array are not caught.
 //!
 //! ## Where it sits
 //! A test-only crate (`publish = false`): depends on `attention-cuda` (the trait it implements)
@@ -58,9 +59,10 @@ use attention_cuda::{Device, KernelArg, LaunchConfig, Spec};
 /// never reached through a Rust reference except in [`Device::read`] / [`Device::write`].
 ///
 /// On Unix the bytes are a mapping of their own, fenced by inaccessible guard pages: they end
-/// (their length rounded up to 16 bytes) where the guard page after them begins, so a kernel
-/// that reads or writes past the end of a buffer, or before its mapping, faults (the test
-/// process dies of SIGSEGV) instead of touching another buffer, as compute-sanitizer's
+/// (their length rounded up to 16 bytes) where the guard page after them begins, or with
+/// [`Placement::Start`] begin where the guard page before them ends, so a kernel that reads or
+/// writes past the end of a buffer (before its start), or outside its mapping, faults (the
+/// test process dies of SIGSEGV) instead of touching another buffer, as compute-sanitizer's
 /// memcheck would report on a GPU.
 pub struct EmuBuffer {
     ptr: NonNull<u8>,
@@ -79,8 +81,8 @@ enum Memory {
 }
 
 impl EmuBuffer {
-    /// A zeroed buffer of `bytes` (at least one), 16-byte aligned.
-    fn zeroed(bytes: usize) -> Result<EmuBuffer> {
+    /// A zeroed buffer of `bytes` (at least one), 16-byte aligned, placed by `placement`.
+    fn zeroed(bytes: usize, placement: Placement) -> Result<EmuBuffer> {
         let oom = AttentionError::HostOutOfMemory { bytes };
         let padded = bytes
             .max(1)
@@ -122,8 +124,13 @@ impl EmuBuffer {
                 libc::mprotect(base.cast(), page, libc::PROT_NONE);
                 libc::mprotect(base.add(page + data).cast(), page, libc::PROT_NONE);
             }
-            // SAFETY: page + data − padded ≥ page, inside the mapping's accessible pages.
-            let ptr = unsafe { base.add(page + data - padded) };
+            let offset = match placement {
+                Placement::End => page + data - padded,
+                Placement::Start => page,
+            };
+            // SAFETY: page ≤ offset and offset + padded ≤ page + data: inside the mapping's
+            // accessible pages.
+            let ptr = unsafe { base.add(offset) };
             Ok(EmuBuffer {
                 ptr: NonNull::new(ptr).expect("inside a mapping"),
                 len: bytes,
@@ -132,6 +139,7 @@ impl EmuBuffer {
         }
         #[cfg(not(unix))]
         {
+            let _ = placement; // no guard pages to place the bytes against
             let layout = Layout::from_size_align(padded, 16).map_err(|_| oom.clone())?;
             // SAFETY: the layout has a non-zero size.
             let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -201,11 +209,23 @@ impl Schedule {
     }
 }
 
+/// Where a buffer's bytes sit in their guarded mapping (Unix; see [`EmuBuffer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// Against the guard page after them: an access past the end faults (the default).
+    #[default]
+    End,
+    /// Against the guard page before them: an access before the start faults.
+    Start,
+}
+
 /// The emulated device (see the [crate docs](crate)).
 #[derive(Debug)]
 pub struct EmuDevice {
     /// The order a block's threads run in between barriers.
     schedule: Schedule,
+    /// Where its buffers sit in their guarded mappings.
+    placement: Placement,
     /// The launches recorded since `begin_capture`, or `None` outside a capture.
     capture: std::sync::Mutex<Option<Vec<Recorded>>>,
     /// Launches run (or recorded) so far, by specialisation and kernel: what tests check to
@@ -263,6 +283,7 @@ impl EmuDevice {
         #[cfg(not(kvs_emu_missing))]
         Ok(EmuDevice {
             schedule: Schedule::default(),
+            placement: Placement::default(),
             capture: std::sync::Mutex::new(None),
             counts: std::sync::Mutex::default(),
         })
@@ -271,6 +292,11 @@ impl EmuDevice {
     /// This device with its blocks' threads run in `schedule`'s order between barriers.
     pub fn with_schedule(self, schedule: Schedule) -> Self {
         EmuDevice { schedule, ..self }
+    }
+
+    /// This device with its buffers placed against `placement`'s guard page.
+    pub fn with_placement(self, placement: Placement) -> Self {
+        EmuDevice { placement, ..self }
     }
 
     /// How many launches of `kernel` this device has run or recorded so far from the
@@ -364,7 +390,7 @@ impl Device for EmuDevice {
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<EmuBuffer> {
         self.outside_capture("an allocation")?;
-        EmuBuffer::zeroed(bytes)
+        EmuBuffer::zeroed(bytes, self.placement)
     }
 
     /// Poisoned, not zeroed: every byte 0xff (an f32 NaN, a u32 past any index), so an output

@@ -281,12 +281,15 @@ fn emu_mla_tensor_cores() {
 /// new random order after every barrier (`Schedule`), a race-free kernel gives the same bits,
 /// and one that reads what another thread wrote with no barrier between them (a race on a GPU)
 /// does not. Cases of the quick attention suite on both kernels (the pipelined one with the
-/// tensor-core MLA form, and with the most splits merged in the kernel) and the dense suite
-/// (with the tensor-core MoE, GEMM and prefill forms) run reversed and shuffled; their errors against the reference must agree bit for bit,
-/// which they do only when the outputs do. (The other emulated suites run in thread order.)
+/// tensor-core MLA and prefill forms, and with the most splits merged in the kernel) and the
+/// dense suite (with the tensor-core MoE and GEMM forms) run reversed and shuffled; their
+/// errors against the reference must agree bit for bit, which they do only when the outputs
+/// do. The reversed run places every buffer against the
+/// guard page before it, so an access before a buffer's start faults there (the other runs,
+/// and the other emulated suites, in thread order, place them against the one after).
 #[test]
 fn emu_results_do_not_depend_on_the_thread_schedule() {
-    use attention_cuda_emu::{EmuDevice, Schedule};
+    use attention_cuda_emu::{EmuDevice, Placement, Schedule};
     let configs = [
         (
             CudaConfig {
@@ -308,38 +311,44 @@ fn emu_results_do_not_depend_on_the_thread_schedule() {
         ),
         (with_kernel(AttentionKernel::Chunked), 7),
     ];
-    let run = |schedule: Schedule| -> Option<Vec<(String, u64, Option<u64>)>> {
-        let mut errors = Vec::new();
-        for (i, &(config, every)) in configs.iter().enumerate() {
-            let device = EmuDevice::new().ok()?.with_schedule(schedule);
-            let b = CudaBackend::new(device, config);
-            let mut outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
-                .iter()
-                .filter(|c| has_kernels(c))
-                .skip(i)
-                .step_by(every)
-                .map(|c| conformance::run_attention_case(&b, c).unwrap())
-                .collect();
-            if i == 0 {
-                outcomes.extend(conformance::run_dense_suite(&b).unwrap());
-                for kernel in ["paged_prefill", "matmul_mma", "moe_matmul_mma"] {
-                    assert!(b.device().launch_count(kernel, |_| true) > 0, "{kernel}");
+    let run =
+        |schedule: Schedule, placement: Placement| -> Option<Vec<(String, u64, Option<u64>)>> {
+            let mut errors = Vec::new();
+            for (i, &(config, every)) in configs.iter().enumerate() {
+                let device = EmuDevice::new()
+                    .ok()?
+                    .with_schedule(schedule)
+                    .with_placement(placement);
+                let b = CudaBackend::new(device, config);
+                let mut outcomes: Vec<_> = conformance::attention_cases(SuiteSize::Quick)
+                    .iter()
+                    .filter(|c| has_kernels(c))
+                    .skip(i)
+                    .step_by(every)
+                    .map(|c| conformance::run_attention_case(&b, c).unwrap())
+                    .collect();
+                if i == 0 {
+                    outcomes.extend(conformance::run_dense_suite(&b).unwrap());
+                    for kernel in ["paged_prefill", "matmul_mma", "moe_matmul_mma"] {
+                        assert!(b.device().launch_count(kernel, |_| true) > 0, "{kernel}");
+                    }
                 }
+                conformance::assert_all_passed(&outcomes);
+                errors.extend(
+                    outcomes
+                        .into_iter()
+                        .map(|o| (o.name, o.error.to_bits(), o.stored_error.map(f64::to_bits))),
+                );
             }
-            conformance::assert_all_passed(&outcomes);
-            errors.extend(
-                outcomes
-                    .into_iter()
-                    .map(|o| (o.name, o.error.to_bits(), o.stored_error.map(f64::to_bits))),
-            );
-        }
-        Some(errors)
-    };
+            Some(errors)
+        };
     if emu_or_skip("emu_results_do_not_depend_on_the_thread_schedule").is_none() {
         return;
     }
-    let reversed = run(Schedule::Reversed).unwrap();
-    let shuffled = run(Schedule::Shuffled(0x5EED)).unwrap();
+    // Reversed with buffers against the guard page before them (an under-run faults),
+    // shuffled with them against the one after (an overrun faults).
+    let reversed = run(Schedule::Reversed, Placement::Start).unwrap();
+    let shuffled = run(Schedule::Shuffled(0x5EED), Placement::End).unwrap();
     println!("{} cases", reversed.len());
     assert_eq!(reversed.len(), shuffled.len());
     for (a, b) in reversed.iter().zip(&shuffled) {

@@ -5,6 +5,8 @@
 
 use attention::AttentionError;
 use attention_cuda::{Device, KernelArg, LaunchConfig};
+#[cfg(unix)]
+use attention_cuda_emu::Placement;
 use attention_cuda_emu::{emu_or_skip, EmuBuffer, EmuDevice};
 
 fn upload(dev: &EmuDevice, v: &[f32]) -> EmuBuffer {
@@ -146,24 +148,46 @@ fn shared_memory_reads_before_writes_see_nan() {
 #[test]
 #[cfg(unix)]
 fn a_store_past_a_buffers_end_faults() {
+    store_outside_faults(
+        "a_store_past_a_buffers_end_faults",
+        Placement::End,
+        63.0,
+        64.0,
+    );
+}
+
+/// With buffers placed against the guard page before them (`Placement::Start`), a store at
+/// element 0 lands and one at element −1 faults.
+#[test]
+#[cfg(unix)]
+fn a_store_before_a_buffers_start_faults() {
+    store_outside_faults(
+        "a_store_before_a_buffers_start_faults",
+        Placement::Start,
+        0.0,
+        -1.0,
+    );
+}
+
+/// `store_at` into a buffer of 64 floats on a device of `placement`: at `inside`, the value
+/// lands; at `outside`, run in a child copy of this test binary, the process dies of a fault.
+#[cfg(unix)]
+fn store_outside_faults(test: &str, placement: Placement, inside: f32, outside: f32) {
     use std::os::unix::process::ExitStatusExt;
-    const CHILD: &str = "KVS_EMU_STORE_PAST_END";
-    let Some(dev) = emu_or_skip("a_store_past_a_buffers_end_faults") else {
+    const CHILD: &str = "KVS_EMU_STORE_OUTSIDE";
+    let Some(dev) = emu_or_skip(test) else {
         return;
     };
-    let past_end = std::env::var(CHILD).is_ok();
-    let index = if past_end { 64.0 } else { 63.0 };
+    let dev = dev.with_placement(placement);
+    let in_child = std::env::var(CHILD).is_ok();
+    let index = if in_child { outside } else { inside };
     let got = run(&dev, "store_at", (1, 32), &[index], 64);
-    if past_end {
-        panic!("the store past the end did not fault: {got:?}");
+    if in_child {
+        panic!("the store at {outside} did not fault: {got:?}");
     }
-    assert_eq!(got[63], 1.0);
+    assert_eq!(got[inside as usize], 1.0);
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "a_store_past_a_buffers_end_faults",
-            "--exact",
-            "--test-threads=1",
-        ])
+        .args([test, "--exact", "--test-threads=1"])
         .env(CHILD, "1")
         .output()
         .unwrap();
