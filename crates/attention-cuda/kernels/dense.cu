@@ -333,30 +333,33 @@ KVS_KERNEL void moe_topk(const float* logits, unsigned int* ids, float* weights,
 }
 
 // Rows of (token, rank) pairs grouped by expert (SGLang's moe_align_block_size), one block:
-// sorted[] holds the rows of expert 0 in ascending order, then expert 1's, …; tiles[] one
-// (expert, first index into sorted, row count ≤ tile_rows) triple per tile_rows rows of an
-// expert (MOE_TILE for moe_matmul, GEMM_MMA_ROWS for moe_matmul_mma), and count 0 in the unused
-// tail (there are at most rows / tile_rows + experts tiles, the grid the matmul is launched
-// with). experts ≤ MOE_MAX_EXPERTS (checked on the host).
+// sorted[] holds the rows of expert 0, then expert 1's, … (within an expert in the order the
+// block's atomics give them: each row's output is its own whatever shares its tile, so the
+// order changes no result); tiles[] one (expert, first index into sorted, row count ≤
+// tile_rows) triple per tile_rows rows of an expert (MOE_TILE for moe_matmul, GEMM_MMA_ROWS for
+// moe_matmul_mma), and count 0 in the unused tail (there are at most rows / tile_rows + experts
+// tiles, the grid the matmul is launched with). The block's threads share the rows (a
+// strided pass counts them per expert, another places them), so a prefill of 100k rows takes
+// 100k / blockDim.x steps a thread. experts ≤ MOE_MAX_EXPERTS (checked on the host).
 KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigned int* tiles,
                           unsigned int rows, unsigned int experts, unsigned int max_tiles,
                           unsigned int tile_rows) {
     __shared__ unsigned int count[MOE_MAX_EXPERTS];
-    __shared__ unsigned int first_row[MOE_MAX_EXPERTS];
+    __shared__ unsigned int cursor[MOE_MAX_EXPERTS];
     __shared__ unsigned int first_tile[MOE_MAX_EXPERTS + 1];
     for (unsigned int e = threadIdx.x; e < experts; e += blockDim.x) {
-        unsigned int c = 0;
-        for (unsigned int r = 0; r < rows; ++r) {
-            c += ids[r] == e;
-        }
-        count[e] = c;
+        count[e] = 0;
+    }
+    __syncthreads();
+    for (unsigned int r = threadIdx.x; r < rows; r += blockDim.x) {
+        atomicAdd(&count[ids[r]], 1u);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned int row = 0;
         unsigned int tile = 0;
         for (unsigned int e = 0; e < experts; ++e) {
-            first_row[e] = row;
+            cursor[e] = row;
             first_tile[e] = tile;
             row += count[e];
             tile += (count[e] + tile_rows - 1) / tile_rows;
@@ -364,20 +367,19 @@ KVS_KERNEL void moe_align(const unsigned int* ids, unsigned int* sorted, unsigne
         first_tile[experts] = tile;
     }
     __syncthreads();
+    // Tiles first: they need each expert's first row, which the placing pass below advances.
     for (unsigned int e = threadIdx.x; e < experts; e += blockDim.x) {
-        unsigned int at = first_row[e];
-        for (unsigned int r = 0; r < rows; ++r) {
-            if (ids[r] == e) {
-                sorted[at++] = r;
-            }
-        }
         for (unsigned int t = 0; t < first_tile[e + 1] - first_tile[e]; ++t) {
             unsigned int* tile = tiles + 3 * (size_t)(first_tile[e] + t);
             unsigned int left = count[e] - t * tile_rows;
             tile[0] = e;
-            tile[1] = first_row[e] + t * tile_rows;
+            tile[1] = cursor[e] + t * tile_rows;
             tile[2] = left < tile_rows ? left : tile_rows;
         }
+    }
+    __syncthreads();
+    for (unsigned int r = threadIdx.x; r < rows; r += blockDim.x) {
+        sorted[atomicAdd(&cursor[ids[r]], 1u)] = r;
     }
     for (unsigned int t = first_tile[experts] + threadIdx.x; t < max_tiles; t += blockDim.x) {
         tiles[3 * (size_t)t + 2] = 0;
