@@ -179,7 +179,8 @@ pub struct CudaPlan<D: Device> {
     kept_writes: usize,
     max_kv_len: usize,
     /// `paged_prefill`'s query tiles ([`crate::plan::prefill_tiles`]) and their count, for an
-    /// extend batch when [`CudaConfig::prefill_tensor_cores`] is on.
+    /// extend batch (two words per 64 new tokens: whichever backend attends with the plan,
+    /// its own [`CudaConfig::prefill_tensor_cores`] decides).
     prefill_tiles: Option<(Arc<D::Buffer>, usize)>,
     scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
     split: Mutex<Option<(SplitKey, SplitPlan)>>,
@@ -1313,7 +1314,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             }
             (max_kv_len, table_bytes) = (tape.max_kv_len, tape.table_bytes);
         }
-        let prefill_tiles = if self.config.prefill_tensor_cores && !meta.is_decode() {
+        let prefill_tiles = if !meta.is_decode() {
             let tiles = crate::plan::prefill_tiles(meta)?;
             Some((
                 self.buffer_from(bytemuck::cast_slice(&tiles))?,
@@ -1404,7 +1405,11 @@ impl<D: Device> Backend for CudaBackend<D> {
             v_scale,
         };
         match &plan.prefill_tiles {
-            Some((tiles, count)) if call.spec.has_prefill() && self.device.tensor_cores() => {
+            Some((tiles, count))
+                if self.config.prefill_tensor_cores
+                    && call.spec.has_prefill()
+                    && self.device.tensor_cores() =>
+            {
                 self.paged_prefill(plan, (tiles, *count), &call)
             }
             _ => self.paged_attention(plan, &call),
