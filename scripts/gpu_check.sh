@@ -98,7 +98,9 @@ profile() {
     cuda_library_path
     # The bandwidth table once per set of the kernels' tuning defines (KVSERVE_CUDA_DEFINES;
     # PROFILE_DEFINES: sets separated by ';', the first the defaults) and per split target
-    # (SPLIT_TARGETS: split_kv_target_blocks values separated by spaces; unset: the default).
+    # (SPLIT_TARGETS: split_kv_target_blocks values separated by spaces; unset: the default);
+    # PROFILE_TABLES picks decode_bandwidth's tables (`prefill` times paged_prefill's tuning
+    # defines, e.g. PROFILE_DEFINES=';PF_QSPLIT=0;PF_STAGES=3').
     local sets=("")
     [ -n "${PROFILE_DEFINES-;ATTN_MIN_BLOCKS=4;V_UNROLL_MAX=4}" ] \
         && IFS=';' read -r -a sets <<<"${PROFILE_DEFINES-;ATTN_MIN_BLOCKS=4;V_UNROLL_MAX=4}"
@@ -108,7 +110,8 @@ profile() {
             echo "== KVSERVE_CUDA_DEFINES='$defines' split target $target" | tee -a "$out/profile.log"
             [ "$target" = default ] && target=
             KVSERVE_CUDA_DEFINES="$defines" timeout 150 "$GPU_DIR/decode_bandwidth" \
-                "$(peak_gbps)" 2 $target 2>&1 | tee -a "$out/profile.log"
+                "$(peak_gbps)" 2 "$target" both both "${PROFILE_TABLES:-both}" 2>&1 \
+                | tee -a "$out/profile.log"
         done
     done
     [ "${NO_NCU:-0}" = 1 ] && return 0

@@ -1733,7 +1733,19 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 #define PF_WARPS (PF_ROWS / 16)    // 16 query rows a warp
 #define PF_THREADS (PF_WARPS * WARP_SIZE)
 #define PF_KEYS 32                 // positions a step stages and scores
+// Tuning defines (KVSERVE_CUDA_DEFINES), untimed defaults: PF_STAGES steps staged ahead (3
+// fills 48 KiB at head dim 128 for f16/bf16); PF_QSPLIT 1 runs the query and P as a rounded
+// part plus its remainder (two mmas, ~22 bits, the decode form's precision), 0 the rounded
+// part alone (one mma, FlashAttention's); PF_MIN_BLOCKS blocks per SM the registers must allow.
+#ifndef PF_STAGES
 #define PF_STAGES 2
+#endif
+#ifndef PF_QSPLIT
+#define PF_QSPLIT 1
+#endif
+#ifndef PF_MIN_BLOCKS
+#define PF_MIN_BLOCKS 2
+#endif
 #define PF_UNITS (HEAD_DIM / 8)    // 16-byte units of a key or value row as the mmas read it
 #define PF_SUNITS (HEAD_DIM * KV_BYTES / 16) // 16-byte units of a row as stored and staged
 #define PF_FP8 (KV_DTYPE >= 3)
@@ -1745,8 +1757,14 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 #define PF_KT (HEAD_DIM / 16)      // k-tiles of the scores' mmas
 #define PF_NT (HEAD_DIM / 8)       // n-tiles of the output's mmas
 #define PF_BF16 (KV_DTYPE == 2)
+#if PF_STAGES < 2
+#error "paged_prefill: PF_STAGES must be at least 2"
+#endif
+#if 2 * PF_STAGES * PF_KEYS * PF_SUNITS * 16 + (PF_FP8 ? 2 * PF_KEYS * PF_UNITS * 16 : 0) > 49152
+#error "paged_prefill: the stages exceed 48 KiB of static shared memory"
+#endif
 #if defined(__CUDA_ARCH__)
-#define PF_BOUNDS __launch_bounds__(PF_THREADS, 2)
+#define PF_BOUNDS __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS)
 #else
 #define PF_BOUNDS
 #endif
@@ -1918,9 +1936,11 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
                 unsigned int kb[4];
                 kvs_ldsm_x4<false>(pf_tiles<1>{sk, 16 * np, 2 * kt}, kb);
                 kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np], qh[kt], kb[0], kb[1]);
-                kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np], ql[kt], kb[0], kb[1]);
                 kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np + 1], qh[kt], kb[2], kb[3]);
-                kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np + 1], ql[kt], kb[2], kb[3]);
+                if (PF_QSPLIT) {
+                    kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np], ql[kt], kb[0], kb[1]);
+                    kvs_mma_k16<PF_BF16, PF_WARPS>(sc[2 * np + 1], ql[kt], kb[2], kb[3]);
+                }
             }
         }
         // The causal mask, the rows' step maxima and the rescale of what came before.
@@ -1980,9 +2000,11 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
                 unsigned int vb[4];
                 kvs_ldsm_x4<true>(pf_tiles<0>{sv, 16 * kk, 2 * up}, vb);
                 kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up], ph, vb[0], vb[1]);
-                kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up], pl, vb[0], vb[1]);
                 kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up + 1], ph, vb[2], vb[3]);
-                kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up + 1], pl, vb[2], vb[3]);
+                if (PF_QSPLIT) {
+                    kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up], pl, vb[0], vb[1]);
+                    kvs_mma_k16<PF_BF16, PF_WARPS>(o[2 * up + 1], pl, vb[2], vb[3]);
+                }
             }
         }
     }

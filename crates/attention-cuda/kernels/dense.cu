@@ -426,7 +426,14 @@ KVS_WEIGHT_VARIANTS(moe_matmul, moe_matmul_body,
 #define GEMM_MMA_ROWS 64
 #define GEMM_MMA_N 64
 #define GEMM_MMA_K 32
+// GEMM_MMA_STAGES (a tuning define, KVSERVE_CUDA_DEFINES; untimed default 4): k steps staged
+// ahead, 8 KiB each.
+#ifndef GEMM_MMA_STAGES
 #define GEMM_MMA_STAGES 4
+#endif
+#if GEMM_MMA_STAGES < 2 || GEMM_MMA_STAGES > 6
+#error "GEMM_MMA_STAGES: 2 to 6 (8 KiB a stage, 48 KiB of static shared memory)"
+#endif
 #define GEMM_MMA_WARPS 4
 #define GEMM_MMA_UNITS (GEMM_MMA_K / 8) // 16-byte units of a staged row
 // Staged rows a thread issues a copy for per step (of x, and as many of w).
