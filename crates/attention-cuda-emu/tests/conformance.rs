@@ -860,6 +860,8 @@ fn ds_decode_keeps_the_earliest_of_tied_label_scores() {
             let labels = labels_of(&k);
             let io = (&k[..], &v[..], &labels[..], &q[..]);
             let (got, stored) = decode(&emu, layout, &slots, io, &params);
+            // Every decode here attends with the one channel list: uploaded once, then reused.
+            assert_eq!(emu.ds_channel_lists(), 1);
             let (on_cpu, _) = decode(&cpu, layout, &slots, io, &params);
             // The reference over what the store holds (bf16 rounds the rows).
             let mut ks = vec![0.0; kv_len * kv_heads * d];

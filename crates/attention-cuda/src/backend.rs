@@ -3,6 +3,7 @@
 //! launch geometry ([`crate::geometry`]), and launches through the device; nothing here knows
 //! whether the kernels run on a GPU or in the CPU emulation.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -145,7 +146,17 @@ pub struct CudaBackend<D: Device> {
     /// The static buffers of the batch size being captured or replayed
     /// ([`crate::graph`]); `None`: eager. Shared by the clones, like the device.
     pub(crate) graph: Arc<Mutex<Option<GraphPool<D::Buffer>>>>,
+    /// DoubleSparse channel lists uploaded by eager calls, by content, so a layer's list goes
+    /// to the device once instead of on every call (a graph phase uploads its own as static
+    /// inputs). Shared by the clones; emptied when it reaches [`DS_CHANNEL_LISTS`].
+    ds_channels: Arc<ChannelLists<D::Buffer>>,
 }
+
+/// DoubleSparse channel lists on the device, by content.
+type ChannelLists<B> = Mutex<HashMap<Vec<u32>, Arc<B>>>;
+
+/// The most DoubleSparse channel lists a backend keeps on the device (a model has one a layer).
+const DS_CHANNEL_LISTS: usize = 1024;
 
 /// A clone shares the device (its memory, kernels and stream), so tensors and stores of one
 /// clone are valid on the others.
@@ -156,6 +167,7 @@ impl<D: Device> Clone for CudaBackend<D> {
             config: self.config,
             gemm: self.gemm.clone(),
             graph: Arc::clone(&self.graph),
+            ds_channels: Arc::clone(&self.ds_channels),
         }
     }
 }
@@ -241,6 +253,7 @@ impl<D: Device> CudaBackend<D> {
             config,
             gemm,
             graph: Arc::new(Mutex::new(None)),
+            ds_channels: Arc::default(),
         }
     }
 
@@ -546,6 +559,32 @@ struct DoubleSparse<D: Device> {
 }
 
 impl<D: Device> CudaBackend<D> {
+    /// `channels` on the device: uploaded once per distinct list when eager (kept in
+    /// `ds_channels`), as a static input of the graph under one.
+    fn ds_channel_list(&self, channels: &[u32]) -> Result<Arc<D::Buffer>> {
+        if self.graph_phase().is_some() {
+            return self.buffer_from(bytemuck::cast_slice(channels));
+        }
+        let mut lists = self.ds_channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(buf) = lists.get(channels) {
+            return Ok(Arc::clone(buf));
+        }
+        if lists.len() >= DS_CHANNEL_LISTS {
+            lists.clear();
+        }
+        let buf = self.buffer_from(bytemuck::cast_slice(channels))?;
+        lists.insert(channels.to_vec(), Arc::clone(&buf));
+        Ok(buf)
+    }
+
+    /// DoubleSparse channel lists this backend (and its clones) keep on the device.
+    pub fn ds_channel_lists(&self) -> usize {
+        self.ds_channels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
     /// The scales the kernels divide by when storing and multiply by when reading: the
     /// layer's for fp8 stores, 1 otherwise (as the host store).
     fn kernel_scales(store: &CudaKvStore<D>, layer: usize) -> Result<(f32, f32)> {
@@ -1380,7 +1419,7 @@ impl<D: Device> Backend for CudaBackend<D> {
                 spec: kernels::sparse(layout.shape.dtype).map_err(AttentionError::Unsupported)?,
                 geo,
                 scale: params.scale,
-                channels: self.buffer_from(bytemuck::cast_slice(&ds.channels))?,
+                channels: self.ds_channel_list(&ds.channels)?,
                 heavy,
                 top_k: ds.top_k,
             };
