@@ -1736,7 +1736,8 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 // Tuning defines (KVSERVE_CUDA_DEFINES), untimed defaults: PF_STAGES steps staged ahead (3
 // fills 48 KiB at head dim 128 for f16/bf16); PF_QSPLIT 1 runs the query and P as a rounded
 // part plus its remainder (two mmas, ~22 bits, the decode form's precision), 0 the rounded
-// part alone (one mma, FlashAttention's); PF_MIN_BLOCKS blocks per SM the registers must allow.
+// part alone (one mma, FlashAttention's); PF_MIN_BLOCKS blocks per SM the registers must allow
+// (2, the default, allows all 255: a bound only from 3 up).
 #ifndef PF_STAGES
 #define PF_STAGES 2
 #endif
@@ -1774,6 +1775,19 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 __device__ inline unsigned int pf_unit(unsigned int row, unsigned int u) {
     return row * PF_UNITS + (u ^ (row & 7u));
 }
+
+// Copies a thread issues per step (of the keys, and as many of the values).
+#define PF_COPIES (PF_KEYS * PF_SUNITS / PF_THREADS)
+#if PF_COPIES * PF_THREADS != PF_KEYS * PF_SUNITS
+#error "paged_prefill: a step's units must split evenly over the block's threads"
+#endif
+
+// Where a thread's copies of one step come from: element offsets into either cache (the key
+// and value rows of a position share them), and whether each position is live.
+struct pf_step_addrs {
+    size_t at[PF_COPIES];
+    bool in[PF_COPIES];
+};
 
 // The four 8×8 tiles of a stage at rows row0 … row0 + 15 and units u0, u0 + 1, ordered (rows
 // 0-7, u0), (rows 0-7, u0 + 1), (rows 8-15, u0), (rows 8-15, u0 + 1) (ROW_BIT 1: the scores'
@@ -1820,7 +1834,9 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         qrow[h] = first + (live[h] ? r : 0);
         qpos[h] = live[h] ? pos0 + r : 0xffffffffu;
     }
-    // The scaled query as A registers of k-tile kt: hi = its rounding, lo = the rest.
+    // The scaled query as A registers of k-tile kt: hi = its rounding, lo = the rest (in f16
+    // for f16 and fp8 stores: a scaled query element beyond f16's 65504 would give NaN scores,
+    // as in the decode form; attention queries are far below it).
     unsigned int qh[PF_KT][4], ql[PF_KT][4];
 #pragma unroll
     for (int kt = 0; kt < PF_KT; ++kt) {
@@ -1837,23 +1853,31 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         }
     }
 
-    // Step s's copies into stage slot: the key and value rows of positions s·PF_KEYS + row,
-    // zeros past kv_end; thread t copies units t, t + PF_THREADS, … of each (f16/bf16
-    // swizzled for ldmatrix; fp8 in place, for the conversion).
-    auto issue = [&](unsigned int slot, unsigned int s) {
+    // Step s's copies: the key and value rows of positions s·PF_KEYS + row, zeros past
+    // kv_end; thread t copies units t, t + PF_THREADS, … of each (f16/bf16 swizzled for
+    // ldmatrix; fp8 in place, for the conversion). `locate` resolves their page-table entries,
+    // a step before `issue` copies them, so the lookups' latency hides behind a step's mmas.
+    auto locate = [&](unsigned int s) {
+        pf_step_addrs a;
 #pragma unroll
-        for (unsigned int c = 0; c < PF_KEYS * PF_SUNITS / PF_THREADS; ++c) {
+        for (unsigned int c = 0; c < PF_COPIES; ++c) {
             const unsigned int flat = c * PF_THREADS + threadIdx.x;
-            const unsigned int row = flat / PF_SUNITS, u = flat % PF_SUNITS;
-            const unsigned int j = s * PF_KEYS + row;
-            const bool in = j < kv_end;
-            const size_t row_at =
-                in ? ((size_t)kvs_slot(pages, j, page_size, page_shift) * kv_heads + kvh) * HEAD_DIM
-                   : 0;
-            const size_t at = in ? row_at + u * (16 / KV_BYTES) : 0;
-            const unsigned int to = PF_FP8 ? flat : pf_unit(row, u);
-            kvs_cp_async16(&s_k[slot][to], k_cache + at, in);
-            kvs_cp_async16(&s_v[slot][to], v_cache + at, in);
+            const unsigned int j = s * PF_KEYS + flat / PF_SUNITS;
+            a.in[c] = j < kv_end;
+            a.at[c] = a.in[c] ? ((size_t)kvs_slot(pages, j, page_size, page_shift) * kv_heads + kvh) *
+                                        HEAD_DIM +
+                                    flat % PF_SUNITS * (16 / KV_BYTES)
+                              : 0;
+        }
+        return a;
+    };
+    auto issue = [&](unsigned int slot, const pf_step_addrs& a) {
+#pragma unroll
+        for (unsigned int c = 0; c < PF_COPIES; ++c) {
+            const unsigned int flat = c * PF_THREADS + threadIdx.x;
+            const unsigned int to = PF_FP8 ? flat : pf_unit(flat / PF_SUNITS, flat % PF_SUNITS);
+            kvs_cp_async16(&s_k[slot][to], k_cache + a.at[c], a.in[c]);
+            kvs_cp_async16(&s_v[slot][to], v_cache + a.at[c], a.in[c]);
         }
     };
 
@@ -1871,18 +1895,20 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
 #pragma unroll
     for (unsigned int s = 0; s + 1 < PF_STAGES; ++s) {
         if (s < steps) {
-            issue(s, s);
+            issue(s, locate(s));
         }
         kvs_cp_commit();
     }
+    pf_step_addrs ahead = locate(PF_STAGES - 1); // the next step to issue
     for (unsigned int s = 0; s < steps; ++s) {
         kvs_cp_wait<PF_STAGES - 2>(); // this thread's copies of step s are in
         __syncthreads(); // everyone's, and every warp is done with step s − 1's slot
         const unsigned int next = s + PF_STAGES - 1;
         if (next < steps) {
-            issue(next % PF_STAGES, next);
+            issue(next % PF_STAGES, ahead);
         }
         kvs_cp_commit();
+        ahead = locate(next + 1);
 #if PF_FP8
         // The step's fp8 rows as f16 rows: each staged unit (16 values) into two units.
         for (unsigned int flat = threadIdx.x; flat < PF_KEYS * PF_SUNITS; flat += PF_THREADS) {
@@ -1892,12 +1918,20 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
                 const kvs_vec16 raw = (part ? s_v : s_k)[s % PF_STAGES][flat];
                 kvs_vec16* dst = part ? s_vc : s_kc;
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
+                for (int hh = 0; hh < 2; ++hh) {
+                    // The halves in turn, units 4-7 of a row's first 8 from the odd half first,
+                    // so the 8 threads of a store phase (one row, u = 0 … 7) write 8 bank
+                    // groups (in u order they would write units 0, 2, 4, 6 twice).
+                    const int half = hh ^ (int)((u >> 2) & 1u);
+                    // This half's words of raw, chosen by selects: an index that depends on u
+                    // would put raw in local memory.
+                    const unsigned int lo = half ? raw.w[2] : raw.w[0];
+                    const unsigned int hi = half ? raw.w[3] : raw.w[1];
                     kvs_vec16 h;
 #pragma unroll
                     for (int w = 0; w < 4; ++w) {
-                        // bytes 2w, 2w + 1 of this half (words 2·half, 2·half + 1 of raw)
-                        const unsigned int x = raw.w[2 * half + w / 2] >> (16 * (w % 2));
+                        // bytes 2w, 2w + 1 of this half
+                        const unsigned int x = (w < 2 ? lo : hi) >> (16 * (w % 2));
                         const unsigned int b0 = x & 0xffu, b1 = (x >> 8) & 0xffu;
 #if KV_DTYPE == 3
                         const unsigned int f0 = ((b0 & 0x7fu) << 7) | ((b0 & 0x80u) << 8);

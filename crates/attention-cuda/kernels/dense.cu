@@ -504,8 +504,10 @@ __device__ inline void kvs_gemm_mma(const unsigned short* x, const unsigned shor
 #pragma unroll
         for (int p = 0; p < GEMM_MMA_PASSES; ++p) {
             const unsigned int u = gemm_mma_unit(sr + p * (GEMM_MMA_ROWS / GEMM_MMA_PASSES), su);
-            kvs_cp_async16(&s_x[slot][u], x_src[p] + k0, x_live[p] && k_live);
-            kvs_cp_async16(&s_w[slot][u], w_src[p] + k0, w_live[p] && k_live);
+            // A zero-filled copy reads nothing, but its source stays inside its row.
+            const unsigned int k = k_live ? k0 : 0;
+            kvs_cp_async16(&s_x[slot][u], x_src[p] + k, x_live[p] && k_live);
+            kvs_cp_async16(&s_w[slot][u], w_src[p] + k, w_live[p] && k_live);
         }
     };
 
