@@ -1772,9 +1772,11 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 
 // Unit u of staged row `row` (a key or value row of the step), swizzled so that ldmatrix's 8
 // rows of one unit (rows of 128 or 256 bytes all start in bank 0) fall in 8 bank groups.
-__device__ inline unsigned int pf_unit(unsigned int row, unsigned int u) {
-    return row * PF_UNITS + (u ^ (row & 7u));
-}
+struct pf_swizzle {
+    __device__ static unsigned int at(unsigned int row, unsigned int u) {
+        return row * PF_UNITS + (u ^ (row & 7u));
+    }
+};
 
 // Copies a thread issues per step (of the keys, and as many of the values).
 #define PF_COPIES (PF_KEYS * PF_SUNITS / PF_THREADS)
@@ -1789,18 +1791,9 @@ struct pf_step_addrs {
     bool in[PF_COPIES];
 };
 
-// The four 8×8 tiles of a stage at rows row0 … row0 + 15 and units u0, u0 + 1, ordered (rows
-// 0-7, u0), (rows 0-7, u0 + 1), (rows 8-15, u0), (rows 8-15, u0 + 1) (ROW_BIT 1: the scores'
-// B registers of two key n-tiles) or (rows 0-7, u0), (rows 8-15, u0), (rows 0-7, u0 + 1),
-// (rows 8-15, u0 + 1) (ROW_BIT 0: with .trans, the values' B registers of two dim n-tiles).
-template <int ROW_BIT> struct pf_tiles {
-    const kvs_vec16* st;
-    unsigned int row0, u0;
-    __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
-        const unsigned int row = row0 + ((j >> ROW_BIT) & 1u) * 8u + i;
-        return st + pf_unit(row, u0 + ((j >> (1 - ROW_BIT)) & 1u));
-    }
-};
+// A stage's tiles (kvs_tile_quad): ROW_BIT 1 the scores' B registers of two key n-tiles, 0
+// with .trans the values' B registers of two dim n-tiles.
+template <int ROW_BIT> using pf_tiles = kvs_tile_quad<ROW_BIT, pf_swizzle>;
 
 KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, const kv_t* v_cache,
                                         const unsigned int* plan, const unsigned int* tiles,
@@ -1875,7 +1868,8 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
 #pragma unroll
         for (unsigned int c = 0; c < PF_COPIES; ++c) {
             const unsigned int flat = c * PF_THREADS + threadIdx.x;
-            const unsigned int to = PF_FP8 ? flat : pf_unit(flat / PF_SUNITS, flat % PF_SUNITS);
+            const unsigned int to =
+                PF_FP8 ? flat : pf_swizzle::at(flat / PF_SUNITS, flat % PF_SUNITS);
             kvs_cp_async16(&s_k[slot][to], k_cache + a.at[c], a.in[c]);
             kvs_cp_async16(&s_v[slot][to], v_cache + a.at[c], a.in[c]);
         }
@@ -1941,7 +1935,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
 #endif
                         h.w[w] = f0 | (f1 << 16);
                     }
-                    dst[pf_unit(row, 2 * u + half)] = h;
+                    dst[pf_swizzle::at(row, 2 * u + half)] = h;
                 }
             }
         }

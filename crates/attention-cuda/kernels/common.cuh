@@ -509,6 +509,21 @@ __device__ inline void kvs_mma_k8(float (&c)[4], unsigned int a0, unsigned int a
 #endif
 }
 
+// The four 8×8 tiles of a stage that one kvs_ldsm_x4 reads from its staged rows row0 … row0 + 15
+// and 16-byte units u0, u0 + 1, Swizzle::at(row, u) being unit u of staged row `row` (the
+// stage's layout). ROW_BIT 0 orders them (rows 0-7, u0), (rows 8-15, u0), (rows 0-7, u0 + 1),
+// (rows 8-15, u0 + 1): one m-tile's A registers, or with .trans two n-tiles' B registers from
+// rows along k. ROW_BIT 1 orders them (rows 0-7, u0), (rows 0-7, u0 + 1), (rows 8-15, u0),
+// (rows 8-15, u0 + 1): two n-tiles' B registers from rows along n.
+template <int ROW_BIT, class Swizzle> struct kvs_tile_quad {
+    const kvs_vec16* st;
+    unsigned int row0, u0;
+    __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
+        const unsigned int r = row0 + ((j >> ROW_BIT) & 1u) * 8u + i;
+        return st + Swizzle::at(r, u0 + ((j >> (1 - ROW_BIT)) & 1u));
+    }
+};
+
 // Four 8×8 tiles of 16-bit elements in shared memory, as ldmatrix.x4 gives them: r[j] holds
 // tile j's elements (row g, columns 2t, 2t + 1), or with TRANS its elements (rows 2t, 2t + 1,
 // column g). tiles.row(j, i) is the 16 bytes of tile j's row i (i < 8).

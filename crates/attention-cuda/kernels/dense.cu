@@ -445,23 +445,14 @@ KVS_WEIGHT_VARIANTS(moe_matmul, moe_matmul_body,
 
 // Unit u of staged row `row`, swizzled so that ldmatrix's 8 rows of one unit (rows of 64
 // bytes, two to a 128-byte bank cycle) fall in 8 different bank groups.
-__device__ inline unsigned int gemm_mma_unit(unsigned int row, unsigned int u) {
-    return row * GEMM_MMA_UNITS + (u ^ ((row >> 1) & (GEMM_MMA_UNITS - 1)));
-}
-
-// The four 8×8 tiles of a stage one ldmatrix.x4 reads from rows row0 … row0 + 15 and units
-// u0, u0 + 1 (k 8·u0 … 8·u0 + 15): ROW_BIT 0 orders them (rows 0-7, u0), (rows 8-15, u0),
-// (rows 0-7, u0 + 1), (rows 8-15, u0 + 1), the A registers of one m-tile (x); ROW_BIT 1 orders
-// them (rows 0-7, u0), (rows 0-7, u0 + 1), (rows 8-15, u0), (rows 8-15, u0 + 1), the B
-// registers of two n-tiles (the weight's rows are the mma's columns).
-template <int ROW_BIT> struct gemm_mma_tiles {
-    const kvs_vec16* st;
-    unsigned int row0, u0;
-    __device__ const kvs_vec16* row(unsigned int j, unsigned int i) const {
-        const unsigned int row = row0 + ((j >> ROW_BIT) & 1u) * 8u + i;
-        return st + gemm_mma_unit(row, u0 + ((j >> (1 - ROW_BIT)) & 1u));
+struct gemm_mma_swizzle {
+    __device__ static unsigned int at(unsigned int row, unsigned int u) {
+        return row * GEMM_MMA_UNITS + (u ^ ((row >> 1) & (GEMM_MMA_UNITS - 1)));
     }
 };
+// A stage's tiles (kvs_tile_quad): ROW_BIT 0 an m-tile of x, 1 two n-tiles of the weight (its
+// rows are the mma's columns).
+template <int ROW_BIT> using gemm_mma_tiles = kvs_tile_quad<ROW_BIT, gemm_mma_swizzle>;
 
 #if defined(__CUDA_ARCH__)
 #define GEMM_MMA_BOUNDS __launch_bounds__(GEMM_MMA_WARPS * WARP_SIZE)
@@ -503,7 +494,7 @@ __device__ inline void kvs_gemm_mma(const unsigned short* x, const unsigned shor
         const bool k_live = k0 + 8 * su < kdim;
 #pragma unroll
         for (int p = 0; p < GEMM_MMA_PASSES; ++p) {
-            const unsigned int u = gemm_mma_unit(sr + p * (GEMM_MMA_ROWS / GEMM_MMA_PASSES), su);
+            const unsigned int u = gemm_mma_swizzle::at(sr + p * (GEMM_MMA_ROWS / GEMM_MMA_PASSES), su);
             // A zero-filled copy reads nothing, but its source stays inside its row.
             const unsigned int k = k_live ? k0 : 0;
             kvs_cp_async16(&s_x[slot][u], x_src[p] + k, x_live[p] && k_live);

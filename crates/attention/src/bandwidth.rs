@@ -110,16 +110,24 @@ impl DecodeCase {
     }
 }
 
-/// What [`measure_decode`] measured.
+/// What a measurement of a case (`C`) measured: the median sample's time per call and the calls
+/// per sample. [`measure_decode`], [`measure_prefill`] and [`crate::gemm_throughput`]'s give
+/// one, each with the figure of merit of its case.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DecodeTiming {
+pub struct Timing<C> {
     /// The case measured.
-    pub case: DecodeCase,
+    pub case: C,
     /// The median sample's time per call, in seconds.
     pub seconds: f64,
     /// Calls per sample, back to back before one synchronisation.
     pub calls: usize,
 }
+
+/// What [`measure_decode`] measured.
+pub type DecodeTiming = Timing<DecodeCase>;
+
+/// What [`measure_prefill`] measured.
+pub type PrefillTiming = Timing<PrefillCase>;
 
 impl DecodeTiming {
     /// KV bytes read per second, in GB/s (10⁹ bytes).
@@ -217,17 +225,6 @@ impl PrefillCase {
             mla_rope_dim: None,
         }
     }
-}
-
-/// What [`measure_prefill`] measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PrefillTiming {
-    /// The case measured.
-    pub case: PrefillCase,
-    /// The median sample's time per call, in seconds.
-    pub seconds: f64,
-    /// Calls per sample, back to back before one synchronisation.
-    pub calls: usize,
 }
 
 impl PrefillTiming {

@@ -17,6 +17,7 @@ use kv_pool::rng::SplitMix64;
 
 use crate::backend::{Backend, TensorDtype};
 use crate::bandwidth::median_seconds_per_call;
+pub use crate::bandwidth::Timing;
 use crate::conformance::nonzero_vec;
 use crate::error::Result;
 use crate::moe::{MoeExperts, MoeRouting};
@@ -44,18 +45,6 @@ impl MatmulCase {
     pub fn weight_bytes(&self) -> u64 {
         (self.n * self.k) as u64 * self.dtype.bytes() as u64
     }
-}
-
-/// What [`measure_matmul`] and [`measure_moe`] measured: a case (`C`), the median sample's time
-/// per call and the calls per sample.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Timing<C> {
-    /// The case measured.
-    pub case: C,
-    /// The median sample's time per call, in seconds.
-    pub seconds: f64,
-    /// Calls per sample, back to back before one synchronisation.
-    pub calls: usize,
 }
 
 impl Timing<MatmulCase> {
