@@ -26,13 +26,18 @@ KVS_KERNEL void block_reduce(const float* in, float* out) {
 
 // out[i] = kvs_f16_to_f32(i) for every f16 bit pattern i < 65536 (a grid of 65536 threads),
 // then out[65536 + b] = kvs_e4m3_to_f32(b) for every fp8 e4m3 byte: the portable conversions
-// (the ones the emulation and HIP run) against the host's, bit for bit.
+// (the ones the emulation and HIP run) against the host's, bit for bit; then the tensor-core
+// forms' pair conversion, kvs_e4m3x2_to_f16x2_scaled, of bytes b and b ^ 0x5a (both halves of
+// every byte) into out[65792 + 2b] and out[65792 + 2b + 1], unscaled.
 KVS_KERNEL void decode_tables(const float* in, float* out) {
     (void)in;
     const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     out[i] = kvs_f16_to_f32((unsigned short)i);
     if (i < 256) {
         out[65536 + i] = kvs_e4m3_to_f32((unsigned char)i);
+        const unsigned int pair = kvs_e4m3x2_to_f16x2_scaled(i | (i ^ 0x5au) << 16);
+        out[65792 + 2 * i] = kvs_f16_to_f32((unsigned short)(pair & 0xffffu)) * 256.0f;
+        out[65792 + 2 * i + 1] = kvs_f16_to_f32((unsigned short)(pair >> 16)) * 256.0f;
     }
 }
 

@@ -507,6 +507,39 @@ fn emu_prefill_tensor_cores() {
     assert_eq!(b.device().launch_count("paged_prefill", any), before);
 }
 
+/// A NaN key comes out as NaN in exactly the rows that attend it (`run_nan_key_case`, every
+/// store dtype, GQA and MLA, extend and decode) on every kernel form: both attention kernels
+/// (the pipelined one's GQA tensor-core form included), the tensor-core MLA form and
+/// `paged_prefill`; and with the KV range split the most, the partial states merged by
+/// `merge_states` and in the kernel. The tensor-core forms convert fp8 by moving bits, which
+/// must still read e4m3's NaN byte as NaN; a state whose sum is NaN must not pass for an
+/// empty one.
+#[test]
+fn emu_nan_keys_come_out_as_nan() {
+    let most_splits = CudaConfig {
+        split_kv_target_blocks: 1 << 20,
+        ..CudaConfig::default()
+    };
+    let split = [
+        ("most splits, merge_states", most_splits),
+        (
+            "most splits, merged in the kernel",
+            CudaConfig {
+                fuse_split_merge: true,
+                ..most_splits
+            },
+        ),
+    ];
+    for (name, config) in CudaConfig::attention_forms().into_iter().chain(split) {
+        let Some(b) = backend("emu_nan_keys_come_out_as_nan", config) else {
+            return;
+        };
+        println!("{name}:");
+        let outcomes = conformance::run_nan_key_suite(&b).unwrap();
+        report(&outcomes);
+    }
+}
+
 /// The own matmul's tensor-core form (`CudaConfig::gemm_tensor_cores`, `matmul_mma`) over bf16
 /// weights: the dense suite (whose bf16 matmuls of 33 and 70 rows take it); then 130 rows (two
 /// full row blocks and a partial one) by k 72 (a quarter-full last step) into 100 outputs (a

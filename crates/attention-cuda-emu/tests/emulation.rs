@@ -1,6 +1,7 @@
 //! The emulator itself, on its own test kernels (`emu/selftest.cu`): warp shuffles equal their
 //! definition for every lane mask, block reductions across warps are exact, the portable f16
-//! and fp8 e4m3 decoders equal the host's for every bit pattern, `__syncthreads_or` agrees in
+//! and fp8 e4m3 decoders (and the tensor-core forms' e4m3 pair conversion) equal the host's
+//! for every bit pattern, `__syncthreads_or` agrees in
 //! every thread, and a barrier mismatch is reported as a typed error instead of hanging.
 
 use attention::AttentionError;
@@ -62,7 +63,7 @@ fn kernel_decoders_equal_the_hosts_for_every_bit_pattern() {
     let Some(dev) = emu_or_skip("kernel_decoders_equal_the_hosts_for_every_bit_pattern") else {
         return;
     };
-    let got = run(&dev, "decode_tables", (256, 256), &[0.0], 65536 + 256);
+    let got = run(&dev, "decode_tables", (256, 256), &[0.0], 65536 + 256 + 512);
     let check = |dtype: kv_pool::KvDtype, bytes: &[u8], got: &[f32]| {
         let mut want = vec![0f32; got.len()];
         kv_pool::dtype::decode_to_f32(dtype, bytes, 1.0, &mut want);
@@ -76,7 +77,10 @@ fn kernel_decoders_equal_the_hosts_for_every_bit_pattern() {
     let f16: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
     check(kv_pool::KvDtype::F16, &f16, &got[..65536]);
     let e4m3: Vec<u8> = (0..=u8::MAX).collect();
-    check(kv_pool::KvDtype::Fp8E4m3, &e4m3, &got[65536..]);
+    check(kv_pool::KvDtype::Fp8E4m3, &e4m3, &got[65536..65792]);
+    // The tensor-core forms' pair conversion: bytes b and b ^ 0x5a, each the host's value.
+    let pairs: Vec<u8> = (0..=u8::MAX).flat_map(|b| [b, b ^ 0x5a]).collect();
+    check(kv_pool::KvDtype::Fp8E4m3, &pairs, &got[65792..]);
 }
 
 #[test]

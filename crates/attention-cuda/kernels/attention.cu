@@ -500,10 +500,12 @@ KVS_KERNEL void ATTN_BOUNDS paged_attention(KVS_ATTN_PARAMS) {
                 for (unsigned int g = 0; g < V_GROUPS; ++g) {
                     o += s_o[g * V_HEAD_DIM + d];
                 }
-                partial_o[o_row * V_HEAD_DIM + d] = l[h] > 0.0f ? o / l[h] * v_scale : 0.0f;
+                // l == 0: no key (an empty split). A NaN l (a NaN score: fmaxf's maxima
+                // skip it, its exp does not) is no empty state: the NaN goes on to the output.
+                partial_o[o_row * V_HEAD_DIM + d] = l[h] != 0.0f ? o / l[h] * v_scale : 0.0f;
             }
             if (t == 0) {
-                partial_lse[o_row] = l[h] > 0.0f ? m[h] + logf(l[h]) : KVS_NEG_INF;
+                partial_lse[o_row] = l[h] != 0.0f ? m[h] + logf(l[h]) : KVS_NEG_INF;
             }
         }
         __syncthreads(); // s_o is rewritten for the next head
@@ -535,10 +537,11 @@ __device__ inline void pl_merge_warps(const kvs_attn_block& b, unsigned int h,
         for (int w = 0; w < ATTN_WARPS; ++w) {
             acc += wt[w] * o[w * stride + d];
         }
-        partial_o[out * V_HEAD_DIM + d] = total > 0.0f ? acc / total * v_scale : 0.0f;
+        // total == 0: no key; a NaN total carries on (paged_attention's end says why)
+        partial_o[out * V_HEAD_DIM + d] = total != 0.0f ? acc / total * v_scale : 0.0f;
     }
     if (threadIdx.x == 0) {
-        partial_lse[out] = total > 0.0f ? mx + logf(total) : KVS_NEG_INF;
+        partial_lse[out] = total != 0.0f ? mx + logf(total) : KVS_NEG_INF;
     }
 }
 
@@ -814,13 +817,9 @@ __device__ inline void pl_issue(pl_unit (*stage)[PL_ROW_UNITS],
 #endif
 #endif
 // The mmas' element type: the store's for f16 and bf16; f16 for fp8, whose values convert to
-// f16 exactly (e4m3 scaled by 2^-8, which PM_FP8_UNSCALE undoes on the scores and the output).
+// f16 exactly (e4m3 scaled by 2^-8, which KV_FP8_F16_UNSCALE undoes on the scores and the
+// output).
 #define PM_BF16 (KV_DTYPE == 2)
-#if KV_DTYPE == 3
-#define PM_FP8_UNSCALE 256.0f
-#else
-#define PM_FP8_UNSCALE 1.0f
-#endif
 
 // A row's swizzle: unit x of row `row` sits at x ^ PM_SWIZZLE(row), so the tiles a warp reads
 // at once fall in different bank groups: ldmatrix's 8 rows of one unit (f16/bf16), and fp8's
@@ -849,26 +848,11 @@ __device__ inline unsigned int pm_unit(unsigned int row, unsigned int part, unsi
 }
 
 #if PM_FP8
-// fp8 bytes 0 and 2 of x as f16x2 (byte 0 in the low half), exactly: e5m2 is the top byte of
-// an f16; e4m3's exponent and mantissa bits, moved to f16's places, are its value times 2^-8
-// (subnormals included). A NaN (e4m3 0x7f) becomes a finite value, as no encoder writes one
-// but kvs_f32_to_fp8 of a NaN.
-__device__ inline unsigned int pm_fp8_even(unsigned int x) {
-#if KV_DTYPE == 3
-    return ((x & 0x007f007fu) << 7) | ((x & 0x00800080u) << 8);
-#else
-    return (x << 8) & 0xff00ff00u;
-#endif
-}
+// fp8 bytes 0 and 2 of x as f16x2 (byte 0 in the low half), exactly (kv_fp8x2_to_f16x2).
+__device__ inline unsigned int pm_fp8_even(unsigned int x) { return kv_fp8x2_to_f16x2(x); }
 
 // fp8 bytes 1 and 3 of x as f16x2 (byte 1 in the low half), as pm_fp8_even.
-__device__ inline unsigned int pm_fp8_odd(unsigned int x) {
-#if KV_DTYPE == 3
-    return ((x & 0x7f007f00u) >> 1) | (x & 0x80008000u);
-#else
-    return x & 0xff00ff00u;
-#endif
-}
+__device__ inline unsigned int pm_fp8_odd(unsigned int x) { return kv_fp8x2_to_f16x2(x >> 8); }
 
 // Byte p of a in byte 0 and byte p of b in byte 2 (bytes 1 and 3 unspecified): PRMT.
 template <int P> __device__ inline unsigned int pm_pair_bytes(unsigned int a, unsigned int b) {
@@ -1031,7 +1015,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     }
     float m = KVS_NEG_INF; // head g's running maximum (the same in g's 4 lanes)
     float l = 0.0f;        // this lane's share of head g's running sum
-    const float ks = k_scale * PM_FP8_UNSCALE;
+    const float ks = k_scale * KV_FP8_F16_UNSCALE;
 
     const unsigned int steps = b.begin < b.end ? (b.end - b.begin + PM_STEP - 1) / PM_STEP : 0;
     const unsigned int first = b.begin + warp * 8; // this warp's row 0 of step 0
@@ -1171,7 +1155,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         const float* hs = s_f + h * PM_SCRATCH;
         pl_merge_warps(b, h, q_heads, hs + HEAD_DIM, hs + HEAD_DIM + 1, hs,
                        HEADS_PER_BLOCK * PM_SCRATCH, partial_o, partial_lse,
-                       v_scale * PM_FP8_UNSCALE);
+                       v_scale * KV_FP8_F16_UNSCALE);
     }
     kvs_attn_finish(b, q_heads, partial_o, partial_lse, out, counters, merge_in_kernel);
 }
@@ -1318,7 +1302,7 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
     }
     float m[2] = {KVS_NEG_INF, KVS_NEG_INF}; // heads g, g + 8: running maxima (all g's lanes)
     float l[2] = {0.0f, 0.0f};               // this lane's share of their running sums
-    const float ks = k_scale * PM_FP8_UNSCALE;
+    const float ks = k_scale * KV_FP8_F16_UNSCALE;
 
     const unsigned int steps = b.begin < b.end ? (b.end - b.begin + PM_ROWS - 1) / PM_ROWS : 0;
     unsigned int slot = pm_mla_slot(b, b.begin, page_size, page_shift); // of the next issue
@@ -1475,18 +1459,18 @@ KVS_KERNEL void PL_BOUNDS paged_attention_pipelined(KVS_ATTN_PARAMS) {
         if (h < b.nheads) {
             const size_t out_row = ((size_t)b.tok * q_heads + b.head0 + h) * b.num_splits + b.split;
             float* o = partial_o + out_row * V_HEAD_DIM;
-            const float vs = v_scale * PM_FP8_UNSCALE;
+            const float vs = v_scale * KV_FP8_F16_UNSCALE;
 #pragma unroll
             for (int j = 0; j < PM_WNT; ++j) {
                 if (warp * PM_WNT + j < PM_VNT) {
                     o[pm_mla_v_dim(warp, j, 2 * tq)] =
-                        total > 0.0f ? acc[j][2 * hh] / total * vs : 0.0f;
+                        total != 0.0f ? acc[j][2 * hh] / total * vs : 0.0f;
                     o[pm_mla_v_dim(warp, j, 2 * tq + 1)] =
-                        total > 0.0f ? acc[j][2 * hh + 1] / total * vs : 0.0f;
+                        total != 0.0f ? acc[j][2 * hh + 1] / total * vs : 0.0f;
                 }
             }
             if (warp == 0 && tq == 0) {
-                partial_lse[out_row] = total > 0.0f ? m[hh] + logf(total) : KVS_NEG_INF;
+                partial_lse[out_row] = total != 0.0f ? m[hh] + logf(total) : KVS_NEG_INF;
             }
         }
     }
@@ -1750,11 +1734,6 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 #define PF_UNITS (HEAD_DIM / 8)    // 16-byte units of a key or value row as the mmas read it
 #define PF_SUNITS (HEAD_DIM * KV_BYTES / 16) // 16-byte units of a row as stored and staged
 #define PF_FP8 (KV_DTYPE >= 3)
-#if KV_DTYPE == 3
-#define PF_UNSCALE 256.0f // e4m3 converts to its value times 2^-8
-#else
-#define PF_UNSCALE 1.0f
-#endif
 #define PF_KT (HEAD_DIM / 16)      // k-tiles of the scores' mmas
 #define PF_NT (HEAD_DIM / 8)       // n-tiles of the output's mmas
 #define PF_BF16 (KV_DTYPE == 2)
@@ -1924,16 +1903,9 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
                     kvs_vec16 h;
 #pragma unroll
                     for (int w = 0; w < 4; ++w) {
-                        // bytes 2w, 2w + 1 of this half
+                        // bytes 2w, 2w + 1 of this half, moved to bytes 0 and 2
                         const unsigned int x = (w < 2 ? lo : hi) >> (16 * (w % 2));
-                        const unsigned int b0 = x & 0xffu, b1 = (x >> 8) & 0xffu;
-#if KV_DTYPE == 3
-                        const unsigned int f0 = ((b0 & 0x7fu) << 7) | ((b0 & 0x80u) << 8);
-                        const unsigned int f1 = ((b1 & 0x7fu) << 7) | ((b1 & 0x80u) << 8);
-#else
-                        const unsigned int f0 = b0 << 8, f1 = b1 << 8;
-#endif
-                        h.w[w] = f0 | (f1 << 16);
+                        h.w[w] = kv_fp8x2_to_f16x2((x & 0xffu) | ((x & 0xff00u) << 8));
                     }
                     dst[pf_swizzle::at(row, 2 * u + half)] = h;
                 }
@@ -1979,8 +1951,9 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
             for (int e = 0; e < 4; ++e) {
                 const unsigned int j = s * PF_KEYS + 8 * nt + 2 * tq + (e & 1);
                 const int h = e >> 1;
-                const float x =
-                    (j < kv_end && j <= qpos[h]) ? sc[nt][e] * (k_scale * PF_UNSCALE) : KVS_NEG_INF;
+                const float x = (j < kv_end && j <= qpos[h])
+                                    ? sc[nt][e] * (k_scale * KV_FP8_F16_UNSCALE)
+                                    : KVS_NEG_INF;
                 sc[nt][e] = x;
                 step_max[h] = fmaxf(step_max[h], x);
             }
@@ -2046,7 +2019,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
             continue;
         }
         float* orow = out + ((size_t)qrow[h] * q_heads + head) * V_HEAD_DIM;
-        const float inv = v_scale * PF_UNSCALE / l[h];
+        const float inv = v_scale * KV_FP8_F16_UNSCALE / l[h];
 #pragma unroll
         for (int nt = 0; nt < PF_NT; ++nt) {
             orow[8 * nt + 2 * tq] = o[nt][2 * h] * inv;

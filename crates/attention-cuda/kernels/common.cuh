@@ -128,6 +128,17 @@ __device__ inline float kvs_e4m3_to_f32(unsigned char b) {
 }
 #endif
 
+// fp8 e4m3 bytes 0 and 2 of x as f16x2 (byte 0 in the low half), each its value times 2^-8,
+// exactly, by integer operations alone: e4m3's exponent and mantissa bits moved to f16's
+// places (its exponent bias is 8 below f16's; subnormals included), and its NaN (0x7f, 0xff)
+// given f16's all-ones exponent as well, so it stays NaN (moved alone it would read as ±480).
+__device__ inline unsigned int kvs_e4m3x2_to_f16x2_scaled(unsigned int x) {
+    const unsigned int mag = x & 0x007f007fu;
+    // bit 7 of a half set where its byte is 0x7f; times 0xf8, f16's exponent bits 0x7c00
+    const unsigned int nan = (mag + 0x00010001u) & 0x00800080u;
+    return (mag << 7) | ((x & 0x00800080u) << 8) | nan * 0xf8u;
+}
+
 // f32 to fp8, rounded to nearest even and saturating to ±max (NaN stays NaN): kv-pool's
 // encoder, which clamps and then converts as CUDA's __nv_cvt_double_to_fp8 with SATFINITE
 // (the float8 crate ports the same routine; this is that routine on the exact double).
@@ -253,6 +264,27 @@ __device__ inline float kv_word_elem(unsigned int w, int e) {
     return kvs_f16_to_f32((unsigned short)(((w >> (8 * e)) & 0xffu) << 8));
 #endif
 }
+
+// The factor that undoes kv_fp8x2_to_f16x2's scaling (below): e4m3 converts to its value times
+// 2^-8; every other dtype to its value.
+#if KV_DTYPE == 3
+#define KV_FP8_F16_UNSCALE 256.0f
+#else
+#define KV_FP8_F16_UNSCALE 1.0f
+#endif
+
+#if KV_DTYPE >= 3
+// fp8 bytes 0 and 2 of x as f16x2 (byte 0 in the low half), exactly, by integer operations
+// alone (what the tensor-core forms' f16 mmas take): e5m2 is the top byte of an f16; e4m3
+// scaled by 2^-8 (kvs_e4m3x2_to_f16x2_scaled, KV_FP8_F16_UNSCALE).
+__device__ inline unsigned int kv_fp8x2_to_f16x2(unsigned int x) {
+#if KV_DTYPE == 3
+    return kvs_e4m3x2_to_f16x2_scaled(x);
+#else
+    return (x << 8) & 0xff00ff00u;
+#endif
+}
+#endif
 
 // Elements per 16-byte vector of the store.
 #define KV_PER_VEC (4 * KV_PER_WORD)

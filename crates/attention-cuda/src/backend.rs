@@ -88,6 +88,43 @@ impl Default for CudaConfig {
     }
 }
 
+impl CudaConfig {
+    /// A configuration per form attention can run in, by name: each attention kernel (the
+    /// pipelined one with its GQA tensor-core form), the tensor-core MLA form and
+    /// `paged_prefill`. What the checks that hold for every form (a NaN input coming out as
+    /// NaN, for one) iterate over, in the emulation and on a GPU.
+    pub fn attention_forms() -> [(&'static str, CudaConfig); 4] {
+        let pipelined = CudaConfig {
+            attention_kernel: AttentionKernel::Pipelined,
+            ..CudaConfig::default()
+        };
+        [
+            (
+                "chunked",
+                CudaConfig {
+                    attention_kernel: AttentionKernel::Chunked,
+                    ..pipelined
+                },
+            ),
+            ("pipelined", pipelined),
+            (
+                "mla tensor cores",
+                CudaConfig {
+                    mla_tensor_cores: true,
+                    ..pipelined
+                },
+            ),
+            (
+                "prefill tensor cores",
+                CudaConfig {
+                    prefill_tensor_cores: true,
+                    ..pipelined
+                },
+            ),
+        ]
+    }
+}
+
 /// The two paged-attention kernels of `attention.cu`: the same grid, arguments and partial
 /// states (merged by `merge_states`), the same results within rounding; they differ in how
 /// they read the cache.

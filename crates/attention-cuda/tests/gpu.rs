@@ -181,6 +181,23 @@ fn gpu_prefill_tensor_cores() {
     conformance::assert_all_passed(&outcomes);
 }
 
+/// A NaN key comes out as NaN in exactly the rows that attend it (`run_nan_key_case`, every
+/// store dtype, GQA and MLA, extend and decode), in every attention form.
+#[test]
+fn gpu_nan_keys_come_out_as_nan() {
+    for (name, config) in CudaConfig::attention_forms() {
+        let Some(b) = gpu_with_or_skip("gpu_nan_keys_come_out_as_nan", config) else {
+            return;
+        };
+        println!("{name}:");
+        let outcomes = conformance::run_nan_key_suite(&b).unwrap();
+        for o in &outcomes {
+            println!("{o}");
+        }
+        conformance::assert_all_passed(&outcomes);
+    }
+}
+
 /// The own matmul's tensor-core form (`CudaConfig::gemm_tensor_cores`): the dense suite with
 /// it on, then bf16 matmuls of 130 × 72 → 100 (partial row and output blocks, a partial k
 /// step) and 1000 × 512 → 700 within 1e-5 of the f64 matmul of the activations rounded to

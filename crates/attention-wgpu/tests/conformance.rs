@@ -100,6 +100,20 @@ fn wgpu_attention_conformance_quick() {
     }
 }
 
+/// A NaN key comes out as NaN in exactly the rows that attend it (`run_nan_key_case`), over
+/// the store dtypes the adapter has.
+#[test]
+fn wgpu_nan_keys_come_out_as_nan() {
+    let Some(backend) = backend_or_skip("wgpu_nan_keys_come_out_as_nan") else {
+        return;
+    };
+    let outcomes = conformance::run_nan_key_suite(&backend).unwrap();
+    for o in &outcomes {
+        println!("{o}");
+    }
+    conformance::assert_all_passed(&outcomes);
+}
+
 /// The quick suite gives each shape and page size two dtypes in rotation, most of them ones
 /// this backend skips; here every MHA and MLA case runs over both f32 and f16 stores, so every
 /// shape × page size × batch meets the reference on wgpu.

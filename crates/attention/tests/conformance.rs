@@ -52,3 +52,21 @@ fn cpu_dense_conformance() {
     }
     conformance::assert_all_passed(&outcomes);
 }
+
+/// A NaN key comes out as NaN in exactly the rows that attend it, over every store dtype
+/// (`conformance::run_nan_key_case`), single-threaded and threaded.
+#[test]
+fn cpu_nan_keys_come_out_as_nan() {
+    for threads in [1, 3] {
+        let backend = CpuBackend::new(CpuConfig {
+            threads,
+            ..CpuConfig::default()
+        })
+        .unwrap();
+        let outcomes = conformance::run_nan_key_suite(&backend).unwrap();
+        for o in &outcomes {
+            println!("{o}");
+        }
+        conformance::assert_all_passed(&outcomes);
+    }
+}

@@ -114,6 +114,73 @@ const LAYER: usize = 1;
 /// case whose store the backend does not support ([`Backend::kv_support`]) is not run: its
 /// outcome is skipped, with the backend's reason.
 pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Result<Outcome> {
+    measure_case(backend, case, false)
+}
+
+/// [`run_attention_case`] with one element of a new key (a latent row for MLA) set to NaN:
+/// first request, its middle new token. A NaN input must come out as NaN, never as a finite
+/// wrong value: every output element the reference gives NaN (the rows that attend that token,
+/// and no others: the causal mask is checked too) must be NaN, and the rest must be within the
+/// usual bounds. An fp8 e4m3 store holds the NaN as its NaN byte, which every kernel must read
+/// as NaN (a conversion by bit moves alone reads it as ±480).
+pub fn run_nan_key_case<B: Backend>(backend: &B, case: &AttentionCase) -> Result<Outcome> {
+    measure_case(backend, case, true)
+}
+
+/// Runs every case of [`nan_key_cases`] through [`run_nan_key_case`].
+pub fn run_nan_key_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
+    nan_key_cases()
+        .iter()
+        .map(|case| run_nan_key_case(backend, case))
+        .collect()
+}
+
+/// The outcome of [`run_case`]: errors by [`relative_error`], or by [`nan_pattern_error`] for
+/// a case with a NaN key.
+fn measure_case<B: Backend>(backend: &B, case: &AttentionCase, nan_key: bool) -> Result<Outcome> {
+    let name = format!(
+        "{} {case}{}",
+        backend.name(),
+        if nan_key { " nan key" } else { "" }
+    );
+    let bound = attention_bound(case.dtype);
+    let error = if nan_key {
+        nan_pattern_error
+    } else {
+        relative_error
+    };
+    Ok(match run_case(backend, case, nan_key)? {
+        Err(reason) => Outcome::skipped(name, bound, reason),
+        Ok(run) => Outcome::measured(name, error(&run.got, &run.want), bound)
+            .with_stored(error(&run.got, &run.want_stored)),
+    })
+}
+
+/// [`relative_error`] over the elements `want` has as numbers; infinite unless `got` is NaN
+/// exactly where `want` is.
+fn nan_pattern_error(got: &[f32], want: &[f64]) -> f64 {
+    if got.len() != want.len() || got.iter().zip(want).any(|(g, w)| g.is_nan() != w.is_nan()) {
+        return f64::INFINITY;
+    }
+    let (g, w): (Vec<f32>, Vec<f64>) = got.iter().zip(want).filter(|(_, w)| !w.is_nan()).unzip();
+    relative_error(&g, &w)
+}
+
+/// What one run of a case gives: the backend's output, the reference over the unquantized
+/// inputs, and the reference over the values the store holds after the call.
+struct CaseRun {
+    got: Vec<f32>,
+    want: Vec<f64>,
+    want_stored: Vec<f64>,
+}
+
+/// Runs `case` (with a NaN key element when `nan_key`, as [`run_nan_key_case`] says), or
+/// gives the backend's reason for not supporting its store.
+fn run_case<B: Backend>(
+    backend: &B,
+    case: &AttentionCase,
+    nan_key: bool,
+) -> Result<std::result::Result<CaseRun, String>> {
     let mut rng = SplitMix64::new(case.seed);
     let p = case.page_size;
     let (shape, (qh, kvh, d, dv)) = match case.kind {
@@ -147,13 +214,7 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
         }
     };
     if let Err(reason) = backend.kv_support(&shape) {
-        return Ok(Outcome {
-            name: format!("{} {case}", backend.name()),
-            error: 0.0,
-            bound: attention_bound(case.dtype),
-            skipped: Some(reason),
-            stored_error: None,
-        });
+        return Ok(Err(reason));
     }
     let mla = matches!(case.kind, CaseKind::Mla { .. });
     let (k_row, v_row) = (
@@ -201,9 +262,12 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
     // gets unrelated values at the same slots.
     let mut kf = Vec::new();
     let mut vf = Vec::new();
-    for (s, &(prefix, _)) in slots.iter().zip(&case.requests) {
+    for (r, (s, &(prefix, extend))) in slots.iter().zip(&case.requests).enumerate() {
         let n = s.len();
-        let k = nonzero_vec(&mut rng, n * k_row);
+        let mut k = nonzero_vec(&mut rng, n * k_row);
+        if nan_key && r == 0 {
+            k[(prefix + extend / 2) * k_row] = f32::NAN;
+        }
         let v = nonzero_vec(&mut rng, n * v_row);
         store.write_kv(
             0,
@@ -299,12 +363,11 @@ pub fn run_attention_case<B: Backend>(backend: &B, case: &AttentionCase) -> Resu
         }
         want_stored.extend(reference_of(r, &ks, &vs)?);
     }
-    Ok(Outcome::measured(
-        format!("{} {case}", backend.name()),
-        relative_error(&got, &want),
-        attention_bound(case.dtype),
-    )
-    .with_stored(relative_error(&got, &want_stored)))
+    Ok(Ok(CaseRun {
+        got,
+        want,
+        want_stored,
+    }))
 }
 
 /// Extend batches for a prefill kernel: the quick suite's MHA/GQA extend cases (head dims 64
@@ -338,6 +401,39 @@ pub fn extend_cases(dtypes: &[KvDtype]) -> Vec<AttentionCase> {
                 seed: 0x9F + i as u64,
             });
             i += 1;
+        }
+    }
+    cases
+}
+
+/// Cases for [`run_nan_key_case`]: an extend batch (the NaN token mid-extend, after a prefix)
+/// and a decode batch, each of GQA 8/2 × 64 and MLA 16 × (512 + 64) (shapes every device
+/// form serves), over pages of 16, in every store dtype.
+pub fn nan_key_cases() -> Vec<AttentionCase> {
+    let kinds = [
+        CaseKind::Mha {
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+        },
+        CaseKind::Mla {
+            heads: 16,
+            kv_lora_rank: 512,
+            rope_dim: 64,
+        },
+    ];
+    let mut cases = Vec::new();
+    for dtype in KvDtype::ALL {
+        for kind in kinds {
+            for requests in [vec![(21, 10), (0, 7)], vec![(40, 1), (9, 1)]] {
+                cases.push(AttentionCase {
+                    kind,
+                    dtype,
+                    page_size: 16,
+                    requests,
+                    seed: 0x4E4E + cases.len() as u64,
+                });
+            }
         }
     }
     cases

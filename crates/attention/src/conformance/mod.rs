@@ -12,7 +12,10 @@
 //! call (scales applied), within [`STORED_BOUND`]: with storage rounding gone, only the
 //! kernel's arithmetic is left, so a wrong scale or a misplaced element cannot hide in the
 //! storage bound (fp8's is 25 %).
-
+//!
+//! [`run_nan_key_suite`] puts a NaN in one new key and requires it to come out as NaN in
+//! exactly the rows that attend it: a device that reads a NaN as a number (an fp8 conversion by
+//! bit moves) or takes a NaN sum for an empty softmax state gives a finite wrong answer.
 //!
 //! Modules: [`outcome`] (bounds, the error measure, reporting), [`inputs`] (random values and
 //! scattered slots), [`cases`] (the attention cases and their runner), [`dense`] (the dense
@@ -24,8 +27,8 @@ pub mod inputs;
 pub mod outcome;
 
 pub use cases::{
-    attention_cases, extend_cases, run_attention_case, run_attention_suite, AttentionCase,
-    CaseKind, SuiteSize,
+    attention_cases, extend_cases, nan_key_cases, run_attention_case, run_attention_suite,
+    run_nan_key_case, run_nan_key_suite, AttentionCase, CaseKind, SuiteSize,
 };
 pub use dense::{
     matmul_bf16_activations_case, moe_bf16_activations_case, run_dense_suite, Bf16MoeOutcome,

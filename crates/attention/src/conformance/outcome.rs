@@ -59,6 +59,17 @@ impl Outcome {
         }
     }
 
+    /// The outcome of a case the backend does not support, with its reason: not run, passed.
+    pub fn skipped(name: String, bound: f64, reason: String) -> Self {
+        Outcome {
+            name,
+            error: 0.0,
+            bound,
+            skipped: Some(reason),
+            stored_error: None,
+        }
+    }
+
     /// With the error against the reference over the stored values ([`STORED_BOUND`]).
     pub fn with_stored(self, stored_error: f64) -> Self {
         Outcome {
