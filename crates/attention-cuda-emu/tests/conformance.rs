@@ -464,8 +464,10 @@ fn emu_decode_bandwidth_measures_every_page_family() {
 /// (head dims 64 and 128;
 /// groups of 1, 4, 7 and 8; pages of 1, 16 and 64), and long extends (150 new tokens from no
 /// prefix: three tiles, the last partial; 66 after a prefix of 70; a one-token request beside
-/// them) over pages of 16 and 24, against the reference and, within 1e-4, the stored values.
-/// Each case must have launched the kernel; decode batches keep the attention kernel.
+/// them) over pages of 16 and 24, short and long extends after long prefixes, against the
+/// reference and, within 1e-4, the stored values; with the KV range split (the default target)
+/// and unsplit. Each case must have launched the kernel; decode batches keep the attention
+/// kernel.
 #[test]
 fn emu_prefill_tensor_cores() {
     let config = CudaConfig {
@@ -483,11 +485,23 @@ fn emu_prefill_tensor_cores() {
         KvDtype::Fp8E5m2,
     ]);
     let mut outcomes = Vec::new();
-    for case in &cases {
-        let before = b.device().launch_count("paged_prefill", any);
-        outcomes.push(conformance::run_attention_case(&b, case).unwrap());
-        let launched = b.device().launch_count("paged_prefill", any) - before;
-        assert!(launched > 0, "{case}: paged_prefill did not run");
+    // The default split target splits the KV range of the cases with few tiles (the short
+    // extend after 700 positions: 6 splits); a target of one block splits none.
+    for split_kv_target_blocks in [config.split_kv_target_blocks, 1] {
+        let b = b.with_config(CudaConfig {
+            split_kv_target_blocks,
+            ..config
+        });
+        let merges = b.device().launch_count("merge_states", any);
+        for case in &cases {
+            let before = b.device().launch_count("paged_prefill", any);
+            outcomes.push(conformance::run_attention_case(&b, case).unwrap());
+            let launched = b.device().launch_count("paged_prefill", any) - before;
+            assert!(launched > 0, "{case}: paged_prefill did not run");
+        }
+        let merges = b.device().launch_count("merge_states", any) - merges;
+        println!("split target {split_kv_target_blocks}: {merges} merges");
+        assert_eq!(merges > 0, split_kv_target_blocks > 1);
     }
     report(&outcomes);
     // A decode batch keeps the attention kernel.

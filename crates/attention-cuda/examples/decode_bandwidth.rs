@@ -26,10 +26,11 @@
 //! fp8; 32768 positions), on each kernel asked for, the pipelined one's rows once more in the
 //! tensor-core form (`CudaConfig::mla_tensor_cores`, labelled `+mma`). `TABLES`: `mha`,
 //! `mla` or `both` (the default); or `prefill`: Llama-3-8B-shaped prefill attention (prompts
-//! of 512, 2048 and 8192 tokens, and 8 requests of 512 after 1024 cached; bf16 and f16, pages
-//! of 16) by the pipelined kernel (a block per token) and `paged_prefill`
-//! (`CudaConfig::prefill_tensor_cores`), in TFLOP/s of causal attention. Prints Markdown tables; a case the device refuses (memory)
-//! is a row with the error.
+//! of 512, 2048 and 8192 tokens, 8 requests of 512 after 1024 cached, and short extends after
+//! long prefixes, 32 after 8192 and 4 × 64 after 4096, whose KV range `paged_prefill` splits;
+//! bf16 and f16, pages of 16) by the pipelined kernel (a block per token) and `paged_prefill`
+//! (`CudaConfig::prefill_tensor_cores`), in TFLOP/s of causal attention. Prints Markdown
+//! tables; a case the device refuses (memory) is a row with the error.
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 fn main() -> std::process::ExitCode {
@@ -189,7 +190,16 @@ fn main() -> std::process::ExitCode {
         );
         println!("|---|---|---|---|---|---|---|---|");
     }
-    let prefills = [(1, 0, 512), (1, 0, 2048), (1, 0, 8192), (8, 1024, 512)];
+    // Fresh prompts, a batch after shared prefixes, and short extends after long prefixes (a
+    // chat's next message: too few tiles to fill the GPU, so paged_prefill splits their KV).
+    let prefills = [
+        (1, 0, 512),
+        (1, 0, 2048),
+        (1, 0, 8192),
+        (8, 1024, 512),
+        (1, 8192, 32),
+        (4, 4096, 64),
+    ];
     for (requests, prefix, extend) in prefills.into_iter().filter(|_| prefill_table) {
         for dtype in [KvDtype::Bf16, KvDtype::F16] {
             let case = PrefillCase::llama3_8b(requests, prefix, extend, 16, dtype);

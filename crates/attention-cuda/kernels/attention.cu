@@ -1704,8 +1704,11 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 // of the step against each row's own position), an online softmax per row (the row's maximum
 // over its 4 lanes of a quad), and O += P·V with P from the scores' registers (again a rounded
 // part and its remainder) and V through ldmatrix.trans. Keys and values are staged by
-// cp.async PF_STAGES steps deep. The output is written normalised straight to `out` (no
-// splits: a prefill has blocks enough). f16, bf16 and fp8 stores with keys and values of one
+// cp.async PF_STAGES steps deep. The KV range splits across blocks as the attention kernels'
+// does (grid.z, positions split·split_size …, the host's SplitPlan over tiles × heads: a short
+// extend over a long prefix has too few tiles to fill the GPU), each writing its rows'
+// normalised partial outputs and log-sum-exps for merge_states; unsplit, the partial output is
+// the output. f16, bf16 and fp8 stores with keys and values of one
 // head dim, 64 or 128 (Spec::has_prefill); fp8 rows are staged as they are stored, then
 // converted once a step into f16 rows (exactly: e5m2 is an f16's top byte, e4m3's bits moved to
 // f16's places are its value times 2^-8, undone with the scales), which the mmas read as f16.
@@ -1776,9 +1779,11 @@ template <int ROW_BIT> using pf_tiles = kvs_tile_quad<ROW_BIT, pf_swizzle>;
 
 KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, const kv_t* v_cache,
                                         const unsigned int* plan, const unsigned int* tiles,
-                                        float* out, unsigned int q_heads, unsigned int kv_heads,
+                                        float* partial_o, float* partial_lse,
+                                        unsigned int q_heads, unsigned int kv_heads,
                                         unsigned int page_size, unsigned int page_shift,
-                                        float scale, float k_scale, float v_scale) {
+                                        unsigned int split_size, float scale, float k_scale,
+                                        float v_scale) {
     __shared__ kvs_vec16 s_k[PF_STAGES][PF_KEYS * PF_SUNITS];
     __shared__ kvs_vec16 s_v[PF_STAGES][PF_KEYS * PF_SUNITS];
 #if PF_FP8
@@ -1793,18 +1798,24 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     const unsigned int req = plan[plan[PLAN_TOK_REQ] + first];
     const unsigned int pos0 = plan[plan[PLAN_TOK_POS] + first]; // the tile's positions are pos0 + i
     const unsigned int* pages = plan + plan[PLAN_KV_INDICES] + plan[plan[PLAN_KV_INDPTR] + req];
-    const unsigned int kv_end = pos0 + count; // causal: the last query sees positions below it
+    // This block's split of the tile's positions: kv_begin (a multiple of PF_KEYS) up to
+    // kv_end, causal (the tile's last query sees positions below pos0 + count).
+    const unsigned int kv_begin = blockIdx.z * split_size;
+    const unsigned int kv_end =
+        pos0 + count < kv_begin + split_size ? pos0 + count : kv_begin + split_size;
 
     // This lane's rows of the warp's 16: r[h] = 16·warp + g + 8h, live below count; a dead
     // row reads the tile's first query and attends without a mask (finite, never written).
-    unsigned int qrow[2], qpos[2];
+    // seen[h]: how many of the split's positions the row sees (its causal end, from kv_begin).
+    unsigned int qrow[2], seen[2];
     bool live[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const unsigned int r = 16 * warp + g + 8 * h;
         live[h] = r < count;
         qrow[h] = first + (live[h] ? r : 0);
-        qpos[h] = live[h] ? pos0 + r : 0xffffffffu;
+        const unsigned int end = live[h] && pos0 + r + 1 < kv_end ? pos0 + r + 1 : kv_end;
+        seen[h] = end > kv_begin ? end - kv_begin : 0;
     }
     // The scaled query as A registers of k-tile kt: hi = its rounding, lo = the rest (in f16
     // for f16 and fp8 stores: a scaled query element beyond f16's 65504 would give NaN scores,
@@ -1834,7 +1845,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
 #pragma unroll
         for (unsigned int c = 0; c < PF_COPIES; ++c) {
             const unsigned int flat = c * PF_THREADS + threadIdx.x;
-            const unsigned int j = s * PF_KEYS + flat / PF_SUNITS;
+            const unsigned int j = kv_begin + s * PF_KEYS + flat / PF_SUNITS;
             a.in[c] = j < kv_end;
             a.at[c] = a.in[c] ? ((size_t)kvs_slot(pages, j, page_size, page_shift) * kv_heads + kvh) *
                                         HEAD_DIM +
@@ -1864,7 +1875,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     }
     float m[2] = {KVS_NEG_INF, KVS_NEG_INF}; // rows g, g + 8: running maxima (the quad's)
     float l[2] = {0.0f, 0.0f};               // this lane's share of their running sums
-    const unsigned int steps = (kv_end + PF_KEYS - 1) / PF_KEYS;
+    const unsigned int steps = kv_begin < kv_end ? (kv_end - kv_begin + PF_KEYS - 1) / PF_KEYS : 0;
 #pragma unroll
     for (unsigned int s = 0; s + 1 < PF_STAGES; ++s) {
         if (s < steps) {
@@ -1949,9 +1960,9 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         for (int nt = 0; nt < PF_KEYS / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const unsigned int j = s * PF_KEYS + 8 * nt + 2 * tq + (e & 1);
+                const unsigned int j = s * PF_KEYS + 8 * nt + 2 * tq + (e & 1); // from kv_begin
                 const int h = e >> 1;
-                const float x = (j < kv_end && j <= qpos[h])
+                const float x = j < seen[h]
                                     ? sc[nt][e] * (k_scale * KV_FP8_F16_UNSCALE)
                                     : KVS_NEG_INF;
                 sc[nt][e] = x;
@@ -2009,8 +2020,11 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
             }
         }
     }
-    // The rows' sums over their quads, then out = O / l · v_scale for the live rows: o[nt]
-    // rows g ([0], [1]) and g + 8 ([2], [3]) at dims 8nt + 2tq, + 1.
+    // The rows' sums over their quads, then each live row's state for its split, as the
+    // attention kernels write theirs: O / l · v_scale (o[nt] rows g ([0], [1]) and g + 8
+    // ([2], [3]) at dims 8nt + 2tq, + 1) and log-sum-exp m + ln l. Unsplit, partial_o is the
+    // output. A row that sees no position of the split (l == 0: its causal end is before it)
+    // writes the empty state, zeros and −inf; a NaN l carries on.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += KVS_SHFL_XOR(l[h], 1);
@@ -2018,12 +2032,17 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         if (!live[h]) {
             continue;
         }
-        float* orow = out + ((size_t)qrow[h] * q_heads + head) * V_HEAD_DIM;
-        const float inv = v_scale * KV_FP8_F16_UNSCALE / l[h];
+        const size_t row = ((size_t)qrow[h] * q_heads + head) * gridDim.z + blockIdx.z;
+        float* orow = partial_o + row * V_HEAD_DIM;
+        const bool empty = l[h] == 0.0f;
+        const float inv = empty ? 0.0f : v_scale * KV_FP8_F16_UNSCALE / l[h];
 #pragma unroll
         for (int nt = 0; nt < PF_NT; ++nt) {
             orow[8 * nt + 2 * tq] = o[nt][2 * h] * inv;
             orow[8 * nt + 2 * tq + 1] = o[nt][2 * h + 1] * inv;
+        }
+        if (tq == 0) {
+            partial_lse[row] = empty ? KVS_NEG_INF : m[h] + logf(l[h]);
         }
     }
 }

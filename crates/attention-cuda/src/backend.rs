@@ -259,6 +259,20 @@ struct SplitScratch<B> {
     counters: Option<Arc<B>>,
 }
 
+/// The plan's split scratch, taken by one attention call (its slot locked meanwhile) and put
+/// back by [`ScratchLease::release`] once the call's launches are queued.
+struct ScratchLease<'p, B> {
+    slot: std::sync::MutexGuard<'p, Option<SplitScratch<B>>>,
+    scratch: SplitScratch<B>,
+}
+
+impl<B> ScratchLease<'_, B> {
+    fn release(self) {
+        let ScratchLease { mut slot, scratch } = self;
+        *slot = Some(scratch);
+    }
+}
+
 impl<D: Device> fmt::Debug for CudaPlan<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaPlan")
@@ -747,6 +761,163 @@ impl<D: Device> CudaBackend<D> {
         Ok(out)
     }
 
+    /// The plan's split of the KV range for `key` over `rows` (tokens, or prefill tiles) ×
+    /// `key.head_groups` blocks of `threads`, never shorter than `min_split` positions: chosen
+    /// by the first call with that key ([`SplitPlan::filling_waves`] with the device's wave)
+    /// and taken as it is by every later layer.
+    fn split_plan(
+        &self,
+        plan: &CudaPlan<D>,
+        key: SplitKey,
+        rows: usize,
+        min_split: usize,
+        threads: u32,
+    ) -> Result<SplitPlan> {
+        let mut chosen = plan
+            .split
+            .lock()
+            .map_err(|_| AttentionError::Device("split plan poisoned".into()))?;
+        match &*chosen {
+            Some((k, split)) if *k == key => Ok(*split),
+            _ => {
+                let split = SplitPlan::filling_waves(
+                    rows,
+                    key.head_groups,
+                    plan.max_kv_len,
+                    key.target,
+                    min_split,
+                    self.device.wave_blocks(&key.spec, key.entry, threads)?,
+                );
+                *chosen = Some((key, split));
+                Ok(split)
+            }
+        }
+    }
+
+    /// The plan's split scratch, with room for `o_bytes` of partial outputs and `lse_bytes` of
+    /// log-sum-exps (a larger pair replaces a smaller one), leased to the caller.
+    fn split_scratch<'p>(
+        &self,
+        plan: &'p CudaPlan<D>,
+        o_bytes: usize,
+        lse_bytes: usize,
+    ) -> Result<ScratchLease<'p, D::Buffer>> {
+        let mut slot = plan
+            .scratch
+            .lock()
+            .map_err(|_| AttentionError::Device("split scratch poisoned".into()))?;
+        let scratch = match slot.take() {
+            Some(s) if self.device.len(&s.o) >= o_bytes && self.device.len(&s.lse) >= lse_bytes => {
+                s
+            }
+            smaller => {
+                drop(smaller); // freed before the larger pair is allocated
+                SplitScratch {
+                    o: self.alloc(o_bytes)?,
+                    lse: self.alloc(lse_bytes)?,
+                    counters: None,
+                }
+            }
+        };
+        Ok(ScratchLease { slot, scratch })
+    }
+
+    /// `merge_states`: the `num_splits` partial states of each of `rows` rows into `out`.
+    fn merge_splits(
+        &self,
+        spec: &kernels::Spec,
+        (partial_o, partial_lse): (&D::Buffer, &D::Buffer),
+        out: &D::Buffer,
+        rows: usize,
+        num_splits: u32,
+    ) -> Result<()> {
+        self.launch(
+            spec,
+            "merge_states",
+            geometry::per_row("merge_states", rows, ATTN_THREADS)?,
+            &[
+                KernelArg::Buf(partial_o),
+                KernelArg::Buf(partial_lse),
+                KernelArg::Buf(out),
+                KernelArg::U32(num_splits),
+            ],
+        )
+    }
+
+    /// `paged_prefill` over the plan's `tiles` (`count` of them): a block per tile, query head
+    /// and split of the KV range ([`SplitPlan`] over tiles × heads, splits of at least
+    /// [`geometry::PREFILL_MIN_SPLIT`] positions), each writing its rows' normalised partial
+    /// states, merged as [`paged_attention`](Self::paged_attention)'s are (unsplit, the
+    /// kernel writes the output).
+    fn paged_prefill(
+        &self,
+        plan: &CudaPlan<D>,
+        (tiles, count): (&D::Buffer, usize),
+        a: &PagedAttention<'_, D>,
+    ) -> Result<CudaTensor<D>> {
+        let n = plan.meta.num_tokens();
+        let out = self.output(&[n, a.q_heads, a.v_head_dim])?;
+        if count == 0 {
+            return Ok(out);
+        }
+        let key = SplitKey {
+            spec: a.spec.clone(),
+            entry: "paged_prefill",
+            head_groups: a.q_heads,
+            target: self.config.split_kv_target_blocks,
+        };
+        let split = self.split_plan(
+            plan,
+            key,
+            count,
+            geometry::PREFILL_MIN_SPLIT,
+            geometry::PREFILL_THREADS,
+        )?;
+        let unsplit = split.num_splits == 1;
+        let partials = split.num_splits as usize * n * a.q_heads;
+        let o_bytes = if unsplit {
+            0
+        } else {
+            partials * a.v_head_dim * 4
+        };
+        let lease = self.split_scratch(plan, o_bytes, partials * 4)?;
+        let scratch = &lease.scratch;
+        let partial_o = if unsplit { &*out.buf } else { &*scratch.o };
+        self.launch(
+            &a.spec,
+            "paged_prefill",
+            geometry::prefill(count, a.q_heads, split)?,
+            &[
+                KernelArg::Buf(&a.q.buf),
+                KernelArg::Buf(a.k_cache),
+                KernelArg::Buf(a.v_cache),
+                KernelArg::Buf(&plan.table),
+                KernelArg::Buf(tiles),
+                KernelArg::Buf(partial_o),
+                KernelArg::Buf(&scratch.lse),
+                KernelArg::U32(dim("q_heads", a.q_heads)?),
+                KernelArg::U32(dim("kv_heads", a.kv_heads)?),
+                KernelArg::U32(a.page_size),
+                KernelArg::U32(a.page_size.trailing_zeros()),
+                KernelArg::U32(split.split_size),
+                KernelArg::F32(a.scale),
+                KernelArg::F32(a.k_scale),
+                KernelArg::F32(a.v_scale),
+            ],
+        )?;
+        if !unsplit {
+            self.merge_splits(
+                &a.spec,
+                (partial_o, &scratch.lse),
+                &out.buf,
+                n * a.q_heads,
+                split.num_splits,
+            )?;
+        }
+        lease.release();
+        Ok(out)
+    }
+
     /// Attention of every token of the plan over its request's positions `0..=pos`, read back
     /// from the store: the KV range split across blocks by a [`SplitPlan`], then the splits
     /// merged by their log-sum-exp. Returns `[tokens, q_heads, v_head_dim]`. A plan of one
@@ -755,41 +926,6 @@ impl<D: Device> CudaBackend<D> {
     /// would copy; only a row without a single key, which causal attention never has, would
     /// read 0 where the merge gave NaN), so the kernel writes them there and no merge is
     /// launched.
-    /// `paged_prefill` over the plan's `tiles` (`count` of them): a block per tile and query
-    /// head, each writing its rows' normalised output.
-    fn paged_prefill(
-        &self,
-        plan: &CudaPlan<D>,
-        (tiles, count): (&D::Buffer, usize),
-        a: &PagedAttention<'_, D>,
-    ) -> Result<CudaTensor<D>> {
-        let out = self.output(&[plan.meta.num_tokens(), a.q_heads, a.v_head_dim])?;
-        if count == 0 {
-            return Ok(out);
-        }
-        self.launch(
-            &a.spec,
-            "paged_prefill",
-            geometry::prefill(count, a.q_heads)?,
-            &[
-                KernelArg::Buf(&a.q.buf),
-                KernelArg::Buf(a.k_cache),
-                KernelArg::Buf(a.v_cache),
-                KernelArg::Buf(&plan.table),
-                KernelArg::Buf(tiles),
-                KernelArg::Buf(&out.buf),
-                KernelArg::U32(dim("q_heads", a.q_heads)?),
-                KernelArg::U32(dim("kv_heads", a.kv_heads)?),
-                KernelArg::U32(a.page_size),
-                KernelArg::U32(a.page_size.trailing_zeros()),
-                KernelArg::F32(a.scale),
-                KernelArg::F32(a.k_scale),
-                KernelArg::F32(a.v_scale),
-            ],
-        )?;
-        Ok(out)
-    }
-
     fn paged_attention(
         &self,
         plan: &CudaPlan<D>,
@@ -814,27 +950,7 @@ impl<D: Device> CudaBackend<D> {
             head_groups,
             target: self.config.split_kv_target_blocks,
         };
-        let split = {
-            let mut chosen = plan
-                .split
-                .lock()
-                .map_err(|_| AttentionError::Device("split plan poisoned".into()))?;
-            match &*chosen {
-                Some((k, split)) if *k == key => *split,
-                _ => {
-                    let split = SplitPlan::filling_waves(
-                        n,
-                        head_groups,
-                        plan.max_kv_len,
-                        key.target,
-                        ATTN_THREADS as usize,
-                        self.device.wave_blocks(&a.spec, entry, ATTN_THREADS)?,
-                    );
-                    *chosen = Some((key, split));
-                    split
-                }
-            }
-        };
+        let split = self.split_plan(plan, key, n, ATTN_THREADS as usize, ATTN_THREADS)?;
         let unsplit = split.num_splits == 1;
         let fuse = self.config.fuse_split_merge && !unsplit;
         let counter_bytes = if fuse { n * head_groups * 4 } else { 0 };
@@ -844,26 +960,10 @@ impl<D: Device> CudaBackend<D> {
         } else {
             partials * a.v_head_dim * 4
         };
-        let lse_bytes = partials * 4;
-        let mut slot = plan
-            .scratch
-            .lock()
-            .map_err(|_| AttentionError::Device("split scratch poisoned".into()))?;
-        let mut scratch = match slot.take() {
-            Some(s) if self.device.len(&s.o) >= o_bytes && self.device.len(&s.lse) >= lse_bytes => {
-                s
-            }
-            smaller => {
-                drop(smaller); // freed before the larger pair is allocated
-                SplitScratch {
-                    o: self.alloc(o_bytes)?,
-                    lse: self.alloc(lse_bytes)?,
-                    counters: None,
-                }
-            }
-        };
+        let mut lease = self.split_scratch(plan, o_bytes, partials * 4)?;
         if fuse
-            && scratch
+            && lease
+                .scratch
                 .counters
                 .as_ref()
                 .is_none_or(|c| self.device.len(c) < counter_bytes)
@@ -878,8 +978,9 @@ impl<D: Device> CudaBackend<D> {
                     KernelArg::U32(dim("counters", n * head_groups)?),
                 ],
             )?;
-            scratch.counters = Some(counters);
+            lease.scratch.counters = Some(counters);
         }
+        let scratch = &lease.scratch;
         let partial_lse = &*scratch.lse;
         let partial_o = if unsplit { &*out.buf } else { &*scratch.o };
         self.launch(
@@ -907,22 +1008,16 @@ impl<D: Device> CudaBackend<D> {
                 KernelArg::U32(u32::from(fuse)),
             ],
         )?;
-        if unsplit || fuse {
-            *slot = Some(scratch);
-            return Ok(out);
+        if !unsplit && !fuse {
+            self.merge_splits(
+                &a.spec,
+                (partial_o, partial_lse),
+                &out.buf,
+                n * a.q_heads,
+                split.num_splits,
+            )?;
         }
-        self.launch(
-            &a.spec,
-            "merge_states",
-            geometry::per_row("merge_states", n * a.q_heads, ATTN_THREADS)?,
-            &[
-                KernelArg::Buf(partial_o),
-                KernelArg::Buf(partial_lse),
-                KernelArg::Buf(&out.buf),
-                KernelArg::U32(split.num_splits),
-            ],
-        )?;
-        *slot = Some(scratch);
+        lease.release();
         Ok(out)
     }
 }

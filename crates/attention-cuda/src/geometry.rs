@@ -130,10 +130,23 @@ pub fn matmul_mma(m: usize, n: usize) -> Result<LaunchConfig> {
 /// rows).
 pub const PREFILL_THREADS: u32 = 128;
 
-/// `paged_prefill` over `tiles` query tiles and `q_heads` heads: a block per (tile, head).
-pub fn prefill(tiles: usize, q_heads: usize) -> Result<LaunchConfig> {
+/// The shortest split of `paged_prefill`'s KV range, in positions: four of its steps of 32
+/// (the attention kernels' is one chunk of 128). Untimed: each split costs its rows' partial
+/// states (64 rows × the value head dim) written and merged.
+pub const PREFILL_MIN_SPLIT: usize = 128;
+
+/// `paged_prefill` over `tiles` query tiles, `q_heads` heads and `split`'s splits: a block
+/// per (tile, head, split).
+pub fn prefill(tiles: usize, q_heads: usize, split: SplitPlan) -> Result<LaunchConfig> {
+    let [x, y, _] = grid("paged_prefill", tiles as u64, q_heads as u64)?;
+    if split.num_splits as u64 > MAX_GRID_YZ {
+        return Err(AttentionError::InvalidConfig {
+            field: "paged_prefill",
+            reason: format!("{} splits exceed CUDA's grid limit", split.num_splits),
+        });
+    }
     Ok(LaunchConfig {
-        grid: grid("paged_prefill", tiles as u64, q_heads as u64)?,
+        grid: [x, y, split.num_splits.max(1)],
         block: PREFILL_THREADS,
     })
 }
@@ -176,7 +189,15 @@ mod tests {
             ("matmul 1x17", matmul(1, 17).unwrap()),
             ("matmul_mma 130x4096", matmul_mma(130, 4096).unwrap()),
             ("attention 5x32", attention(5, 32, split).unwrap()),
-            ("prefill 3 tiles x32", prefill(3, 32).unwrap()),
+            (
+                "prefill 3 tiles x32",
+                prefill(3, 32, SplitPlan::new(3, 32, 200, 1, PREFILL_MIN_SPLIT)).unwrap(),
+            ),
+            // A 20-token extend over 4000 cached positions: one tile, split 16 ways of 256.
+            (
+                "prefill 1 tile x32 split",
+                prefill(1, 32, SplitPlan::new(1, 32, 4020, 528, PREFILL_MIN_SPLIT)).unwrap(),
+            ),
             // DeepSeek-V2-Lite (64 experts): one decode token's 6 rows through gate/up
             // (2 · 1408 outputs), and a 16384-token prefill's 98304 rows through down (2048).
             (

@@ -373,8 +373,9 @@ fn run_case<B: Backend>(
 /// Extend batches for a prefill kernel: the quick suite's MHA/GQA extend cases (head dims 64
 /// and 128; groups of 1, 4, 7 and 8; pages of 1, 16 and 64) with `dtypes` in rotation, and
 /// long extends (150 new tokens from no prefix, 66 after a prefix of 70, and a one-token
-/// request beside them) at 32/8 × 128 and 14/2 × 64 over pages of 16 and 24 (`dtypes` in
-/// rotation again).
+/// request beside them) at 32/8 × 128 and 14/2 × 64 over pages of 16 and 24, and short and
+/// long extends after long prefixes (5 new tokens after 700, 70 after 260) at 8/2 × 128
+/// (`dtypes` in rotation again).
 pub fn extend_cases(dtypes: &[KvDtype]) -> Vec<AttentionCase> {
     let mut cases: Vec<AttentionCase> = attention_cases(SuiteSize::Quick)
         .into_iter()
@@ -403,6 +404,19 @@ pub fn extend_cases(dtypes: &[KvDtype]) -> Vec<AttentionCase> {
             i += 1;
         }
     }
+    // A short extend after a long prefix (a chat's next message), beside a longer one and a
+    // fresh prompt: too few tiles to fill a GPU, so a device splits their KV range.
+    cases.push(AttentionCase {
+        kind: CaseKind::Mha {
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+        },
+        dtype: dtypes[i % dtypes.len()],
+        page_size: 16,
+        requests: vec![(700, 5), (260, 70), (0, 3)],
+        seed: 0xA7,
+    });
     cases
 }
 
