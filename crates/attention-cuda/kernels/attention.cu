@@ -1694,11 +1694,13 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 }
 
 // ---- paged_prefill: extend batches on the tensor cores (CudaConfig::prefill_tensor_cores) ----
-// FlashAttention-2's schedule over the paged store: a block serves one query head for a tile
-// of up to PF_ROWS consecutive new tokens of one request (the host's tile table: (first token
-// of the batch, count) pairs, src/plan.rs prefill_tiles), so every key and value row it stages
-// serves PF_ROWS queries, where paged_attention's blocks serve one token each and read its
-// whole causal prefix again. Its PF_WARPS warps own 16 query rows each: the scores S = Q·Kᵀ of
+// FlashAttention-2's schedule over the paged store: a block serves PF_ROWS query rows, a tile
+// of up to PF_ROWS / pack consecutive new tokens of one request (the host's tile table: (first
+// token of the batch, count) pairs, src/plan.rs prefill_tiles) for `pack` query heads of one
+// KV head (src/plan.rs prefill_pack: GQA's heads share the rows the block stages, and a short
+// extend fills more rows), row r being token r / pack and head head0 + r % pack. So every key
+// and value row it stages serves PF_ROWS queries, where paged_attention's blocks serve one
+// token each and read its whole causal prefix again. Its PF_WARPS warps own 16 query rows each: the scores S = Q·Kᵀ of
 // PF_KEYS positions a step (mma.m16n8k16; the scaled query as a rounded part plus its
 // remainder, two mmas, as the decode form keeps ~22 bits of it), masked causally (position j
 // of the step against each row's own position), an online softmax per row (the row's maximum
@@ -1708,15 +1710,15 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 // does (grid.z, positions split·split_size …, the host's SplitPlan over tiles × heads: a short
 // extend over a long prefix has too few tiles to fill the GPU), each writing its rows'
 // normalised partial outputs and log-sum-exps for merge_states; unsplit, the partial output is
-// the output. f16, bf16 and fp8 stores with keys and values of one
-// head dim, 64 or 128 (Spec::has_prefill); fp8 rows are staged as they are stored, then
+// the output. f16, bf16 and fp8 stores with keys and values of one head dim, 64 or 128
+// (Spec::has_prefill); fp8 rows are staged as they are stored, then
 // converted once a step into f16 rows (exactly: e5m2 is an f16's top byte, e4m3's bits moved to
 // f16's places are its value times 2^-8, undone with the scales), which the mmas read as f16.
 // The mmas run their portable stand-ins in the emulation, on HIP and before sm_80 (the host
 // takes the kernel on sm_80 and later only).
 #if !MLA && KV_DTYPE >= 1 && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128)
 #define PF_FORM 1
-#define PF_ROWS 64                 // query tokens of a block's tile
+#define PF_ROWS 64                 // query rows of a block: (token, head) pairs
 #define PF_WARPS (PF_ROWS / 16)    // 16 query rows a warp
 #define PF_THREADS (PF_WARPS * WARP_SIZE)
 #define PF_KEYS 32                 // positions a step stages and scores
@@ -1781,6 +1783,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
                                         const unsigned int* plan, const unsigned int* tiles,
                                         float* partial_o, float* partial_lse,
                                         unsigned int q_heads, unsigned int kv_heads,
+                                        unsigned int pack,
                                         unsigned int page_size, unsigned int page_shift,
                                         unsigned int split_size, float scale, float k_scale,
                                         float v_scale) {
@@ -1791,8 +1794,14 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     __shared__ kvs_vec16 s_vc[PF_KEYS * PF_UNITS];
 #endif
     const unsigned int first = tiles[2 * blockIdx.x], count = tiles[2 * blockIdx.x + 1];
-    const unsigned int head = blockIdx.y;
-    const unsigned int kvh = head / (q_heads / kv_heads);
+    // The block's query heads: head0 … head0 + nheads − 1 of KV head kvh's group, in blocks of
+    // `pack` (a group of 7 in blocks of 4 takes a block of 4 and one of 3).
+    const unsigned int group = q_heads / kv_heads;
+    const unsigned int blocks_per_kv = (group + pack - 1) / pack;
+    const unsigned int kvh = blockIdx.y / blocks_per_kv;
+    const unsigned int in_group = blockIdx.y % blocks_per_kv * pack;
+    const unsigned int head0 = kvh * group + in_group;
+    const unsigned int nheads = group - in_group < pack ? group - in_group : pack;
     const unsigned int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const unsigned int g = lane >> 2, tq = lane & 3;
     const unsigned int req = plan[plan[PLAN_TOK_REQ] + first];
@@ -1804,19 +1813,27 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     const unsigned int kv_end =
         pos0 + count < kv_begin + split_size ? pos0 + count : kv_begin + split_size;
 
-    // This lane's rows of the warp's 16: r[h] = 16·warp + g + 8h, live below count; a dead
-    // row reads the tile's first query and attends without a mask (finite, never written).
-    // seen[h]: how many of the split's positions the row sees (its causal end, from kv_begin).
-    unsigned int qrow[2], seen[2];
+    // This lane's rows of the warp's 16: r[h] = 16·warp + g + 8h, which is token r / pack of
+    // the tile and head head0 + r % pack (pf_row), live for the tile's tokens and the block's
+    // heads; a dead row reads the tile's first token's query and attends without a mask
+    // (finite, never written). seen[h]: how many of the split's positions the row sees (its
+    // causal end, from kv_begin).
+    unsigned int seen[2];
     bool live[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const unsigned int r = 16 * warp + g + 8 * h;
-        live[h] = r < count;
-        qrow[h] = first + (live[h] ? r : 0);
-        const unsigned int end = live[h] && pos0 + r + 1 < kv_end ? pos0 + r + 1 : kv_end;
+        live[h] = r / pack < count && r % pack < nheads;
+        const unsigned int t = live[h] ? r / pack : 0;
+        const unsigned int end = live[h] && pos0 + t + 1 < kv_end ? pos0 + t + 1 : kv_end;
         seen[h] = end > kv_begin ? end - kv_begin : 0;
     }
+    // Row h's query (and output) row of the batch: token × q_heads + head.
+    auto qrow = [&](int h) -> size_t {
+        const unsigned int r = 16 * warp + g + 8 * h;
+        return live[h] ? (size_t)(first + r / pack) * q_heads + head0 + r % pack
+                       : (size_t)first * q_heads + head0;
+    };
     // The scaled query as A registers of k-tile kt: hi = its rounding, lo = the rest (in f16
     // for f16 and fp8 stores: a scaled query element beyond f16's 65504 would give NaN scores,
     // as in the decode form; attention queries are far below it).
@@ -1826,8 +1843,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             // a[0]/a[2]: row g, dims 16kt + 2tq (+ 8 for a[2]); a[1]/a[3]: row g + 8
-            const float* qr = q + ((size_t)qrow[i & 1] * q_heads + head) * HEAD_DIM + 16 * kt +
-                              8 * (i >> 1) + 2 * tq;
+            const float* qr = q + qrow(i & 1) * HEAD_DIM + 16 * kt + 8 * (i >> 1) + 2 * tq;
             const float x0 = qr[0] * scale, x1 = qr[1] * scale;
             const unsigned int hi = kvs_b16_pack<PF_BF16>(x0, x1);
             qh[kt][i] = hi;
@@ -1836,7 +1852,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         }
     }
 
-    // Step s's copies: the key and value rows of positions s·PF_KEYS + row, zeros past
+    // Step s's copies: the key and value rows of positions kv_begin + s·PF_KEYS + row, zeros past
     // kv_end; thread t copies units t, t + PF_THREADS, … of each (f16/bf16 swizzled for
     // ldmatrix; fp8 in place, for the conversion). `locate` resolves their page-table entries,
     // a step before `issue` copies them, so the lookups' latency hides behind a step's mmas.
@@ -2032,7 +2048,7 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         if (!live[h]) {
             continue;
         }
-        const size_t row = ((size_t)qrow[h] * q_heads + head) * gridDim.z + blockIdx.z;
+        const size_t row = qrow(h) * gridDim.z + blockIdx.z;
         float* orow = partial_o + row * V_HEAD_DIM;
         const bool empty = l[h] == 0.0f;
         const float inv = empty ? 0.0f : v_scale * KV_FP8_F16_UNSCALE / l[h];

@@ -19,7 +19,7 @@ use crate::gemm::{self, GemmChoice, GemmInputs, GemmPath};
 use crate::geometry::{self, ATTN_THREADS, ROW_THREADS, THREADS};
 use crate::graph::pool::{GraphPool, Phase};
 use crate::kernels;
-use crate::plan::{page_table, write_list, SplitPlan};
+use crate::plan::{page_table, prefill_pack, write_list, SplitPlan, PREFILL_ROWS};
 use crate::store::CudaKvStore;
 use crate::tensor::CudaTensor;
 
@@ -66,9 +66,11 @@ pub struct CudaConfig {
     pub gemm_tensor_cores: bool,
     /// Extend batches (prefill) over f16, bf16 and fp8 stores with keys and values of one head
     /// dim, 64 or 128, on the tensor cores, where the device has them ([`Device::tensor_cores`]):
-    /// `paged_prefill`, FlashAttention-2's schedule (a block per tile of 64 new tokens of a
-    /// request and query head, each staged key and value row serving all 64), where the
-    /// attention kernels serve one token a block and read its whole causal prefix again. Off by
+    /// `paged_prefill`, FlashAttention-2's schedule (a block per 64 query rows: up to 64 new
+    /// tokens of a request × one query head, or fewer tokens × up to 4 heads of a GQA group,
+    /// each staged key and value row serving all 64; the KV range split where the tiles do not
+    /// fill the device), where the attention kernels serve one token a block and read its
+    /// whole causal prefix again. Off by
     /// default until a GPU has checked and timed it; the emulated conformance suite runs it.
     pub prefill_tensor_cores: bool,
 }
@@ -227,12 +229,20 @@ pub struct CudaPlan<D: Device> {
     writes: Arc<D::Buffer>,
     kept_writes: usize,
     max_kv_len: usize,
-    /// `paged_prefill`'s query tiles ([`crate::plan::prefill_tiles`]) and their count, for an
-    /// extend batch (two words per 64 new tokens: whichever backend attends with the plan,
-    /// its own [`CudaConfig::prefill_tensor_cores`] decides).
-    prefill_tiles: Option<(Arc<D::Buffer>, usize)>,
+    /// `paged_prefill`'s query tiles ([`crate::plan::prefill_tiles`]) for the pack of query
+    /// heads they were made for, and their count: uploaded by the first layer that attends
+    /// with the kernel (whichever backend attends with the plan, its own
+    /// [`CudaConfig::prefill_tensor_cores`] decides), reused by the later ones.
+    prefill_tiles: Mutex<Option<PrefillTiles<D::Buffer>>>,
     scratch: Mutex<Option<SplitScratch<D::Buffer>>>,
     split: Mutex<Option<(SplitKey, SplitPlan)>>,
+}
+
+/// `paged_prefill`'s tile table in device memory, for one pack of query heads.
+struct PrefillTiles<B> {
+    pack: usize,
+    tiles: Arc<B>,
+    count: usize,
 }
 
 /// What the plan's first attention call chose its split plan for: every later layer with the
@@ -822,6 +832,29 @@ impl<D: Device> CudaBackend<D> {
         Ok(ScratchLease { slot, scratch })
     }
 
+    /// The plan's `paged_prefill` tile table for `pack` query heads a block, and its count
+    /// (built and uploaded by the first call for that pack).
+    fn prefill_tiles(&self, plan: &CudaPlan<D>, pack: usize) -> Result<(Arc<D::Buffer>, usize)> {
+        let mut made = plan
+            .prefill_tiles
+            .lock()
+            .map_err(|_| AttentionError::Device("prefill tiles poisoned".into()))?;
+        if let Some(t) = &*made {
+            if t.pack == pack {
+                return Ok((Arc::clone(&t.tiles), t.count));
+            }
+        }
+        let tiles = crate::plan::prefill_tiles(&plan.meta, PREFILL_ROWS / pack)?;
+        let count = tiles.len() / 2;
+        let buffer = self.buffer_from(bytemuck::cast_slice(&tiles))?;
+        *made = Some(PrefillTiles {
+            pack,
+            tiles: Arc::clone(&buffer),
+            count,
+        });
+        Ok((buffer, count))
+    }
+
     /// `merge_states`: the `num_splits` partial states of each of `rows` rows into `out`.
     fn merge_splits(
         &self,
@@ -844,26 +877,29 @@ impl<D: Device> CudaBackend<D> {
         )
     }
 
-    /// `paged_prefill` over the plan's `tiles` (`count` of them): a block per tile, query head
-    /// and split of the KV range ([`SplitPlan`] over tiles × heads, splits of at least
+    /// `paged_prefill`: a block per tile of the plan's new tokens, pack of query heads of one KV
+    /// head ([`prefill_pack`]: a tile is [`PREFILL_ROWS`] / pack tokens) and split of
+    /// the KV range ([`SplitPlan`] over tiles × head blocks, splits of at least
     /// [`geometry::PREFILL_MIN_SPLIT`] positions), each writing its rows' normalised partial
-    /// states, merged as [`paged_attention`](Self::paged_attention)'s are (unsplit, the
-    /// kernel writes the output).
+    /// states, merged as [`paged_attention`](Self::paged_attention)'s are (unsplit, the kernel
+    /// writes the output).
     fn paged_prefill(
         &self,
         plan: &CudaPlan<D>,
-        (tiles, count): (&D::Buffer, usize),
         a: &PagedAttention<'_, D>,
     ) -> Result<CudaTensor<D>> {
         let n = plan.meta.num_tokens();
         let out = self.output(&[n, a.q_heads, a.v_head_dim])?;
+        let pack = prefill_pack(a.q_heads / a.kv_heads.max(1));
+        let (tiles, count) = self.prefill_tiles(plan, pack)?;
         if count == 0 {
             return Ok(out);
         }
+        let head_blocks = geometry::attention_head_groups(a.q_heads, a.kv_heads, pack as u32);
         let key = SplitKey {
             spec: a.spec.clone(),
             entry: "paged_prefill",
-            head_groups: a.q_heads,
+            head_groups: head_blocks,
             target: self.config.split_kv_target_blocks,
         };
         let split = self.split_plan(
@@ -886,17 +922,18 @@ impl<D: Device> CudaBackend<D> {
         self.launch(
             &a.spec,
             "paged_prefill",
-            geometry::prefill(count, a.q_heads, split)?,
+            geometry::prefill(count, head_blocks, split)?,
             &[
                 KernelArg::Buf(&a.q.buf),
                 KernelArg::Buf(a.k_cache),
                 KernelArg::Buf(a.v_cache),
                 KernelArg::Buf(&plan.table),
-                KernelArg::Buf(tiles),
+                KernelArg::Buf(&tiles),
                 KernelArg::Buf(partial_o),
                 KernelArg::Buf(&scratch.lse),
                 KernelArg::U32(dim("q_heads", a.q_heads)?),
                 KernelArg::U32(dim("kv_heads", a.kv_heads)?),
+                KernelArg::U32(dim("pack", pack)?),
                 KernelArg::U32(a.page_size),
                 KernelArg::U32(a.page_size.trailing_zeros()),
                 KernelArg::U32(split.split_size),
@@ -1485,15 +1522,6 @@ impl<D: Device> Backend for CudaBackend<D> {
             }
             (max_kv_len, table_bytes) = (tape.max_kv_len, tape.table_bytes);
         }
-        let prefill_tiles = if !meta.is_decode() {
-            let tiles = crate::plan::prefill_tiles(meta)?;
-            Some((
-                self.buffer_from(bytemuck::cast_slice(&tiles))?,
-                tiles.len() / 2,
-            ))
-        } else {
-            None
-        };
         Ok(CudaPlan {
             meta: meta.clone(),
             table: self.upload_bytes(bytemuck::cast_slice(&table), table_bytes)?,
@@ -1505,7 +1533,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             )?,
             kept_writes: writes[0] as usize,
             max_kv_len,
-            prefill_tiles,
+            prefill_tiles: Mutex::new(None),
             scratch: Mutex::new(None),
             split: Mutex::new(None),
         })
@@ -1575,15 +1603,14 @@ impl<D: Device> Backend for CudaBackend<D> {
             k_scale,
             v_scale,
         };
-        match &plan.prefill_tiles {
-            Some((tiles, count))
-                if self.config.prefill_tensor_cores
-                    && call.spec.has_prefill()
-                    && self.device.tensor_cores() =>
-            {
-                self.paged_prefill(plan, (tiles, *count), &call)
-            }
-            _ => self.paged_attention(plan, &call),
+        if !plan.meta.is_decode()
+            && self.config.prefill_tensor_cores
+            && call.spec.has_prefill()
+            && self.device.tensor_cores()
+        {
+            self.paged_prefill(plan, &call)
+        } else {
+            self.paged_attention(plan, &call)
         }
     }
 

@@ -135,10 +135,11 @@ pub const PREFILL_THREADS: u32 = 128;
 /// states (64 rows × the value head dim) written and merged.
 pub const PREFILL_MIN_SPLIT: usize = 128;
 
-/// `paged_prefill` over `tiles` query tiles, `q_heads` heads and `split`'s splits: a block
-/// per (tile, head, split).
-pub fn prefill(tiles: usize, q_heads: usize, split: SplitPlan) -> Result<LaunchConfig> {
-    let [x, y, _] = grid("paged_prefill", tiles as u64, q_heads as u64)?;
+/// `paged_prefill` over `tiles` query tiles, `head_blocks` packs of query heads
+/// ([`attention_head_groups`] of the pack) and `split`'s splits: a block per (tile, pack,
+/// split).
+pub fn prefill(tiles: usize, head_blocks: usize, split: SplitPlan) -> Result<LaunchConfig> {
+    let [x, y, _] = grid("paged_prefill", tiles as u64, head_blocks as u64)?;
     if split.num_splits as u64 > MAX_GRID_YZ {
         return Err(AttentionError::InvalidConfig {
             field: "paged_prefill",
@@ -189,14 +190,16 @@ mod tests {
             ("matmul 1x17", matmul(1, 17).unwrap()),
             ("matmul_mma 130x4096", matmul_mma(130, 4096).unwrap()),
             ("attention 5x32", attention(5, 32, split).unwrap()),
+            // MHA, 32 heads: 3 tiles of 64 tokens.
             (
                 "prefill 3 tiles x32",
                 prefill(3, 32, SplitPlan::new(3, 32, 200, 1, PREFILL_MIN_SPLIT)).unwrap(),
             ),
-            // A 20-token extend over 4000 cached positions: one tile, split 16 ways of 256.
+            // Llama-3-8B (8 KV heads of 4, packed): 20 new tokens after 4000 cached, two
+            // tiles of 16 tokens, 8 head blocks, split 32 ways of 128.
             (
-                "prefill 1 tile x32 split",
-                prefill(1, 32, SplitPlan::new(1, 32, 4020, 528, PREFILL_MIN_SPLIT)).unwrap(),
+                "prefill 2 tiles x8 split",
+                prefill(2, 8, SplitPlan::new(2, 8, 4020, 528, PREFILL_MIN_SPLIT)).unwrap(),
             ),
             // DeepSeek-V2-Lite (64 experts): one decode token's 6 rows through gate/up
             // (2 · 1408 outputs), and a 16384-token prefill's 98304 rows through down (2048).

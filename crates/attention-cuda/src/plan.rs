@@ -49,20 +49,36 @@ pub fn page_table(meta: &BatchMetadata) -> Result<Vec<u32>> {
     Ok(table)
 }
 
-/// `PF_ROWS` in `attention.cu`: query tokens of one `paged_prefill` tile.
-pub const PREFILL_TILE: usize = 64;
+/// `PF_ROWS` in `attention.cu`: query rows of one `paged_prefill` block, (token, query head)
+/// pairs: [`PREFILL_ROWS`] / `pack` tokens of `pack` heads ([`prefill_pack`]).
+pub const PREFILL_ROWS: usize = 64;
+
+/// The query heads of one KV head that a `paged_prefill` block serves together, for a GQA
+/// group of `group` heads: 4 (a power of two dividing [`PREFILL_ROWS`]) or the group where it
+/// is smaller, rounded down to a power of two. Their rows share every key and value row the
+/// block stages, and a short extend fills more of the block's rows: 16 new tokens make 64 live
+/// rows of 4 heads, where one head alone leaves 48 of its 64 rows dead.
+pub fn prefill_pack(group: usize) -> usize {
+    match group {
+        0 | 1 => 1,
+        2 | 3 => 2,
+        _ => 4,
+    }
+}
 
 /// `paged_prefill`'s tiles: each request's new tokens (consecutive in the batch, at
-/// consecutive positions) in runs of up to [`PREFILL_TILE`], as `(first token of the batch,
-/// count)` pairs in batch order: a block per tile and query head.
-pub fn prefill_tiles(meta: &BatchMetadata) -> Result<Vec<u32>> {
+/// consecutive positions) in runs of up to `tile_tokens` ([`PREFILL_ROWS`] / the pack), as
+/// `(first token of the batch, count)` pairs in batch order: a block per tile and group of
+/// packed query heads.
+pub fn prefill_tiles(meta: &BatchMetadata, tile_tokens: usize) -> Result<Vec<u32>> {
+    let tile_tokens = tile_tokens.max(1);
     let mut tiles = Vec::new();
     let mut first = 0;
     for r in 0..meta.num_requests() {
         let n = meta.extend_len(r);
-        for start in (0..n).step_by(PREFILL_TILE) {
+        for start in (0..n).step_by(tile_tokens) {
             tiles.push(to_u32("tokens", first + start)?);
-            tiles.push(to_u32("tokens", (n - start).min(PREFILL_TILE))?);
+            tiles.push(to_u32("tokens", (n - start).min(tile_tokens))?);
         }
         first += n;
     }
@@ -242,21 +258,40 @@ mod tests {
             ],
         )
         .unwrap();
-        let tiles = prefill_tiles(&meta).unwrap();
-        assert_eq!(tiles, vec![0, 64, 64, 64, 128, 2, 130, 1, 131, 64]);
-        // Every token in exactly one tile, tiles never crossing a request.
+        assert_eq!(
+            prefill_tiles(&meta, PREFILL_ROWS).unwrap(),
+            vec![0, 64, 64, 64, 128, 2, 130, 1, 131, 64]
+        );
+        assert_eq!(
+            prefill_tiles(&meta, PREFILL_ROWS / 4).unwrap()[..8],
+            [0, 16, 16, 16, 32, 16, 48, 16]
+        );
+        // Every token in exactly one tile, tiles never crossing a request, for every pack.
         let t = page_table(&meta).unwrap();
         let tok_req = &t[t[0] as usize..t[1] as usize];
-        let mut seen = vec![0; meta.num_tokens()];
-        for pair in tiles.chunks(2) {
-            let (first, count) = (pair[0] as usize, pair[1] as usize);
-            assert!(count <= PREFILL_TILE);
-            for tok in first..first + count {
-                seen[tok] += 1;
-                assert_eq!(tok_req[tok], tok_req[first]);
+        for group in 1..=8 {
+            let tile_tokens = PREFILL_ROWS / prefill_pack(group);
+            let tiles = prefill_tiles(&meta, tile_tokens).unwrap();
+            let mut seen = vec![0; meta.num_tokens()];
+            for pair in tiles.chunks(2) {
+                let (first, count) = (pair[0] as usize, pair[1] as usize);
+                assert!(count <= tile_tokens);
+                for tok in first..first + count {
+                    seen[tok] += 1;
+                    assert_eq!(tok_req[tok], tok_req[first]);
+                }
             }
+            assert!(seen.iter().all(|&n| n == 1));
         }
-        assert!(seen.iter().all(|&n| n == 1));
+    }
+
+    #[test]
+    fn prefill_packs_divide_the_rows_and_never_exceed_the_group() {
+        for group in 1..=64 {
+            let pack = prefill_pack(group);
+            assert!(pack <= group && PREFILL_ROWS % pack == 0 && pack.is_power_of_two());
+        }
+        assert_eq!([1, 2, 3, 4, 7, 8].map(prefill_pack), [1, 2, 2, 4, 4, 4]);
     }
 
     #[test]
