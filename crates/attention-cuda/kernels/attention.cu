@@ -1900,6 +1900,9 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         kvs_cp_commit();
     }
     pf_step_addrs ahead = locate(PF_STAGES - 1); // the next step to issue
+    // A warp with no live row (a short tile's tail) only takes its part in the copies and the
+    // barriers. Warp-uniform; the mmas' stand-ins are per warp.
+    const bool warp_live = 16 * warp / pack < count;
     for (unsigned int s = 0; s < steps; ++s) {
         kvs_cp_wait<PF_STAGES - 2>(); // this thread's copies of step s are in
         __syncthreads(); // everyone's, and every warp is done with step s − 1's slot
@@ -1945,6 +1948,9 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         const kvs_vec16* sk = s_k[s % PF_STAGES];
         const kvs_vec16* sv = s_v[s % PF_STAGES];
 #endif
+        if (!warp_live) {
+            continue;
+        }
 
         // Scores of the step's 4 key n-tiles: sc[nt] rows g ([0], [1]) and g + 8 ([2], [3]),
         // positions s·PF_KEYS + 8nt + 2tq, + 1.

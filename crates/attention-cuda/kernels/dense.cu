@@ -521,6 +521,9 @@ __device__ inline void kvs_gemm_mma(const unsigned short* x, const unsigned shor
             }
         }
     }
+    // A warp with no live row or output in its 32 × 32 (a partial block's tail) only takes
+    // its part in the copies and the barriers. Warp-uniform; the mmas' stand-ins are per warp.
+    const bool warp_live = 32 * wm < count && col0 + 32 * wn < n;
     for (unsigned int s = 0; s < steps; ++s) {
         kvs_cp_wait<GEMM_MMA_STAGES - 2>(); // this thread's copies of step s are in
         __syncthreads(); // everyone's are, and every warp is done with step s - 1's slot
@@ -529,6 +532,9 @@ __device__ inline void kvs_gemm_mma(const unsigned short* x, const unsigned shor
             issue(next % GEMM_MMA_STAGES, next); // into step s - 1's slot
         }
         kvs_cp_commit();
+        if (!warp_live) {
+            continue;
+        }
         const kvs_vec16* sx = s_x[s % GEMM_MMA_STAGES];
         const kvs_vec16* sw = s_w[s % GEMM_MMA_STAGES];
 #pragma unroll
