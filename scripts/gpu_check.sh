@@ -157,13 +157,13 @@ run() {
         for l in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libnvrtc.so.12 libcublas.so.12; do
             python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
                 2>/dev/null || echo "$l does not load"; done'
-    step gpu-tests 100 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
-    step bandwidth 80 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
+    step gpu-tests 130 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
+    step bandwidth 70 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
     step bandwidth-mla 35 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
     step prefill 20 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both prefill
     step gemm 25 "$GPU_DIR/gemm_throughput" "$(peak_gbps)"
     local ck=/tmp/smollm2-shape-bf16
-    step checkpoint 25 "$GPU_DIR/random_checkpoint" "$ck" bf16
+    step checkpoint 15 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
         --random-input-len 512 --random-output-len 128 --random-range-ratio 1
         --request-rate inf --quiet --plot /tmp/bench.png)
@@ -179,11 +179,11 @@ run() {
         --num-prompts 16 --cuda-gemm-tensor-cores --cuda-moe-tensor-cores \
         --cuda-prefill-tensor-cores \
         --json /tmp/bench-b16-tc.json
-    step bench-b16-chunked 30 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
+    step bench-b16-chunked 25 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
         --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
     # it, so prefixes are evicted to the host tier and loaded back through CudaKvRows.
-    step bench-hicache 30 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
+    step bench-hicache 25 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
         --workload gsp --gsp-num-groups 8 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 \
         --gsp-question-len 64 --gsp-output-len 16 --max-total-tokens 4096 \
         --enable-hierarchical-cache --quiet --plot /tmp/bench-hicache.png \

@@ -521,6 +521,40 @@ fn emu_prefill_tensor_cores() {
     assert_eq!(b.device().launch_count("paged_prefill", any), before);
 }
 
+/// `paged_prefill` over random extend batches (`conformance::random_extend_cases`: GQA groups
+/// 1 to 8, so every packing of query heads, pages of 1 to 64, 1 to 3 requests after prefixes
+/// of up to 300), each with its KV range unsplit, split toward the default target and split
+/// the most, against the reference and the stored values.
+#[test]
+fn emu_prefill_tensor_cores_random_batches() {
+    let any = |_: &attention_cuda::Spec| true;
+    let mut outcomes = Vec::new();
+    for (i, case) in conformance::random_extend_cases(12, 0x5EED)
+        .iter()
+        .enumerate()
+    {
+        let split_kv_target_blocks =
+            [1, CudaConfig::default().split_kv_target_blocks, 1 << 20][i % 3];
+        let config = CudaConfig {
+            prefill_tensor_cores: true,
+            split_kv_target_blocks,
+            ..CudaConfig::default()
+        };
+        let Some(b) = backend("emu_prefill_tensor_cores_random_batches", config) else {
+            return;
+        };
+        let before = b.device().launch_count("paged_prefill", any);
+        let outcome = conformance::run_attention_case(&b, case).unwrap();
+        println!("{outcome} (split target {split_kv_target_blocks})");
+        assert!(
+            b.device().launch_count("paged_prefill", any) > before,
+            "{case}"
+        );
+        outcomes.push(outcome);
+    }
+    report(&outcomes);
+}
+
 /// A NaN key comes out as NaN in exactly the rows that attend it (`run_nan_key_case`, every
 /// store dtype, GQA and MLA, extend and decode) on every kernel form: both attention kernels
 /// (the pipelined one's GQA tensor-core form included), the tensor-core MLA form and

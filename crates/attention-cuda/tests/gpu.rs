@@ -157,28 +157,53 @@ fn gpu_moe_tensor_cores() {
 /// tiles included) against the reference and, within 1e-4, the stored values.
 #[test]
 fn gpu_prefill_tensor_cores() {
+    prefill_tensor_core_cases(
+        "gpu_prefill_tensor_cores",
+        conformance::extend_cases(&[
+            kv_pool::KvDtype::F16,
+            kv_pool::KvDtype::Bf16,
+            kv_pool::KvDtype::Fp8E4m3,
+            kv_pool::KvDtype::Fp8E5m2,
+        ]),
+    );
+}
+
+/// The tensor-core prefill kernel over 24 random extend batches
+/// (`conformance::random_extend_cases`: every packing of query heads, pages of 1 to 64, short
+/// and long prefixes), split as the default target chooses; not under the sanitizer (its cases
+/// are `gpu_prefill_tensor_cores`').
+#[test]
+fn gpu_prefill_tensor_cores_random_batches() {
+    prefill_tensor_core_cases(
+        "gpu_prefill_tensor_cores_random_batches",
+        conformance::random_extend_cases(24, 0x5EED),
+    );
+}
+
+/// Runs `cases` on a backend with `paged_prefill` on, where the GPU has it.
+fn prefill_tensor_core_cases(test: &str, cases: Vec<conformance::AttentionCase>) {
     use attention_cuda::Device;
     let config = CudaConfig {
         prefill_tensor_cores: true,
         ..CudaConfig::default()
     };
-    let Some(b) = gpu_with_or_skip("gpu_prefill_tensor_cores", config) else {
+    let Some(b) = gpu_with_or_skip(test, config) else {
         return;
     };
     assert!(b.device().tensor_cores(), "no tensor-core form on this GPU");
-    let outcomes: Vec<_> = conformance::extend_cases(&[
-        kv_pool::KvDtype::F16,
-        kv_pool::KvDtype::Bf16,
-        kv_pool::KvDtype::Fp8E4m3,
-        kv_pool::KvDtype::Fp8E5m2,
-    ])
-    .iter()
-    .map(|c| conformance::run_attention_case(&b, c).unwrap())
-    .collect();
-    for o in &outcomes {
+    let outcomes: Vec<_> = cases
+        .iter()
+        .map(|c| conformance::run_attention_case(&b, c).unwrap())
+        .collect();
+    report(&outcomes);
+}
+
+/// Prints every outcome, then fails on any that did not pass.
+fn report(outcomes: &[conformance::Outcome]) {
+    for o in outcomes {
         println!("{o}");
     }
-    conformance::assert_all_passed(&outcomes);
+    conformance::assert_all_passed(outcomes);
 }
 
 /// A NaN key comes out as NaN in exactly the rows that attend it (`run_nan_key_case`, every
@@ -190,11 +215,7 @@ fn gpu_nan_keys_come_out_as_nan() {
             return;
         };
         println!("{name}:");
-        let outcomes = conformance::run_nan_key_suite(&b).unwrap();
-        for o in &outcomes {
-            println!("{o}");
-        }
-        conformance::assert_all_passed(&outcomes);
+        report(&conformance::run_nan_key_suite(&b).unwrap());
     }
 }
 

@@ -420,6 +420,45 @@ pub fn extend_cases(dtypes: &[KvDtype]) -> Vec<AttentionCase> {
     cases
 }
 
+/// `count` extend batches drawn from `seed`, for prefill kernels beyond [`extend_cases`]'
+/// fixed shapes: KV heads 1 to 4, GQA groups 1 to 8 (every packing of query heads: 2 and 3 as
+/// well as the suite's 1, 4, 7 and 8), head dims 64 and 128, pages of 1 to 64 tokens, f16,
+/// bf16 and fp8 stores, and 1 to 3 requests of 1 to 100 new tokens after 0 to 300 cached ones.
+pub fn random_extend_cases(count: usize, seed: u64) -> Vec<AttentionCase> {
+    let mut rng = SplitMix64::new(seed);
+    let dtypes = [
+        KvDtype::F16,
+        KvDtype::Bf16,
+        KvDtype::Fp8E4m3,
+        KvDtype::Fp8E5m2,
+    ];
+    (0..count)
+        .map(|_| {
+            let kv_heads = 1 + rng.below(4);
+            let group = 1 + rng.below(8);
+            let requests = (0..1 + rng.below(3))
+                .map(|_| (rng.below(301), 1 + rng.below(100)))
+                .collect::<Vec<_>>();
+            AttentionCase {
+                kind: CaseKind::Mha {
+                    q_heads: kv_heads * group,
+                    kv_heads,
+                    head_dim: [64, 128][rng.below(2)],
+                },
+                dtype: dtypes[rng.below(dtypes.len())],
+                page_size: [1, 2, 16, 24, 64][rng.below(5)],
+                // an extend batch: a lone request of one new token would make a decode batch
+                requests: if requests.iter().all(|r| r.1 == 1) {
+                    vec![(requests[0].0, 2)]
+                } else {
+                    requests
+                },
+                seed: rng.next_u64(),
+            }
+        })
+        .collect()
+}
+
 /// Cases for [`run_nan_key_case`]: an extend batch (the NaN token mid-extend, after a prefix)
 /// and a decode batch, each of GQA 8/2 × 64 and MLA 16 × (512 + 64) (shapes every device
 /// form serves), over pages of 16, in every store dtype.

@@ -27,8 +27,8 @@ pub mod inputs;
 pub mod outcome;
 
 pub use cases::{
-    attention_cases, extend_cases, nan_key_cases, run_attention_case, run_attention_suite,
-    run_nan_key_case, run_nan_key_suite, AttentionCase, CaseKind, SuiteSize,
+    attention_cases, extend_cases, nan_key_cases, random_extend_cases, run_attention_case,
+    run_attention_suite, run_nan_key_case, run_nan_key_suite, AttentionCase, CaseKind, SuiteSize,
 };
 pub use dense::{
     matmul_bf16_activations_case, moe_bf16_activations_case, run_dense_suite, Bf16MoeOutcome,
