@@ -578,13 +578,25 @@ fn emu_nan_keys_come_out_as_nan() {
             },
         ),
     ];
+    let any = |_: &attention_cuda::Spec| true;
     for (name, config) in CudaConfig::attention_forms().into_iter().chain(split) {
         let Some(b) = backend("emu_nan_keys_come_out_as_nan", config) else {
             return;
         };
         println!("{name}:");
+        let merges = b.device().launch_count("merge_states", any);
+        let fused = b.device().launch_count("zero_counters", any);
         let outcomes = conformance::run_nan_key_suite(&b).unwrap();
         report(&outcomes);
+        // The split forms did split: the NaN states went through a merge.
+        if config.split_kv_target_blocks == 1 << 20 {
+            let merged = if config.fuse_split_merge {
+                b.device().launch_count("zero_counters", any) - fused
+            } else {
+                b.device().launch_count("merge_states", any) - merges
+            };
+            assert!(merged > 0, "{name}: no split merged");
+        }
     }
 }
 

@@ -1710,7 +1710,10 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 // does (grid.z, positions split·split_size …, the host's SplitPlan over tiles × heads: a short
 // extend over a long prefix has too few tiles to fill the GPU), each writing its rows'
 // normalised partial outputs and log-sum-exps for merge_states; unsplit, the partial output is
-// the output. f16, bf16 and fp8 stores with keys and values of one head dim, 64 or 128
+// the output. A NaN key reaches exactly the rows that attend it (the mask replaces a masked
+// score); a NaN or infinite value row also reaches the tile's earlier rows, which weight it
+// by 0 in P·V (0 · NaN), as FlashAttention's kernels do: in a model a NaN value row comes with
+// a NaN key, whose own row and every later one are NaN already. f16, bf16 and fp8 stores with keys and values of one head dim, 64 or 128
 // (Spec::has_prefill); fp8 rows are staged as they are stored, then
 // converted once a step into f16 rows (exactly: e5m2 is an f16's top byte, e4m3's bits moved to
 // f16's places are its value times 2^-8, undone with the scales), which the mmas read as f16.
@@ -1807,8 +1810,10 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     const unsigned int req = plan[plan[PLAN_TOK_REQ] + first];
     const unsigned int pos0 = plan[plan[PLAN_TOK_POS] + first]; // the tile's positions are pos0 + i
     const unsigned int* pages = plan + plan[PLAN_KV_INDICES] + plan[plan[PLAN_KV_INDPTR] + req];
-    // This block's split of the tile's positions: kv_begin (a multiple of PF_KEYS) up to
-    // kv_end, causal (the tile's last query sees positions below pos0 + count).
+    // This block's split of the tile's positions: kv_begin (= split · split_size) up to
+    // kv_end, causal (the tile's last query sees positions below pos0 + count). A split past
+    // the tile's end (a short request beside a long one) has no step: its rows write the empty
+    // state.
     const unsigned int kv_begin = blockIdx.z * split_size;
     const unsigned int kv_end =
         pos0 + count < kv_begin + split_size ? pos0 + count : kv_begin + split_size;
@@ -1836,19 +1841,22 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
     };
     // The scaled query as A registers of k-tile kt: hi = its rounding, lo = the rest (in f16
     // for f16 and fp8 stores: a scaled query element beyond f16's 65504 would give NaN scores,
-    // as in the decode form; attention queries are far below it).
+    // as in the decode form; attention queries are far below it). Not loaded by a split with
+    // no step.
     unsigned int qh[PF_KT][4], ql[PF_KT][4];
+    if (kv_begin < kv_end) {
 #pragma unroll
-    for (int kt = 0; kt < PF_KT; ++kt) {
+        for (int kt = 0; kt < PF_KT; ++kt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            // a[0]/a[2]: row g, dims 16kt + 2tq (+ 8 for a[2]); a[1]/a[3]: row g + 8
-            const float* qr = q + qrow(i & 1) * HEAD_DIM + 16 * kt + 8 * (i >> 1) + 2 * tq;
-            const float x0 = qr[0] * scale, x1 = qr[1] * scale;
-            const unsigned int hi = kvs_b16_pack<PF_BF16>(x0, x1);
-            qh[kt][i] = hi;
-            ql[kt][i] = kvs_b16_pack<PF_BF16>(x0 - kvs_b16_elem<PF_BF16>(hi, 0),
-                                              x1 - kvs_b16_elem<PF_BF16>(hi, 1));
+            for (int i = 0; i < 4; ++i) {
+                // a[0]/a[2]: row g, dims 16kt + 2tq (+ 8 for a[2]); a[1]/a[3]: row g + 8
+                const float* qr = q + qrow(i & 1) * HEAD_DIM + 16 * kt + 8 * (i >> 1) + 2 * tq;
+                const float x0 = qr[0] * scale, x1 = qr[1] * scale;
+                const unsigned int hi = kvs_b16_pack<PF_BF16>(x0, x1);
+                qh[kt][i] = hi;
+                ql[kt][i] = kvs_b16_pack<PF_BF16>(x0 - kvs_b16_elem<PF_BF16>(hi, 0),
+                                                  x1 - kvs_b16_elem<PF_BF16>(hi, 1));
+            }
         }
     }
 

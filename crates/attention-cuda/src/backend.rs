@@ -69,8 +69,9 @@ pub struct CudaConfig {
     /// `paged_prefill`, FlashAttention-2's schedule (a block per 64 query rows: up to 64 new
     /// tokens of a request × one query head, or fewer tokens × up to 4 heads of a GQA group,
     /// each staged key and value row serving all 64; the KV range split where the tiles do not
-    /// fill the device), where the attention kernels serve one token a block and read its
-    /// whole causal prefix again. Off by
+    /// fill the device; the splits always merge in a `merge_states` launch, whatever
+    /// [`fuse_split_merge`](Self::fuse_split_merge) says), where the attention kernels serve
+    /// one token a block and read its whole causal prefix again. Off by
     /// default until a GPU has checked and timed it; the emulated conformance suite runs it.
     pub prefill_tensor_cores: bool,
 }
@@ -252,7 +253,10 @@ struct PrefillTiles<B> {
 struct SplitKey {
     spec: kernels::Spec,
     entry: &'static str,
+    /// Blocks per (token or tile) and per split: head groups or packs of query heads.
     head_groups: usize,
+    /// Tokens (`paged_attention`) or tiles (`paged_prefill`, whose count depends on the pack).
+    rows: usize,
     target: usize,
 }
 
@@ -771,7 +775,7 @@ impl<D: Device> CudaBackend<D> {
         Ok(out)
     }
 
-    /// The plan's split of the KV range for `key` over `rows` (tokens, or prefill tiles) ×
+    /// The plan's split of the KV range for `key` over `key.rows` (tokens, or prefill tiles) ×
     /// `key.head_groups` blocks of `threads`, never shorter than `min_split` positions: chosen
     /// by the first call with that key ([`SplitPlan::filling_waves`] with the device's wave)
     /// and taken as it is by every later layer.
@@ -779,7 +783,6 @@ impl<D: Device> CudaBackend<D> {
         &self,
         plan: &CudaPlan<D>,
         key: SplitKey,
-        rows: usize,
         min_split: usize,
         threads: u32,
     ) -> Result<SplitPlan> {
@@ -791,7 +794,7 @@ impl<D: Device> CudaBackend<D> {
             Some((k, split)) if *k == key => Ok(*split),
             _ => {
                 let split = SplitPlan::filling_waves(
-                    rows,
+                    key.rows,
                     key.head_groups,
                     plan.max_kv_len,
                     key.target,
@@ -900,12 +903,12 @@ impl<D: Device> CudaBackend<D> {
             spec: a.spec.clone(),
             entry: "paged_prefill",
             head_groups: head_blocks,
+            rows: count,
             target: self.config.split_kv_target_blocks,
         };
         let split = self.split_plan(
             plan,
             key,
-            count,
             geometry::PREFILL_MIN_SPLIT,
             geometry::PREFILL_THREADS,
         )?;
@@ -985,9 +988,10 @@ impl<D: Device> CudaBackend<D> {
             spec: a.spec.clone(),
             entry,
             head_groups,
+            rows: n,
             target: self.config.split_kv_target_blocks,
         };
-        let split = self.split_plan(plan, key, n, ATTN_THREADS as usize, ATTN_THREADS)?;
+        let split = self.split_plan(plan, key, ATTN_THREADS as usize, ATTN_THREADS)?;
         let unsplit = split.num_splits == 1;
         let fuse = self.config.fuse_split_merge && !unsplit;
         let counter_bytes = if fuse { n * head_groups * 4 } else { 0 };

@@ -195,8 +195,8 @@ mod tests {
                 "prefill 3 tiles x32",
                 prefill(3, 32, SplitPlan::new(3, 32, 200, 1, PREFILL_MIN_SPLIT)).unwrap(),
             ),
-            // Llama-3-8B (8 KV heads of 4, packed): 20 new tokens after 4000 cached, two
-            // tiles of 16 tokens, 8 head blocks, split 32 ways of 128.
+            // Llama-3-8B (8 KV heads of 4, packed): 20 new tokens after 4000 cached, tiles of
+            // 16 and 4 tokens, 8 head blocks, split 32 ways of 128.
             (
                 "prefill 2 tiles x8 split",
                 prefill(2, 8, SplitPlan::new(2, 8, 4020, 528, PREFILL_MIN_SPLIT)).unwrap(),

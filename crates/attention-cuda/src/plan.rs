@@ -57,7 +57,9 @@ pub const PREFILL_ROWS: usize = 64;
 /// group of `group` heads: 4 (a power of two dividing [`PREFILL_ROWS`]) or the group where it
 /// is smaller, rounded down to a power of two. Their rows share every key and value row the
 /// block stages, and a short extend fills more of the block's rows: 16 new tokens make 64 live
-/// rows of 4 heads, where one head alone leaves 48 of its 64 rows dead.
+/// rows of 4 heads, where one head alone leaves 48 of its 64 rows dead. A group that is no
+/// multiple of the pack leaves its last block's rows partly dead (3 in packs of 2: a quarter of
+/// the rows; 7 in packs of 4: an eighth).
 pub fn prefill_pack(group: usize) -> usize {
     match group {
         0 | 1 => 1,

@@ -461,7 +461,8 @@ pub fn random_extend_cases(count: usize, seed: u64) -> Vec<AttentionCase> {
 
 /// Cases for [`run_nan_key_case`]: an extend batch (the NaN token mid-extend, after a prefix)
 /// and a decode batch, each of GQA 8/2 × 64 and MLA 16 × (512 + 64) (shapes every device
-/// form serves), over pages of 16, in every store dtype.
+/// form serves), over pages of 16, in every store dtype; the first request's prefix is long
+/// enough (280 and 300 positions) for a device to split its KV range.
 pub fn nan_key_cases() -> Vec<AttentionCase> {
     let kinds = [
         CaseKind::Mha {
@@ -478,7 +479,8 @@ pub fn nan_key_cases() -> Vec<AttentionCase> {
     let mut cases = Vec::new();
     for dtype in KvDtype::ALL {
         for kind in kinds {
-            for requests in [vec![(21, 10), (0, 7)], vec![(40, 1), (9, 1)]] {
+            // prefixes past two 128-position splits, so the split forms merge a NaN state
+            for requests in [vec![(281, 10), (0, 7)], vec![(300, 1), (9, 1)]] {
                 cases.push(AttentionCase {
                     kind,
                     dtype,
