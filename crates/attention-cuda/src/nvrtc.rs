@@ -6,6 +6,7 @@
 //! when `libnvrtc` cannot be opened.
 
 use crate::kernels::source_text;
+use crate::ptx_cache::PtxCache;
 use crate::ptxas::{self, KernelResources};
 use crate::specs::Spec;
 
@@ -59,16 +60,60 @@ pub fn tuning_defines(value: Option<&str>) -> Result<Vec<(String, u64)>, String>
 }
 
 /// Compiles `spec` to PTX for `arch` (an NVRTC `--gpu-architecture` value such as
-/// `"compute_90"`), with the [`tuning_defines`] of the environment first; `Err` carries
-/// NVRTC's log or the malformed define. Checks [`available`] first.
+/// `"compute_90"`), with the [`tuning_defines`] of the environment first, through the
+/// environment's [`PtxCache`] ([`PtxCache::from_env`]); `Err` carries NVRTC's log or the
+/// malformed define. Checks [`available`] first.
 pub fn compile(spec: &Spec, arch: &str) -> Result<cudarc::nvrtc::Ptx, String> {
+    compile_cached(spec, arch, PtxCache::from_env().as_ref()).map(|(ptx, _)| ptx)
+}
+
+/// [`compile`] through `cache` (none: always compile): the PTX, and whether it came from the
+/// cache. A compile the cache cannot store is still returned.
+pub fn compile_cached(
+    spec: &Spec,
+    arch: &str,
+    cache: Option<&PtxCache>,
+) -> Result<(cudarc::nvrtc::Ptx, bool), String> {
     available()?;
+    let options = vec![
+        "--std=c++17".to_string(),
+        format!("--gpu-architecture={arch}"),
+    ];
+    let text = compiled_text(spec)?;
+    let name = spec.name();
+    let version = version()?;
+    let joined = options.join(" ");
+    let key = [version.as_str(), joined.as_str(), text.as_str()];
+    if let Some(ptx) = cache.and_then(|c| c.get(&name, &key)) {
+        return Ok((cudarc::nvrtc::Ptx::from_src(ptx), true));
+    }
     let opts = cudarc::nvrtc::CompileOptions {
-        options: vec!["--std=c++17".into(), format!("--gpu-architecture={arch}")],
+        options,
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(compiled_text(spec)?, opts)
-        .map_err(|e| format!("{}: {e:?}", spec.name()))
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(&text, opts).map_err(|e| format!("{name}: {e:?}"))?;
+    // NVRTC's image is NUL-terminated text; best effort, as the cache is.
+    if let (Some(cache), Some(bytes)) = (cache, ptx.as_bytes()) {
+        let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+        if let Ok(src) = std::str::from_utf8(&bytes[..end]) {
+            let _ = cache.put(&name, &key, src);
+        }
+    }
+    Ok((ptx, false))
+}
+
+/// NVRTC's version, `"major.minor"`.
+fn version() -> Result<String, String> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: `available` was checked by the caller, so the library is loaded; nvrtcVersion
+    // only writes the two integers it is given.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        Ok(format!("{major}.{minor}"))
+    } else {
+        Err(format!("nvrtcVersion: {status:?}"))
+    }
 }
 
 /// What NVRTC compiles for `spec`: the [`tuning_defines`] of the environment, then the
