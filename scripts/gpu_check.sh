@@ -41,6 +41,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GPU_DIR=.gpu
+# NVRTC's PTX on disk (attention-cuda's ptx_cache), shared by every test's device, bench and
+# profile run: each kernel specialisation is compiled once on the machine, not once per process.
+export KVSERVE_PTX_CACHE="${KVSERVE_PTX_CACHE:-/tmp/kvserve-ptx}"
 
 prepare() {
     set -e
