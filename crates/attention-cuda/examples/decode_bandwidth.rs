@@ -29,7 +29,8 @@
 //! of 512, 2048 and 8192 tokens, 8 requests of 512 after 1024 cached, and short extends after
 //! long prefixes, 32 after 8192 and 4 × 64 after 4096, whose KV range `paged_prefill` splits;
 //! bf16 and f16, pages of 16) by the pipelined kernel (a block per token) and `paged_prefill`
-//! (`CudaConfig::prefill_tensor_cores`), in TFLOP/s of causal attention. Prints Markdown
+//! (`CudaConfig::prefill_tensor_cores`), split as the target chooses and unsplit, in TFLOP/s
+//! of causal attention. Prints Markdown
 //! tables; a case the device refuses (memory) is a row with the error.
 
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
@@ -209,6 +210,15 @@ fn main() -> std::process::ExitCode {
                     b.with_attention_kernel(AttentionKernel::Pipelined),
                 ),
                 ("paged_prefill", b.with_prefill_tensor_cores(true)),
+                // Its KV range never split: what the split buys short extends.
+                (
+                    "paged_prefill unsplit",
+                    b.with_config(CudaConfig {
+                        prefill_tensor_cores: true,
+                        split_kv_target_blocks: 1,
+                        ..config
+                    }),
+                ),
             ] {
                 let lead = format!("| {label} | {dtype} | 16 | {requests} | {prefix} | {extend} |");
                 match measure_prefill(&b, &case, 5, 2) {
