@@ -1700,23 +1700,26 @@ KVS_KERNEL void merge_states(const float* partial_o, const float* partial_lse, f
 // KV head (src/plan.rs prefill_pack: GQA's heads share the rows the block stages, and a short
 // extend fills more rows), row r being token r / pack and head head0 + r % pack. So every key
 // and value row it stages serves PF_ROWS queries, where paged_attention's blocks serve one
-// token each and read its whole causal prefix again. Its PF_WARPS warps own 16 query rows each: the scores S = Q·Kᵀ of
-// PF_KEYS positions a step (mma.m16n8k16; the scaled query as a rounded part plus its
-// remainder, two mmas, as the decode form keeps ~22 bits of it), masked causally (position j
-// of the step against each row's own position), an online softmax per row (the row's maximum
-// over its 4 lanes of a quad), and O += P·V with P from the scores' registers (again a rounded
-// part and its remainder) and V through ldmatrix.trans. Keys and values are staged by
-// cp.async PF_STAGES steps deep. The KV range splits across blocks as the attention kernels'
-// does (grid.z, positions split·split_size …, the host's SplitPlan over tiles × heads: a short
-// extend over a long prefix has too few tiles to fill the GPU), each writing its rows'
-// normalised partial outputs and log-sum-exps for merge_states; unsplit, the partial output is
-// the output. A NaN key reaches exactly the rows that attend it (the mask replaces a masked
-// score); a NaN or infinite value row also reaches the tile's earlier rows, which weight it
-// by 0 in P·V (0 · NaN), as FlashAttention's kernels do: in a model a NaN value row comes with
-// a NaN key, whose own row and every later one are NaN already. f16, bf16 and fp8 stores with keys and values of one head dim, 64 or 128
-// (Spec::has_prefill); fp8 rows are staged as they are stored, then
-// converted once a step into f16 rows (exactly: e5m2 is an f16's top byte, e4m3's bits moved to
-// f16's places are its value times 2^-8, undone with the scales), which the mmas read as f16.
+// token each and read its whole causal prefix again.
+// - Its PF_WARPS warps own 16 query rows each: the scores S = Q·Kᵀ of PF_KEYS positions a
+//   step (mma.m16n8k16; the scaled query as a rounded part plus its remainder, two mmas, as
+//   the decode form keeps ~22 bits of it), masked causally (position j of the step against
+//   each row's own position), an online softmax per row (the row's maximum over its 4 lanes
+//   of a quad), and O += P·V with P from the scores' registers (again a rounded part and its
+//   remainder) and V through ldmatrix.trans. A warp with no live row skips the mmas.
+// - Keys and values are staged by cp.async PF_STAGES steps deep.
+// - The KV range splits across blocks as the attention kernels' does (grid.z, positions
+//   split·split_size …, the host's SplitPlan over tiles × head blocks: a short extend over a
+//   long prefix has too few tiles to fill the GPU), each writing its rows' normalised partial
+//   outputs and log-sum-exps for merge_states; unsplit, the partial output is the output.
+// - NaN: a NaN key reaches exactly the rows that attend it (the mask replaces a masked
+//   score); a NaN or infinite value row also reaches the tile's earlier rows, which weight it
+//   by 0 in P·V (0 · NaN), as FlashAttention's kernels do (in a model a NaN value row comes
+//   with a NaN key, whose own row and every later one are NaN already).
+// - f16, bf16 and fp8 stores with keys and values of one head dim, 64 or 128
+//   (Spec::has_prefill); fp8 rows are staged as they are stored, then converted once a step
+//   into f16 rows (exactly: e5m2 is an f16's top byte, e4m3's bits moved to f16's places are
+//   its value times 2^-8, undone with the scales), which the mmas read as f16.
 // The mmas run their portable stand-ins in the emulation, on HIP and before sm_80 (the host
 // takes the kernel on sm_80 and later only).
 #if !MLA && KV_DTYPE >= 1 && HEAD_DIM == V_HEAD_DIM && (HEAD_DIM == 64 || HEAD_DIM == 128)
@@ -1819,10 +1822,10 @@ KVS_KERNEL void PF_BOUNDS paged_prefill(const float* q, const kv_t* k_cache, con
         pos0 + count < kv_begin + split_size ? pos0 + count : kv_begin + split_size;
 
     // This lane's rows of the warp's 16: r[h] = 16·warp + g + 8h, which is token r / pack of
-    // the tile and head head0 + r % pack (pf_row), live for the tile's tokens and the block's
-    // heads; a dead row reads the tile's first token's query and attends without a mask
-    // (finite, never written). seen[h]: how many of the split's positions the row sees (its
-    // causal end, from kv_begin).
+    // the tile and head head0 + r % pack (qrow, below), live for the tile's tokens and the
+    // block's heads; a dead row reads the tile's first token's query and attends without a
+    // mask (finite, never written). seen[h]: how many of the split's positions the row sees
+    // (its causal end, from kv_begin).
     unsigned int seen[2];
     bool live[2];
 #pragma unroll
