@@ -6,7 +6,9 @@
 //! the options, the whole compiled text with its defines), so a changed source, define or
 //! compiler never finds an old entry. Entries are written to a temporary file and renamed into
 //! place, so a reader sees a whole file or none; a file that is not PTX is a miss. The cache is
-//! best effort: a directory that cannot be created or written leaves compiles uncached.
+//! best effort: a directory that cannot be created or written leaves compiles uncached. Entries
+//! are never removed (a kernel source change adds new ones, as Triton's cache does): deleting
+//! the directory is always safe.
 //! Built without the CUDA features, so its tests always run.
 
 use std::path::{Path, PathBuf};
