@@ -807,14 +807,24 @@ impl<D: Device> CudaBackend<D> {
         }
     }
 
-    /// The plan's split scratch, with room for `o_bytes` of partial outputs and `lse_bytes` of
-    /// log-sum-exps (a larger pair replaces a smaller one), leased to the caller.
+    /// The plan's split scratch for `split` over `rows` (token, query head) rows of
+    /// `v_head_dim` values: a log-sum-exp per row and split, and unless the plan is unsplit
+    /// (the kernel then writes the output itself) a partial output too. A larger pair replaces
+    /// a smaller one; leased to the caller.
     fn split_scratch<'p>(
         &self,
         plan: &'p CudaPlan<D>,
-        o_bytes: usize,
-        lse_bytes: usize,
+        split: SplitPlan,
+        rows: usize,
+        v_head_dim: usize,
     ) -> Result<ScratchLease<'p, D::Buffer>> {
+        let partials = split.num_splits as usize * rows;
+        let lse_bytes = partials * 4;
+        let o_bytes = if split.num_splits == 1 {
+            0
+        } else {
+            partials * v_head_dim * 4
+        };
         let mut slot = plan
             .scratch
             .lock()
@@ -913,13 +923,7 @@ impl<D: Device> CudaBackend<D> {
             geometry::PREFILL_THREADS,
         )?;
         let unsplit = split.num_splits == 1;
-        let partials = split.num_splits as usize * n * a.q_heads;
-        let o_bytes = if unsplit {
-            0
-        } else {
-            partials * a.v_head_dim * 4
-        };
-        let lease = self.split_scratch(plan, o_bytes, partials * 4)?;
+        let lease = self.split_scratch(plan, split, n * a.q_heads, a.v_head_dim)?;
         let scratch = &lease.scratch;
         let partial_o = if unsplit { &*out.buf } else { &*scratch.o };
         self.launch(
@@ -995,13 +999,7 @@ impl<D: Device> CudaBackend<D> {
         let unsplit = split.num_splits == 1;
         let fuse = self.config.fuse_split_merge && !unsplit;
         let counter_bytes = if fuse { n * head_groups * 4 } else { 0 };
-        let partials = split.num_splits as usize * n * a.q_heads;
-        let o_bytes = if unsplit {
-            0
-        } else {
-            partials * a.v_head_dim * 4
-        };
-        let mut lease = self.split_scratch(plan, o_bytes, partials * 4)?;
+        let mut lease = self.split_scratch(plan, split, n * a.q_heads, a.v_head_dim)?;
         if fuse
             && lease
                 .scratch
