@@ -65,8 +65,8 @@ pub use llama::{expected_tensors, LlamaModel, LogitsMode};
 pub use mla::{mla_expected_tensors, MlaModel};
 pub use runner::{AttentionMode, ForwardInput, ForwardRequest, LogitsOutput, ModelRunner};
 pub use sampling::{
-    apply_penalties, argmax, check_stop, stop_string_holdback, Sampler, SamplingParams, SplitMix64,
-    StopReason,
+    apply_penalties, argmax, check_logits, check_stop, greedy, stop_string_holdback, Sampler,
+    SamplingParams, SplitMix64, StopReason,
 };
 pub use tokenizer::{ChatMessage, ChatTemplate, IncrementalDecoder, TiktokenEncoding, Tokenizer};
 pub use weights::{HostTensor, SafetensorsCheckpoint, TensorMap, TensorSource};

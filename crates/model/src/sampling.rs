@@ -114,7 +114,8 @@ impl SamplingParams {
 }
 
 /// The index of the largest value (the lowest index among equal maxima; NaN never wins).
-/// Returns 0 for an empty slice.
+/// Returns 0 for an empty slice. To sample, use [`greedy`], which refuses a row that is empty or
+/// not finite rather than picking a token from it.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
     let mut best_v = f32::NEG_INFINITY;
@@ -125,6 +126,38 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// Refuses a logits row that no token can be sampled from: an empty row
+/// ([`ModelError::InvalidSampling`]), or one holding NaN or +∞
+/// ([`ModelError::NonFiniteLogits`]; −∞ masks a token and is allowed).
+///
+/// SGLang samples such a row anyway: greedy picks the NaN (torch's argmax), the multinomial
+/// raises and the server stops, and `--enable-nan-detection` replaces NaN by −1e5. Here the
+/// request fails with this error and the others go on.
+pub fn check_logits(logits: &[f32]) -> Result<()> {
+    if logits.is_empty() {
+        return Err(ModelError::InvalidSampling {
+            field: "logits",
+            reason: "empty logits row".into(),
+        });
+    }
+    let nan = logits.iter().filter(|v| v.is_nan()).count();
+    let pos_inf = logits.iter().filter(|&&v| v == f32::INFINITY).count();
+    if nan + pos_inf > 0 {
+        return Err(ModelError::NonFiniteLogits {
+            nan,
+            pos_inf,
+            len: logits.len(),
+        });
+    }
+    Ok(())
+}
+
+/// The greedy token of a logits row ([`argmax`]), after [`check_logits`].
+pub fn greedy(logits: &[f32]) -> Result<u32> {
+    check_logits(logits)?;
+    Ok(argmax(logits))
 }
 
 /// Applies the repetition, frequency and presence penalties of `params` to `logits` in place.
@@ -146,7 +179,9 @@ pub fn apply_penalties(
         let p = params.repetition_penalty;
         for (l, s) in logits.iter_mut().zip(seen) {
             if s {
-                *l = if *l > 0.0 { *l / p } else { *l * p };
+                // Clamped: a penalty far from 1 must not turn a finite logit into ±∞.
+                let penalised = if *l > 0.0 { *l / p } else { *l * p };
+                *l = penalised.clamp(f32::MIN, f32::MAX);
             }
         }
     }
@@ -185,14 +220,10 @@ impl Sampler {
     }
 
     /// Picks the next token from `logits` (one row, the vocabulary) given the request's
-    /// `prompt` and `output` so far. An empty row is an error.
+    /// `prompt` and `output` so far. A row [`check_logits`] refuses is an error, and the
+    /// generator does not advance.
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Result<u32> {
-        if logits.is_empty() {
-            return Err(ModelError::InvalidSampling {
-                field: "logits",
-                reason: "empty logits row".into(),
-            });
-        }
+        check_logits(logits)?;
         let mut l = logits.to_vec();
         apply_penalties(&self.params, &mut l, prompt, output);
         if self.params.is_greedy() {

@@ -4,9 +4,9 @@ use attention::CpuBackend;
 use kv_pool::{KvDtype, KvLayout, Slot};
 use model::tiny::{random_weights, tiny_config, tiny_model, tiny_tokenizer, TINY_EOS, TINY_SEED};
 use model::{
-    apply_penalties, argmax, check_stop, stop_string_holdback, AttentionMode, ChatMessage,
-    ChatTemplate, ForwardInput, ForwardRequest, IncrementalDecoder, LogitsMode, ModelError,
-    ModelRunner, Sampler, SamplingParams, StopReason, TensorSource,
+    apply_penalties, argmax, check_logits, check_stop, greedy, stop_string_holdback, AttentionMode,
+    ChatMessage, ChatTemplate, ForwardInput, ForwardRequest, IncrementalDecoder, LogitsMode,
+    ModelError, ModelRunner, Sampler, SamplingParams, StopReason, TensorSource,
 };
 
 #[test]
@@ -96,6 +96,82 @@ fn greedy_is_argmax_and_top_k_1_is_greedy() {
             ..Default::default()
         };
         assert_eq!(Sampler::new(p, 0).unwrap().sample(&l, &[], &[]).unwrap(), 1);
+    }
+}
+
+/// A row holding NaN or +∞ is refused by greedy and sampled decoding alike, with a count of
+/// each, and the refused draw leaves the generator where it was; −∞ (a masked token) is
+/// allowed. Before, NaN never won the argmax, so an all-NaN row gave token 0.
+#[test]
+fn non_finite_logits_are_refused_and_minus_infinity_is_a_masked_token() {
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: Some(5),
+        ..Default::default()
+    };
+    for (row, nan, pos_inf) in [
+        (vec![f32::NAN; 8], 8, 0),
+        (vec![0.5, f32::NAN, 1.0, 2.0], 1, 0),
+        (vec![0.5, f32::INFINITY, 1.0, f32::NAN], 1, 1),
+    ] {
+        assert!(matches!(
+            check_logits(&row),
+            Err(ModelError::NonFiniteLogits { nan: n, pos_inf: i, len })
+                if (n, i, len) == (nan, pos_inf, row.len())
+        ));
+        assert!(greedy(&row).is_err());
+        for p in [SamplingParams::greedy(), sampled.clone()] {
+            let mut s = Sampler::new(p.clone(), 0).unwrap();
+            assert!(matches!(
+                s.sample(&row, &[], &[]),
+                Err(ModelError::NonFiniteLogits { .. })
+            ));
+            // The refused draw did not advance the generator.
+            let mut fresh = Sampler::new(p, 0).unwrap();
+            let l = logits();
+            assert_eq!(
+                s.sample(&l, &[], &[]).unwrap(),
+                fresh.sample(&l, &[], &[]).unwrap()
+            );
+        }
+    }
+    assert!(matches!(
+        greedy(&[]),
+        Err(ModelError::InvalidSampling {
+            field: "logits",
+            ..
+        })
+    ));
+    let masked = [f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY, 0.5];
+    assert_eq!(greedy(&masked).unwrap(), 1);
+    let mut s = Sampler::new(sampled, 0).unwrap();
+    for _ in 0..32 {
+        assert!([1, 3].contains(&s.sample(&masked, &[], &[]).unwrap()));
+    }
+}
+
+/// A repetition penalty far below 1 divides a positive logit toward +∞; the penalised value is
+/// clamped, so sampling still draws from a finite row instead of a NaN softmax.
+#[test]
+fn an_extreme_repetition_penalty_keeps_the_row_finite() {
+    let p = SamplingParams {
+        repetition_penalty: 1e-30,
+        ..SamplingParams::greedy()
+    };
+    let mut l = vec![1e9, 2.0, -1.0];
+    apply_penalties(&p, &mut l, &[0, 2], &[]);
+    assert!(l.iter().all(|v| v.is_finite()), "{l:?}");
+    assert_eq!(l[0], f32::MAX);
+    for temperature in [0.0, 1.0] {
+        let p = SamplingParams {
+            temperature,
+            seed: Some(1),
+            ..p.clone()
+        };
+        let t = Sampler::new(p, 0)
+            .unwrap()
+            .sample(&[1e9, 2.0, -1.0], &[0, 2], &[]);
+        assert_eq!(t.unwrap(), 0, "temperature {temperature}");
     }
 }
 

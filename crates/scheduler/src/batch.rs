@@ -123,10 +123,24 @@ impl ForwardBatch {
 #[doc(alias = "GenerationBatchResult")]
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchResult {
-    /// One next token per request (ignored where the batch says not to sample).
+    /// One next token per request (ignored where the batch says not to sample, and for the
+    /// requests in `failed`).
     pub next_tokens: Vec<u32>,
     /// Time the pass took (measured, or charged by a cost model); 0 if unknown.
     pub elapsed_s: f64,
+    /// The requests of the batch whose pass ran but gave no usable next token (logits that are
+    /// not finite, for example): the scheduler aborts each of them alone, with its message, and
+    /// the rest of the batch goes on. At most one entry per request.
+    pub failed: Vec<RequestFailure>,
+}
+
+/// One request of a batch that its pass could not serve (see [`BatchResult::failed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestFailure {
+    /// The request's index in the batch.
+    pub index: usize,
+    /// Why (the request's abort message says it).
+    pub message: String,
 }
 
 /// Runs forward passes: the model runner, a fake in tests, a cost-model simulator.
@@ -175,6 +189,7 @@ impl Executor for FakeExecutor {
         Ok(BatchResult {
             next_tokens,
             elapsed_s: 0.0,
+            failed: Vec::new(),
         })
     }
 }

@@ -28,7 +28,9 @@
 //!   preallocation budget, the decode radix match locked, slots for the missing pages only)
 //!   → [`Scheduler::commit_transferred`] (the prefill's first token; the request decodes from
 //!   the next step). [`SchedulerConfig::need_sort`] puts the allocator in sorted-release mode.
-//! - [`Executor`]: `forward(&ForwardBatch) → next token per request`, implemented by the model
+//! - [`Executor`]: `forward(&ForwardBatch) → next token per request` (a failed pass aborts
+//!   its batch; a request the pass could not serve, named in [`BatchResult::failed`], is
+//!   aborted alone), implemented by the model
 //!   runner, by [`FakeExecutor`] in tests, and by [`SimExecutor`], which charges a roofline
 //!   cost model's time instead of computing (with HiCache, also the pass's load-back and L3
 //!   prefetch bytes, which [`ForwardBatch`] carries); [`simulate`] replays timed requests on a simulated
@@ -72,7 +74,7 @@ pub mod sim;
 pub mod sim_contiguity;
 pub mod summary;
 
-pub use batch::{BatchResult, Executor, FakeExecutor, ForwardBatch, ForwardMode};
+pub use batch::{BatchResult, Executor, FakeExecutor, ForwardBatch, ForwardMode, RequestFailure};
 pub use config::{NewTokenRatio, SchedulePolicy, SchedulerConfig};
 pub use disagg::{
     PreallocBudget, PreallocNeed, PreallocPass, PreallocStop, Preallocated, ReqStage,

@@ -39,6 +39,7 @@ use crate::error::{Result, SchedulerError};
 use crate::report::{FinishedReq, SchedulerStats, StepFinished, StepReport};
 use crate::req::{FinishReason, Req, ReqId};
 use crate::schedule_policy::{calc_priority, AddResult, Admission, Candidate, PrefillAdder};
+use output_processor::check_batch_result;
 
 /// The continuous-batching scheduler (SGLang's `Scheduler`) over one KV pool: a prefix cache
 /// `C` and an allocator `A` (the engine's defaults choose their implementation at run time; a
@@ -253,17 +254,9 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
         self.poll_cache_events()?;
         let batch = self.next_batch_with_io(&mut report)?;
         if let Some(batch) = batch {
-            let out = exec.forward(&batch, &self.rows).and_then(|out| {
-                if out.next_tokens.len() == batch.len() {
-                    Ok(out)
-                } else {
-                    Err(format!(
-                        "{} tokens for a batch of {}",
-                        out.next_tokens.len(),
-                        batch.len()
-                    ))
-                }
-            });
+            let out = exec
+                .forward(&batch, &self.rows)
+                .and_then(|out| check_batch_result(&batch, out));
             let out = match out {
                 Ok(out) => out,
                 Err(e) => {
@@ -276,7 +269,7 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
             report.mode = Some(batch.mode);
             report.tokens = batch.num_tokens();
             report.elapsed_s = out.elapsed_s;
-            self.process_batch_result(&batch, &out.next_tokens, &mut report)?;
+            self.process_batch_result(&batch, &out, &mut report)?;
         } else {
             // Idle: reset the admission optimism.
             self.ratio.reset();

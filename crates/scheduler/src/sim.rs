@@ -239,6 +239,7 @@ impl Executor for SimExecutor {
         Ok(BatchResult {
             next_tokens: vec![0; batch.len()],
             elapsed_s: self.cost.batch_time(batch),
+            failed: Vec::new(),
         })
     }
 }

@@ -522,6 +522,109 @@ proptest! {
     }
 }
 
+/// Pages of 4, chunks of 16, a 512-token pool, the radix cache: the failure tests' scheduler.
+fn chunked_sched() -> Scheduler {
+    let c = SchedulerConfig {
+        page_size: 4,
+        chunked_prefill_size: Some(16),
+        ..cfg()
+    };
+    sched(c, 512, true)
+}
+
+/// Exactly 4 new tokens (EOS ignored).
+fn four_tokens() -> SamplingLimits {
+    SamplingLimits {
+        max_new_tokens: 4,
+        ignore_eos: true,
+        stop_token_ids: vec![],
+    }
+}
+
+/// A request whose pass gives no token (the executor names it in `failed`: its logits were not
+/// finite) is aborted alone with the executor's message, at any step of its life: in its first
+/// chunk, its last chunk or a decode step, alone or in a mixed batch. Its KV is released, and
+/// the requests beside it get the tokens they get without it. A result whose failures name a
+/// request twice or one outside the batch fails the whole pass.
+#[test]
+fn a_request_whose_pass_gives_no_token_is_aborted_alone() {
+    /// The fake model, except that request `victim` fails on its `at`-th sampled or unsampled
+    /// pass (0-based); with `malformed`, the failure names a request outside the batch.
+    struct Picky {
+        inner: FakeExecutor,
+        victim: scheduler::ReqId,
+        at: usize,
+        seen: usize,
+        malformed: bool,
+    }
+    impl scheduler::Executor for Picky {
+        fn forward(
+            &mut self,
+            batch: &scheduler::ForwardBatch,
+            rows: &kv_pool::ReqToTokenPool,
+        ) -> Result<scheduler::BatchResult, String> {
+            let mut out = self.inner.forward(batch, rows)?;
+            if let Some(k) = batch.reqs.iter().position(|&id| id == self.victim) {
+                if self.seen == self.at {
+                    out.failed.push(scheduler::RequestFailure {
+                        index: if self.malformed { batch.len() } else { k },
+                        message: "logits hold NaN".into(),
+                    });
+                }
+                self.seen += 1;
+            }
+            Ok(out)
+        }
+    }
+    let limits = four_tokens();
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(2 + i, 24 + 5 * i as usize)).collect();
+    for malformed in [false, true] {
+        // Passes of the victim: 2 chunks of 16 for its 24 tokens, then 3 decodes.
+        for at in 0..5 {
+            let mut s = chunked_sched();
+            let ids: Vec<_> = prompts
+                .iter()
+                .map(|p| s.add_request(p.clone(), limits.clone(), 0, None).unwrap())
+                .collect();
+            let mut e = Picky {
+                inner: exec(),
+                victim: ids[0],
+                at,
+                seen: 0,
+                malformed,
+            };
+            s.run_to_idle(&mut e, 100).unwrap();
+            s.check_invariants().unwrap();
+            let done = s.take_finished();
+            assert_eq!(done.len(), 3);
+            let mut aborted = Vec::new();
+            for (id, p) in ids.iter().zip(&prompts) {
+                let f = done.iter().find(|f| f.id == *id).unwrap();
+                match &f.reason {
+                    FinishReason::Abort { message } => {
+                        let why = if malformed {
+                            "a batch of"
+                        } else {
+                            "logits hold NaN"
+                        };
+                        assert!(message.contains(why), "at {at}: {message}");
+                        aborted.push(*id);
+                    }
+                    _ => assert_eq!(
+                        (f.output_ids.clone(), f.reason.clone()),
+                        expected_output(p, &limits),
+                        "at {at}, malformed {malformed}"
+                    ),
+                }
+            }
+            assert!(aborted.contains(&ids[0]), "at {at}: the victim is aborted");
+            if !malformed {
+                assert_eq!(aborted, [ids[0]], "at {at}: only the victim");
+            }
+        }
+    }
+}
+
 /// A forward pass that fails (a device error) ends only its batch's requests, with the
 /// executor's message; their KV is released, the pool partition holds, and later requests
 /// are served as if nothing happened.
@@ -547,20 +650,8 @@ fn a_failed_forward_pass_aborts_its_batch_and_the_scheduler_goes_on() {
         }
     }
     for fail_at in 0..6 {
-        let mut s = sched(
-            SchedulerConfig {
-                page_size: 4,
-                chunked_prefill_size: Some(16),
-                ..cfg()
-            },
-            512,
-            true,
-        );
-        let limits = SamplingLimits {
-            max_new_tokens: 4,
-            ignore_eos: true,
-            stop_token_ids: vec![],
-        };
+        let mut s = chunked_sched();
+        let limits = four_tokens();
         for i in 0..3 {
             s.add_request(prompt(1, 24 + i), limits.clone(), 0, None)
                 .unwrap();

@@ -17,7 +17,7 @@ use model::{AttentionMode, ForwardInput, ForwardRequest, LogitsMode, Sampler, Sa
 
 use super::components::{AnyRunner, ModelForward};
 use crate::disagg::KvHostMirror;
-use scheduler::{BatchResult, Executor, ForwardBatch, ForwardMode, ReqId};
+use scheduler::{BatchResult, Executor, ForwardBatch, ForwardMode, ReqId, RequestFailure};
 
 struct ReqSampling {
     sampler: Sampler,
@@ -175,6 +175,7 @@ impl Executor for ModelExecutor {
             })
             .map_err(|e| e.to_string())?;
         let mut next_tokens = Vec::with_capacity(batch.len());
+        let mut failed = Vec::new();
         for k in 0..batch.len() {
             if !batch.sample[k] {
                 next_tokens.push(0);
@@ -183,22 +184,32 @@ impl Executor for ModelExecutor {
             let logits = out
                 .last(k)
                 .ok_or_else(|| format!("no logits for {}", batch.reqs[k]))?;
+            // A request whose logits are not finite (a NaN or an overflow in its forward) fails
+            // alone; the batch's other requests keep their tokens.
             let token = match self.sampling.get_mut(&batch.reqs[k]) {
-                Some(s) => {
-                    let t = s
-                        .sampler
-                        .sample(logits, &s.prompt, &s.output)
-                        .map_err(|e| e.to_string())?;
-                    s.output.push(t);
-                    t
-                }
-                None => model::argmax(logits),
+                Some(s) => s
+                    .sampler
+                    .sample(logits, &s.prompt, &s.output)
+                    .inspect(|&t| {
+                        s.output.push(t);
+                    }),
+                None => model::greedy(logits),
             };
-            next_tokens.push(token);
+            match token {
+                Ok(t) => next_tokens.push(t),
+                Err(e) => {
+                    next_tokens.push(0);
+                    failed.push(RequestFailure {
+                        index: k,
+                        message: e.to_string(),
+                    });
+                }
+            }
         }
         Ok(BatchResult {
             next_tokens,
             elapsed_s: start.elapsed().as_secs_f64(),
+            failed,
         })
     }
 }
@@ -306,5 +317,80 @@ mod tests {
             ..SamplingParams::default()
         };
         assert!(e.register(ReqId(99), prompt, bad).is_err());
+    }
+
+    /// A request whose forward gives NaN logits fails alone, with a message that says so, and
+    /// its KV does not enter the prefix cache; the request beside it in the same batches gets
+    /// the tokens it gets alone. (Before, greedy sampling skipped NaN and returned token 0.)
+    #[test]
+    fn a_request_with_nan_logits_is_aborted_alone() {
+        const POISON: u32 = 4321;
+        let mut config = tiny_config();
+        config.tie_word_embeddings = false;
+        let mut weights = model::tiny::random_weights(&config, model::tiny::TINY_SEED);
+        let mut embed = weights.remove("model.embed_tokens.weight").unwrap();
+        let d = config.hidden_size;
+        let row = POISON as usize * d;
+        embed.data[row..row + d].fill(f32::NAN);
+        weights.insert("model.embed_tokens.weight", embed).unwrap();
+        let backend = CpuBackend::new(CpuConfig::default()).unwrap();
+        let model = model::LlamaModel::load(&backend, config.clone(), &weights).unwrap();
+        let layout = KvLayout::new(config.kv_shape(KvDtype::F32).unwrap(), 16, 4096).unwrap();
+        let runner = model::ModelRunner::new(backend, model, layout).unwrap();
+        let mut e = ModelExecutor::new(runner, 7);
+        let scheduler = || {
+            let cfg = SchedulerConfig {
+                page_size: 16,
+                context_len: 1024,
+                strict: true,
+                ..SchedulerConfig::default()
+            };
+            let cache = RadixCache::new(16, BuiltinPolicy::Lru);
+            Scheduler::new(cfg, cache, PagedAllocator::new(4096, 16).unwrap()).unwrap()
+        };
+        let clean: Vec<u32> = (0..40).map(|i| 900 + i).collect();
+        let mut poisoned: Vec<u32> = (0..40).map(|i| 100 + i).collect();
+        poisoned[20] = POISON;
+        // Alone, the clean prompt's tokens.
+        let mut s = scheduler();
+        s.add_request(clean.clone(), SamplingLimits::max_new(6), 0, None)
+            .unwrap();
+        s.run_to_idle(&mut e, 100).unwrap();
+        let alone = s.take_finished().remove(0).output_ids;
+        assert_eq!(alone.len(), 6);
+        let cached_alone = s.cache().total_size();
+        assert!(cached_alone >= 32, "{cached_alone}");
+        // Together, greedy and sampled: the poisoned one is aborted, the clean one unchanged.
+        for sampled in [false, true] {
+            let mut s = scheduler();
+            let bad = s
+                .add_request(poisoned.clone(), SamplingLimits::max_new(6), 0, None)
+                .unwrap();
+            let good = s
+                .add_request(clean.clone(), SamplingLimits::max_new(6), 0, None)
+                .unwrap();
+            if sampled {
+                e.register(bad, poisoned.clone(), SamplingParams::default())
+                    .unwrap();
+            }
+            s.run_to_idle(&mut e, 100).unwrap();
+            s.check_invariants().unwrap();
+            let done = s.take_finished();
+            let f = |id| done.iter().find(|f| f.id == id).unwrap();
+            match &f(bad).reason {
+                scheduler::FinishReason::Abort { message } => {
+                    assert!(message.contains("NaN"), "{message}")
+                }
+                other => panic!("sampled {sampled}: expected an abort, got {other:?}"),
+            }
+            assert!(f(bad).output_ids.is_empty());
+            assert_eq!(f(good).output_ids, alone, "sampled {sampled}");
+            assert_eq!(
+                s.cache().total_size(),
+                cached_alone,
+                "only the clean request's KV is cached"
+            );
+            e.release(bad);
+        }
     }
 }

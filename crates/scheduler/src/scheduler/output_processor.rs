@@ -1,15 +1,15 @@
 //! Processing a pass's results (SGLang's `scheduler_output_processor_mixin.py`): append each
-//! sampled token, check finish conditions, cache or release KV, and the failure path that ends
-//! a batch whose forward pass failed.
+//! sampled token, check finish conditions, cache or release KV, and the failure paths that end
+//! a batch whose forward pass failed, or one request whose pass gave no usable token.
 
 use kv_pool::Allocator;
 use radix_cache::PrefixCache;
 
 use super::Scheduler;
-use crate::batch::{ForwardBatch, ForwardMode};
+use crate::batch::{BatchResult, ForwardBatch, ForwardMode};
 use crate::error::Result;
 use crate::report::{StepFinished, StepReport};
-use crate::req::{FinishReason, Req};
+use crate::req::{FinishReason, Req, ReqId};
 
 impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     /// Ends every request of `batch` after its forward pass failed: each is aborted with the
@@ -24,23 +24,33 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     ) -> Result<()> {
         let message = format!("the forward pass failed: {error}");
         for &id in &batch.reqs {
-            if !self.reqs.contains_key(&id) {
-                continue;
+            if self.reqs.contains_key(&id) {
+                self.abort_after_pass(id, message.clone(), report)?;
             }
-            self.running.retain(|&x| x != id);
-            if self.chunked == Some(id) {
-                self.chunked = None;
-            }
-            self.release_kv(id, true)?;
-            let reason = FinishReason::Abort {
-                message: message.clone(),
-            };
-            report.finished.push(StepFinished {
-                id,
-                reason: reason.clone(),
-            });
-            self.finish(id, reason);
         }
+        Ok(())
+    }
+
+    /// Aborts request `id` of a pass that failed for it, before the pass's positions are
+    /// committed: only the tokens committed by earlier passes can enter the prefix cache, and
+    /// the slots allocated for this pass are freed.
+    fn abort_after_pass(
+        &mut self,
+        id: ReqId,
+        message: String,
+        report: &mut StepReport,
+    ) -> Result<()> {
+        self.running.retain(|&x| x != id);
+        if self.chunked == Some(id) {
+            self.chunked = None;
+        }
+        self.release_kv(id, true)?;
+        let reason = FinishReason::Abort { message };
+        report.finished.push(StepFinished {
+            id,
+            reason: reason.clone(),
+        });
+        self.finish(id, reason);
         self.batch_is_full = false;
         Ok(())
     }
@@ -53,14 +63,20 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
     pub(super) fn process_batch_result(
         &mut self,
         batch: &ForwardBatch,
-        tokens: &[u32],
+        out: &BatchResult,
         report: &mut StepReport,
     ) -> Result<()> {
+        let tokens = &out.next_tokens;
         let decode_part = batch.mode != ForwardMode::Extend;
         if decode_part {
             self.alloc.free_group_begin()?;
         }
         for (k, &id) in batch.reqs.iter().enumerate() {
+            if let Some(f) = out.failed.iter().find(|f| f.index == k) {
+                let message = format!("the forward pass gave no token: {}", f.message);
+                self.abort_after_pass(id, message, report)?;
+                continue;
+            }
             let is_decode = batch.extend_lens[k] == 1
                 && self.running.contains(&id)
                 && batch.mode != ForwardMode::Extend;
@@ -120,4 +136,34 @@ pub(super) fn check_finished(r: &Req, token: u32) -> Option<FinishReason> {
         });
     }
     None
+}
+
+/// Checks an executor's result against its batch: one token per request, and failures that name
+/// distinct requests of the batch. A result that breaks this is the pass's failure.
+pub(super) fn check_batch_result(
+    batch: &ForwardBatch,
+    out: BatchResult,
+) -> std::result::Result<BatchResult, String> {
+    if out.next_tokens.len() != batch.len() {
+        return Err(format!(
+            "{} tokens for a batch of {}",
+            out.next_tokens.len(),
+            batch.len()
+        ));
+    }
+    let mut named = vec![false; batch.len()];
+    for f in &out.failed {
+        match named.get_mut(f.index) {
+            Some(seen) if !*seen => *seen = true,
+            Some(_) => return Err(format!("request {} failed twice in one result", f.index)),
+            None => {
+                return Err(format!(
+                    "a failure of request {} in a batch of {}",
+                    f.index,
+                    batch.len()
+                ))
+            }
+        }
+    }
+    Ok(out)
 }
