@@ -42,12 +42,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 GPU_DIR=.gpu
 
-# NVRTC's PTX on disk (attention-cuda's ptx_cache), shared by every test's device, bench and
-# profile run of one invocation: each kernel specialisation is compiled once, not once per
+# NVRTC's PTX on disk (attention-cuda's compile_cache), shared by every test's device, bench
+# and profile run of one invocation: each kernel specialisation is compiled once, not once per
 # process. A fresh private directory (mktemp), so no other user's files are loaded.
-ptx_cache() {
-    [ -n "${KVSERVE_PTX_CACHE:-}" ] || KVSERVE_PTX_CACHE=$(mktemp -d /tmp/kvserve-ptx.XXXXXX)
-    export KVSERVE_PTX_CACHE
+kernel_cache() {
+    [ -n "${KVSERVE_KERNEL_CACHE:-}" ] || KVSERVE_KERNEL_CACHE=$(mktemp -d /tmp/kvserve-kernels.XXXXXX)
+    export KVSERVE_KERNEL_CACHE
 }
 
 prepare() {
@@ -104,7 +104,7 @@ profile() {
     local out="${OUT:-/tmp/gpu-check}" ncu defines target
     mkdir -p "$out"
     cuda_library_path
-    ptx_cache
+    kernel_cache
     # The bandwidth table once per set of the kernels' tuning defines (KVSERVE_CUDA_DEFINES;
     # PROFILE_DEFINES: sets separated by ';', the first the defaults) and per split target
     # (SPLIT_TARGETS: split_kv_target_blocks values separated by spaces; unset: the default);
@@ -151,7 +151,7 @@ run() {
     mkdir -p "$out"
     [ -x "$GPU_DIR/gpu-tests" ] || { echo "no $GPU_DIR/gpu-tests: run 'prepare' here first"; exit 2; }
     cuda_library_path
-    ptx_cache
+    kernel_cache
     local failed=0
     : >"$out/summary.txt"
     step() { # step NAME SECONDS COMMAND...

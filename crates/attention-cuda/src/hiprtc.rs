@@ -6,6 +6,7 @@
 
 use std::ffi::{c_char, c_int, CStr, CString};
 
+use crate::compile_cache::{Artifact, CompileCache};
 use crate::kernels::source_text;
 use crate::specs::Spec;
 
@@ -75,20 +76,48 @@ impl Drop for Handle {
 /// test when it compiled on two threads). Compiles are therefore serialised process-wide.
 static COMPILE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Compiles `spec` to a code object for `arch` (an `--offload-arch` value such as `"gfx90a"`);
-/// `Err` carries hipRTC's log. Safe to call from any thread: calls are serialised
-/// ([`COMPILE_LOCK`]).
+/// Compiles `spec` to a code object for `arch` (an `--offload-arch` value such as `"gfx90a"`)
+/// through the environment's [`CompileCache`] ([`CompileCache::from_env`]); `Err` carries
+/// hipRTC's log. Safe to call from any thread: compiles are serialised ([`COMPILE_LOCK`]).
 pub fn compile(spec: &Spec, arch: &str) -> Result<Vec<u8>, String> {
+    compile_cached(spec, arch, CompileCache::from_env().as_ref()).map(|(code, _)| code)
+}
+
+/// [`compile`] through `cache` (none: always compile): the code object, and whether it came
+/// from the cache. A compile the cache cannot store is still returned.
+pub fn compile_cached(
+    spec: &Spec,
+    arch: &str,
+    cache: Option<&CompileCache>,
+) -> Result<(Vec<u8>, bool), String> {
+    let (major, minor) = available()?;
+    let name = spec.name();
+    let text = source_text(spec);
+    let options = [format!("--offload-arch={arch}"), "-std=c++17".to_string()];
+    let (version, joined) = (format!("{major}.{minor}"), options.join(" "));
+    let key = [version.as_str(), joined.as_str(), text.as_str()];
+    if let Some(code) = cache.and_then(|c| c.get(Artifact::CodeObject, &name, &key)) {
+        return Ok((code, true));
+    }
+    let code = compile_program(&name, &text, &options)?;
+    if let Some(cache) = cache {
+        // Best effort, as the cache is.
+        let _ = cache.put(Artifact::CodeObject, &name, &key, &code);
+    }
+    Ok((code, false))
+}
+
+/// One hipRTC compile of `text` (named `name`) with `options`, serialised ([`COMPILE_LOCK`]).
+fn compile_program(name: &str, text: &str, options: &[String]) -> Result<Vec<u8>, String> {
     // A poisoned lock only means another compile panicked; hipRTC's state is per program.
     let _serialised = COMPILE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let name = spec.name();
-    let cstr = |s: String| CString::new(s).map_err(|_| format!("{name}: a NUL in the source"));
-    let src = cstr(source_text(spec))?;
-    let file = cstr(format!("{name}.cu"))?;
-    let options = [
-        cstr(format!("--offload-arch={arch}"))?,
-        cstr("-std=c++17".into())?,
-    ];
+    let cstr = |s: &str| CString::new(s).map_err(|_| format!("{name}: a NUL in the source"));
+    let src = cstr(text)?;
+    let file = cstr(&format!("{name}.cu"))?;
+    let options = options
+        .iter()
+        .map(|o| cstr(o))
+        .collect::<Result<Vec<_>, _>>()?;
     let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
     let mut prog = std::ptr::null_mut();
     // SAFETY: `src` and `file` are NUL-terminated and outlive the call; no headers are passed

@@ -62,8 +62,9 @@
 //!   with dynamic loading, whose libraries are checked with `is_culib_present()` before any
 //!   call (cudarc's loader panics otherwise). `rocm` links libamdhip64 (hip-sys), so it builds
 //!   only where the HIP headers are installed; the device count is asked before any other call.
-//! - NVRTC's PTX is kept on disk by a hash of everything the compile depends on
-//!   ([`ptx_cache`]), so a stale entry is never found; the cache is best effort.
+//! - NVRTC's PTX and hipRTC's code objects are kept on disk by a hash of everything the
+//!   compile depends on ([`compile_cache`]), so a stale entry is never found; the cache is
+//!   best effort.
 //! - A plan's split-KV scratch is allocated once and reused by every layer of the batch.
 //! - A captured graph replays only launches equal to the ones the step's forward makes (kernel,
 //!   geometry, buffers, scalars: checked before every replay), over buffers that outlive it
@@ -78,6 +79,7 @@
 //! test run the shared suite from `attention::conformance`.
 
 pub mod backend;
+pub mod compile_cache;
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub mod cudarc_device;
 pub mod device;
@@ -93,7 +95,6 @@ pub mod kernels;
 #[cfg(any(feature = "cuda-12", feature = "cuda-13"))]
 pub mod nvrtc;
 pub mod plan;
-pub mod ptx_cache;
 pub mod ptxas;
 /// The kernel specialisations (plain data, shared with the emulation's build script).
 pub mod specs;

@@ -5,8 +5,8 @@
 //! without a GPU. [`available`] must say yes before either is called: cudarc's loader panics
 //! when `libnvrtc` cannot be opened.
 
+use crate::compile_cache::{Artifact, CompileCache};
 use crate::kernels::source_text;
-use crate::ptx_cache::PtxCache;
 use crate::ptxas::{self, KernelResources};
 use crate::specs::Spec;
 
@@ -61,10 +61,10 @@ pub fn tuning_defines(value: Option<&str>) -> Result<Vec<(String, u64)>, String>
 
 /// Compiles `spec` to PTX for `arch` (an NVRTC `--gpu-architecture` value such as
 /// `"compute_90"`), with the [`tuning_defines`] of the environment first, through the
-/// environment's [`PtxCache`] ([`PtxCache::from_env`]); `Err` carries NVRTC's log or the
-/// malformed define. Checks [`available`] first.
+/// environment's [`CompileCache`] ([`CompileCache::from_env`]); `Err` carries NVRTC's log or
+/// the malformed define. Checks [`available`] first.
 pub fn compile(spec: &Spec, arch: &str) -> Result<cudarc::nvrtc::Ptx, String> {
-    compile_cached(spec, arch, PtxCache::from_env().as_ref()).map(|(ptx, _)| ptx)
+    compile_cached(spec, arch, CompileCache::from_env().as_ref()).map(|(ptx, _)| ptx)
 }
 
 /// [`compile`] through `cache` (none: always compile): the PTX, and whether it came from the
@@ -72,7 +72,7 @@ pub fn compile(spec: &Spec, arch: &str) -> Result<cudarc::nvrtc::Ptx, String> {
 pub fn compile_cached(
     spec: &Spec,
     arch: &str,
-    cache: Option<&PtxCache>,
+    cache: Option<&CompileCache>,
 ) -> Result<(cudarc::nvrtc::Ptx, bool), String> {
     available()?;
     let options = vec![
@@ -84,7 +84,9 @@ pub fn compile_cached(
     let version = version()?;
     let joined = options.join(" ");
     let key = [version.as_str(), joined.as_str(), text.as_str()];
-    if let Some(ptx) = cache.and_then(|c| c.get(&name, &key)) {
+    let stored = cache.and_then(|c| c.get(Artifact::Ptx, &name, &key));
+    // A whole PTX entry is UTF-8 text (`Artifact::is_whole`).
+    if let Some(ptx) = stored.and_then(|bytes| String::from_utf8(bytes).ok()) {
         return Ok((cudarc::nvrtc::Ptx::from_src(ptx), true));
     }
     let opts = cudarc::nvrtc::CompileOptions {
@@ -96,9 +98,7 @@ pub fn compile_cached(
     // NVRTC's image is NUL-terminated text; best effort, as the cache is.
     if let (Some(cache), Some(bytes)) = (cache, ptx.as_bytes()) {
         let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-        if let Ok(src) = std::str::from_utf8(&bytes[..end]) {
-            let _ = cache.put(&name, &key, src);
-        }
+        let _ = cache.put(Artifact::Ptx, &name, &key, &bytes[..end]);
     }
     Ok((ptx, false))
 }

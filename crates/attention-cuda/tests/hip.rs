@@ -65,6 +65,20 @@ fn a_broken_kernel_is_rejected_with_the_log() {
     common::a_broken_source_is_rejected_with_the_log(|spec| hiprtc::compile(spec, ARCH));
 }
 
+/// hipRTC's code objects through the on-disk cache (`compile_cache`): stored by the first
+/// compile, read back by the second, another entry for another architecture.
+#[test]
+fn a_compile_is_stored_once_and_read_back() {
+    if !hiprtc_or_skip("a_compile_is_stored_once_and_read_back") {
+        return;
+    }
+    common::a_compile_is_stored_once_and_read_back(
+        "hiprtc-cache",
+        [ARCH, "gfx1030"],
+        hiprtc::compile_cached,
+    );
+}
+
 /// Opening a device is a typed error when there is none (this machine, CI), never a panic; on
 /// a machine with an AMD GPU, device 0 opens and an ordinal past the count is refused.
 #[test]

@@ -117,32 +117,19 @@ fn a_broken_kernel_is_rejected_with_the_log() {
     common::a_broken_source_is_rejected_with_the_log(|spec| nvrtc::compile(spec, ARCH));
 }
 
-/// NVRTC's PTX through the on-disk cache (`ptx_cache`): the first compile of a specialisation
-/// stores it, the second reads it back (the same text, no compile), and another architecture
-/// is another entry.
+/// NVRTC's PTX through the on-disk cache (`compile_cache`): stored by the first compile, read
+/// back by the second, another entry for another architecture.
 #[test]
 fn a_compile_is_stored_once_and_read_back() {
     if !nvrtc_or_skip("a_compile_is_stored_once_and_read_back") {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("kvserve-nvrtc-ptx-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let cache = attention_cuda::ptx_cache::PtxCache::at(&dir);
-    let spec = attention_cuda::kernels::all_specs()
-        .into_iter()
-        .find(|s| s.name().starts_with("store"))
-        .expect("a store specialisation");
-    let (first, hit) = nvrtc::compile_cached(&spec, ARCH, Some(&cache)).unwrap();
-    assert!(!hit);
-    let (second, hit) = nvrtc::compile_cached(&spec, ARCH, Some(&cache)).unwrap();
-    assert!(hit);
-    assert_eq!(
-        second.to_src(),
-        first.to_src().trim_end_matches('\0'),
-        "the stored PTX is the compiled one"
+    common::a_compile_is_stored_once_and_read_back(
+        "nvrtc-cache",
+        [ARCH, "compute_80"],
+        |spec, arch, cache| {
+            let (ptx, hit) = nvrtc::compile_cached(spec, arch, cache)?;
+            Ok((ptx.to_src().trim_end_matches('\0').as_bytes().to_vec(), hit))
+        },
     );
-    let (_, hit) = nvrtc::compile_cached(&spec, "compute_80", Some(&cache)).unwrap();
-    assert!(!hit, "another architecture is another entry");
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,7 +1,9 @@
 //! Shared by the library tests (NVRTC, hipRTC): skip with a printed reason when the library is
 //! missing, or fail when CI requires it; compile every specialisation from several processes
-//! and threads; check that a broken source is rejected with the compiler's log.
+//! and threads; check that a broken source is rejected with the compiler's log; check the
+//! on-disk compile cache.
 
+use attention_cuda::compile_cache::CompileCache;
 use attention_cuda::kernels;
 use attention_cuda::{Source, Spec};
 
@@ -154,4 +156,31 @@ pub fn a_broken_source_is_rejected_with_the_log<C>(compile: impl Fn(&Spec) -> Re
     let err = compile(&spec).err().expect("a broken source compiled");
     assert!(err.contains("KV_DTYPE must be"), "{err}");
     assert!(compile(&kernels::dense()).is_ok());
+}
+
+/// A compiler's output through a [`CompileCache`] in a fresh directory (named for `test`): the
+/// first compile of a store specialisation for `arches[0]` stores it, the second reads it back
+/// (the same bytes, and no compile), and `arches[1]` is another entry. `compile` is the
+/// compiler's `compile_cached`, its output as bytes.
+pub fn a_compile_is_stored_once_and_read_back(
+    test: &str,
+    arches: [&str; 2],
+    compile: impl Fn(&Spec, &str, Option<&CompileCache>) -> Result<(Vec<u8>, bool), String>,
+) {
+    let dir = std::env::temp_dir().join(format!("kvserve-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cache = CompileCache::at(&dir);
+    let spec = kernels::all_specs()
+        .into_iter()
+        .find(|s| s.name().starts_with("store"))
+        .expect("a store specialisation");
+    let (first, hit) = compile(&spec, arches[0], Some(&cache)).unwrap();
+    assert!(!hit);
+    let (second, hit) = compile(&spec, arches[0], Some(&cache)).unwrap();
+    assert!(hit);
+    assert_eq!(second, first, "the stored output is the compiled one");
+    let (_, hit) = compile(&spec, arches[1], Some(&cache)).unwrap();
+    assert!(!hit, "another architecture is another entry");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
