@@ -81,6 +81,15 @@ struct kvs_rows_direct {
     __device__ unsigned int x(unsigned int i) const { return first + i; }
     __device__ unsigned int out(unsigned int i) const { return first + i; }
 };
+// Head `head` of x [rows, heads, k] into the same head of out [rows, heads, n]: rows
+// (first + i) · heads + head, consecutive from `first` (bmm).
+struct kvs_rows_head {
+    unsigned int first;
+    unsigned int heads;
+    unsigned int head;
+    __device__ unsigned int x(unsigned int i) const { return (first + i) * heads + head; }
+    __device__ unsigned int out(unsigned int i) const { return (first + i) * heads + head; }
+};
 // moe_align's rows sorted[first + i] of (token, rank) pairs, reading hidden row row / x_div.
 struct kvs_rows_sorted {
     const unsigned int* sorted;
@@ -172,6 +181,27 @@ KVS_WEIGHT_VARIANTS(matmul, matmul_body,
                     (const float* x, const void* w, float* out, unsigned int m, unsigned int k,
                      unsigned int n),
                     (x, w, out, m, k, n))
+
+// out[m, heads, n] = x[m, heads, k] · w[heads, n, k]ᵀ, a matmul per head (MLA's absorptions,
+// torch's bmm): matmul_body's warps and row blocks with the head along grid.z, by kvs_gemv, so
+// each head's outputs have the bits matmul gives its rows.
+template <int W>
+__device__ inline void bmm_body(const float* x, const void* w, float* out, unsigned int m,
+                                unsigned int k, unsigned int n, unsigned int heads) {
+    const unsigned int col = blockIdx.x * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
+    const unsigned int first = blockIdx.y * MATMUL_BLOCK_ROWS;
+    const unsigned int head = blockIdx.z;
+    if (col >= n || first >= m || head >= heads) {
+        return; // the whole warp
+    }
+    const unsigned int count = m - first < MATMUL_BLOCK_ROWS ? m - first : MATMUL_BLOCK_ROWS;
+    kvs_gemv<W>(x, w, ((size_t)head * n + col) * k, out, k, n, col, count,
+                kvs_rows_head{first, heads, head});
+}
+KVS_WEIGHT_VARIANTS(bmm, bmm_body,
+                    (const float* x, const void* w, float* out, unsigned int m, unsigned int k,
+                     unsigned int n, unsigned int heads),
+                    (x, w, out, m, k, n, heads))
 
 // out[i] = w[i], an f16 weight widened exactly to f32: what the vendor BLAS multiplies a large
 // batch by (it has no f16 × f32 GEMM).

@@ -482,6 +482,7 @@ impl<D: Device> CudaBackend<D> {
 #[derive(Debug, Clone, Copy)]
 enum WeightKernel {
     Matmul,
+    Bmm,
     Embedding,
     MoeMatmul,
 }
@@ -494,6 +495,9 @@ impl WeightKernel {
             (WeightKernel::Matmul, F32) => "matmul",
             (WeightKernel::Matmul, F16) => "matmul_f16",
             (WeightKernel::Matmul, Bf16) => "matmul_bf16",
+            (WeightKernel::Bmm, F32) => "bmm",
+            (WeightKernel::Bmm, F16) => "bmm_f16",
+            (WeightKernel::Bmm, Bf16) => "bmm_bf16",
             (WeightKernel::Embedding, F32) => "embedding",
             (WeightKernel::Embedding, F16) => "embedding_f16",
             (WeightKernel::Embedding, Bf16) => "embedding_bf16",
@@ -1237,6 +1241,34 @@ impl<D: Device> Backend for CudaBackend<D> {
                 KernelArg::U32(dim("m", m)?),
                 KernelArg::U32(dim("k", k)?),
                 KernelArg::U32(dim("n", n)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// The own kernel (`bmm`, the lanes' GEMV of `matmul` per head along grid.z) at every
+    /// size: MLA's absorptions are small (16 heads of 128 × 512), and a decode step's must be
+    /// capturable.
+    fn bmm(&self, x: &CudaTensor<D>, w: &CudaTensor<D>) -> Result<CudaTensor<D>> {
+        let (n, heads, k, m) = check::bmm(&x.shape, &w.shape)?;
+        check::f32_tensor("bmm's x", x.dtype)?;
+        let out = self.output(&[n, heads, m])?;
+        if n * heads * m == 0 {
+            return Ok(out);
+        }
+        // The kernel indexes rows of x and out with 32 bits.
+        dim("bmm rows", n * heads)?;
+        self.dense(
+            WeightKernel::Bmm.name(w.dtype),
+            geometry::bmm(n, m, heads)?,
+            &[
+                KernelArg::Buf(&x.buf),
+                KernelArg::Buf(&w.buf),
+                KernelArg::Buf(&out.buf),
+                KernelArg::U32(dim("n", n)?),
+                KernelArg::U32(dim("k", k)?),
+                KernelArg::U32(dim("m", m)?),
+                KernelArg::U32(dim("heads", heads)?),
             ],
         )?;
         Ok(out)

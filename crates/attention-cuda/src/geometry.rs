@@ -78,6 +78,19 @@ pub fn matmul(m: usize, n: usize) -> Result<LaunchConfig> {
     })
 }
 
+/// `bmm`: [`matmul`]'s blocks for each of `heads` along grid.z.
+pub fn bmm(m: usize, n: usize, heads: usize) -> Result<LaunchConfig> {
+    let mut cfg = matmul(m, n)?;
+    if heads as u64 > MAX_GRID_YZ {
+        return Err(AttentionError::InvalidConfig {
+            field: "bmm",
+            reason: format!("{heads} heads exceed CUDA's grid limits"),
+        });
+    }
+    cfg.grid[2] = heads.max(1) as u32;
+    Ok(cfg)
+}
+
 /// Tiles `moe_align` may fill for `rows` (token, rank) rows over `experts` experts: each
 /// expert's rows in tiles of `tile_rows` ([`MOE_TILE`] or [`GEMM_MMA_ROWS`]), so at most
 /// `⌈rows / tile_rows⌉ + experts` of them, and at most `rows` (a tile holds a row): the grid of
@@ -189,6 +202,8 @@ mod tests {
             ("matmul 33x96", matmul(33, 96).unwrap()),
             ("matmul 1x17", matmul(1, 17).unwrap()),
             ("matmul_mma 130x4096", matmul_mma(130, 4096).unwrap()),
+            ("bmm 1x16x512 (an MLA decode row)", bmm(1, 512, 16).unwrap()),
+            ("bmm 70x16x128", bmm(70, 128, 16).unwrap()),
             ("attention 5x32", attention(5, 32, split).unwrap()),
             // MHA, 32 heads: 3 tiles of 64 tokens.
             (
@@ -268,5 +283,11 @@ mod tests {
             matmul(64 * 70_000, 1),
             Err(AttentionError::InvalidConfig { .. })
         ));
+        for (rows, heads) in [(64 * 70_000, 16), (1, 70_000)] {
+            assert!(matches!(
+                bmm(rows, 128, heads),
+                Err(AttentionError::InvalidConfig { .. })
+            ));
+        }
     }
 }

@@ -80,6 +80,48 @@ impl WgpuBackend {
         self.config.matmul_rows_max.unwrap_or(auto) as usize
     }
 
+    /// `out[m, H, n] = x[m, H, k] · w[H, n, k]ᵀ` per head (`matmul` is `H` = 1, `bmm` any),
+    /// shaped `out_shape`: the tiled kernel, or the thread-per-column one for few rows.
+    fn matmul_heads(
+        &self,
+        x: &WgpuTensor,
+        w: &WgpuTensor,
+        (m, heads, k, n): (usize, usize, usize, usize),
+        out_shape: &[usize],
+    ) -> Result<WgpuTensor> {
+        let out = self.zeros(out_shape)?;
+        if m == 0 || n == 0 || k == 0 || heads == 0 {
+            return Ok(out);
+        }
+        // Heads go along the grid's z, which the adapter limits (65535 on most).
+        let z = dim("heads", heads)?;
+        if z > self.runner.gpu.limits.max_compute_workgroups_per_dimension {
+            return Err(AttentionError::Unsupported(format!(
+                "{heads} heads: past the adapter's workgroups per dimension"
+            )));
+        }
+        let params = self.params(&[dim("m", m)?, dim("n", n)?, z])?;
+        let (kernel, groups) = if m <= self.matmul_rows_max() {
+            let kernel = kernels::dense::matmul_rows(dim("k", k)?);
+            let [gx, gy, _] = grid(n as u64);
+            (kernel, [gx, gy, z])
+        } else {
+            let kernel = kernels::dense::matmul(dim("k", k)?);
+            let groups = [
+                dim("n", n.div_ceil(MM_TILE as usize))?,
+                dim("m", m.div_ceil(MM_TILE as usize))?,
+                z,
+            ];
+            (kernel, groups)
+        };
+        self.run(&[Dispatch {
+            kernel: &kernel,
+            buffers: vec![&x.buf, &w.buf, &out.buf, &params],
+            groups,
+        }])?;
+        Ok(out)
+    }
+
     /// Pipelines compiled so far (one per kernel specialisation used).
     pub fn cached_pipelines(&self) -> usize {
         self.runner.cached_pipelines()
@@ -292,29 +334,12 @@ impl Backend for WgpuBackend {
 
     fn matmul(&self, x: &WgpuTensor, w: &WgpuTensor) -> Result<WgpuTensor> {
         let (m, k, n) = check::matmul(&x.shape, &w.shape)?;
-        let out = self.zeros(&[m, n])?;
-        if m == 0 || n == 0 || k == 0 {
-            return Ok(out);
-        }
-        let params = self.params(&[dim("m", m)?, dim("n", n)?])?;
-        let (kernel, groups) = if m <= self.matmul_rows_max() {
-            let kernel = kernels::dense::matmul_rows(dim("k", k)?);
-            (kernel, grid(n as u64))
-        } else {
-            let kernel = kernels::dense::matmul(dim("k", k)?);
-            let groups = [
-                dim("n", n.div_ceil(MM_TILE as usize))?,
-                dim("m", m.div_ceil(MM_TILE as usize))?,
-                1,
-            ];
-            (kernel, groups)
-        };
-        self.run(&[Dispatch {
-            kernel: &kernel,
-            buffers: vec![&x.buf, &w.buf, &out.buf, &params],
-            groups,
-        }])?;
-        Ok(out)
+        self.matmul_heads(x, w, (m, 1, k, n), &[m, n])
+    }
+
+    fn bmm(&self, x: &WgpuTensor, w: &WgpuTensor) -> Result<WgpuTensor> {
+        let (n, heads, k, m) = check::bmm(&x.shape, &w.shape)?;
+        self.matmul_heads(x, w, (n, heads, k, m), &[n, heads, m])
     }
 
     fn rms_norm(&self, x: &WgpuTensor, weight: &WgpuTensor, eps: f32) -> Result<WgpuTensor> {

@@ -161,6 +161,13 @@ pub trait Backend {
         ws.iter().map(|w| self.matmul(x, w)).collect()
     }
 
+    /// A matmul per head (SGLang's `torch.bmm` over MLA's per-head `w_kc` and `w_vc`):
+    /// `x` `[n, heads, k]` and `w` `[heads, m, k]` give `[n, heads, m]` with
+    /// `out[t, h] = x[t, h] · w[h]ᵀ`, each head's product as [`matmul`](Backend::matmul)
+    /// computes it (so `w` may be a 16-bit weight from
+    /// [`upload_weight`](Backend::upload_weight), and the same rounding rules hold).
+    fn bmm(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
+
     /// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) · weight`; `x` is `[m, d]`,
     /// `weight` is `[d]`.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;

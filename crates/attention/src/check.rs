@@ -65,6 +65,16 @@ pub fn matmul(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
     Ok((m, k, n))
 }
 
+/// [`Backend::bmm`](crate::Backend::bmm): `x [n, heads, k]`, `w [heads, m, k]`; returns
+/// `(n, heads, k, m)`.
+pub fn bmm(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize, usize)> {
+    rank("x", x, 3)?;
+    rank("w", w, 3)?;
+    let (n, heads, k, m) = (x[0], x[1], x[2], w[1]);
+    shape("w", w, &[heads, m, k])?;
+    Ok((n, heads, k, m))
+}
+
 /// [`Backend::rms_norm`](crate::Backend::rms_norm): `x [rows, d]`, `weight [d]`; returns
 /// `(rows, d)`.
 pub fn rms_norm(x: &[usize], weight: &[usize]) -> Result<(usize, usize)> {

@@ -24,6 +24,24 @@ pub fn matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
     out
 }
 
+/// `out[t, h] = x[t, h] · w[h]ᵀ` for `x [n, heads, k]` and `w [heads, m, k]`: a matmul per
+/// head (torch's `bmm` over the heads), `[n, heads, m]`.
+pub fn bmm(x: &[f32], w: &[f32], n: usize, heads: usize, k: usize, m: usize) -> Vec<f64> {
+    assert!(x.len() == n * heads * k && w.len() == heads * m * k);
+    let mut out = vec![0.0; n * heads * m];
+    for t in 0..n {
+        for h in 0..heads {
+            let xr = &x[(t * heads + h) * k..][..k];
+            for j in 0..m {
+                let wr = &w[(h * m + j) * k..][..k];
+                out[(t * heads + h) * m + j] =
+                    xr.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+            }
+        }
+    }
+    out
+}
+
 /// RMSNorm of each row of `x` (`weight.len()` columns).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f64> {
     let d = weight.len();

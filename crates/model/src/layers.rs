@@ -73,6 +73,14 @@ impl<'a, B: Backend> Loader<'a, B> {
         }
     }
 
+    /// Uploads `t`, whose values are taken unchanged from the checkpoint's tensor `name` (its
+    /// rows or a transposition of them), as a weight in that tensor's type (exact).
+    pub(crate) fn put_weight_of(&self, t: &HostTensor, name: &str) -> Result<B::Tensor> {
+        Ok(self
+            .backend
+            .upload_weight(&t.data, &t.shape, self.dtype(name))?)
+    }
+
     /// Reads the tensors of each row of `rows`, concatenated in order, and uploads the rows as
     /// one weight `[rows, elements]`, in the checkpoint's type where every tensor has the same
     /// (else f32): the routed experts' stacked `gate_up` and `down` ([`attention::MoeExperts`]).

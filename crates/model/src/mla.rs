@@ -10,14 +10,21 @@
 //! With `W_UK[h]` `[qk_nope, kv_lora_rank]` and `W_UV[h]` `[v_head_dim, kv_lora_rank]` the
 //! per-head blocks of `kv_b_proj`, the no-position score of head `h` is
 //! `q_nope[h]·(W_UK[h] c) = (W_UK[h]ᵀ q_nope[h])·c`, and its output through `o_proj` is
-//! `W_O[:, h] W_UV[h] o_latent[h]`. Both products are folded into the weights at load time
-//! (computed in f64, as the DeepSeek-V2 paper describes): the query projection yields the
-//! absorbed `[heads, kv_lora_rank]` query directly, and the output projection reads the
-//! `[heads, kv_lora_rank]` latent output directly. The store holds one row per token,
-//! `[c_kv, rope(k_pe)]`; the backend's [`Backend::attention_mla`] attends over it with softmax
-//! scale `1/√(qk_nope + qk_rope)`. The folded matrices cost `kv_lora_rank / qk_nope` (query)
-//! and `kv_lora_rank / v_head_dim` (output) times the unfolded projections' FLOPs; a per-head
-//! batched matmul on the backend would avoid that and is a possible follow-up.
+//! `W_O[:, h] W_UV[h] o_latent[h]`. As in SGLang (`w_kc`, `w_vc` and `torch.bmm` in
+//! `deepseek_v2.py`), both products are per-head matmuls ([`Backend::bmm`]) at run time: the
+//! query projection's no-position rows give `q_nope`, `bmm` by `w_kc` (`W_UK[h]ᵀ`, `[heads,
+//! kv_lora_rank, qk_nope]`) gives the absorbed `[heads, kv_lora_rank]` query, and the latent
+//! output goes through `bmm` by `w_vc` (`W_UV[h]`, `[heads, v_head_dim, kv_lora_rank]`) and
+//! then `o_proj` as it is. The store holds one row per token, `[c_kv, rope(k_pe)]`; the
+//! backend's [`Backend::attention_mla`] attends over it with softmax scale
+//! `1/√(qk_nope + qk_rope)`. (Folding `W_UK` into the query projection and `W_UV` into
+//! `o_proj` at load time, as this crate did first, costs `kv_lora_rank / qk_nope` (4×) the
+//! projections' weights and FLOPs.) The query's no-position rows and `o_proj` keep the
+//! checkpoint's type (the slices are exact); `w_kc` and `w_vc` (2 · heads · 128 · 512 values a
+//! layer) are kept in f32, so a backend that rounds a 16-bit weight's activations (the CPU's
+//! bf16 matmul) does not round the absorbed query or the latent output: with them in bf16,
+//! the emulated CUDA backend's greedy tokens on the tiny MLA preset left the CPU's at a
+//! near-tie (`attention-cuda-emu`'s `tiny_mla_decoder_greedy_matches_cpu`).
 //!
 //! ## Rotary and YaRN
 //! q_pe and k_pe use GPT-J (interleaved) pairing, which gives the same scores as HF's
@@ -42,18 +49,15 @@ use crate::error::{ModelError, Result};
 use crate::layers::{matmul_n, mlp_tensors, trunk_tensors, DenseMlp, Loader, Trunk};
 use crate::weights::{HostTensor, TensorSource};
 
-/// The query path of a layer, with `W_UK` folded in.
+/// The query path of a layer, its projection split into the no-position and rotary rows.
 enum QueryProj<B: Backend> {
-    /// `q_proj`: hidden → `[heads, kv_lora_rank]` (absorbed) and `[heads, qk_rope]`.
-    Plain {
-        absorbed: B::Tensor,
-        rope: B::Tensor,
-    },
-    /// `q_a_proj` → `q_a_layernorm` → (`q_b_proj` split and absorbed).
+    /// `q_proj`: hidden → `[heads, qk_nope]` and `[heads, qk_rope]`.
+    Plain { nope: B::Tensor, rope: B::Tensor },
+    /// `q_a_proj` → `q_a_layernorm` → `q_b_proj`, split.
     Lora {
         q_a: B::Tensor,
         q_a_norm: B::Tensor,
-        absorbed: B::Tensor,
+        nope: B::Tensor,
         rope: B::Tensor,
     },
 }
@@ -82,8 +86,12 @@ struct MlaLayer<B: Backend> {
     /// The `k_pe` rows of `kv_a_proj_with_mqa`, `[qk_rope, hidden]`.
     kv_a_rope: B::Tensor,
     kv_a_norm: B::Tensor,
-    /// `o_proj` with `W_UV` folded in, `[hidden, heads · kv_lora_rank]`.
-    o_absorbed: B::Tensor,
+    /// `W_UK[h]ᵀ` per head, `[heads, kv_lora_rank, qk_nope]` (SGLang's `w_kc`).
+    w_kc: B::Tensor,
+    /// `W_UV[h]` per head, `[heads, v_head_dim, kv_lora_rank]` (SGLang's `w_vc`).
+    w_vc: B::Tensor,
+    /// `o_proj`, `[hidden, heads · v_head_dim]`.
+    o_proj: B::Tensor,
     post_norm: B::Tensor,
     mlp: Mlp<B>,
 }
@@ -168,44 +176,25 @@ pub fn mla_expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-/// Splits and absorbs a query projection `w` (`[heads · (nope + rope), in]`) with the `W_UK`
-/// blocks of `kv_b` (`[heads · (nope + v), r]`): returns `[heads · r, in]` (row `h·r + j` is
-/// `Σ_i W_UK[h][i][j] · W_q_nope[h][i]`) and the rope rows `[heads · rope, in]`.
-fn absorb_query(m: &MlaConfig, heads: usize, w: &HostTensor, kv_b: &HostTensor) -> [HostTensor; 2] {
-    let (nope, rope, r, v) = (
-        m.qk_nope_head_dim,
-        m.qk_rope_head_dim,
-        m.kv_lora_rank,
-        m.v_head_dim,
-    );
+/// Splits a query projection `w` (`[heads · (nope + rope), in]`) into its no-position rows
+/// `[heads · nope, in]` and its rotary rows `[heads · rope, in]`, the latter times YaRN's
+/// amplitude.
+fn split_query(m: &MlaConfig, heads: usize, w: &HostTensor) -> [HostTensor; 2] {
+    let (nope, rope) = (m.qk_nope_head_dim, m.qk_rope_head_dim);
     let inp = w.shape[1];
-    let mut absorbed = vec![0.0f64; heads * r * inp];
-    par_chunks(&mut absorbed, r * inp, |h, block| {
-        let qbase = h * (nope + rope);
-        for i in 0..nope {
-            let qrow = &w.data[(qbase + i) * inp..(qbase + i + 1) * inp];
-            let ukrow = &kv_b.data[(h * (nope + v) + i) * r..(h * (nope + v) + i + 1) * r];
-            for (j, &uk) in ukrow.iter().enumerate() {
-                let dst = &mut block[j * inp..(j + 1) * inp];
-                for (d, &q) in dst.iter_mut().zip(qrow) {
-                    *d += uk as f64 * q as f64;
-                }
-            }
-        }
-    });
-    let mut rope_rows = Vec::with_capacity(heads * rope * inp);
-    for h in 0..heads {
-        let qbase = h * (nope + rope);
-        rope_rows.extend(
-            w.data[(qbase + nope) * inp..(qbase + nope + rope) * inp]
-                .iter()
-                .map(|&x| (x as f64 * m.rope_mscale) as f32),
-        );
-    }
+    let rows = |h: usize, from: usize, len: usize| {
+        let start = (h * (nope + rope) + from) * inp;
+        &w.data[start..start + len * inp]
+    };
+    let nope_rows: Vec<f32> = (0..heads).flat_map(|h| rows(h, 0, nope)).copied().collect();
+    let rope_rows: Vec<f32> = (0..heads)
+        .flat_map(|h| rows(h, nope, rope))
+        .map(|&x| (x as f64 * m.rope_mscale) as f32)
+        .collect();
     [
         HostTensor {
-            shape: vec![heads * r, inp],
-            data: absorbed.into_iter().map(|x| x as f32).collect(),
+            shape: vec![heads * nope, inp],
+            data: nope_rows,
         },
         HostTensor {
             shape: vec![heads * rope, inp],
@@ -214,51 +203,31 @@ fn absorb_query(m: &MlaConfig, heads: usize, w: &HostTensor, kv_b: &HostTensor) 
     ]
 }
 
-/// Folds the `W_UV` blocks of `kv_b` into `o_proj` (`[hidden, heads · v]`): returns
-/// `[hidden, heads · r]` with entry `(row, h·r + j) = Σ_k W_O[row][h·v + k] · W_UV[h][k][j]`.
-fn absorb_output(m: &MlaConfig, heads: usize, o: &HostTensor, kv_b: &HostTensor) -> HostTensor {
+/// `kv_b_proj` (`[heads · (nope + v), r]`) as SGLang's per-head `w_kc` (`W_UK[h]ᵀ`,
+/// `[heads, r, nope]`) and `w_vc` (`W_UV[h]`, `[heads, v, r]`).
+fn split_kv_b(m: &MlaConfig, heads: usize, kv_b: &HostTensor) -> [HostTensor; 2] {
     let (nope, r, v) = (m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim);
-    let d = o.shape[0];
-    let mut out = vec![0.0f64; d * heads * r];
-    par_chunks(&mut out, heads * r, |row, block| {
-        for h in 0..heads {
-            let dst = &mut block[h * r..(h + 1) * r];
-            for k in 0..v {
-                let wo = o.data[row * heads * v + h * v + k] as f64;
-                let uv = &kv_b.data
-                    [(h * (nope + v) + nope + k) * r..(h * (nope + v) + nope + k + 1) * r];
-                for (x, &u) in dst.iter_mut().zip(uv) {
-                    *x += wo * u as f64;
-                }
-            }
+    let row = |h: usize, i: usize| &kv_b.data[(h * (nope + v) + i) * r..][..r];
+    let mut w_kc = Vec::with_capacity(heads * r * nope);
+    let mut w_vc = Vec::with_capacity(heads * v * r);
+    for h in 0..heads {
+        for j in 0..r {
+            w_kc.extend((0..nope).map(|i| row(h, i)[j]));
         }
-    });
-    HostTensor {
-        shape: vec![d, heads * r],
-        data: out.into_iter().map(|x| x as f32).collect(),
+        for k in 0..v {
+            w_vc.extend_from_slice(row(h, nope + k));
+        }
     }
-}
-
-/// Runs `f(index, chunk)` over the `chunk`-sized pieces of `data` on the available cores
-/// (each piece computed by one thread in a fixed order, so the result does not depend on the
-/// thread count).
-fn par_chunks(data: &mut [f64], chunk: usize, f: impl Fn(usize, &mut [f64]) + Sync) {
-    let pieces = data.len() / chunk.max(1);
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(pieces.max(1));
-    let per = pieces.div_ceil(threads).max(1);
-    std::thread::scope(|scope| {
-        for (g, group) in data.chunks_mut(per * chunk.max(1)).enumerate() {
-            let f = &f;
-            scope.spawn(move || {
-                for (k, piece) in group.chunks_mut(chunk.max(1)).enumerate() {
-                    f(g * per + k, piece);
-                }
-            });
-        }
-    });
+    [
+        HostTensor {
+            shape: vec![heads, r, nope],
+            data: w_kc,
+        },
+        HostTensor {
+            shape: vec![heads, v, r],
+            data: w_vc,
+        },
+    ]
 }
 
 /// Splits rows `[0, at)` and `[at, ..)` of a matrix.
@@ -278,8 +247,8 @@ fn split_rows(t: &HostTensor, at: usize) -> [HostTensor; 2] {
 
 impl<B: Backend> MlaModel<B> {
     /// Loads every tensor an MLA `config` needs from `source` (checking names and shapes first,
-    /// so a bad checkpoint fails before anything is uploaded), folds `kv_b_proj` into the query
-    /// and output projections, and uploads the weights to `backend`.
+    /// so a bad checkpoint fails before anything is uploaded), splits the query projection and
+    /// `kv_b_proj` per head, and uploads the weights to `backend`.
     pub fn load(backend: &B, config: ModelConfig, source: &dyn TensorSource) -> Result<Self> {
         config.validate()?;
         let m = mla_of(&config)?.clone();
@@ -290,33 +259,28 @@ impl<B: Backend> MlaModel<B> {
         for i in 0..config.num_hidden_layers {
             let p = format!("model.layers.{i}.");
             let a = format!("{p}self_attn.");
-            let kv_b = loader.get(&format!("{a}kv_b_proj.weight"))?;
+            let kv_b_name = format!("{a}kv_b_proj.weight");
+            let [w_kc, w_vc] = split_kv_b(&m, heads, &loader.get(&kv_b_name)?);
+            let q_name = match m.q_lora_rank {
+                None => format!("{a}q_proj.weight"),
+                Some(_) => format!("{a}q_b_proj.weight"),
+            };
+            let [nope, rope] = split_query(&m, heads, &loader.get(&q_name)?);
+            let (nope, rope) = (loader.put_weight_of(&nope, &q_name)?, loader.put(&rope)?);
             let q = match m.q_lora_rank {
-                None => {
-                    let w = loader.get(&format!("{a}q_proj.weight"))?;
-                    let [absorbed, rope] = absorb_query(&m, heads, &w, &kv_b);
-                    QueryProj::Plain {
-                        absorbed: loader.put(&absorbed)?,
-                        rope: loader.put(&rope)?,
-                    }
-                }
-                Some(_) => {
-                    let w = loader.get(&format!("{a}q_b_proj.weight"))?;
-                    let [absorbed, rope] = absorb_query(&m, heads, &w, &kv_b);
-                    QueryProj::Lora {
-                        q_a: loader.upload(&format!("{a}q_a_proj.weight"))?,
-                        q_a_norm: loader.upload(&format!("{a}q_a_layernorm.weight"))?,
-                        absorbed: loader.put(&absorbed)?,
-                        rope: loader.put(&rope)?,
-                    }
-                }
+                None => QueryProj::Plain { nope, rope },
+                Some(_) => QueryProj::Lora {
+                    q_a: loader.upload(&format!("{a}q_a_proj.weight"))?,
+                    q_a_norm: loader.upload(&format!("{a}q_a_layernorm.weight"))?,
+                    nope,
+                    rope,
+                },
             };
             let kv_a = loader.get(&format!("{a}kv_a_proj_with_mqa.weight"))?;
             let [latent, mut rope] = split_rows(&kv_a, m.kv_lora_rank);
             for x in &mut rope.data {
                 *x = (*x as f64 * m.rope_mscale) as f32;
             }
-            let o = loader.get(&format!("{a}o_proj.weight"))?;
             let mlp = match &m.moe {
                 Some(e) if e.is_moe_layer(i) => {
                     Mlp::Moe(Moe::load(&loader, &format!("{p}mlp."), e)?)
@@ -329,7 +293,9 @@ impl<B: Backend> MlaModel<B> {
                 kv_a_latent: loader.put(&latent)?,
                 kv_a_rope: loader.put(&rope)?,
                 kv_a_norm: loader.upload(&format!("{a}kv_a_layernorm.weight"))?,
-                o_absorbed: loader.put(&absorb_output(&m, heads, &o, &kv_b))?,
+                w_kc: loader.put(&w_kc)?,
+                w_vc: loader.put(&w_vc)?,
+                o_proj: loader.upload_weight(&format!("{a}o_proj.weight"))?,
                 post_norm: loader.upload(&format!("{p}post_attention_layernorm.weight"))?,
                 mlp,
             });
@@ -373,32 +339,35 @@ impl<B: Backend> MlaModel<B> {
                 reason: format!("layer {layer} out of range ({})", self.layers.len()),
             })?;
         let n = x.shape().first().copied().unwrap_or(0);
-        let (heads, r, dr) = (c.num_attention_heads, m.kv_lora_rank, m.qk_rope_head_dim);
+        let (heads, dr) = (c.num_attention_heads, m.qk_rope_head_dim);
+        let (nope, v) = (m.qk_nope_head_dim, m.v_head_dim);
         let eps = c.rms_norm_eps as f32;
         let rope: RopeConfig = c.mla_rope().ok_or_else(|| ModelError::ConfigField {
             field: "qk_rope_head_dim".into(),
             reason: "missing".into(),
         })?;
         let h = backend.rms_norm(x, &w.input_norm, eps)?;
-        // Query: absorbed no-position part and rotary part, per head.
-        let (q_abs, mut q_pe) = match &w.q {
-            QueryProj::Plain { absorbed, rope } => {
-                let [a, r] = matmul_n(backend, &h, [absorbed, rope])?;
+        // Query: no-position part absorbed through w_kc, and rotary part, per head.
+        let (q_nope, mut q_pe) = match &w.q {
+            QueryProj::Plain { nope, rope } => {
+                let [a, r] = matmul_n(backend, &h, [nope, rope])?;
                 (a, r)
             }
             QueryProj::Lora {
                 q_a,
                 q_a_norm,
-                absorbed,
+                nope,
                 rope,
             } => {
                 let qa = backend.matmul(&h, q_a)?;
                 let qa = backend.rms_norm(&qa, q_a_norm, eps)?;
-                let [a, r] = matmul_n(backend, &qa, [absorbed, rope])?;
+                let [a, r] = matmul_n(backend, &qa, [nope, rope])?;
                 (a, r)
             }
         };
-        let q_abs = backend.reshape(q_abs, &[n, heads, r])?;
+        let q_nope = backend.reshape(q_nope, &[n, heads, nope])?;
+        let q_abs = backend.bmm(&q_nope, &w.w_kc)?;
+        drop(q_nope);
         q_pe = backend.reshape(q_pe, &[n, heads, dr])?;
         backend.rotary(&mut q_pe, positions, &rope)?;
         let q = backend.concat_last(&q_abs, &q_pe)?;
@@ -416,8 +385,10 @@ impl<B: Backend> MlaModel<B> {
         let params = AttentionParams::dense(scale as f32);
         let o_lat = backend.attention_mla(layer, plan, store, &q, &latent, &params)?;
         drop((q, latent));
-        let o_lat = backend.reshape(o_lat, &[n, heads * r])?;
-        let o = backend.matmul(&o_lat, &w.o_absorbed)?;
+        let o_heads = backend.bmm(&o_lat, &w.w_vc)?;
+        drop(o_lat);
+        let o_heads = backend.reshape(o_heads, &[n, heads * v])?;
+        let o = backend.matmul(&o_heads, &w.o_proj)?;
         backend.add_assign(x, &o)?;
         let h = backend.rms_norm(x, &w.post_norm, eps)?;
         let out = match &w.mlp {

@@ -6,13 +6,17 @@ use super::{Access, Kernel, Wgsl, LINEAR_INDEX, MAIN_1D};
 /// Output tile of one matmul workgroup (rows and columns).
 pub const MM_TILE: u32 = 32;
 
-/// `out[m, n] = x[m, K] · w[n, K]ᵀ` with `K` baked in. Workgroups of 16×16 threads compute
-/// 32×32 output tiles, staging 32×16 slices of `x` and `w` in workgroup memory; each thread
-/// owns 2×2 outputs and accumulates its dot products in `k` order, so every output is one
-/// fixed-order dot product whatever `m` (row-invariant, like the CPU kernel). Params `[m, n]`;
-/// grid `(⌈n/32⌉, ⌈m/32⌉)`.
+/// `out[m, H, n] = x[m, H, K] · w[H, n, K]ᵀ` per head `h < H` (a plain matmul when `H` = 1;
+/// `bmm` otherwise) with `K` baked in. Workgroups of 16×16 threads compute 32×32 output tiles
+/// of one head, staging 32×16 slices of `x` and `w` in workgroup memory; each thread owns 2×2
+/// outputs and accumulates its dot products in `k` order, so every output is one fixed-order
+/// dot product whatever `m` (row-invariant, like the CPU kernel). Params `[m, n, H]`; grid
+/// `(⌈n/32⌉, ⌈m/32⌉, H)`.
 pub fn matmul(k: u32) -> Kernel {
-    let mut w = Wgsl::new("matmul", &format!("x[m, {k}] · w[n, {k}]ᵀ, 32×32 tiles"));
+    let mut w = Wgsl::new(
+        "matmul",
+        &format!("x[m, H, {k}] · w[H, n, {k}]ᵀ, 32×32 tiles"),
+    );
     w.buffer("x", "f32", Access::Read);
     w.buffer("wt", "f32", Access::Read);
     w.buffer("out", "f32", Access::ReadWrite);
@@ -28,6 +32,8 @@ var<workgroup> ws: array<f32, 512>;
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let m = params[0];
     let n = params[1];
+    let heads = params[2];
+    let h = wid.z;
     let row0 = wid.y * 32u;
     let col0 = wid.x * 32u;
     let tid = lid.y * 16u + lid.x;
@@ -42,10 +48,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
             let c = l % BK;
             let kk = k0 + c;
             var xv = 0.0;
-            if row0 + r < m && kk < K { xv = x[(row0 + r) * K + kk]; }
+            if row0 + r < m && kk < K { xv = x[((row0 + r) * heads + h) * K + kk]; }
             xs[l] = xv;
             var wv = 0.0;
-            if col0 + r < n && kk < K { wv = wt[(col0 + r) * K + kk]; }
+            if col0 + r < n && kk < K { wv = wt[(h * n + col0 + r) * K + kk]; }
             ws[l] = wv;
         }
         workgroupBarrier();
@@ -65,10 +71,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     let r1 = r0 + 16u;
     let c0 = col0 + lid.x;
     let c1 = c0 + 16u;
-    if r0 < m && c0 < n { out[r0 * n + c0] = a00; }
-    if r0 < m && c1 < n { out[r0 * n + c1] = a01; }
-    if r1 < m && c0 < n { out[r1 * n + c0] = a10; }
-    if r1 < m && c1 < n { out[r1 * n + c1] = a11; }
+    if r0 < m && c0 < n { out[(r0 * heads + h) * n + c0] = a00; }
+    if r0 < m && c1 < n { out[(r0 * heads + h) * n + c1] = a01; }
+    if r1 < m && c0 < n { out[(r1 * heads + h) * n + c0] = a10; }
+    if r1 < m && c1 < n { out[(r1 * heads + h) * n + c1] = a11; }
 }
 ",
     );
@@ -84,12 +90,12 @@ pub const MM_ROWS_MAX: u32 = 8;
 /// accumulates each dot product in `k` order with the same expression as [`matmul`], so the
 /// outputs are bitwise [`matmul`]'s. No workgroup memory and no barriers: the tiled kernel
 /// spends a decode step's work on 31 padding rows per tile, and a software rasteriser
-/// (lavapipe, llvmpipe) most of its time on the barriers. Params `[m, n]`; grid
-/// [`super::grid`]`(n)`.
+/// (lavapipe, llvmpipe) most of its time on the barriers. Per head as [`matmul`]: params
+/// `[m, n, H]`; grid [`super::grid`]`(n)` with `H` along z.
 pub fn matmul_rows(k: u32) -> Kernel {
     let mut w = Wgsl::new(
         "matmul_rows",
-        &format!("x[m, {k}] · w[n, {k}]ᵀ, a thread per column"),
+        &format!("x[m, H, {k}] · w[H, n, {k}]ᵀ, a thread per column"),
     );
     w.buffer("x", "f32", Access::Read);
     w.buffer("wt", "f32", Access::Read);
@@ -100,18 +106,20 @@ pub fn matmul_rows(k: u32) -> Kernel {
     w.push(&format!(
         "    let m = params[0];
     let n = params[1];
+    let heads = params[2];
+    let h = gid.z;
     let col = {LINEAR_INDEX};
     if col >= n {{
         return;
     }}
-    let wrow = col * K;
+    let wrow = (h * n + col) * K;
     for (var r = 0u; r < m; r++) {{
-        let xrow = r * K;
+        let xrow = (r * heads + h) * K;
         var a = 0.0;
         for (var kk = 0u; kk < K; kk++) {{
             a += x[xrow + kk] * wt[wrow + kk];
         }}
-        out[r * n + col] = a;
+        out[(r * heads + h) * n + col] = a;
     }}
 }}
 "

@@ -4,7 +4,7 @@
 use kv_pool::rng::SplitMix64;
 
 use crate::backend::{Backend, DeviceTensor, TensorDtype};
-use crate::error::Result;
+use crate::error::{AttentionError, Result};
 use crate::moe::{MoeExperts, MoeRouting};
 use crate::reference;
 use crate::rope::{RopeConfig, RopeScaling, RopeStyle};
@@ -52,6 +52,32 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
             format!("logits {m}x{k}·({n}x{k})ᵀ"),
             relative_error(&backend.download(&got)?, &want),
             DENSE_BOUND,
+        );
+    }
+    // MLA's shapes (16 heads, 128 ↔ 512), a k that is no multiple of a vector, one head.
+    for &(n, heads, k, m) in BMM_SHAPES {
+        push(
+            format!("bmm {n}x{heads}x{k}·({heads}x{m}x{k})ᵀ"),
+            bmm_case(backend, &mut rng, (n, heads, k, m), TensorDtype::F32)?,
+            DENSE_BOUND,
+        );
+    }
+    // Shapes that do not fit are typed errors naming the operand.
+    let ones = |shape: &[usize]| backend.upload(&vec![0.5; shape.iter().product()], shape);
+    let misfits: [(&[usize], &[usize], &str); 4] = [
+        (&[2, 3, 4], &[3, 5, 6], "w"),
+        (&[2, 3, 4], &[2, 5, 4], "w"),
+        (&[2, 3, 4], &[15, 4], "w"),
+        (&[6, 4], &[3, 5, 4], "x"),
+    ];
+    for (x, w, operand) in misfits {
+        let refused = backend.bmm(&ones(x)?, &ones(w)?).err();
+        let named =
+            matches!(refused, Some(AttentionError::ShapeMismatch { what, .. }) if what == operand);
+        push(
+            format!("bmm refuses x {x:?} · w {w:?} naming {operand}"),
+            if named { 0.0 } else { f64::INFINITY },
+            0.0,
         );
     }
     for &(m, d) in &[(1, 64), (5, 96), (3, 4096)] {
@@ -173,7 +199,7 @@ pub fn run_dense_suite<B: Backend>(backend: &B) -> Result<Vec<Outcome>> {
             &backend.upload(&b, &dims(db))?,
         )?;
         if got.shape() != dims(da + db).as_slice() {
-            return Err(crate::AttentionError::Device(format!(
+            return Err(AttentionError::Device(format!(
                 "concat_last returned shape {:?}, not {:?}",
                 got.shape(),
                 dims(da + db)
@@ -367,6 +393,39 @@ fn moe_case<B: Backend>(
     Ok(relative_error(&backend.download(&got)?, &want))
 }
 
+/// The [`Backend::bmm`] shapes `(n, heads, k, m)`: MLA's absorptions (a decode row and a
+/// prefill block, 128 → 512 and 512 → 128), a `k` that is no multiple of a vector, one head,
+/// and no rows.
+const BMM_SHAPES: &[(usize, usize, usize, usize)] = &[
+    (1, 16, 128, 512),
+    (70, 16, 512, 128),
+    (5, 3, 67, 33),
+    (9, 1, 64, 40),
+    (0, 4, 32, 16),
+];
+
+/// [`Backend::bmm`] of random activations `[n, heads, k]` by a random weight `[heads, m, k]`
+/// kept in `dtype` (its values exactly that type's): the relative error against the f64
+/// reference over those values.
+fn bmm_case<B: Backend>(
+    backend: &B,
+    rng: &mut SplitMix64,
+    (n, heads, k, m): (usize, usize, usize, usize),
+    dtype: TensorDtype,
+) -> Result<f64> {
+    let x = nonzero_vec(rng, n * heads * k);
+    let w = rounded(nonzero_vec(rng, heads * m * k), dtype);
+    let wt = backend.upload_weight(&w, &[heads, m, k], dtype)?;
+    let got = backend.bmm(&backend.upload(&x, &[n, heads, k])?, &wt)?;
+    if got.shape() != [n, heads, m] {
+        return Ok(f64::INFINITY);
+    }
+    Ok(relative_error(
+        &backend.download(&got)?,
+        &reference::bmm(&x, &w, n, heads, k, m),
+    ))
+}
+
 /// Weights kept in `dtype` ([`Backend::upload_weight`]) whose values are exactly that type's:
 /// read back exactly; matmul, logits, embedding and fused_moe against the reference over those
 /// values (exact widening for f16, [`BF16_WEIGHT_BOUND`] for bf16); and refused with a typed
@@ -403,6 +462,13 @@ fn half_weights<B: Backend>(
         push(
             format!("logits {m}x{k}·({n}x{k} {dtype:?})ᵀ"),
             relative_error(&backend.download(&got)?, &want),
+            bound,
+        );
+    }
+    for &(n, heads, k, m) in BMM_SHAPES {
+        push(
+            format!("bmm {n}x{heads}x{k}·({heads}x{m}x{k} {dtype:?})ᵀ"),
+            bmm_case(backend, rng, (n, heads, k, m), dtype)?,
             bound,
         );
     }
@@ -449,7 +515,7 @@ fn half_weights<B: Backend>(
             ),
         ];
         for (op, err) in refused {
-            let ok = matches!(err, Some(crate::AttentionError::Unsupported(_)));
+            let ok = matches!(err, Some(AttentionError::Unsupported(_)));
             push(
                 format!("{op} refuses a {dtype:?} weight"),
                 if ok { 0.0 } else { f64::INFINITY },

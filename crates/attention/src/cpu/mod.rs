@@ -324,6 +324,29 @@ impl Backend for CpuBackend {
         CpuTensor::new(out, &[m, n])
     }
 
+    /// Each head's rows gathered into one block, multiplied by its weight as `matmul` does
+    /// (the same bits), and scattered back.
+    fn bmm(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
+        let (n, heads, k, m) = check::bmm(&x.shape, &w.shape)?;
+        let xs = x.f32s("bmm")?;
+        let mut out = buffers::take(n * heads * m);
+        let mut rows = buffers::take(n * k);
+        let mut prod = buffers::take(n * m);
+        for h in 0..heads {
+            for t in 0..n {
+                rows[t * k..][..k].copy_from_slice(&xs[(t * heads + h) * k..][..k]);
+            }
+            let wh = w.weights().slice(h * m * k..(h + 1) * m * k);
+            dense::matmul(&self.pool, &rows, wh, n, k, m, &mut prod);
+            for t in 0..n {
+                out[(t * heads + h) * m..][..m].copy_from_slice(&prod[t * m..][..m]);
+            }
+        }
+        buffers::give(rows);
+        buffers::give(prod);
+        CpuTensor::new(out, &[n, heads, m])
+    }
+
     /// One pool dispatch over the union of the weights' output columns.
     fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuTensor]) -> Result<Vec<CpuTensor>> {
         let mut dims = Vec::with_capacity(ws.len());
