@@ -19,7 +19,8 @@
 #      16 and 128 heads; the pipelined kernel's tensor-core MLA form as `+mma`), and its
 #      prefill table (the pipelined kernel against paged_prefill, TFLOP/s); then
 #      examples/gemm_throughput.rs: TFLOP/s and weight GB/s per batch size of Llama-3-8B's
-#      matmuls (cuBLAS, the own kernel, its tensor-core form) and of Qwen3-30B-A3B's and
+#      matmuls (cuBLAS, the own kernel, its tensor-core form), of DeepSeek-V2-Lite's MLA query
+#      and output paths (folded at load against the projection plus `bmm`), and of Qwen3-30B-A3B's and
 #      DeepSeek-V2-Lite's MoE layers (lanes' and tensor-core forms);
 #   4. a SmolLM2-135M-shaped Hugging Face checkpoint (random bf16 weights, written by the
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
@@ -171,7 +172,7 @@ run() {
     step bandwidth 70 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
     step bandwidth-mla 35 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
     step prefill 20 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both prefill
-    step gemm 25 "$GPU_DIR/gemm_throughput" "$(peak_gbps)"
+    step gemm 35 "$GPU_DIR/gemm_throughput" "$(peak_gbps)"
     local ck=/tmp/smollm2-shape-bf16
     step checkpoint 15 "$GPU_DIR/random_checkpoint" "$ck" bf16
     local bench=("$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" --workload random
@@ -189,7 +190,7 @@ run() {
         --num-prompts 16 --cuda-gemm-tensor-cores --cuda-moe-tensor-cores \
         --cuda-prefill-tensor-cores \
         --json /tmp/bench-b16-tc.json
-    step bench-b16-chunked 25 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
+    step bench-b16-chunked 15 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
         --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
     # it, so prefixes are evicted to the host tier and loaded back through CudaKvRows.

@@ -676,12 +676,7 @@ fn emu_gemm_throughput_measures_both_forms() {
         let launched = b.device().launch_count("moe_matmul_mma", any) - before;
         assert_eq!(launched, if mma { 10 } else { 0 });
     }
-    let case = MatmulCase {
-        m: 20,
-        k: 64,
-        n: 48,
-        dtype: attention::TensorDtype::Bf16,
-    };
+    let case = MatmulCase::dense(20, 64, 48, attention::TensorDtype::Bf16);
     for (mma, b) in [
         (false, lanes.clone()),
         (true, lanes.with_gemm_tensor_cores(true)),

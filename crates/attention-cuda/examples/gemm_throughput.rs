@@ -11,7 +11,8 @@
 //! ```
 //!
 //! Dense: Llama-3-8B's projections (QKV 4096 → 6144, gate/up 4096 → 28672, down 14336 →
-//! 4096). MoE: Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top 8) and
+//! 4096). MLA: DeepSeek-V2-Lite's query and output paths, folded (one matmul each, 4× the
+//! weights) against SGLang's projection plus `bmm` by `w_kc` / `w_vc` (the model's form). MoE: Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top 8) and
 //! DeepSeek-V2-Lite's routed experts (2048, 64 of 1408, top 6), bf16 experts. Each over
 //! `TOKENS` rows (a comma-separated list; default 1,16,64,256,4096: decode batches to a
 //! prefill chunk). Each row is `attention::gemm_throughput`'s measurement: after one untimed
@@ -82,13 +83,42 @@ fn main() -> std::process::ExitCode {
         ("down", 14336, 4096),
     ] {
         for &m in &tokens {
-            let case = MatmulCase {
-                m,
-                k,
-                n,
-                dtype: TensorDtype::Bf16,
-            };
+            let case = MatmulCase::dense(m, k, n, TensorDtype::Bf16);
             for (form, b) in &dense_forms {
+                let t = measure_matmul(b, &case, 5, 3)
+                    .map(|t| (t.seconds, t.tflops(), t.weight_gbps()));
+                row(name, m, form, t);
+            }
+        }
+    }
+
+    println!();
+    header("DeepSeek-V2-Lite MLA");
+    // The query and output paths of one layer: folded at load (what the model did first, one
+    // matmul each) against SGLang's form (the projection, and `bmm` per head by w_kc / w_vc,
+    // kept in f32). The `bmm` rows have one form, the own kernel.
+    let bf16 = |k, n| MatmulCase::dense(0, k, n, TensorDtype::Bf16);
+    let per_head = |k, n| MatmulCase {
+        heads: 16,
+        ..MatmulCase::dense(0, k, n, TensorDtype::F32)
+    };
+    let mla = [
+        ("q folded 2048→16×512", bf16(2048, 16 * 512)),
+        ("q_nope 2048→16×128", bf16(2048, 16 * 128)),
+        ("bmm w_kc 16×(128→512)", per_head(128, 512)),
+        ("o folded 16×512→2048", bf16(16 * 512, 2048)),
+        ("bmm w_vc 16×(512→128)", per_head(512, 128)),
+        ("o_proj 16×128→2048", bf16(16 * 128, 2048)),
+    ];
+    for (name, shape) in mla {
+        for &m in &tokens {
+            let case = MatmulCase { m, ..shape };
+            let forms = if case.heads > 1 {
+                &dense_forms[1..2]
+            } else {
+                &dense_forms[..]
+            };
+            for (form, b) in forms {
                 let t = measure_matmul(b, &case, 5, 3)
                     .map(|t| (t.seconds, t.tflops(), t.weight_gbps()));
                 row(name, m, form, t);

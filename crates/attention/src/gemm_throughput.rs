@@ -22,28 +22,42 @@ use crate::conformance::nonzero_vec;
 use crate::error::Result;
 use crate::moe::{MoeExperts, MoeRouting};
 
-/// One dense matmul, `[m, k] · [n, k]ᵀ`, over a weight stored as `dtype`.
+/// One dense matmul, `[m, k] · [n, k]ᵀ`, over a weight stored as `dtype`; or with `heads` > 1
+/// a matmul per head ([`Backend::bmm`], `[m, heads, k] · [heads, n, k]ᵀ`: MLA's absorptions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatmulCase {
     /// Rows (tokens) of the activations.
     pub m: usize,
     /// The inner dimension.
     pub k: usize,
-    /// Outputs (the weight's rows).
+    /// Outputs (the weight's rows), per head.
     pub n: usize,
+    /// Heads: 1 is a `matmul`, more a `bmm`.
+    pub heads: usize,
     /// How the weight is stored ([`Backend::upload_weight`]).
     pub dtype: TensorDtype,
 }
 
 impl MatmulCase {
-    /// FLOPs: `m · n · k` multiply-adds.
+    /// A plain matmul (one head).
+    pub fn dense(m: usize, k: usize, n: usize, dtype: TensorDtype) -> Self {
+        MatmulCase {
+            m,
+            k,
+            n,
+            heads: 1,
+            dtype,
+        }
+    }
+
+    /// FLOPs: `m · heads · n · k` multiply-adds.
     pub fn flops(&self) -> u64 {
-        2 * (self.m * self.n) as u64 * self.k as u64
+        2 * (self.m * self.heads * self.n) as u64 * self.k as u64
     }
 
     /// Bytes of the weight as stored: what a call must read at least once.
     pub fn weight_bytes(&self) -> u64 {
-        (self.n * self.k) as u64 * self.dtype.bytes() as u64
+        (self.heads * self.n * self.k) as u64 * self.dtype.bytes() as u64
     }
 }
 
@@ -59,9 +73,9 @@ impl Timing<MatmulCase> {
     }
 }
 
-/// Times `matmul` of `case` on `b` (see the module documentation): the median of `iters`
-/// samples (at least one) of `calls` calls back to back (at least one) and one
-/// synchronisation, per call, after one untimed call.
+/// Times `matmul` (or `bmm`, for more than one head) of `case` on `b` (see the module
+/// documentation): the median of `iters` samples (at least one) of `calls` calls back to back
+/// (at least one) and one synchronisation, per call, after one untimed call.
 pub fn measure_matmul<B: Backend>(
     b: &B,
     case: &MatmulCase,
@@ -70,9 +84,23 @@ pub fn measure_matmul<B: Backend>(
 ) -> Result<Timing<MatmulCase>> {
     let c = case;
     let mut rng = SplitMix64::new(0x6E3);
-    let x = b.upload(&nonzero_vec(&mut rng, c.m * c.k), &[c.m, c.k])?;
-    let w = b.upload_weight(&nonzero_vec(&mut rng, c.n * c.k), &[c.n, c.k], c.dtype)?;
-    let seconds = median_seconds_per_call(b, iters, calls, || b.matmul(&x, &w).map(drop))?;
+    let (x_shape, w_shape) = match c.heads {
+        1 => (vec![c.m, c.k], vec![c.n, c.k]),
+        h => (vec![c.m, h, c.k], vec![h, c.n, c.k]),
+    };
+    let x = b.upload(&nonzero_vec(&mut rng, c.m * c.heads * c.k), &x_shape)?;
+    let w = b.upload_weight(
+        &nonzero_vec(&mut rng, c.heads * c.n * c.k),
+        &w_shape,
+        c.dtype,
+    )?;
+    let seconds = median_seconds_per_call(b, iters, calls, || {
+        if c.heads == 1 {
+            b.matmul(&x, &w).map(drop)
+        } else {
+            b.bmm(&x, &w).map(drop)
+        }
+    })?;
     Ok(Timing {
         case: *case,
         seconds,
@@ -236,22 +264,24 @@ mod tests {
     #[test]
     fn a_matmul_is_measured_on_the_cpu_backend() {
         let b = crate::CpuBackend::default();
-        let case = MatmulCase {
-            m: 3,
-            k: 16,
-            n: 8,
-            dtype: TensorDtype::Bf16,
-        };
+        let case = MatmulCase::dense(3, 16, 8, TensorDtype::Bf16);
         assert_eq!(
             (case.flops(), case.weight_bytes()),
             (2 * 3 * 8 * 16, 8 * 16 * 2)
         );
-        let t = measure_matmul(&b, &case, 3, 2).unwrap();
-        assert!(
-            t.seconds > 0.0 && t.tflops() > 0.0 && t.weight_gbps() > 0.0,
-            "{t:?}"
+        let heads = MatmulCase { heads: 4, ..case };
+        assert_eq!(
+            (heads.flops(), heads.weight_bytes()),
+            (4 * case.flops(), 4 * case.weight_bytes())
         );
-        assert_eq!((t.case, t.calls), (case, 2));
+        for case in [case, heads] {
+            let t = measure_matmul(&b, &case, 3, 2).unwrap();
+            assert!(
+                t.seconds > 0.0 && t.tflops() > 0.0 && t.weight_gbps() > 0.0,
+                "{t:?}"
+            );
+            assert_eq!((t.case, t.calls), (case, 2));
+        }
     }
 
     #[test]
