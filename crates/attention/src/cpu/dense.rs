@@ -91,14 +91,35 @@ pub(crate) fn matmul_many(
     k: usize,
     parts: Vec<(Weights<'_>, usize, &mut [f32])>,
 ) {
-    let total: usize = parts.iter().map(|(_, n, _)| n).sum();
     assert!(x.len() == m * k);
+    let parts = parts
+        .into_iter()
+        .map(|(w, n, dst)| (0, w, n, dst))
+        .collect();
+    matmul_parts(pool, x, m, k, parts);
+}
+
+/// Matmuls of `m` rows of `x` each (`x` holds whole rows of `k`), `parts` =
+/// `(first row, w[n, k], n, dst[m, n])`: part `i` multiplies rows `first .. first + m` of `x`
+/// by its weight. One pool dispatch over the union of the parts' output columns, each element
+/// computed exactly as [`matmul`] computes it (for a bf16 weight, over `x` rounded once for
+/// every part). [`matmul_many`] is every part from row 0; a per-head matmul (`bmm`) gives each
+/// head its own rows.
+pub(crate) fn matmul_parts(
+    pool: &Pool,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    parts: Vec<(usize, Weights<'_>, usize, &mut [f32])>,
+) {
+    let total: usize = parts.iter().map(|(_, _, n, _)| n).sum();
+    assert!(k == 0 || x.len() % k == 0);
     let mut jobs = Vec::new();
     let mut bounds = column_bounds(pool.threads(), m * k, total.max(1)).into_iter();
     let mut next = bounds.next();
     let mut off = 0;
-    for (w, n, dst) in parts {
-        assert!(w.len() == n * k && dst.len() == m * n);
+    for (first, w, n, dst) in parts {
+        assert!(w.len() == n * k && dst.len() == m * n && (first + m) * k <= x.len());
         if m == 0 || n == 0 {
             continue;
         }
@@ -119,16 +140,17 @@ pub(crate) fn matmul_many(
         jobs.extend(
             ColumnBlock::split(dst, n, &local)
                 .into_iter()
-                .map(|b| (w, b)),
+                .map(|b| (first, w, b)),
         );
     }
     // Bf16 weights take the activations rounded to bf16, once for every job (`bf16dot`), in
     // a recycled buffer (`buffers`; two bf16 per f32 element), split by rows over the pool.
+    let rows = x.len().checked_div(k).unwrap_or(0);
     let rounded = jobs
         .iter()
-        .any(|(w, _)| matches!(w, Weights::Bf16(_)))
+        .any(|(_, w, _)| matches!(w, Weights::Bf16(_)))
         .then(|| {
-            let len = m * bf16dot::padded(k);
+            let len = rows * bf16dot::padded(k);
             let mut buf = buffers::take(len.div_ceil(2));
             let dst = &mut bytemuck::cast_slice_mut(&mut buf)[..len];
             // By rows over the pool (each row is rounded alone: the split changes nothing).
@@ -143,7 +165,12 @@ pub(crate) fn matmul_many(
     let xb: &[u16] = rounded
         .as_ref()
         .map_or(&[], |(buf, len)| &bytemuck::cast_slice(buf)[..*len]);
-    pool.for_each(jobs, |(w, mut out)| matmul_block(x, xb, w, k, &mut out));
+    let padded = bf16dot::padded(k);
+    pool.for_each(jobs, |(first, w, mut out)| {
+        let xs = &x[first * k..(first + m) * k];
+        let xbs = xb.get(first * padded..(first + m) * padded).unwrap_or(&[]);
+        matmul_block(xs, xbs, w, k, &mut out)
+    });
     if let Some((buf, _)) = rounded {
         buffers::give(buf);
     }
@@ -653,6 +680,64 @@ mod tests {
     /// `matmul_many` gives each weight's `matmul` bitwise, for 1, 2 and 3 threads, with
     /// column counts that cut the union's blocks inside and across the weights (the QKV
     /// shapes of SmolLM2, odd ones, an empty weight, 16-bit weights).
+    /// Each weight's values as bf16 bits (round to nearest even).
+    fn bf16_bits(ws: &[Vec<f32>]) -> Vec<Vec<u16>> {
+        ws.iter()
+            .map(|w| {
+                w.iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matmul_parts_equal_one_matmul_per_part_on_its_own_rows() {
+        // Parts over rows 4.., 0.. and 2.. of a 7-row x: each bitwise its own matmul.
+        let mut rng = SplitMix64::new(11);
+        let (rows, m, k) = (7, 3, 67);
+        let x = nonzero_vec(&mut rng, rows * k);
+        let parts_at = [(4, 33), (0, 5), (2, 40)];
+        let ws: Vec<Vec<f32>> = parts_at
+            .iter()
+            .map(|&(_, n)| nonzero_vec(&mut rng, n * k))
+            .collect();
+        let bf = bf16_bits(&ws);
+        for t in 1..=3 {
+            let pool = Pool::new(t).unwrap();
+            for half in [false, true] {
+                let weight = |i: usize| {
+                    if half {
+                        Weights::Bf16(&bf[i])
+                    } else {
+                        Weights::F32(&ws[i])
+                    }
+                };
+                let mut got: Vec<Vec<f32>> = parts_at
+                    .iter()
+                    .map(|&(_, n)| vec![f32::NAN; m * n])
+                    .collect();
+                let parts = parts_at
+                    .iter()
+                    .zip(&mut got)
+                    .enumerate()
+                    .map(|(i, (&(first, n), out))| (first, weight(i), n, &mut out[..]))
+                    .collect();
+                matmul_parts(&pool, &x, m, k, parts);
+                for (i, &(first, n)) in parts_at.iter().enumerate() {
+                    let mut want = vec![0.0; m * n];
+                    let xs = &x[first * k..(first + m) * k];
+                    matmul(&Pool::default(), xs, weight(i), m, k, n, &mut want);
+                    let same = got[i]
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "part {i}, {t} threads, bf16 {half}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn matmul_many_equals_one_matmul_per_weight() {
         let mut rng = SplitMix64::new(10);
@@ -664,14 +749,7 @@ mod tests {
         ] {
             let x = nonzero_vec(&mut rng, m * k);
             let ws: Vec<Vec<f32>> = ns.iter().map(|&n| nonzero_vec(&mut rng, n * k)).collect();
-            let bf: Vec<Vec<u16>> = ws
-                .iter()
-                .map(|w| {
-                    w.iter()
-                        .map(|&v| half::bf16::from_f32(v).to_bits())
-                        .collect()
-                })
-                .collect();
+            let bf = bf16_bits(&ws);
             for t in 1..=3 {
                 let pool = Pool::new(t).unwrap();
                 for half in [false, true] {

@@ -324,25 +324,35 @@ impl Backend for CpuBackend {
         CpuTensor::new(out, &[m, n])
     }
 
-    /// Each head's rows gathered into one block, multiplied by its weight as `matmul` does
-    /// (the same bits), and scattered back.
+    /// The rows gathered head-major (`[heads, n, k]`), every head multiplied by its weight in
+    /// one pool dispatch (`dense::matmul_parts`: each element as `matmul` computes it), and the
+    /// products scattered back to `[n, heads, m]`.
     fn bmm(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         let (n, heads, k, m) = check::bmm(&x.shape, &w.shape)?;
         let xs = x.f32s("bmm")?;
-        let mut out = buffers::take(n * heads * m);
-        let mut rows = buffers::take(n * k);
-        let mut prod = buffers::take(n * m);
-        for h in 0..heads {
+        let mut by_head = buffers::take(heads * n * k);
+        for (h, rows) in by_head.chunks_mut((n * k).max(1)).enumerate().take(heads) {
             for t in 0..n {
                 rows[t * k..][..k].copy_from_slice(&xs[(t * heads + h) * k..][..k]);
             }
-            let wh = w.weights().slice(h * m * k..(h + 1) * m * k);
-            dense::matmul(&self.pool, &rows, wh, n, k, m, &mut prod);
+        }
+        // Every element of `prod` and `out` is written (zeros for k = 0).
+        let mut prod = buffers::take(heads * n * m);
+        let weights = w.weights();
+        let parts = prod
+            .chunks_mut((n * m).max(1))
+            .take(heads)
+            .enumerate()
+            .map(|(h, dst)| (h * n, weights.slice(h * m * k..(h + 1) * m * k), m, dst))
+            .collect();
+        dense::matmul_parts(&self.pool, &by_head, n, k, parts);
+        let mut out = buffers::take(n * heads * m);
+        for h in 0..heads {
             for t in 0..n {
-                out[(t * heads + h) * m..][..m].copy_from_slice(&prod[t * m..][..m]);
+                out[(t * heads + h) * m..][..m].copy_from_slice(&prod[(h * n + t) * m..][..m]);
             }
         }
-        buffers::give(rows);
+        buffers::give(by_head);
         buffers::give(prod);
         CpuTensor::new(out, &[n, heads, m])
     }
