@@ -26,8 +26,10 @@
 #      model crate's random_checkpoint example) served end to end by `kvserve bench --backend
 #      cuda` (batch 1, its pool sized by --mem-fraction-static from the GPU's memory, and
 #      batch 16), once more with --disable-cuda-graph, once on the tensor-core forms
-#      (--cuda-{gemm,moe,prefill}-tensor-cores), once with the chunked
-#      attention kernel (the default is the pipelined one), and a shared-prefix workload with HiCache on a small device pool;
+#      (--cuda-{gemm,moe,prefill}-tensor-cores), a shared-prefix workload with HiCache on a
+#      small device pool, and a DeepSeek-V2-Lite-shaped MLA checkpoint (its first two layers:
+#      absorbed MLA with `bmm`, a dense and a 64-expert MoE layer; random bf16 weights) at
+#      batch 16;
 #   5. PD disaggregation on the GPU (scripts/pd_pair_check.sh): a prefill and a decode server
 #      behind `kvserve router`, their KV moved through host mirrors of the device stores,
 #      greedy tokens against one server, then `kvserve bench --url` through the router;
@@ -169,8 +171,8 @@ run() {
             python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1], \"loads\")" "$l" \
                 2>/dev/null || echo "$l does not load"; done'
     step gpu-tests 130 env KVSERVE_REQUIRE_CUDA=1 "$GPU_DIR/gpu-tests" --nocapture --test-threads 1
-    step bandwidth 70 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
-    step bandwidth-mla 35 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
+    step bandwidth 60 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mha
+    step bandwidth-mla 30 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both mla
     step prefill 20 "$GPU_DIR/decode_bandwidth" "$(peak_gbps)" 2 "" both both prefill
     step gemm 35 "$GPU_DIR/gemm_throughput" "$(peak_gbps)"
     local ck=/tmp/smollm2-shape-bf16
@@ -179,10 +181,10 @@ run() {
         --random-input-len 512 --random-output-len 128 --random-range-ratio 1
         --request-rate inf --quiet --plot /tmp/bench.png)
     # Batch 1 sizes its pool as SGLang does on a GPU: 85 % of the device after the weights.
-    step bench-b1 30 "${bench[@]}" --num-prompts 1 --mem-fraction-static 0.85 \
+    step bench-b1 25 "${bench[@]}" --num-prompts 1 --mem-fraction-static 0.85 \
         --json "$out/bench-b1.json"
     step bench-b16 30 "${bench[@]}" --num-prompts 16 --json "$out/bench-b16.json"
-    step bench-b16-eager 30 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
+    step bench-b16-eager 25 "${bench[@]}" --num-prompts 16 --disable-cuda-graph \
         --json "$out/bench-b16-eager.json"
     # Decode batches of 16 under graphs on the own matmul's tensor-core form and prefills on
     # paged_prefill (against bench-b16); its JSON goes into the log ($OUT holds eight files).
@@ -190,8 +192,6 @@ run() {
         --num-prompts 16 --cuda-gemm-tensor-cores --cuda-moe-tensor-cores \
         --cuda-prefill-tensor-cores \
         --json /tmp/bench-b16-tc.json
-    step bench-b16-chunked 15 "${bench[@]}" --num-prompts 16 --cuda-attention-kernel chunked \
-        --json "$out/bench-b16-chunked.json"
     # HiCache on the device store: a shared-prefix workload on a pool that holds a fraction of
     # it, so prefixes are evicted to the host tier and loaded back through CudaKvRows.
     step bench-hicache 25 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$ck" \
@@ -199,6 +199,13 @@ run() {
         --gsp-question-len 64 --gsp-output-len 16 --max-total-tokens 4096 \
         --enable-hierarchical-cache --quiet --plot /tmp/bench-hicache.png \
         --json "$out/bench-hicache.json"
+    # MLA end to end: DeepSeek-V2-Lite's first two layers (2.2 GB of random bf16 weights).
+    local mla=/tmp/deepseek-v2-lite-2l-bf16
+    step checkpoint-mla 15 "$GPU_DIR/random_checkpoint" "$mla" bf16 deepseek-v2-lite-2l
+    step bench-mla 25 "$GPU_DIR/kvserve" bench --backend cuda --model-path "$mla" \
+        --workload random --random-input-len 512 --random-output-len 128 \
+        --random-range-ratio 1 --request-rate inf --num-prompts 16 --quiet \
+        --plot /tmp/bench-mla.png --json "$out/bench-mla.json"
     step pd-pair 50 bash scripts/pd_pair_check.sh "$GPU_DIR/kvserve" cuda "$ck" \
         "$out/bench-pd.json"
     local sanitizer
