@@ -92,17 +92,20 @@ pub enum ModelError {
         /// Why it is refused.
         reason: String,
     },
-    /// A logits row holds NaN or +∞: the forward pass that computed it broke (an overflow, or
-    /// a NaN in the weights or the KV cache), so no token can be sampled from it.
+    /// A logits row holds NaN or +∞, or nothing finite: the forward pass that computed it broke
+    /// (an overflow, or a NaN in the weights or the KV cache), so no token can be sampled from
+    /// it.
     #[error(
-        "the logits row holds {nan} NaN and {pos_inf} +inf of {len} values: the forward pass \
-         produced non-finite values"
+        "the logits row holds {nan} NaN, {pos_inf} +inf and {neg_inf} -inf of {len} values: \
+         the forward pass produced non-finite values"
     )]
     NonFiniteLogits {
         /// NaN values in the row.
         nan: usize,
-        /// +∞ values in the row (−∞ is a masked token, and allowed).
+        /// +∞ values in the row.
         pos_inf: usize,
+        /// −∞ values in the row (a masked token, allowed while some value is finite).
+        neg_inf: usize,
         /// The row's length.
         len: usize,
     },

@@ -129,8 +129,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// Refuses a logits row that no token can be sampled from: an empty row
-/// ([`ModelError::InvalidSampling`]), or one holding NaN or +∞
-/// ([`ModelError::NonFiniteLogits`]; −∞ masks a token and is allowed).
+/// ([`ModelError::InvalidSampling`]), or one holding NaN or +∞, or only −∞
+/// ([`ModelError::NonFiniteLogits`]; −∞ masks a token and is allowed beside finite values).
 ///
 /// SGLang samples such a row anyway: greedy picks the NaN (torch's argmax), the multinomial
 /// raises and the server stops, and `--enable-nan-detection` replaces NaN by −1e5. Here the
@@ -144,10 +144,12 @@ pub fn check_logits(logits: &[f32]) -> Result<()> {
     }
     let nan = logits.iter().filter(|v| v.is_nan()).count();
     let pos_inf = logits.iter().filter(|&&v| v == f32::INFINITY).count();
-    if nan + pos_inf > 0 {
+    let neg_inf = logits.iter().filter(|&&v| v == f32::NEG_INFINITY).count();
+    if nan + pos_inf > 0 || neg_inf == logits.len() {
         return Err(ModelError::NonFiniteLogits {
             nan,
             pos_inf,
+            neg_inf,
             len: logits.len(),
         });
     }

@@ -99,9 +99,10 @@ fn greedy_is_argmax_and_top_k_1_is_greedy() {
     }
 }
 
-/// A row holding NaN or +∞ is refused by greedy and sampled decoding alike, with a count of
-/// each, and the refused draw leaves the generator where it was; −∞ (a masked token) is
-/// allowed. Before, NaN never won the argmax, so an all-NaN row gave token 0.
+/// A row holding NaN or +∞, or only −∞, is refused by greedy and sampled decoding alike, with
+/// a count of each, and the refused draw leaves the generator where it was; −∞ (a masked
+/// token) is allowed beside finite values. Before, NaN never won the argmax, so an all-NaN
+/// row gave token 0 (and an all-−∞ row did too).
 #[test]
 fn non_finite_logits_are_refused_and_minus_infinity_is_a_masked_token() {
     let sampled = SamplingParams {
@@ -109,15 +110,21 @@ fn non_finite_logits_are_refused_and_minus_infinity_is_a_masked_token() {
         seed: Some(5),
         ..Default::default()
     };
-    for (row, nan, pos_inf) in [
-        (vec![f32::NAN; 8], 8, 0),
-        (vec![0.5, f32::NAN, 1.0, 2.0], 1, 0),
-        (vec![0.5, f32::INFINITY, 1.0, f32::NAN], 1, 1),
+    for (row, nan, pos_inf, neg_inf) in [
+        (vec![f32::NAN; 8], 8, 0, 0),
+        (vec![0.5, f32::NAN, 1.0, 2.0], 1, 0, 0),
+        (
+            vec![0.5, f32::INFINITY, f32::NEG_INFINITY, f32::NAN],
+            1,
+            1,
+            1,
+        ),
+        (vec![f32::NEG_INFINITY; 5], 0, 0, 5),
     ] {
         assert!(matches!(
             check_logits(&row),
-            Err(ModelError::NonFiniteLogits { nan: n, pos_inf: i, len })
-                if (n, i, len) == (nan, pos_inf, row.len())
+            Err(ModelError::NonFiniteLogits { nan: n, pos_inf: p, neg_inf: m, len })
+                if (n, p, m, len) == (nan, pos_inf, neg_inf, row.len())
         ));
         assert!(greedy(&row).is_err());
         for p in [SamplingParams::greedy(), sampled.clone()] {
