@@ -7,8 +7,9 @@
 //! version, the options, the whole compiled text with its defines) and of the
 //! [`Artifact`] kind, so a changed source, define or compiler never finds an old entry.
 //! Entries are written to a temporary file and renamed into place, so a reader sees a whole
-//! file or none; a file that is not a whole artifact of its kind (truncated, foreign) is a
-//! miss. The cache is best effort: a directory that cannot be created or written leaves
+//! file or none. Each file ends with a line that holds a hash of what precedes it, and a file
+//! whose end line is missing or does not match (truncated, altered, foreign) or whose content is
+//! not a whole artifact of its kind is a miss. The cache is best effort: a directory that cannot be created or written leaves
 //! compiles uncached. Entries are never removed (a kernel source change adds new ones, as
 //! Triton's cache does): deleting the directory is always safe.
 //! Built without the CUDA features, so its tests always run.
@@ -101,6 +102,47 @@ fn offload_bundle_is_whole(bytes: &[u8]) -> bool {
     bytes.starts_with(MAGIC) && check() == Some(true)
 }
 
+/// The start of an entry's last line: `\n// kvserve-cache-end <32 hex digits>\n`, the first
+/// 16 bytes of the SHA-256 of the bytes before it (a PTX comment, should the file be read as
+/// PTX).
+const END_LINE: &[u8] = b"\n// kvserve-cache-end ";
+/// The end line's length.
+const END_LEN: usize = END_LINE.len() + 32 + 1;
+
+/// The first 16 bytes of the SHA-256 of `parts`, each with its length (so no two splits of one
+/// text hash alike), in hex.
+fn hash_hex(parts: &[&[u8]]) -> String {
+    let mut hash = Sha256::new();
+    for part in parts {
+        hash.update((part.len() as u64).to_le_bytes());
+        hash.update(part);
+    }
+    hash.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `content` followed by its end line.
+fn with_end_line(content: &[u8]) -> Vec<u8> {
+    let mut file = Vec::with_capacity(content.len() + END_LEN);
+    file.extend_from_slice(content);
+    file.extend_from_slice(END_LINE);
+    file.extend_from_slice(hash_hex(&[content]).as_bytes());
+    file.push(b'\n');
+    file
+}
+
+/// The content of a file written by [`with_end_line`], or `None` when its end line is missing
+/// or does not match what precedes it.
+fn without_end_line(file: &[u8]) -> Option<&[u8]> {
+    let (content, end) = file.split_at(file.len().checked_sub(END_LEN)?);
+    let (marker, rest) = end.split_at(END_LINE.len());
+    let (hex, newline) = rest.split_at(32);
+    (marker == END_LINE && newline == b"\n" && hex == hash_hex(&[content]).as_bytes())
+        .then_some(content)
+}
+
 /// A directory of compiled kernels, one file per compile.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompileCache {
@@ -133,8 +175,9 @@ impl CompileCache {
     /// The `artifact` stored for the compile of `name` (a specialisation's name, for the reader
     /// of the directory) from `key` (everything the compile depends on), or `None`.
     pub fn get(&self, artifact: Artifact, name: &str, key: &[&str]) -> Option<Vec<u8>> {
-        let bytes = std::fs::read(self.path(artifact, name, key)).ok()?;
-        artifact.is_whole(&bytes).then_some(bytes)
+        let file = std::fs::read(self.path(artifact, name, key)).ok()?;
+        let content = without_end_line(&file)?;
+        artifact.is_whole(content).then(|| content.to_vec())
     }
 
     /// Stores `bytes`, the `artifact` of the compile of `name` from `key`. `Err` says why it
@@ -158,7 +201,8 @@ impl CompileCache {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
-        let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path));
+        let written =
+            std::fs::write(&tmp, with_end_line(bytes)).and_then(|()| std::fs::rename(&tmp, &path));
         if written.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
@@ -167,18 +211,9 @@ impl CompileCache {
 
     /// `<dir>/<name>-<first 16 bytes of the SHA-256 of the kind and key, hex>.<extension>`.
     fn path(&self, artifact: Artifact, name: &str, key: &[&str]) -> PathBuf {
-        let mut hash = Sha256::new();
-        hash.update(b"kvserve-kernel-1");
-        hash.update(artifact.extension().as_bytes());
-        for part in key {
-            // Each part with its length, so no two splits of one text hash alike.
-            hash.update((part.len() as u64).to_le_bytes());
-            hash.update(part.as_bytes());
-        }
-        let hex: String = hash.finalize()[..16]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let mut parts: Vec<&[u8]> = vec![b"kvserve-kernel-2", artifact.extension().as_bytes()];
+        parts.extend(key.iter().map(|part| part.as_bytes()));
+        let hex = hash_hex(&parts);
         self.dir
             .join(format!("{name}-{hex}.{}", artifact.extension()))
     }
@@ -302,10 +337,31 @@ mod tests {
             assert!(cache.put(artifact, "k", &["a"], b"garbage").is_err());
             cache.put(artifact, "k", &["a"], &whole).unwrap();
             assert_eq!(cache.get(artifact, "k", &["a"]), Some(whole.clone()));
-            // Truncated on disk (another writer's crash, a full disk): a miss, not a bad module.
+            // Truncated on disk (another writer's crash, a full disk) by any amount, or one
+            // byte altered: a miss, not a bad module.
             let path = cache.path(artifact, "k", &["a"]);
-            std::fs::write(&path, &whole[..whole.len() / 2]).unwrap();
-            assert_eq!(cache.get(artifact, "k", &["a"]), None, "{artifact:?}");
+            let stored = std::fs::read(&path).unwrap();
+            for cut in [1, END_LEN, stored.len() - 8, stored.len()] {
+                std::fs::write(&path, &stored[..stored.len() - cut]).unwrap();
+                assert_eq!(
+                    cache.get(artifact, "k", &["a"]),
+                    None,
+                    "{artifact:?} less {cut}"
+                );
+            }
+            let mut altered = stored.clone();
+            altered[3] ^= 1;
+            std::fs::write(&path, &altered).unwrap();
+            assert_eq!(
+                cache.get(artifact, "k", &["a"]),
+                None,
+                "{artifact:?} altered"
+            );
+            // The content without its end line (a file another program wrote) is a miss too.
+            std::fs::write(&path, &whole).unwrap();
+            assert_eq!(cache.get(artifact, "k", &["a"]), None, "{artifact:?} bare");
+            std::fs::write(&path, &stored).unwrap();
+            assert_eq!(cache.get(artifact, "k", &["a"]), Some(whole.clone()));
         }
         // A code object short of its last byte is not whole.
         for whole in [elf(), bundle()] {

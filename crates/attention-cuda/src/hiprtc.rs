@@ -16,6 +16,9 @@ struct Program {
 }
 
 extern "C" {
+    /// The HIP runtime's version (`HIP_VERSION`: major · 10⁷ + minor · 10⁵ + patch), which
+    /// tells point releases apart where hipRTC's own version does not.
+    fn hipRuntimeGetVersion(version: *mut c_int) -> c_int;
     fn hiprtcVersion(major: *mut c_int, minor: *mut c_int) -> c_int;
     fn hiprtcGetErrorString(result: c_int) -> *const c_char;
     fn hiprtcCreateProgram(
@@ -94,7 +97,14 @@ pub fn compile_cached(
     let name = spec.name();
     let text = source_text(spec);
     let options = [format!("--offload-arch={arch}"), "-std=c++17".to_string()];
-    let (version, joined) = (format!("{major}.{minor}"), options.join(" "));
+    let mut runtime: c_int = 0;
+    // SAFETY: one valid out-pointer; the call only writes it.
+    let runtime = match unsafe { hipRuntimeGetVersion(&mut runtime) } {
+        0 => runtime.to_string(),
+        // Without the runtime's version no entry is shared with another build.
+        _ => return compile_program(&name, &text, &options).map(|code| (code, false)),
+    };
+    let (version, joined) = (format!("{major}.{minor} ({runtime})"), options.join(" "));
     let key = [version.as_str(), joined.as_str(), text.as_str()];
     if let Some(code) = cache.and_then(|c| c.get(Artifact::CodeObject, &name, &key)) {
         return Ok((code, true));

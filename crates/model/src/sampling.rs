@@ -180,8 +180,9 @@ pub fn apply_penalties(
         }
         let p = params.repetition_penalty;
         for (l, s) in logits.iter_mut().zip(seen) {
-            if s {
-                // Clamped: a penalty far from 1 must not turn a finite logit into ±∞.
+            // A finite logit stays finite (a penalty far from 1 must not make it ±∞); a
+            // masked one (−∞) stays masked.
+            if s && l.is_finite() {
                 let penalised = if *l > 0.0 { *l / p } else { *l * p };
                 *l = penalised.clamp(f32::MIN, f32::MAX);
             }

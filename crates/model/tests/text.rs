@@ -169,6 +169,17 @@ fn an_extreme_repetition_penalty_keeps_the_row_finite() {
     apply_penalties(&p, &mut l, &[0, 2], &[]);
     assert!(l.iter().all(|v| v.is_finite()), "{l:?}");
     assert_eq!(l[0], f32::MAX);
+    // A masked token stays masked under any penalty.
+    for penalty in [1e-30, 0.5, 2.0, 1e30] {
+        let p = SamplingParams {
+            repetition_penalty: penalty,
+            ..p.clone()
+        };
+        let mut l = vec![f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY];
+        apply_penalties(&p, &mut l, &[0, 1], &[]);
+        assert_eq!(l[0], f32::NEG_INFINITY, "penalty {penalty}");
+        assert!(l[1].is_finite(), "penalty {penalty}: {l:?}");
+    }
     for temperature in [0.0, 1.0] {
         let p = SamplingParams {
             temperature,
