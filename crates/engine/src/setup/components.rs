@@ -398,8 +398,9 @@ fn cuda_config(setup: &EngineSetup) -> attention_cuda::CudaConfig {
     }
 }
 
-/// `kvserve info`'s line for an opened CUDA/ROCm device: what it is and the GEMM path a
-/// backend on it takes (the backend's own choice, `attention_cuda::gemm::choose`).
+/// `kvserve info`'s line for an opened CUDA/ROCm device: what it is, the GEMM path a backend
+/// on it takes (the backend's own choice, `attention_cuda::gemm::choose`) and where compiled
+/// kernels are cached (`attention_cuda::compile_cache`, `KVSERVE_KERNEL_CACHE`).
 #[cfg(any(feature = "cuda", feature = "cuda-13", feature = "rocm"))]
 fn cuda_probe(
     report: impl fmt::Display,
@@ -407,7 +408,9 @@ fn cuda_probe(
     deterministic: bool,
 ) -> String {
     let gemm = attention_cuda::gemm::choose(deterministic, device.blas());
-    format!("{report}; GEMMs: {gemm}")
+    let cache = attention_cuda::compile_cache::CompileCache::from_env()
+        .map_or_else(|| "off".to_string(), |c| c.dir().display().to_string());
+    format!("{report}; GEMMs: {gemm}; kernel cache: {cache}")
 }
 
 /// Captures the decode forward of `runner` as CUDA graphs (`--cuda-graph-max-bs`, up to
