@@ -129,8 +129,9 @@ pub struct BatchResult {
     /// Time the pass took (measured, or charged by a cost model); 0 if unknown.
     pub elapsed_s: f64,
     /// The requests of the batch whose pass ran but gave no usable next token (logits that are
-    /// not finite, for example): the scheduler aborts each of them alone, with its message, and
-    /// the rest of the batch goes on. At most one entry per request.
+    /// not finite, for example), or, for a middle chunk, no usable KV: the scheduler aborts
+    /// each of them alone, with its message, before the pass's positions are committed or
+    /// cached, and the rest of the batch goes on. At most one entry per request.
     pub failed: Vec<RequestFailure>,
 }
 

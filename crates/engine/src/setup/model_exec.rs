@@ -177,13 +177,22 @@ impl Executor for ModelExecutor {
         let mut next_tokens = Vec::with_capacity(batch.len());
         let mut failed = Vec::new();
         for k in 0..batch.len() {
-            if !batch.sample[k] {
-                next_tokens.push(0);
-                continue;
-            }
             let logits = out
                 .last(k)
                 .ok_or_else(|| format!("no logits for {}", batch.reqs[k]))?;
+            if !batch.sample[k] {
+                // A middle chunk samples nothing, but its last row attends every position so
+                // far: non-finite logits there fail the request before the chunk's KV enters
+                // the prefix cache.
+                next_tokens.push(0);
+                if let Err(e) = model::check_logits(logits) {
+                    failed.push(RequestFailure {
+                        index: k,
+                        message: e.to_string(),
+                    });
+                }
+                continue;
+            }
             // A request whose logits are not finite (a NaN or an overflow in its forward) fails
             // alone; the batch's other requests keep their tokens.
             let token = match self.sampling.get_mut(&batch.reqs[k]) {
@@ -320,8 +329,10 @@ mod tests {
     }
 
     /// A request whose forward gives NaN logits fails alone, with a message that says so, and
-    /// its KV does not enter the prefix cache; the request beside it in the same batches gets
-    /// the tokens it gets alone. (Before, greedy sampling skipped NaN and returned token 0.)
+    /// its KV does not enter the prefix cache, also when its prompt is prefilled in chunks
+    /// (the poisoned token is in the first of three); the request beside it in the same
+    /// batches gets the tokens it gets alone. (Before, greedy sampling skipped NaN and
+    /// returned token 0.)
     #[test]
     fn a_request_with_nan_logits_is_aborted_alone() {
         const POISON: u32 = 4321;
@@ -338,10 +349,11 @@ mod tests {
         let layout = KvLayout::new(config.kv_shape(KvDtype::F32).unwrap(), 16, 4096).unwrap();
         let runner = model::ModelRunner::new(backend, model, layout).unwrap();
         let mut e = ModelExecutor::new(runner, 7);
-        let scheduler = || {
+        let scheduler = |chunk: Option<usize>| {
             let cfg = SchedulerConfig {
                 page_size: 16,
                 context_len: 1024,
+                chunked_prefill_size: chunk,
                 strict: true,
                 ..SchedulerConfig::default()
             };
@@ -350,9 +362,9 @@ mod tests {
         };
         let clean: Vec<u32> = (0..40).map(|i| 900 + i).collect();
         let mut poisoned: Vec<u32> = (0..40).map(|i| 100 + i).collect();
-        poisoned[20] = POISON;
+        poisoned[5] = POISON;
         // Alone, the clean prompt's tokens.
-        let mut s = scheduler();
+        let mut s = scheduler(None);
         s.add_request(clean.clone(), SamplingLimits::max_new(6), 0, None)
             .unwrap();
         s.run_to_idle(&mut e, 100).unwrap();
@@ -360,9 +372,10 @@ mod tests {
         assert_eq!(alone.len(), 6);
         let cached_alone = s.cache().total_size();
         assert!(cached_alone >= 32, "{cached_alone}");
-        // Together, greedy and sampled: the poisoned one is aborted, the clean one unchanged.
-        for sampled in [false, true] {
-            let mut s = scheduler();
+        // Together, greedy and sampled, whole and in chunks of 16: the poisoned one is
+        // aborted, the clean one unchanged.
+        for (sampled, chunk) in [(false, None), (true, None), (false, Some(16))] {
+            let mut s = scheduler(chunk);
             let bad = s
                 .add_request(poisoned.clone(), SamplingLimits::max_new(6), 0, None)
                 .unwrap();
@@ -381,10 +394,16 @@ mod tests {
                 scheduler::FinishReason::Abort { message } => {
                     assert!(message.contains("NaN"), "{message}")
                 }
-                other => panic!("sampled {sampled}: expected an abort, got {other:?}"),
+                other => {
+                    panic!("sampled {sampled}, chunk {chunk:?}: expected an abort, got {other:?}")
+                }
             }
             assert!(f(bad).output_ids.is_empty());
-            assert_eq!(f(good).output_ids, alone, "sampled {sampled}");
+            assert_eq!(
+                f(good).output_ids,
+                alone,
+                "sampled {sampled}, chunk {chunk:?}"
+            );
             assert_eq!(
                 s.cache().total_size(),
                 cached_alone,

@@ -33,10 +33,10 @@ impl<C: PrefixCache, A: Allocator> Scheduler<C, A> {
 
     /// Aborts request `id` of a pass that failed for it, before the pass's positions are
     /// committed: only the tokens committed by earlier passes can enter the prefix cache, and
-    /// the slots allocated for this pass are freed. (A chunked prefill's earlier chunks are in
-    /// the cache already, from `cache_unfinished_req`: their logits are never sampled, so a NaN
-    /// in their KV shows only at the last chunk, and the cache has no way yet to take a
-    /// prefix back out.)
+    /// the slots allocated for this pass are freed. A chunked prefill's earlier chunks are in
+    /// the cache already (`cache_unfinished_req`), which cannot take a prefix back out: so an
+    /// executor names a middle chunk in `failed` too when its logits show the chunk's KV is
+    /// bad (the engine's checks them), before the chunk is cached.
     fn abort_after_pass(
         &mut self,
         id: ReqId,
