@@ -179,6 +179,12 @@ KVS_KERNEL void ds_decode(const float* q, const kv_t* k_cache, const kv_t* v_cac
                 dot = fmaf(qs[i], kv_to_f32(kr[i]), dot);
             }
             s = dot * k_scale * scale;
+            // A NaN score (a NaN key) as +inf: the block maximum (fmaxf) would drop a NaN, and a
+            // chunk whose only kept key is NaN would be skipped as empty. +inf makes the chunk's
+            // exp(s - max) NaN instead, so the output is NaN, as the reference's.
+            if (s != s) {
+                s = __int_as_float(0x7f800000);
+            }
         }
         const float chunk_max = kvs_block_max(s, red);
         if (chunk_max == KVS_NEG_INF) {

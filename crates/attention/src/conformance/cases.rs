@@ -460,9 +460,14 @@ pub fn random_extend_cases(count: usize, seed: u64) -> Vec<AttentionCase> {
 }
 
 /// Cases for [`run_nan_key_case`]: an extend batch (the NaN token mid-extend, after a prefix)
-/// and a decode batch, each of GQA 8/2 × 64 and MLA 16 × (512 + 64) (shapes every device
-/// form serves), over pages of 16, in every store dtype; the first request's prefix is long
-/// enough (280 and 300 positions) for a device to split its KV range.
+/// and a decode batch, each of GQA 8/2 × 64, MLA 16 × (512 + 64) (shapes every device form
+/// serves) and DoubleSparse 8/2 × 64, over pages of 16, in every store dtype; the first
+/// request's prefix is long enough (280 and 300 positions) for a device to split its KV range.
+///
+/// DoubleSparse labels every channel (64 of 64), so the NaN key's label scores NaN for every
+/// query head of its KV head, and the top-k keeps it (a positive NaN orders above every
+/// number, as `f32::total_cmp` orders it); its 7 companions fall anywhere in the 301
+/// positions, so for some heads the NaN key is the only kept key of its block of positions.
 pub fn nan_key_cases() -> Vec<AttentionCase> {
     let kinds = [
         CaseKind::Mha {
@@ -474,6 +479,13 @@ pub fn nan_key_cases() -> Vec<AttentionCase> {
             heads: 16,
             kv_lora_rank: 512,
             rope_dim: 64,
+        },
+        CaseKind::DoubleSparse {
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            heavy_channels: 64,
+            top_k: 8,
         },
     ];
     let mut cases = Vec::new();
