@@ -142,18 +142,25 @@ pub fn check_logits(logits: &[f32]) -> Result<()> {
             reason: "empty logits row".into(),
         });
     }
-    let nan = logits.iter().filter(|v| v.is_nan()).count();
-    let pos_inf = logits.iter().filter(|&&v| v == f32::INFINITY).count();
-    let neg_inf = logits.iter().filter(|&&v| v == f32::NEG_INFINITY).count();
-    if nan + pos_inf > 0 || neg_inf == logits.len() {
-        return Err(ModelError::NonFiniteLogits {
-            nan,
-            pos_inf,
-            neg_inf,
-            len: logits.len(),
-        });
+    // One pass on the way of every sampled token; the counts only for the error.
+    let (mut any_finite, mut any_bad) = (false, false);
+    for &v in logits {
+        if v.is_finite() {
+            any_finite = true;
+        } else if v != f32::NEG_INFINITY {
+            any_bad = true;
+        }
     }
-    Ok(())
+    if any_finite && !any_bad {
+        return Ok(());
+    }
+    let count = |pred: fn(f32) -> bool| logits.iter().filter(|&&v| pred(v)).count();
+    Err(ModelError::NonFiniteLogits {
+        nan: count(f32::is_nan),
+        pos_inf: count(|v| v == f32::INFINITY),
+        neg_inf: count(|v| v == f32::NEG_INFINITY),
+        len: logits.len(),
+    })
 }
 
 /// The greedy token of a logits row ([`argmax`]), after [`check_logits`].

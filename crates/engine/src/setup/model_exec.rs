@@ -228,16 +228,38 @@ mod tests {
     use super::*;
     use attention::{CpuBackend, CpuConfig};
     use kv_pool::{KvDtype, KvLayout, PagedAllocator};
-    use model::tiny::{tiny_config, tiny_model};
+    use model::tiny::{random_weights, tiny_config, TINY_SEED};
+    use model::{ModelConfig, TensorMap};
     use radix_cache::{BuiltinPolicy, RadixCache};
     use scheduler::{SamplingLimits, Scheduler, SchedulerConfig};
 
+    /// The tiny preset on the CPU backend.
     fn executor() -> ModelExecutor {
+        let config = tiny_config();
+        executor_with(&config, &random_weights(&config, TINY_SEED))
+    }
+
+    /// A Llama-family `config` with `weights` on the CPU backend, over an f32 store of 4096
+    /// slots in pages of 16.
+    fn executor_with(config: &ModelConfig, weights: &TensorMap) -> ModelExecutor {
         let backend = CpuBackend::new(CpuConfig::default()).unwrap();
-        let model = tiny_model(&backend).unwrap();
-        let layout =
-            KvLayout::new(tiny_config().kv_shape(KvDtype::F32).unwrap(), 16, 4096).unwrap();
+        let model = model::LlamaModel::load(&backend, config.clone(), weights).unwrap();
+        let layout = KvLayout::new(config.kv_shape(KvDtype::F32).unwrap(), 16, 4096).unwrap();
         ModelExecutor::new(model::ModelRunner::new(backend, model, layout).unwrap(), 7)
+    }
+
+    /// A strict scheduler over pages of 16 (a 4096-slot pool, the radix cache with LRU),
+    /// prefilling in chunks of `chunk` tokens.
+    fn strict_scheduler(chunk: Option<usize>) -> Scheduler<RadixCache, PagedAllocator> {
+        let cfg = SchedulerConfig {
+            page_size: 16,
+            context_len: 1024,
+            chunked_prefill_size: chunk,
+            strict: true,
+            ..SchedulerConfig::default()
+        };
+        let cache = RadixCache::new(16, BuiltinPolicy::Lru);
+        Scheduler::new(cfg, cache, PagedAllocator::new(4096, 16).unwrap()).unwrap()
     }
 
     /// Greedy outputs of the tiny model through the scheduler: the same whatever the chunk size,
@@ -252,15 +274,7 @@ mod tests {
             (Some(48), true, 3),
             (None, true, 5),
         ] {
-            let cfg = SchedulerConfig {
-                page_size: 16,
-                context_len: 1024,
-                chunked_prefill_size: chunk,
-                strict: true,
-                ..SchedulerConfig::default()
-            };
-            let cache = RadixCache::new(16, BuiltinPolicy::Lru);
-            let mut s = Scheduler::new(cfg, cache, PagedAllocator::new(4096, 16).unwrap()).unwrap();
+            let mut s = strict_scheduler(chunk);
             let mut e = executor();
             if warm {
                 s.add_request(prompt.clone(), SamplingLimits::max_new(1), 0, None)
@@ -338,33 +352,18 @@ mod tests {
         const POISON: u32 = 4321;
         let mut config = tiny_config();
         config.tie_word_embeddings = false;
-        let mut weights = model::tiny::random_weights(&config, model::tiny::TINY_SEED);
+        let mut weights = random_weights(&config, TINY_SEED);
         let mut embed = weights.remove("model.embed_tokens.weight").unwrap();
         let d = config.hidden_size;
         let row = POISON as usize * d;
         embed.data[row..row + d].fill(f32::NAN);
         weights.insert("model.embed_tokens.weight", embed).unwrap();
-        let backend = CpuBackend::new(CpuConfig::default()).unwrap();
-        let model = model::LlamaModel::load(&backend, config.clone(), &weights).unwrap();
-        let layout = KvLayout::new(config.kv_shape(KvDtype::F32).unwrap(), 16, 4096).unwrap();
-        let runner = model::ModelRunner::new(backend, model, layout).unwrap();
-        let mut e = ModelExecutor::new(runner, 7);
-        let scheduler = |chunk: Option<usize>| {
-            let cfg = SchedulerConfig {
-                page_size: 16,
-                context_len: 1024,
-                chunked_prefill_size: chunk,
-                strict: true,
-                ..SchedulerConfig::default()
-            };
-            let cache = RadixCache::new(16, BuiltinPolicy::Lru);
-            Scheduler::new(cfg, cache, PagedAllocator::new(4096, 16).unwrap()).unwrap()
-        };
+        let mut e = executor_with(&config, &weights);
         let clean: Vec<u32> = (0..40).map(|i| 900 + i).collect();
         let mut poisoned: Vec<u32> = (0..40).map(|i| 100 + i).collect();
         poisoned[5] = POISON;
         // Alone, the clean prompt's tokens.
-        let mut s = scheduler(None);
+        let mut s = strict_scheduler(None);
         s.add_request(clean.clone(), SamplingLimits::max_new(6), 0, None)
             .unwrap();
         s.run_to_idle(&mut e, 100).unwrap();
@@ -375,7 +374,7 @@ mod tests {
         // Together, greedy and sampled, whole and in chunks of 16: the poisoned one is
         // aborted, the clean one unchanged.
         for (sampled, chunk) in [(false, None), (true, None), (false, Some(16))] {
-            let mut s = scheduler(chunk);
+            let mut s = strict_scheduler(chunk);
             let bad = s
                 .add_request(poisoned.clone(), SamplingLimits::max_new(6), 0, None)
                 .unwrap();
